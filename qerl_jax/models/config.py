@@ -138,31 +138,29 @@ class ModelConfig:
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"{source}: missing field(s) {missing}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported (silu)")
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        # transformers < 5 writes rope_theta + rope_scaling; >= 5 nests both in rope_parameters.
+        rope_parameters = hf.get("rope_parameters") or {}
+        raw_scaling = hf.get("rope_scaling") or rope_parameters
+        rope_type = raw_scaling.get("rope_type", raw_scaling.get("type"))
         rope_scaling = None
-        raw_scaling = hf.get("rope_scaling")
-        if raw_scaling:
-            rope_type = raw_scaling.get("rope_type", raw_scaling.get("type"))
-            if rope_type == "llama3":
+        if rope_type == "llama3":
+            try:
                 rope_scaling = RopeScaling(
                     factor=float(raw_scaling["factor"]),
                     low_freq_factor=float(raw_scaling["low_freq_factor"]),
                     high_freq_factor=float(raw_scaling["high_freq_factor"]),
                     original_max_position_embeddings=int(
                         raw_scaling["original_max_position_embeddings"]))
-            elif rope_type not in (None, "default"):
-                raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported "
-                                 "(supported: default, llama3)")
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            params = hf.get("rope_parameters") or {}
-            if params.get("rope_type") == "llama3" and rope_scaling is None:
-                rope_scaling = RopeScaling(
-                    factor=float(params["factor"]),
-                    low_freq_factor=float(params["low_freq_factor"]),
-                    high_freq_factor=float(params["high_freq_factor"]),
-                    original_max_position_embeddings=int(
-                        params["original_max_position_embeddings"]))
+            except KeyError as error:
+                raise ValueError(f"{source}: llama3 rope scaling lacks {error}") from None
+        elif rope_type not in (None, "default"):
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported "
+                             "(supported: default, llama3)")
+        rope_theta = hf.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
         default_bias = model_type == "qwen2"
@@ -259,7 +257,7 @@ def qwen2p5_7b(**overrides) -> ModelConfig:
     """Qwen2.5-7B (7.62B parameters)."""
     return _qwen2p5(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                    tie_word_embeddings=False, max_position_embeddings=32768).replace(**overrides)
+                    tie_word_embeddings=False).replace(**overrides)
 
 
 def qwen2p5_14b(**overrides) -> ModelConfig:

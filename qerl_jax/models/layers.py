@@ -1,0 +1,114 @@
+"""Building blocks of the decoder as Flax NNX modules: Linear, Embedding, RMSNorm, RoPE.
+
+Every projection is a `Linear`, and every `Linear` calls `qerl_jax.quant.linear`: the quantized
+formats, LoRA and Pallas kernels plug in there without touching the layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qerl_jax.models.config import RopeScaling
+from qerl_jax.quant import linear
+
+INIT_STD = 0.02  # HF initializer_range of Qwen2 / Llama
+
+
+class Linear(nnx.Module):
+    """y = x @ W + b through the shared linear op.
+
+    `weight` is a dense kernel [in_features, out_features] (or, after quantization, a quantized
+    weight pytree with logical shape [out_features, in_features]).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool,
+                 param_dtype, compute_dtype, rngs: nnx.Rngs):
+        self.in_features = in_features
+        self.out_features = out_features
+        self.compute_dtype = compute_dtype
+        self.weight = nnx.Param(
+            (INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features),
+                                          jnp.float32)).astype(param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        bias = None if self.bias is None else self.bias.get_value()
+        return linear(x, self.weight.get_value(), bias, compute_dtype=self.compute_dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [vocab, hidden]; `attend` is the tied lm_head."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, param_dtype, compute_dtype,
+                 rngs: nnx.Rngs):
+        self.compute_dtype = compute_dtype
+        self.embedding = nnx.Param(
+            (INIT_STD * jax.random.normal(rngs.params(), (vocab_size, hidden_size),
+                                          jnp.float32)).astype(param_dtype))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int -> [B, T, hidden] in compute dtype."""
+        return jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.compute_dtype)
+
+    def attend(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., H] -> logits [..., vocab] in float32 (tied lm_head)."""
+        return jnp.dot(hidden.astype(self.compute_dtype),
+                       self.embedding.get_value().astype(self.compute_dtype).T,
+                       preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """y = scale * x / sqrt(mean(x^2) + eps), computed in float32.
+
+    The scale is the tensor AQN perturbs (QeRL section 3.3): a noisy float32 scale can replace
+    it in the state without changing this code.
+    """
+
+    def __init__(self, hidden_size: int, *, eps: float, param_dtype, compute_dtype):
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+        self.scale = nnx.Param(jnp.ones((hidden_size,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale.get_value().astype(jnp.float32)).astype(self.compute_dtype)
+
+
+# ------------------------------------------------------------------------------ RoPE
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: RopeScaling | None = None) -> jax.Array:
+    """inv_freq [head_dim/2] float32; with `scaling`, the Llama 3.x frequency remapping."""
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] int -> (cos, sin) [B, T, head_dim] float32 (half-split layout)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x [B, T, heads, D] by (cos, sin) [B, T, D], HF's rotate_half convention."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)

@@ -1,0 +1,273 @@
+"""The Qwen2 / Qwen2.5 (and Llama 3.x) decoder as Flax NNX modules.
+
+Two forward modes share one code path:
+  * full sequence (training): `model(tokens, attention_mask=mask)` on left-padded batches, with
+    position ids from the mask;
+  * cached (sampling): `prefill(model, tokens, mask, cache)` writes T slots of a preallocated
+    static-shape KV cache in one pass, then `decode_step(model, token, cache)` appends one token.
+Compute runs in `config.compute_dtype`; RMSNorm, softmax and logits in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qerl_jax.models.config import ModelConfig
+from qerl_jax.models.kv_cache import KVCache
+from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_rope,
+                                    rope_cos_sin, rope_inverse_frequencies)
+
+_MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so all-masked (padding) rows stay finite
+
+
+def _module_list(modules):
+    return nnx.List(modules) if hasattr(nnx, "List") else list(modules)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE (q/k/v biases for Qwen2, none for Llama)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.resolved_head_dim
+        self.compute_dtype = config.jnp_compute_dtype
+        hidden = config.hidden_size
+        common = dict(param_dtype=config.jnp_param_dtype, compute_dtype=self.compute_dtype,
+                      rngs=rngs)
+        bias = config.attention_bias
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, use_bias=bias, **common)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=bias, **common)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=bias, **common)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden,
+                             use_bias=config.attention_bias and config.model_type == "llama",
+                             **common)
+
+    def __call__(self, x, cos, sin, mask, cached_kv=None, cache_index=None):
+        """x [B, T, H]; cos/sin [B, T, D]; mask [B, T, S] bool (True = may attend).
+
+        Without a cache S == T. With `cached_kv` = (keys, values) each [B, S, kv_heads, D], the
+        new keys/values are written at slots [cache_index, cache_index + T) and the updated
+        pair is returned. Returns (out [B, T, H], new cached_kv or None).
+        """
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_kv = None
+        if cached_kv is not None:
+            keys_cache, values_cache = cached_kv
+            start = (0, cache_index, 0, 0)
+            keys = jax.lax.dynamic_update_slice(keys_cache, k.astype(keys_cache.dtype), start)
+            values = jax.lax.dynamic_update_slice(values_cache, v.astype(values_cache.dtype),
+                                                  start)
+            new_kv = (keys, values)
+        else:
+            keys, values = k, v
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
+                            preferred_element_type=jnp.float32)
+        scores = scores * (1.0 / math.sqrt(self.head_dim))
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(self.compute_dtype),
+                         values.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+        out = out.astype(self.compute_dtype).reshape(batch, length, self.num_heads * self.head_dim)
+        return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        common = dict(use_bias=config.mlp_bias, param_dtype=config.jnp_param_dtype,
+                      compute_dtype=config.jnp_compute_dtype, rngs=rngs)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(hidden, inner, **common)
+        self.up_proj = Linear(hidden, inner, **common)
+        self.down_proj = Linear(inner, hidden, **common)
+
+    def __call__(self, x):
+        gate = self.gate_proj(x)
+        up = self.up_proj(x)
+        activated = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32))
+        return self.down_proj(activated.astype(gate.dtype))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        norm = dict(eps=config.rms_norm_eps, param_dtype=config.jnp_param_dtype,
+                    compute_dtype=config.jnp_compute_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, cached_kv=None, cache_index=None):
+        attended, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cached_kv,
+                                          cache_index)
+        x = x + attended
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv
+
+
+def _layer_forward(layer, x, cos, sin, mask, cached_kv, cache_index):
+    return layer(x, cos, sin, mask, cached_kv, cache_index)
+
+
+_remat_layer_forward = nnx.remat(_layer_forward)
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """RoPE position ids of a left-padded batch: [B, T] mask -> [B, T] int32 (pads get 0)."""
+    mask = attention_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only language model: embed -> N x DecoderLayer -> RMSNorm -> lm_head."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtypes = dict(param_dtype=config.jnp_param_dtype, compute_dtype=config.jnp_compute_dtype)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, rngs=rngs, **dtypes)
+        self.layers = _module_list(DecoderLayer(config, rngs=rngs)
+                                   for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **dtypes)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, use_bias=False, rngs=rngs, **dtypes)
+
+    # ------------------------------------------------------------------ hidden states
+    def hidden_states(self, tokens, positions, mask, cache: KVCache | None = None):
+        """Runs the decoder stack; returns (final-normed hidden [B, T, H], new cache).
+
+        tokens/positions [B, T]; mask [B, T, S] bool (S = T, or the cache length).
+        """
+        x = self.embed_tokens(tokens)
+        config = self.config
+        inv_freq = rope_inverse_frequencies(config.resolved_head_dim, config.rope_theta,
+                                            config.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv_freq)
+        forward = _remat_layer_forward if self.config.remat else _layer_forward
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            cached_kv = None if cache is None else (cache.keys[i], cache.values[i])
+            x, new_kv = forward(layer, x, cos, sin, mask, cached_kv,
+                                None if cache is None else cache.index)
+            if new_kv is not None:
+                new_keys.append(new_kv[0])
+                new_values.append(new_kv[1])
+        x = self.norm(x)
+        if cache is not None:
+            cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
+        return x, cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., H] -> float32 logits [..., vocab]."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden)
+        head = self.lm_head
+        return jnp.dot(hidden.astype(head.compute_dtype),
+                       head.weight.get_value().astype(head.compute_dtype),
+                       preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, attention_mask=None, positions=None):
+        """Full-sequence forward. tokens [B, T]; mask [B, T] (1 = real, left padding).
+
+        Returns float32 logits [B, T, vocab]. Positions default to those of the mask.
+        """
+        if attention_mask is None:
+            attention_mask = jnp.ones(tokens.shape, jnp.bool_)
+        attention_mask = attention_mask.astype(jnp.bool_)
+        if positions is None:
+            positions = positions_from_mask(attention_mask)
+        length = tokens.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
+        mask = causal[None] & attention_mask[:, None, :]
+        hidden, _ = self.hidden_states(tokens, positions, mask)
+        return self.logits(hidden)
+
+
+# ------------------------------------------------------------------------------ cached modes
+def _cached_mask(cache: KVCache, new_valid: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
+    """(attention mask [B, T, S], updated valid [B, S]) for T new tokens at cache.index."""
+    valid = jax.lax.dynamic_update_slice(cache.valid, new_valid.astype(jnp.bool_),
+                                         (0, cache.index))
+    slots = jnp.arange(cache.max_length)
+    query_slots = cache.index + jnp.arange(length)
+    causal = slots[None, :] <= query_slots[:, None]
+    return causal[None] & valid[:, None, :], valid
+
+
+def prefill(model: CausalLM, tokens: jax.Array, attention_mask: jax.Array,
+            cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Writes a left-padded prompt batch into the cache in one pass.
+
+    Args:
+      tokens: [B, T] prompt ids, left-padded.
+      attention_mask: [B, T], 1 for real tokens.
+      cache: a cache with `index` at the first slot to write (0 for a fresh cache).
+    Returns:
+      (float32 logits of each sequence's last prompt token [B, vocab], updated cache).
+    """
+    batch, length = tokens.shape
+    if batch != cache.batch_size:
+        raise ValueError(f"tokens batch {batch} != cache batch {cache.batch_size}")
+    if length > cache.max_length:
+        raise ValueError(f"prompt length {length} exceeds cache length {cache.max_length}")
+    attention_mask = attention_mask.astype(jnp.bool_)
+    positions = cache.next_position[:, None] + positions_from_mask(attention_mask)
+    mask, valid = _cached_mask(cache, attention_mask, length)
+    hidden, cache = model.hidden_states(tokens, positions, mask, cache)
+    logits = model.logits(hidden[:, -1])
+    cache = cache.replace(valid=valid,
+                          next_position=cache.next_position
+                          + attention_mask.sum(axis=-1).astype(jnp.int32),
+                          index=cache.index + length)
+    return logits, cache
+
+
+def decode_step(model: CausalLM, token: jax.Array, cache: KVCache,
+                active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Appends one token per sequence at slot cache.index.
+
+    Args:
+      token: [B] ids.
+      cache: the cache after prefill (and earlier steps).
+      active: optional [B] bool; inactive (finished) sequences still run but their slot is
+        marked invalid, so they never attend to it.
+    Returns:
+      (float32 logits [B, vocab] for the next token, updated cache).
+    """
+    new_valid = jnp.ones((token.shape[0], 1), jnp.bool_) if active is None else active[:, None]
+    positions = cache.next_position[:, None]
+    mask, valid = _cached_mask(cache, new_valid, 1)
+    hidden, cache = model.hidden_states(token[:, None], positions, mask, cache)
+    logits = model.logits(hidden[:, 0])
+    cache = cache.replace(valid=valid, next_position=cache.next_position + 1,
+                          index=cache.index + 1)
+    return logits, cache
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> CausalLM:
+    """A randomly initialized model (N(0, 0.02) weights, unit norms, zero biases)."""
+    return CausalLM(config, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(config: ModelConfig) -> CausalLM:
+    """The model with ShapeDtypeStruct leaves: shapes only, no memory (for loading/counting)."""
+    return nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0)))
+
+
+def count_parameters(model: CausalLM) -> int:
+    """Number of scalar parameters held by nnx.Param variables."""
+    state = nnx.state(model, nnx.Param)
+    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(state))
