@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -130,11 +130,11 @@ def open_checkpoint_files(directory: str) -> dict[str, SafetensorsFile]:
         f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}: no weights to load")
 
 
-def _check_names(directory: str, config: ModelConfig, specs: list[TensorSpec],
-                 available: set[str]) -> None:
-    expected = {spec.hf_name for spec in specs}
+def check_tensor_names(directory: str, expected: set[str], available: set[str],
+                       tie_word_embeddings: bool) -> None:
+    """Raises a CheckpointError listing missing and unexpected tensor names."""
     ignorable = {name for name in available if name.endswith(_IGNORED_SUFFIXES)}
-    if config.tie_word_embeddings:
+    if tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some exporters write the tied head anyway
     missing = sorted(expected - available)
     unexpected = sorted(available - expected - ignorable)
@@ -149,7 +149,15 @@ def _check_names(directory: str, config: ModelConfig, specs: list[TensorSpec],
         raise CheckpointError(f"{directory}: " + "; ".join(parts))
 
 
-def _variable_at(model: CausalLM, path: tuple) -> nnx.Variable:
+def check_shape(file: SafetensorsFile, name: str, expected: tuple[int, ...]) -> None:
+    """Raises a CheckpointError naming the tensor when its shape is not `expected`."""
+    shape = file.shape(name)
+    if shape != tuple(expected):
+        raise CheckpointError(f"{file.path}: tensor {name!r} has shape {shape}, "
+                              f"the config implies {tuple(expected)}")
+
+
+def variable_at(model: CausalLM, path: tuple) -> nnx.Variable:
     node: Any = model
     for key in path[:-1]:
         node = node[key] if isinstance(key, int) else getattr(node, key)
@@ -157,7 +165,7 @@ def _variable_at(model: CausalLM, path: tuple) -> nnx.Variable:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
-def _to_model_layout(array, dtype, transpose):
+def to_model_layout(array, dtype, transpose):
     array = array.astype(dtype)
     return array.T if transpose else array
 
@@ -184,37 +192,39 @@ def load_hf_model(directory: str, *, param_dtype: str = "bfloat16",
                             compute_dtype=compute_dtype or param_dtype, remat=remat)
     files = open_checkpoint_files(directory)
     specs = tensor_specs(config)
-    _check_names(directory, config, specs, set(files))
+    check_tensor_names(directory, {spec.hf_name for spec in specs}, set(files),
+                       config.tie_word_embeddings)
     model = abstract_model(config)
     target = dtype_from_name(param_dtype, "param_dtype")
     for spec in specs:
         file = files[spec.hf_name]
-        shape = file.shape(spec.hf_name)
-        if shape != spec.hf_shape:
-            raise CheckpointError(f"{file.path}: tensor {spec.hf_name!r} has shape {shape}, "
-                                  f"the config implies {spec.hf_shape}")
+        check_shape(file, spec.hf_name, spec.hf_shape)
         raw = file[spec.hf_name]
         if not np.issubdtype(raw.dtype, np.floating) and raw.dtype.kind != "V":
             raise CheckpointError(f"{file.path}: tensor {spec.hf_name!r} has non-float dtype "
                                   f"{raw.dtype} (a quantized checkpoint? use "
                                   "qerl_jax.quant's loader)")
-        value = _to_model_layout(jnp.asarray(raw), target, spec.transpose)
+        value = to_model_layout(jnp.asarray(raw), target, spec.transpose)
         if linear_weight_fn is not None and spec.is_linear:
             value = linear_weight_fn(spec, value)
-        _variable_at(model, spec.path).set_value(value)
+        variable_at(model, spec.path).set_value(value)
     return model
 
 
 # ------------------------------------------------------------------------------ writing
+def dense_to_hf_array(value: jax.Array, dtype, transpose: bool) -> np.ndarray:
+    """A model array as the host array HF files hold (cast, [out, in] for linear weights)."""
+    return np.asarray(jax.device_get(to_model_layout(value, dtype, transpose)))
+
+
 def _hf_tensors(model: CausalLM, dtype) -> Iterator[tuple[str, np.ndarray]]:
     for spec in tensor_specs(model.config):
-        value = _variable_at(model, spec.path).get_value()
+        value = variable_at(model, spec.path).get_value()
         if not isinstance(value, jax.Array | np.ndarray):
             raise CheckpointError(
                 f"{spec.hf_name}: holds a {type(value).__name__}, not a dense array; export "
                 "quantized models with qerl_jax.quant's compressed-tensors exporter")
-        array = np.asarray(jax.device_get(_to_model_layout(value, dtype, spec.transpose)))
-        yield spec.hf_name, array
+        yield spec.hf_name, dense_to_hf_array(value, dtype, spec.transpose)
 
 
 def save_hf_model(model: CausalLM, directory: str, *, dtype: str | None = None,
@@ -223,13 +233,21 @@ def save_hf_model(model: CausalLM, directory: str, *, dtype: str | None = None,
 
     Each file is written atomically; tensors are converted one at a time.
     """
-    config = model.config
-    dtype_name = dtype or config.param_dtype
-    target = dtype_from_name(dtype_name, "dtype")
+    dtype_name = dtype or model.config.param_dtype
+    hf_config = model.config.to_hf_dict()
+    hf_config["torch_dtype"] = dtype_name
+    write_checkpoint(directory, _hf_tensors(model, dtype_from_name(dtype_name, "dtype")),
+                     hf_config, max_shard_bytes)
+
+
+def write_checkpoint(directory: str, tensors: Iterable[tuple[str, np.ndarray]],
+                     hf_config: dict, max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Writes named host arrays as safetensors shards (+ index) and config.json, atomically
+    file by file; config.json last, so a directory with a config has all its weights."""
     os.makedirs(directory, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
     sizes = [0]
-    for name, array in _hf_tensors(model, target):
+    for name, array in tensors:
         if sizes[-1] and sizes[-1] + array.nbytes > max_shard_bytes:
             shards.append({})
             sizes.append(0)
@@ -246,8 +264,6 @@ def save_hf_model(model: CausalLM, directory: str, *, dtype: str | None = None,
             weight_map.update({name: file_name for name in shard})
         _write_json(os.path.join(directory, INDEX_FILE),
                     {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map})
-    hf_config = config.to_hf_dict()
-    hf_config["torch_dtype"] = dtype_name
     _write_json(os.path.join(directory, CONFIG_FILE), hf_config)
 
 
