@@ -1,0 +1,210 @@
+"""Jit-compiled rollout sampler: one prefill per prompt, G samples decoded from a shared KV cache.
+
+generate(model, prompts, mask, key, config) runs:
+  1. prefill of the P left-padded prompts (bucketed length) into a static-shape cache;
+  2. the cache and last logits repeated G times (each prompt's KV reused by its G samples, no
+     recomputation);
+  3. a lax.while_loop of one-token decode steps that exits as soon as every sequence has emitted
+     an EOS id, or at max_new_tokens.
+Every random draw is fold_in(key, step): the same key gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from qerl_jax.models.kv_cache import KVCache, init_kv_cache
+from qerl_jax.models.transformer import CausalLM, decode_step, prefill
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are drawn.
+
+    temperature: logits are divided by it (ignored when greedy).
+    top_p: nucleus mass kept (1.0 = off). top_k: tokens kept (0 = off).
+    greedy: argmax decoding. eos_token_ids: ids that end a completion.
+    num_generations: G samples per prompt. max_new_tokens: completion length limit.
+    prompt_bucket: prompt lengths are left-padded up to a multiple of this (power-of-two
+      buckets above it), so a run compiles a handful of programs.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    num_generations: int = 1
+    prompt_bucket: int = 64
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be positive")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (or set greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if self.num_generations <= 0:
+            raise ValueError(f"num_generations={self.num_generations} must be positive")
+        if self.prompt_bucket <= 0:
+            raise ValueError(f"prompt_bucket={self.prompt_bucket} must be positive")
+
+
+@struct.dataclass
+class Rollout:
+    """Sampled completions of P prompts x G generations (B = P*G rows, prompt-major).
+
+    tokens: [B, N] int32 completion ids (0 after the end). logprobs: [B, N] float32 log-prob of
+    each sampled token under the sampling distribution (temperature, top-k, top-p applied;
+    0 for greedy). mask: [B, N] bool, True for generated tokens up to and including EOS.
+    lengths: [B] int32 number of generated tokens. truncated: [B] bool, no EOS within N.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+
+
+def bucket_length(length: int, bucket: int) -> int:
+    """Smallest allowed padded length >= length: multiples of `bucket` up to 4*bucket, then
+    powers of two (times bucket)."""
+    if length <= 0:
+        raise ValueError(f"prompt length {length} must be positive")
+    multiples = -(-length // bucket)
+    if multiples <= 4:
+        return multiples * bucket
+    return bucket * (1 << math.ceil(math.log2(multiples)))
+
+
+# ------------------------------------------------------------------------------ token choice
+def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Temperature, then top-k, then top-p (nucleus) masking. logits [B, V] float32 ->
+    [B, V] with excluded tokens at -inf. Top-p keeps the smallest prefix of tokens sorted by
+    probability whose mass reaches top_p (ties at the boundary kept, as in HF)."""
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep_sorted = mass_before < top_p
+        # threshold = the smallest kept logit; everything below it is dropped
+        threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1,
+                            keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+def choose_tokens(logits: jax.Array, key: jax.Array, config: SamplingConfig):
+    """Draws one token per row. Returns (tokens [B] int32, logprobs [B] float32)."""
+    if config.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tokens, jnp.zeros(tokens.shape, jnp.float32)
+    filtered = filter_logits(logits, config.temperature, config.top_k, config.top_p)
+    tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(filtered, axis=-1)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def _repeat_rows(tree, times: int):
+    return jax.tree_util.tree_map(
+        lambda leaf: jnp.repeat(leaf, times, axis=0) if leaf.ndim >= 1 else leaf, tree)
+
+
+# ------------------------------------------------------------------------------ the program
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "cache_length"))
+def _generate_program(graphdef, state, prompt_tokens, prompt_mask, key,
+                      config: SamplingConfig, cache_length: int):
+    model = nnx.merge(graphdef, state)
+    # The cache is allocated inside the program: the while_loop updates it in place and XLA
+    # frees it at the end (no host-side buffer to donate or copy).
+    cache = init_kv_cache(model.config, prompt_tokens.shape[0], cache_length)
+    logits, cache = prefill(model, prompt_tokens, prompt_mask, cache)
+    groups = config.num_generations
+    if groups > 1:
+        logits = jnp.repeat(logits, groups, axis=0)
+        cache = KVCache(keys=_repeat_rows(cache.keys, groups),
+                        values=_repeat_rows(cache.values, groups),
+                        valid=jnp.repeat(cache.valid, groups, axis=0),
+                        next_position=jnp.repeat(cache.next_position, groups, axis=0),
+                        index=cache.index)
+    batch = logits.shape[0]
+    steps = config.max_new_tokens
+    eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
+
+    def cond(carry):
+        step, _, _, done, _, _ = carry
+        return (step < steps) & ~jnp.all(done)
+
+    def body(carry):
+        step, tokens, logprobs, done, logits, cache = carry
+        token, logprob = choose_tokens(logits, jax.random.fold_in(key, step), config)
+        token = jnp.where(done, 0, token)
+        logprob = jnp.where(done, 0.0, logprob)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, step))
+        logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, step))
+        active = ~done
+        done = done | jnp.isin(token, eos)
+        logits, cache = decode_step(model, token, cache, active=active)
+        return step + 1, tokens, logprobs, done, logits, cache
+
+    carry = (jnp.zeros((), jnp.int32), jnp.zeros((batch, steps), jnp.int32),
+             jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch,), jnp.bool_), logits,
+             cache)
+    step, tokens, logprobs, done, _, _ = jax.lax.while_loop(cond, body, carry)
+    # a row's length: tokens up to and including its first EOS, else all `step` tokens
+    is_eos = jnp.isin(tokens, eos) & (jnp.arange(steps)[None, :] < step)
+    first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, step)
+    lengths = first_eos.astype(jnp.int32)
+    mask = jnp.arange(steps)[None, :] < lengths[:, None]
+    truncated = ~is_eos.any(axis=1)
+    return Rollout(tokens=jnp.where(mask, tokens, 0), logprobs=jnp.where(mask, logprobs, 0.0),
+                   mask=mask, lengths=lengths, truncated=truncated)
+
+
+def generate(model: CausalLM, prompt_tokens, prompt_mask, key: jax.Array,
+             config: SamplingConfig) -> Rollout:
+    """Samples config.num_generations completions for each left-padded prompt.
+
+    Args:
+      model: the (possibly quantized / LoRA) model; split once into a static graphdef and a
+        state pytree, so new weights (e.g. AQN-noised norm scales) do not recompile.
+      prompt_tokens: [P, T] int, left-padded. prompt_mask: [P, T], 1 for real tokens.
+      key: PRNG key for the whole batch (fold_in by step).
+    Returns:
+      Rollout with B = P * G rows, row p*G + g = generation g of prompt p.
+    """
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    prompt_mask = jnp.asarray(prompt_mask, jnp.bool_)
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask "
+                         f"{prompt_mask.shape} must both be [P, T]")
+    prompts, length = prompt_tokens.shape
+    padded = bucket_length(length, config.prompt_bucket)
+    if padded > length:
+        pad = padded - length
+        prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (pad, 0)))
+        prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad, 0)))
+    total = padded + config.max_new_tokens
+    if total > model.config.max_position_embeddings:
+        logger.warning("prompt bucket %d + %d new tokens exceeds max_position_embeddings %d",
+                       padded, config.max_new_tokens, model.config.max_position_embeddings)
+    graphdef, state = nnx.split(model)
+    return _generate_program(graphdef, state, prompt_tokens, prompt_mask, key, config=config,
+                             cache_length=total)

@@ -1,0 +1,139 @@
+"""The rollout sampler: greedy equals transformers' greedy generate token for token; sampled
+tokens follow the intended distribution; top-k / top-p masks are exact; determinism; EOS
+handling; and a bounded number of compiled programs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from qerl_jax.models.hf_io import load_hf_model
+from qerl_jax.sampling import (SamplingConfig, _generate_program, bucket_length,
+                               filter_logits, generate)
+from tests.hf_reference import make_hf_model, save_hf_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf_model = make_hf_model("qwen2", seed=21)
+    directory = save_hf_model_dir(hf_model, str(tmp_path_factory.mktemp("sampler")))
+    return hf_model, load_hf_model(directory, param_dtype="float32")
+
+
+def _prompts(rng, lengths, total, vocab=256):
+    tokens = rng.integers(3, vocab, size=(len(lengths), total))
+    mask = np.zeros((len(lengths), total), np.int64)
+    for row, length in enumerate(lengths):
+        mask[row, total - length:] = 1
+        tokens[row, :total - length] = 0
+    return tokens, mask
+
+
+def test_greedy_equals_transformers_generate(tiny):
+    hf_model, ours = tiny
+    tokens, mask = _prompts(np.random.default_rng(0), [7, 4, 2], 7)
+    eos = 5
+    config = SamplingConfig(max_new_tokens=12, greedy=True, eos_token_ids=(eos,),
+                            prompt_bucket=8)
+    rollout = generate(ours, tokens, mask, jax.random.key(0), config)
+    with torch.no_grad():
+        reference = hf_model.generate(
+            input_ids=torch.as_tensor(tokens), attention_mask=torch.as_tensor(mask),
+            do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    reference = reference[:, tokens.shape[1]:].numpy()
+    for row in range(3):
+        length = int(rollout.lengths[row])
+        expected = reference[row]
+        if eos in expected:
+            expected = expected[:list(expected).index(eos) + 1]
+        np.testing.assert_array_equal(np.asarray(rollout.tokens[row, :length]), expected)
+        assert bool(rollout.truncated[row]) == (eos not in expected)
+
+
+def test_same_key_same_tokens_and_groups_differ(tiny):
+    _, ours = tiny
+    tokens, mask = _prompts(np.random.default_rng(1), [5, 3], 5)
+    config = SamplingConfig(max_new_tokens=10, num_generations=4, prompt_bucket=8)
+    a = generate(ours, tokens, mask, jax.random.key(7), config)
+    b = generate(ours, tokens, mask, jax.random.key(7), config)
+    c = generate(ours, tokens, mask, jax.random.key(8), config)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert a.tokens.shape == (8, 10)
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    assert len({tuple(np.asarray(a.tokens[i])) for i in range(4)}) > 1
+
+
+def test_eos_ends_rows_and_masks_after(tiny):
+    _, ours = tiny
+    tokens, mask = _prompts(np.random.default_rng(2), [4] * 6, 4)
+    # with a 256-token vocab and 40 steps, making a quarter of the vocab EOS ends most rows
+    config = SamplingConfig(max_new_tokens=40, eos_token_ids=tuple(range(0, 256, 4)),
+                            prompt_bucket=4)
+    rollout = generate(ours, tokens, mask, jax.random.key(3), config)
+    for row in range(6):
+        length = int(rollout.lengths[row])
+        row_tokens = np.asarray(rollout.tokens[row])
+        assert np.asarray(rollout.mask[row]).sum() == length
+        if not bool(rollout.truncated[row]):
+            assert row_tokens[length - 1] % 4 == 0
+            assert all(t % 4 for t in row_tokens[:length - 1])
+        assert (row_tokens[length:] == 0).all()
+    assert (~np.asarray(rollout.truncated)).any()
+
+
+def test_sampling_follows_the_distribution():
+    """Chi-square test of 20000 categorical draws with temperature 0.7 over 8 tokens."""
+    from scipy import stats
+    logits = jnp.asarray(np.random.default_rng(4).normal(size=(1, 8)) * 2, jnp.float32)
+    config = SamplingConfig(temperature=0.7)
+    from qerl_jax.sampling import choose_tokens
+    keys = jax.random.split(jax.random.key(11), 20000)
+    tokens, logprobs = jax.vmap(lambda k: choose_tokens(logits, k, config))(keys)
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=8)
+    scaled = np.asarray(logits[0], np.float64) / 0.7
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    _, p_value = stats.chisquare(counts, probs * counts.sum())
+    assert p_value > 1e-3, (counts, probs)
+    np.testing.assert_allclose(np.asarray(logprobs).ravel(),
+                               np.log(probs[np.asarray(tokens).ravel()]), rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_and_top_p_masks_are_exact():
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(4, 50)).astype(np.float32)
+    for top_k in (1, 5, 49):
+        kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), 1.0, top_k, 1.0)))
+        for row in range(4):
+            np.testing.assert_array_equal(np.sort(np.nonzero(kept[row])[0]),
+                                          np.sort(np.argsort(-logits[row])[:top_k]))
+    for top_p in (0.1, 0.5, 0.9):
+        kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), 1.0, 0, top_p)))
+        for row in range(4):
+            order = np.argsort(-logits[row].astype(np.float64))
+            probs = np.exp(logits[row][order] - logits[row].max())
+            probs /= probs.sum()
+            before = np.cumsum(probs) - probs
+            expected = np.sort(order[before < top_p])
+            np.testing.assert_array_equal(np.sort(np.nonzero(kept[row])[0]), expected)
+
+
+def test_bucketing_bounds_compiles(tiny):
+    _, ours = tiny
+    config = SamplingConfig(max_new_tokens=4, greedy=True, prompt_bucket=8)
+    before = _generate_program._cache_size()
+    rng = np.random.default_rng(6)
+    for length in (1, 3, 5, 8, 2, 7):   # all fall in the 8-token bucket
+        tokens, mask = _prompts(rng, [length, length], length)
+        generate(ours, tokens, mask, jax.random.key(0), config)
+    assert _generate_program._cache_size() - before == 1
+    assert [bucket_length(n, 64) for n in (1, 64, 65, 256, 257, 600)] == [64, 64, 128, 256,
+                                                                           512, 1024]
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        SamplingConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="temperature=0"):
+        SamplingConfig(temperature=0)
