@@ -18,11 +18,17 @@ from qerl_jax.quant import linear
 INIT_STD = 0.02  # HF initializer_range of Qwen2 / Llama
 
 
+class LoRAParam(nnx.Param):
+    """A trainable low-rank adapter matrix (LoRA A [in, r] or B [r, out])."""
+
+
 class Linear(nnx.Module):
-    """y = x @ W + b through the shared linear op.
+    """y = x @ W + b (+ scale * (x @ A) @ B) through the shared linear op.
 
     `weight` is a dense kernel [in_features, out_features] (or, after quantization, a quantized
-    weight pytree with logical shape [out_features, in_features]).
+    weight pytree with logical shape [out_features, in_features]). `lora_a` [in, r] and
+    `lora_b` [r, out] are set by qerl_jax.lora and applied unmerged (the base weight is never
+    rewritten), with scale = alpha / r.
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool,
@@ -34,10 +40,23 @@ class Linear(nnx.Module):
             (INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features),
                                           jnp.float32)).astype(param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+        # data attributes (not static), so adapters can be attached later by qerl_jax.lora
+        self.lora_a = nnx.data(None)
+        self.lora_b = nnx.data(None)
+        self.lora_scale = 0.0
 
     def __call__(self, x: jax.Array) -> jax.Array:
         bias = None if self.bias is None else self.bias.get_value()
-        return linear(x, self.weight.get_value(), bias, compute_dtype=self.compute_dtype)
+        y = linear(x, self.weight.get_value(), bias, compute_dtype=self.compute_dtype)
+        if self.lora_a is not None:
+            down = jnp.dot(x.astype(self.compute_dtype),
+                           self.lora_a.get_value().astype(self.compute_dtype),
+                           preferred_element_type=jnp.float32)
+            up = jnp.dot(down.astype(self.compute_dtype),
+                         self.lora_b.get_value().astype(self.compute_dtype),
+                         preferred_element_type=jnp.float32)
+            y = (y.astype(jnp.float32) + self.lora_scale * up).astype(self.compute_dtype)
+        return y
 
 
 class Embedding(nnx.Module):
