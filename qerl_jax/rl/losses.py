@@ -1,0 +1,145 @@
+"""Clipped policy-gradient losses with optional k3 KL (QeRL facts section 3).
+
+Per token (rho = exp(logp - logp_old)):
+  pg  = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
+  kl  = exp(ref - logp) - (ref - logp) - 1            (k3; only when beta != 0)
+  l   = pg * entropy_mask + beta * kl
+Aggregation over valid tokens m (returned as numerator and denominator, so micro-batching and
+accumulation stay exact):
+  grpo:    sum_i [sum_t l m / max(sum_t m, 1)]  /  number of sequences
+  bnpo:    sum l m / max(sum m, 1) of the micro-batch   (QeRL's "DAPO")
+  dr_grpo: sum l m / (number of sequences * max_completion_length)
+  dapo:    sum l m / valid tokens of the whole generation batch
+For grpo, dr_grpo and dapo the denominators are global, so summing numerators over
+micro-batches and dividing by the global denominator is exact; bnpo is defined per micro-batch
+(its per-micro-batch ratios are averaged), as in TRL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """loss_type, clip range, KL weight, entropy-quantile filter and length normalizer."""
+
+    loss_type: str = "bnpo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    top_entropy_quantile: float = 1.0
+    max_completion_length: int = 1
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} not in {LOSS_TYPES}")
+        if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0):
+            raise ValueError(f"clip range epsilon_low={self.epsilon_low}, epsilon_high="
+                             f"{self.epsilon_high} is invalid")
+        if self.beta < 0:
+            raise ValueError(f"beta={self.beta} must be >= 0")
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} not in (0, 1]")
+        if self.max_completion_length <= 0:
+            raise ValueError(f"max_completion_length={self.max_completion_length} must be > 0")
+
+    @property
+    def denominator_is_global(self) -> bool:
+        return self.loss_type != "bnpo"
+
+
+@struct.dataclass
+class LossTerms:
+    """numerator / denominator = the loss; metrics are sums over valid tokens (divide by
+    `valid_tokens`)."""
+
+    numerator: jax.Array
+    denominator: jax.Array
+    valid_tokens: jax.Array
+    clipped_tokens: jax.Array
+    kl_sum: jax.Array
+
+
+def entropy_threshold_mask(entropies: jax.Array, mask: jax.Array, quantile: float) -> jax.Array:
+    """[B, T] bool: valid tokens whose entropy is >= the `quantile` of valid-token entropies
+    (TRL's top_entropy_quantile; quantile 1.0 keeps every token)."""
+    if quantile >= 1.0:
+        return jnp.ones_like(mask, dtype=jnp.bool_)
+    valid = mask.astype(jnp.bool_)
+    values = jnp.where(valid, entropies, jnp.nan)
+    threshold = jnp.nanquantile(values, 1.0 - quantile)
+    return entropies >= threshold
+
+
+def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+                      mask: jax.Array, config: LossConfig, *,
+                      ref_logprobs: jax.Array | None = None,
+                      entropies: jax.Array | None = None,
+                      global_valid_tokens: jax.Array | None = None,
+                      global_sequences: jax.Array | None = None) -> LossTerms:
+    """The loss of one micro-batch as numerator and denominator.
+
+    Args:
+      logprobs, old_logprobs, ref_logprobs, entropies: [B, T] float32.
+      advantages: [B]. mask: [B, T] valid (and non-truncated) completion tokens.
+      global_valid_tokens: valid tokens of the whole generation batch (dapo).
+      global_sequences: sequences of the whole generation batch (grpo, dr_grpo); defaults to B.
+    """
+    mask = mask.astype(jnp.float32)
+    ratio = jnp.exp(logprobs - old_logprobs)
+    adv = advantages[:, None].astype(jnp.float32)
+    clipped_ratio = jnp.clip(ratio, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
+    per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)
+    if config.top_entropy_quantile < 1.0:
+        if entropies is None:
+            raise ValueError("top_entropy_quantile < 1 needs per-token entropies")
+        keep = entropy_threshold_mask(jax.lax.stop_gradient(entropies), mask,
+                                      config.top_entropy_quantile)
+        per_token = per_token * keep
+    kl = jnp.zeros_like(per_token)
+    if config.beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("beta != 0 needs reference log-probs")
+        delta = ref_logprobs - logprobs
+        kl = jnp.exp(delta) - delta - 1.0
+        per_token = per_token + config.beta * kl
+    sequences = mask.shape[0] if global_sequences is None else global_sequences
+    masked = per_token * mask
+    if config.loss_type == "grpo":
+        numerator = (masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)).sum()
+        denominator = jnp.asarray(sequences, jnp.float32)
+    elif config.loss_type == "bnpo":
+        numerator = masked.sum()
+        denominator = jnp.maximum(mask.sum(), 1.0)
+    elif config.loss_type == "dr_grpo":
+        numerator = masked.sum()
+        denominator = jnp.asarray(sequences * config.max_completion_length, jnp.float32)
+    else:  # dapo
+        if global_valid_tokens is None:
+            global_valid_tokens = mask.sum()
+        numerator = masked.sum()
+        denominator = jnp.maximum(jnp.asarray(global_valid_tokens, jnp.float32), 1.0)
+    is_clipped = (((ratio < 1.0 - config.epsilon_low) & (adv < 0))
+                  | ((ratio > 1.0 + config.epsilon_high) & (adv > 0)))
+    return LossTerms(numerator=numerator, denominator=denominator, valid_tokens=mask.sum(),
+                     clipped_tokens=(is_clipped * mask).sum(),
+                     kl_sum=jax.lax.stop_gradient((kl * mask).sum()))
+
+
+def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array,
+                               temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """log p(token) and the full-vocabulary entropy of softmax(logits / temperature).
+
+    logits [B, T, V] float32, tokens [B, T] -> ([B, T], [B, T]) float32.
+    """
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    chosen = jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    return chosen, entropy

@@ -1,0 +1,156 @@
+"""Advantages, losses and their gradients against float64 numpy computations of the formulas
+(QeRL facts section 3) on fresh random batches. JAX runs in float32: rtol 1e-5, atol 1e-6."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qerl_jax.rl.advantages import group_advantages, zero_variance_groups
+from qerl_jax.rl.losses import (LOSS_TYPES, LossConfig, entropy_threshold_mask,
+                                policy_loss_terms, token_logprobs_and_entropy)
+
+
+def _batch(rng, batch=6, length=7):
+    logp = rng.normal(-2.0, 0.5, size=(batch, length))
+    old = logp + rng.normal(0, 0.3, size=(batch, length))   # ratios well outside the clip
+    ref = logp + rng.normal(0, 0.2, size=(batch, length))
+    adv = rng.normal(size=batch)
+    mask = rng.random((batch, length)) < 0.75
+    mask[0] = False                       # a fully masked (e.g. truncated) sequence
+    entropy = rng.random((batch, length)) * 3
+    return logp, old, ref, adv, mask.astype(np.float64), entropy
+
+
+def _numpy_loss_and_grad(logp, old, ref, adv, mask, entropy, cfg, global_tokens=None):
+    """float64 loss and d loss / d logp, written from the formulas."""
+    ratio = np.exp(logp - old)
+    a = adv[:, None]
+    unclipped, clipped = ratio * a, np.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * a
+    pg = -np.minimum(unclipped, clipped)
+    # gradient of pg: -a * ratio where the unclipped branch is the min (or the clip is inactive)
+    clip_active = (ratio < 1 - cfg.epsilon_low) | (ratio > 1 + cfg.epsilon_high)
+    takes_clipped = (clipped < unclipped) & clip_active
+    d_pg = np.where(takes_clipped, 0.0, -a * ratio)
+    keep = np.ones_like(mask)
+    if cfg.top_entropy_quantile < 1:
+        threshold = np.quantile(entropy[mask > 0], 1 - cfg.top_entropy_quantile)
+        keep = (entropy >= threshold).astype(np.float64)
+    delta = ref - logp
+    kl = np.exp(delta) - delta - 1
+    d_kl = -np.exp(delta) + 1
+    per_token = pg * keep + cfg.beta * kl
+    d_token = d_pg * keep + cfg.beta * d_kl
+    batch = mask.shape[0]
+    if cfg.loss_type == "grpo":
+        lengths = np.maximum(mask.sum(1, keepdims=True), 1)
+        loss = ((per_token * mask).sum(1) / lengths[:, 0]).mean()
+        grad = d_token * mask / lengths / batch
+    else:
+        denominator = {"bnpo": max(mask.sum(), 1), "dr_grpo": batch * cfg.max_completion_length,
+                       "dapo": global_tokens if global_tokens else max(mask.sum(), 1)}[
+                           cfg.loss_type]
+        loss = (per_token * mask).sum() / denominator
+        grad = d_token * mask / denominator
+    return loss, grad
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta,quantile", [(0.0, 1.0), (0.04, 1.0), (0.04, 0.5)])
+def test_loss_and_gradient_match_float64(loss_type, beta, quantile):
+    rng = np.random.default_rng()
+    logp, old, ref, adv, mask, entropy = _batch(rng)
+    cfg = LossConfig(loss_type=loss_type, beta=beta, top_entropy_quantile=quantile,
+                     max_completion_length=7)
+    expected_loss, expected_grad = _numpy_loss_and_grad(logp, old, ref, adv, mask, entropy, cfg)
+
+    def loss_fn(lp):
+        terms = policy_loss_terms(lp, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32),
+                                  jnp.asarray(mask), cfg, ref_logprobs=jnp.asarray(ref, jnp.float32),
+                                  entropies=jnp.asarray(entropy, jnp.float32))
+        return terms.numerator / terms.denominator
+
+    loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp, jnp.float32))
+    np.testing.assert_allclose(float(loss), expected_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_num_iterations_one_gradient_is_minus_advantage():
+    """With logp_old = stop_gradient(logp), rho == 1 and d loss / d logp = -A m / denom."""
+    rng = np.random.default_rng()
+    logp, _, _, adv, mask, _ = _batch(rng)
+    cfg = LossConfig(loss_type="bnpo")
+
+    def loss_fn(lp):
+        terms = policy_loss_terms(lp, jax.lax.stop_gradient(lp), jnp.asarray(adv, jnp.float32),
+                                  jnp.asarray(mask), cfg)
+        return terms.numerator / terms.denominator
+
+    grad = jax.grad(loss_fn)(jnp.asarray(logp, jnp.float32))
+    np.testing.assert_allclose(np.asarray(grad), -adv[:, None] * mask / mask.sum(), rtol=1e-5,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_global_denominators_make_micro_batches_exact(loss_type):
+    rng = np.random.default_rng()
+    logp, old, _, adv, mask, _ = _batch(rng, batch=8)
+    cfg = LossConfig(loss_type=loss_type, max_completion_length=7)
+    args = lambda s: (jnp.asarray(logp[s], jnp.float32), jnp.asarray(old[s], jnp.float32),
+                      jnp.asarray(adv[s], jnp.float32), jnp.asarray(mask[s]))
+    whole = policy_loss_terms(*args(slice(None)), cfg)
+    parts = [policy_loss_terms(*args(slice(i, i + 2)), cfg, global_valid_tokens=mask.sum(),
+                               global_sequences=8) for i in range(0, 8, 2)]
+    accumulated = sum(float(p.numerator) for p in parts) / float(parts[0].denominator)
+    np.testing.assert_allclose(accumulated, float(whole.numerator / whole.denominator),
+                               rtol=1e-5)
+
+
+def test_clip_fraction_counts_active_clips():
+    logp = jnp.log(jnp.array([[1.5, 0.5, 1.0, 1.1]]))
+    terms = policy_loss_terms(logp, jnp.zeros((1, 4)), jnp.array([1.0]), jnp.ones((1, 4)),
+                              LossConfig(epsilon_low=0.2, epsilon_high=0.28))
+    assert float(terms.clipped_tokens) == 1.0  # only rho=1.5 with A>0 is clipped
+
+
+def test_group_advantages_float64():
+    rng = np.random.default_rng()
+    rewards = rng.choice([0.0, 0.2, 2.2], size=24)
+    rewards[:4] = 2.2                         # a zero-variance group
+    expected = []
+    for group in rewards.reshape(-1, 4):
+        expected.extend((group - group.mean()) / (group.std(ddof=1) + 1e-4))
+    np.testing.assert_allclose(np.asarray(group_advantages(jnp.asarray(rewards), 4)),
+                               expected, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(group_advantages(jnp.asarray(rewards), 4))[:4] == 0)
+    assert bool(zero_variance_groups(jnp.asarray(rewards), 4)[0])
+    with pytest.raises(ValueError, match="G >= 2"):
+        group_advantages(jnp.asarray(rewards), 1)
+
+
+def test_logprobs_and_entropy_float64():
+    rng = np.random.default_rng()
+    logits = rng.normal(size=(2, 3, 11)) * 3
+    tokens = rng.integers(0, 11, size=(2, 3))
+    chosen, entropy = token_logprobs_and_entropy(jnp.asarray(logits, jnp.float32),
+                                                 jnp.asarray(tokens), temperature=0.7)
+    scaled = logits / 0.7
+    log_p = scaled - scaled.max(-1, keepdims=True)
+    log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(chosen),
+                               np.take_along_axis(log_p, tokens[..., None], -1)[..., 0],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy), -(np.exp(log_p) * log_p).sum(-1),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_mask_uses_valid_tokens_only():
+    entropy = jnp.array([[0.0, 1.0, 2.0, 100.0]])
+    mask = jnp.array([[1, 1, 1, 0]])
+    kept = np.asarray(entropy_threshold_mask(entropy, mask, 0.5))
+    np.testing.assert_array_equal(kept[0, :3], [False, True, True])
+
+
+def test_bad_loss_config():
+    with pytest.raises(ValueError, match="loss_type='ppo'"):
+        LossConfig(loss_type="ppo")
