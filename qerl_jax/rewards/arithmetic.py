@@ -1,0 +1,44 @@
+"""A synthetic arithmetic task with exact integer answers (the CPU end-to-end default).
+
+Problems like "37+8=" are drawn from a seeded numpy Generator; the reward is 1.0 when the
+completion's first integer (or its <answer> block) equals the exact result.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from qerl_jax.rewards.answer_format import extract_answer
+
+_INTEGER = re.compile(r"-?\d+")
+OPERATIONS = ("+", "-", "*")
+
+
+def arithmetic_problems(count: int, seed: int, max_operand: int = 20,
+                        operations: tuple[str, ...] = ("+", "-")) -> list[dict]:
+    """`count` problems {'question': 'a+b=', 'answer': 'c'} from a seeded generator."""
+    unknown = set(operations) - set(OPERATIONS)
+    if unknown:
+        raise ValueError(f"operations {sorted(unknown)} not in {OPERATIONS}")
+    rng = np.random.default_rng(seed)
+    problems = []
+    for _ in range(count):
+        a, b = (int(v) for v in rng.integers(0, max_operand + 1, size=2))
+        op = operations[int(rng.integers(len(operations)))]
+        result = a + b if op == "+" else a - b if op == "-" else a * b
+        problems.append({"question": f"{a}{op}{b}=", "answer": str(result)})
+    return problems
+
+
+def arithmetic_reward(completion: str, gold: str) -> float:
+    """1.0 when the answer (the <answer> block if present, else the completion's first integer)
+    equals the gold integer exactly."""
+    try:
+        answer = extract_answer(completion)
+        text = answer if answer is not None else completion
+        match = _INTEGER.search(text)
+        return 1.0 if match is not None and int(match.group()) == int(gold) else 0.0
+    except Exception:
+        return 0.0

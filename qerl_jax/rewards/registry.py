@@ -1,0 +1,46 @@
+"""Reward functions by name: f(completion: str, gold: str) -> float, summed with weight 1."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from qerl_jax.rewards.answer_format import format_reward
+from qerl_jax.rewards.arithmetic import arithmetic_reward
+from qerl_jax.rewards.gsm8k import gsm8k_exact_reward, gsm8k_numeric_reward
+from qerl_jax.rewards.math_answers import math_accuracy_reward
+
+RewardFunction = Callable[[str, str], float]
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {
+    "format": lambda completion, gold: format_reward(completion),
+    "gsm8k_exact": gsm8k_exact_reward,
+    "gsm8k_numeric": gsm8k_numeric_reward,
+    "math_verify": math_accuracy_reward,
+    "arithmetic": arithmetic_reward,
+}
+
+
+def get_reward_functions(names: Sequence[str]) -> dict[str, RewardFunction]:
+    """The named reward functions; a clear error lists the known names."""
+    unknown = [name for name in names if name not in REWARD_FUNCTIONS]
+    if unknown or not names:
+        raise ValueError(f"unknown reward function(s) {unknown or '(none given)'}; known: "
+                         f"{sorted(REWARD_FUNCTIONS)}")
+    return {name: REWARD_FUNCTIONS[name] for name in names}
+
+
+def score_completions(completions: Sequence[str], golds: Sequence[str],
+                      functions: dict[str, RewardFunction]) -> dict[str, list[float]]:
+    """Per-function rewards for each completion (a None or NaN reward counts 0), plus 'total'."""
+    scores: dict[str, list[float]] = {}
+    for name, function in functions.items():
+        values = []
+        for completion, gold in zip(completions, golds):
+            try:
+                value = function(completion, gold)
+            except Exception:
+                value = 0.0
+            values.append(0.0 if value is None or value != value else float(value))
+        scores[name] = values
+    scores["total"] = [sum(column) for column in zip(*scores.values())] if scores else []
+    return scores
