@@ -1,0 +1,491 @@
+"""Shared Pallas (Triton backend) kernels for bf16 activations x 4-bit weights with block scales.
+
+Every 4-bit format here (NVFP4, MXFP4, NF4) stores W [N, K] as 4-bit codes plus one scale per
+block of B consecutive k. The format files (nvfp4_matmul.py, ...) describe their codes and scales
+with a `FormatSpec`; this module holds what they share: the kernel layout, the kernels and the
+wrappers that pad, launch and slice.
+
+Kernel layout (made once by `to_plane_layout`, undone losslessly by `from_plane_layout`):
+  codes  uint8 [N_pad, K_pad/2]: for each K tile t of width tile_k, byte j in [0, tile_k/2) of the
+         tile holds element k = t*tile_k + j in its LOW nibble and k = t*tile_k + tile_k/2 + j in
+         its HIGH nibble (two "planes" per tile, so the kernel needs no interleave: it does one dot
+         per plane with the matching half of the activation tile).
+  scales [N_pad, K_pad/B], block order along k unchanged (zero padded, so padded weights are 0).
+  tensor_scale float32 [1]: a divisor applied to the accumulator (NVFP4's global scale, else 1).
+N_pad is a multiple of `n_multiple` (128), K_pad a multiple of tile_k; activations and outputs are
+never padded in HBM: the kernels mask the edges.
+
+Kernels (all f32 accumulation):
+  matmul       y[M, N] = x[M, K] @ W^T. Grid (M tiles, N tiles, split-K). `weight_as_lhs` computes
+               y^T = W @ x^T so the decoded weights are the dot's left operand (registers) and the
+               tiny activation tile is the right one; split-K writes f32 partials summed by XLA.
+  transposed   dx[M, K] = dy[M, N] @ W, W decoded tile by tile (never stored as bf16 in HBM).
+  dequantize   W as bf16 [N, K] (for an XLA matmul at large M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+N_MULTIPLE = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_sizes(n: int, k: int, tile_k: int, n_multiple: int = N_MULTIPLE) -> tuple[int, int]:
+    return _cdiv(n, n_multiple) * n_multiple, _cdiv(k, tile_k) * tile_k
+
+
+def to_plane_layout(codes: jax.Array, *, k: int, tile_k: int, low_nibble_first: bool,
+                    n_multiple: int = N_MULTIPLE) -> jax.Array:
+    """Checkpoint codes uint8 [N, K/2] -> kernel codes uint8 [N_pad, K_pad/2] (nibble planes).
+
+    Args:
+      codes: two codes per byte; element 2i is in the low nibble if `low_nibble_first` (NVFP4,
+        MXFP4 as compressed-tensors writes them) else in the high nibble (bitsandbytes NF4).
+      k: logical K (even).
+      tile_k: K tile of the kernel layout (multiple of 2 * scale block, power of two).
+    """
+    n = codes.shape[0]
+    if codes.shape[1] * 2 != k:
+        raise ValueError(f"codes have {codes.shape[1]} bytes per row; expected K/2 = {k // 2}")
+    n_pad, k_pad = padded_sizes(n, k, tile_k, n_multiple)
+    codes = codes.astype(jnp.uint8)
+    lo, hi = codes & 15, codes >> 4
+    pair = (lo, hi) if low_nibble_first else (hi, lo)
+    elements = jnp.stack(pair, axis=-1).reshape(n, k)
+    elements = jnp.pad(elements, ((0, n_pad - n), (0, k_pad - k)))
+    tiles = elements.reshape(n_pad, k_pad // tile_k, 2, tile_k // 2)
+    planes = tiles[:, :, 0, :] | (tiles[:, :, 1, :] << 4)
+    return planes.reshape(n_pad, k_pad // 2)
+
+
+def from_plane_layout(planes: jax.Array, *, n: int, k: int, tile_k: int,
+                      low_nibble_first: bool) -> jax.Array:
+    """Inverse of `to_plane_layout`: kernel codes -> checkpoint codes uint8 [N, K/2]."""
+    n_pad, half_k_pad = planes.shape
+    k_pad = 2 * half_k_pad
+    tiles = planes.reshape(n_pad, k_pad // tile_k, 1, tile_k // 2)
+    elements = jnp.concatenate([tiles & 15, tiles >> 4], axis=2).reshape(n_pad, k_pad)
+    pairs = elements[:n, :k].reshape(n, k // 2, 2)
+    first, second = pairs[..., 0], pairs[..., 1]
+    if low_nibble_first:
+        return (first | (second << 4)).astype(jnp.uint8)
+    return ((first << 4) | second).astype(jnp.uint8)
+
+
+def pad_scales(scales: jax.Array, *, n_pad: int, k_pad: int, block: int) -> jax.Array:
+    """Zero-pads block scales [N, K/B] to [N_pad, K_pad/B] (padded weights decode to 0)."""
+    n, nb = scales.shape
+    return jnp.pad(scales, ((0, n_pad - n), (0, k_pad // block - nb)))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["codes", "scales", "tensor_scale"],
+                   meta_fields=["fmt", "n", "k", "tile_k"])
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A 4-bit weight W [n, k] in kernel layout (see module docstring).
+
+    codes uint8 [N_pad, K_pad/2]; scales [N_pad, K_pad/B] (format's scale dtype);
+    tensor_scale float32 [1] (w = decoded / tensor_scale); fmt in {"nvfp4", "mxfp4", "nf4"};
+    n, k logical; tile_k the K tile.
+    """
+    codes: jax.Array
+    scales: jax.Array
+    tensor_scale: jax.Array
+    fmt: str
+    n: int
+    k: int
+    tile_k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+
+# ----------------------------------------------------------------------------------------------
+# Format description
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSpec:
+    """What the kernels need to know of a format.
+
+    decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype) -> (w_lo, w_hi): decodes a code tile
+      uint8 [R, H] and the raw scale tiles of its two planes [R, H/B] into scaled weights
+      [R, H] of out_dtype, times 2^-epilogue_exponent(decoder).
+    aux_arrays(): constant extra kernel inputs (e.g. the NF4 level table), read via aux_refs.
+    """
+    name: str
+    scale_block: int
+    decoders: tuple[str, ...]
+    interpret_decoder: str
+    gpu_decoder: str
+    decode: Callable
+    epilogue_exponent: Callable[[str], int]
+    aux_arrays: Callable[[], tuple[np.ndarray, ...]] = lambda: ()
+
+
+def expand_block_scale(s: jax.Array, block: int) -> jax.Array:
+    """[R, G] -> [R, G*block]: each scale repeated over its block of k."""
+    r, g = s.shape
+    return jnp.broadcast_to(s[:, :, None], (r, g, block)).reshape(r, g * block)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tiling of y = x @ W^T. path: "fused" (one kernel) or "dequantize" (bf16 W + XLA dot)."""
+    block_m: int = 16
+    block_n: int = 64
+    split_k: int = 1
+    weight_as_lhs: bool = True
+    num_warps: int = 4
+    num_stages: int = 3
+    decoder: str | None = None  # None: the format's interpret/GPU default
+    path: str = "fused"
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedConfig:
+    """Tiling of dx = dy @ W: block_m rows of dy, one layout K tile per program, block_n steps."""
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    decoder: str | None = None
+    path: str = "fused"
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantizeConfig:
+    block_n: int = 64
+    tiles_per_program: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
+    """Heuristic tiling for y = x @ W^T (measured on one H100; see benchmarks/kernels_results.md)."""
+    n_pad, half_k = packed.codes.shape
+    k_tiles = 2 * half_k // packed.tile_k
+    if m <= 64:
+        block_m = max(16, _next_pow2(m))
+        block_n = 64 if n_pad >= 64 * 132 else 32
+        programs = n_pad // block_n
+        split = 1
+        while programs * split < 132 and split < 8 and k_tiles % (2 * split) == 0:
+            split *= 2
+        return MatmulConfig(block_m=block_m, block_n=block_n, split_k=split,
+                            weight_as_lhs=True, num_warps=4, num_stages=3)
+    return MatmulConfig(block_m=64 if m <= 128 else 128, block_n=128, split_k=1,
+                        weight_as_lhs=True, num_warps=8, num_stages=3)
+
+
+def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:
+    return TransposedConfig(block_m=64 if m <= 64 else 128, block_n=64, num_warps=8, num_stages=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _dot_nt(a, b):
+    """a [P, H] . b [Q, H]^T -> f32 [P, Q]."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _and_masks(*masks):
+    masks = [mk for mk in masks if mk is not None]
+    if not masks:
+        return None
+    out = masks[0]
+    for mk in masks[1:]:
+        out = out & mk
+    return out
+
+
+def _edge_masks(start_r, size_r, limit_r, start_c, size_c, limit_c, ragged_r, ragged_c):
+    rows = (start_r + lax.broadcasted_iota(jnp.int32, (size_r, 1), 0) < limit_r) if ragged_r else None
+    cols = (start_c + lax.broadcasted_iota(jnp.int32, (1, size_c), 1) < limit_c) if ragged_c else None
+    return _and_masks(rows, cols)
+
+
+def _load(ref_view, mask, other=0.0):
+    if mask is None:
+        return ref_view[...]
+    return plgpu.load(ref_view, mask=mask, other=other)
+
+
+def _store(ref_view, value, mask):
+    if mask is None:
+        ref_view[...] = value
+    else:
+        plgpu.store(ref_view, value, mask=mask)
+
+
+def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
+                   m: int, n: int, k: int, bm: int, bn: int, tile_k: int, tiles_per_split: int,
+                   split: int, weight_as_lhs: bool, poisoned: bool):
+    out_ref = rest[-1]
+    aux_refs = rest[:len(rest) - 1 - int(poisoned)]
+    half = tile_k // 2
+    g = half // spec.scale_block
+    pid_m, pid_n, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r0 = pid_m * bm
+    n0 = pl.multiple_of(pid_n * bn, bn)
+    ragged_m, ragged_k = m % bm != 0, k % tile_k != 0
+
+    def body(t, acc):
+        kt = pid_s * tiles_per_split + t
+        c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
+        s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
+        s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
+        xs = []
+        for p in range(2):
+            c0 = pl.multiple_of(kt * tile_k + p * half, half)
+            mask = _edge_masks(r0, bm, m, c0, half, k, ragged_m, ragged_k)
+            xs.append(_load(x_ref.at[pl.ds(r0, bm), pl.ds(c0, half)], mask).astype(jnp.bfloat16))
+        w_lo, w_hi = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.bfloat16)
+        if weight_as_lhs:
+            return acc + _dot_nt(w_lo, xs[0]) + _dot_nt(w_hi, xs[1])
+        return acc + _dot_nt(xs[0], w_lo) + _dot_nt(xs[1], w_hi)
+
+    acc_shape = (bn, bm) if weight_as_lhs else (bm, bn)
+    acc = lax.fori_loop(0, tiles_per_split, body, jnp.zeros(acc_shape, jnp.float32))
+    y = acc.T if weight_as_lhs else acc
+    y = y * ((2.0 ** spec.epilogue_exponent(decoder)) / ts_ref[0])
+    mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, n % bn != 0)
+    if split == 1:
+        _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask)
+    else:
+        _store(out_ref.at[pid_s, pl.ds(r0, bm), pl.ds(n0, bn)], y, mask)
+
+
+def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec,
+                       decoder: str, m: int, n: int, k: int, bm: int, bn: int, tile_k: int,
+                       n_steps: int, poisoned: bool):
+    out_ref = rest[-1]
+    aux_refs = rest[:len(rest) - 1 - int(poisoned)]
+    half = tile_k // 2
+    g = half // spec.scale_block
+    pid_m, kt = pl.program_id(0), pl.program_id(1)
+    r0 = pid_m * bm
+    ragged_m, ragged_n = m % bm != 0, n % bn != 0
+
+    def body(i, carry):
+        acc_lo, acc_hi = carry
+        n0 = pl.multiple_of(i * bn, bn)
+        c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
+        s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
+        s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
+        mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, ragged_n)
+        dy = _load(dy_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], mask).astype(jnp.bfloat16)
+        w_lo, w_hi = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.bfloat16)
+        return acc_lo + _dot_nn(dy, w_lo), acc_hi + _dot_nn(dy, w_hi)
+
+    zeros = jnp.zeros((bm, half), jnp.float32)
+    acc_lo, acc_hi = lax.fori_loop(0, n_steps, body, (zeros, zeros))
+    factor = (2.0 ** spec.epilogue_exponent(decoder)) / ts_ref[0]
+    for p, acc in enumerate((acc_lo, acc_hi)):
+        c0 = kt * tile_k + p * half
+        mask = _edge_masks(r0, bm, m, c0, half, k, ragged_m, k % tile_k != 0)
+        _store(out_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(c0, half), half)],
+               (acc * factor).astype(out_ref.dtype), mask)
+
+
+def _dequantize_kernel(codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
+                       n: int, k: int, bn: int, tile_k: int, tiles_per_program: int,
+                       poisoned: bool):
+    out_ref = rest[-1]
+    aux_refs = rest[:len(rest) - 1 - int(poisoned)]
+    half = tile_k // 2
+    g = half // spec.scale_block
+    pid_n, pid_k = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(pid_n * bn, bn)
+    factor = (2.0 ** spec.epilogue_exponent(decoder)) / ts_ref[0]
+    for j in range(tiles_per_program):
+        kt = pid_k * tiles_per_program + j
+        c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
+        s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
+        s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
+        planes = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.float32)
+        for p, w in enumerate(planes):
+            c0 = kt * tile_k + p * half
+            mask = _edge_masks(n0, bn, n, c0, half, k, n % bn != 0, k % tile_k != 0)
+            _store(out_ref.at[pl.ds(n0, bn), pl.ds(pl.multiple_of(c0, half), half)],
+                   (w * factor).astype(out_ref.dtype), mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def _resolve_decoder(spec: FormatSpec, decoder: str | None, interpret: bool) -> str:
+    if decoder is None:
+        return spec.interpret_decoder if interpret else spec.gpu_decoder
+    if decoder not in spec.decoders:
+        raise ValueError(f"{spec.name}: unknown decoder {decoder!r}; expected one of {spec.decoders}")
+    return decoder
+
+
+def _compiler_params(interpret: bool, num_warps: int, num_stages: int):
+    if interpret:
+        return None
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _check_packed(packed: PackedWeight, spec: FormatSpec):
+    if packed.fmt != spec.name:
+        raise ValueError(f"weight is packed as {packed.fmt!r}, kernel expects {spec.name!r}")
+    half = packed.tile_k // 2
+    if half % spec.scale_block or packed.tile_k & (packed.tile_k - 1) or half < 16:
+        raise ValueError(f"tile_k={packed.tile_k} must be a power of two, >= 32 and a multiple "
+                         f"of 2 * {spec.scale_block}")
+
+
+def _launch(kernel, out_shape, grid, inputs, *, interpret, compiler_params, poison_output, name):
+    """pallas_call with optional NaN-poisoned output (aliased input) to catch unwritten tiles."""
+    if poison_output:
+        poison = jnp.full(out_shape.shape, jnp.nan, out_shape.dtype)
+        inputs = (*inputs, poison)
+        aliases = {len(inputs) - 1: 0}
+    else:
+        aliases = {}
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
+        interpret=interpret, compiler_params=compiler_params, name=name)(*inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output"))
+def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
+                     config: MatmulConfig, interpret: bool = False,
+                     poison_output: bool = False) -> jax.Array:
+    """y [..., N] bf16 = x [..., K] @ W^T for a packed 4-bit W [N, K]."""
+    _check_packed(packed, spec)
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != packed.k:
+        raise ValueError(f"x has K={k}, weight has K={packed.k}")
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if config.path == "dequantize":
+        w = blockwise_dequantize(packed, spec=spec, config=DequantizeConfig(),
+                                 interpret=interpret, poison_output=poison_output)
+        y = lax.dot_general(x2.astype(jnp.bfloat16), w, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return y.reshape(*lead, packed.n)
+    if config.path != "fused":
+        raise ValueError(f"unknown matmul path {config.path!r}")
+    n_pad, half_k = packed.codes.shape
+    k_tiles = 2 * half_k // packed.tile_k
+    bm, bn, split = config.block_m, config.block_n, config.split_k
+    if n_pad % bn or k_tiles % split or bm < 16 or bn < 16:
+        raise ValueError(f"config {config} does not tile N_pad={n_pad}, K tiles={k_tiles}")
+    decoder = _resolve_decoder(spec, config.decoder, interpret)
+    poisoned = bool(poison_output)
+    kernel = functools.partial(
+        _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
+        tile_k=packed.tile_k, tiles_per_split=k_tiles // split, split=split,
+        weight_as_lhs=config.weight_as_lhs, poisoned=poisoned)
+    if split == 1:
+        out_shape = jax.ShapeDtypeStruct((m, packed.n), jnp.bfloat16)
+    else:
+        out_shape = jax.ShapeDtypeStruct((split, m, packed.n), jnp.float32)
+    aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
+    y = _launch(kernel, out_shape, (_cdiv(m, bm), n_pad // bn, split),
+                (x2, packed.codes, packed.scales, packed.tensor_scale, *aux),
+                interpret=interpret, poison_output=poison_output,
+                compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
+                name=f"{spec.name}_matmul")
+    if split > 1:
+        y = y.sum(axis=0).astype(jnp.bfloat16)
+    return y.reshape(*lead, packed.n)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output"))
+def blockwise_matmul_transposed(dy: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
+                                config: TransposedConfig, interpret: bool = False,
+                                poison_output: bool = False) -> jax.Array:
+    """dx [..., K] bf16 = dy [..., N] @ W for a packed 4-bit W [N, K] (the backward of x @ W^T)."""
+    _check_packed(packed, spec)
+    lead, n = dy.shape[:-1], dy.shape[-1]
+    if n != packed.n:
+        raise ValueError(f"dy has N={n}, weight has N={packed.n}")
+    dy2 = dy.reshape(-1, n)
+    m = dy2.shape[0]
+    if config.path == "dequantize":
+        w = blockwise_dequantize(packed, spec=spec, config=DequantizeConfig(),
+                                 interpret=interpret, poison_output=poison_output)
+        dx = jnp.dot(dy2.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+        return dx.astype(jnp.bfloat16).reshape(*lead, packed.k)
+    n_pad, half_k = packed.codes.shape
+    bm, bn = config.block_m, config.block_n
+    if n_pad % bn or bm < 16 or bn < 16:
+        raise ValueError(f"config {config} does not tile N_pad={n_pad}")
+    decoder = _resolve_decoder(spec, config.decoder, interpret)
+    poisoned = bool(poison_output)
+    kernel = functools.partial(
+        _transposed_kernel, spec=spec, decoder=decoder, m=m, n=n, k=packed.k, bm=bm, bn=bn,
+        tile_k=packed.tile_k, n_steps=n_pad // bn, poisoned=poisoned)
+    aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
+    dx = _launch(kernel, jax.ShapeDtypeStruct((m, packed.k), jnp.bfloat16),
+                 (_cdiv(m, bm), 2 * half_k // packed.tile_k),
+                 (dy2, packed.codes, packed.scales, packed.tensor_scale, *aux),
+                 interpret=interpret, poison_output=poison_output,
+                 compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
+                 name=f"{spec.name}_matmul_transposed")
+    return dx.reshape(*lead, packed.k)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output"))
+def blockwise_dequantize(packed: PackedWeight, *, spec: FormatSpec,
+                         config: DequantizeConfig = DequantizeConfig(), interpret: bool = False,
+                         poison_output: bool = False) -> jax.Array:
+    """W as bf16 [N, K] (f32 decode and scale, one rounding), written tile by tile."""
+    _check_packed(packed, spec)
+    n_pad, half_k = packed.codes.shape
+    k_tiles = 2 * half_k // packed.tile_k
+    tpp = math.gcd(config.tiles_per_program, k_tiles)
+    bn = min(config.block_n, n_pad)
+    poisoned = bool(poison_output)
+    # The exact decoder: its cost is hidden behind the 2-byte-per-weight write.
+    decoder = spec.interpret_decoder
+    kernel = functools.partial(
+        _dequantize_kernel, spec=spec, decoder=decoder, n=packed.n, k=packed.k, bn=bn,
+        tile_k=packed.tile_k, tiles_per_program=tpp, poisoned=poisoned)
+    aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
+    return _launch(kernel, jax.ShapeDtypeStruct((packed.n, packed.k), jnp.bfloat16),
+                   (n_pad // bn, k_tiles // tpp),
+                   (packed.codes, packed.scales, packed.tensor_scale, *aux),
+                   interpret=interpret, poison_output=poison_output,
+                   compiler_params=_compiler_params(interpret, config.num_warps,
+                                                    config.num_stages),
+                   name=f"{spec.name}_dequantize")

@@ -1,0 +1,96 @@
+"""E2M1 (FP4) decoding: a plain table for references, and in-kernel decoders for Pallas.
+
+The in-kernel decoders take one tile of kernel-layout code bytes (uint8 [R, H]; the low nibble of
+byte j is element j of the tile's low plane, the high nibble element j of its high plane, see
+`pallas_kernels.blockwise_matmul`) and return the two planes as bf16 values, unscaled, times a
+power of two that the caller folds into the block scale:
+
+* "fp8":  build the float8_e4m3fn bit pattern ((c&8)<<4)|((c&7)<<2) and convert: value = e2m1/64.
+          Exact everywhere, E2M1 subnormals (+-0.5) included (the fp8 conversion handles them),
+          so it is the decoder used in interpret mode on CPU.
+* "bits": build the bf16 bit pattern ((c&8)<<12)|((c&7)<<6) directly: value = e2m1 * 2^-126.
+          Codes +-0.5 become bf16 subnormals, which the GPU multiplies exactly but XLA:CPU
+          flushes to zero, so this decoder is GPU-only (checked against the reference on GPU).
+* "asm":  the "bits" pattern computed by inline PTX on packed registers (4 bytes at a time:
+          prmt, and, imad, and per pair of weights). GPU-only: inline asm cannot be interpreted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# E2M1 code = sign<<3 | index into these magnitudes (the E2M1 bit pattern itself).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = np.array(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=np.float32)
+
+# Power of two that each decoder's output carries (value = e2m1 * 2^DECODE_EXPONENT).
+DECODE_EXPONENT = {"fp8": -6, "bits": -126, "asm": -126}
+E2M1_DECODERS = tuple(DECODE_EXPONENT)
+
+
+def e2m1_decode_reference(codes: jax.Array) -> jax.Array:
+    """Table decode of E2M1 codes (any integer dtype, values 0..15) to float32."""
+    return jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32) & 15]
+
+
+def _planes_fp8(c):
+    lo = ((c & 0x08) << 4) | ((c & 0x07) << 2)
+    hi = (c & 0x80) | ((c >> 2) & 0x1C)
+    to_bf16 = lambda b: lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+    return to_bf16(lo), to_bf16(hi)
+
+
+def _planes_bits(c):
+    c = c.astype(jnp.uint16)
+    lo = ((c & 0x08) << 12) | ((c & 0x07) << 6)
+    hi = ((c & 0x80) << 8) | ((c & 0x70) << 2)
+    to_bf16 = lambda b: lax.bitcast_convert_type(b, jnp.bfloat16)
+    return to_bf16(lo), to_bf16(hi)
+
+
+# One instance gets 4 code bytes b0..b3 in $2 and writes 4 bf16 (2 per register, element 0 in
+# the low half). prmt spreads bytes (b0, b1) into the two 16-bit halves; the masked nibble times
+# (1<<12 | 1<<6) puts its sign bit at bit 15 and its 3 magnitude bits at 8..6 in one imad.
+_ASM_LO = """{
+.reg .b32 x, y, z;
+mov.b32 z, 0;
+prmt.b32 x, $2, z, 0x4140;
+and.b32 y, x, 0x000F000F;
+mul.lo.u32 y, y, 0x1040;
+and.b32 $0, y, 0x81C081C0;
+prmt.b32 x, $2, z, 0x4342;
+and.b32 y, x, 0x000F000F;
+mul.lo.u32 y, y, 0x1040;
+and.b32 $1, y, 0x81C081C0;
+}"""
+# Same for the high nibbles: (h<<4) * (1<<8 | 1<<2) = h<<12 | h<<6.
+_ASM_HI = _ASM_LO.replace("0x000F000F", "0x00F000F0").replace("0x1040", "0x104")
+
+
+def _planes_asm(c):
+    from jax.experimental.pallas import triton as plgpu
+
+    def run(asm):
+        [out] = plgpu.elementwise_inline_asm(
+            asm, args=[c], constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.bfloat16)])
+        return out
+
+    return run(_ASM_LO), run(_ASM_HI)
+
+
+def e2m1_planes(codes_tile: jax.Array, decoder: str):
+    """Decodes a kernel-layout byte tile uint8 [R, H] into its two planes (bf16 [R, H] each).
+
+    Returns (low plane, high plane) with value = e2m1 * 2^DECODE_EXPONENT[decoder].
+    """
+    if decoder == "fp8":
+        return _planes_fp8(codes_tile)
+    if decoder == "bits":
+        return _planes_bits(codes_tile)
+    if decoder == "asm":
+        return _planes_asm(codes_tile)
+    raise ValueError(f"unknown E2M1 decoder {decoder!r}; expected one of {E2M1_DECODERS}")
