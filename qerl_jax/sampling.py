@@ -129,9 +129,9 @@ def _repeat_rows(tree, times: int):
 
 # ------------------------------------------------------------------------------ the program
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "cache_length"))
-def _generate_program(graphdef, state, prompt_tokens, prompt_mask, key,
+def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
                       config: SamplingConfig, cache_length: int):
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, *states)
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
     cache = init_kv_cache(model.config, prompt_tokens.shape[0], cache_length)
@@ -180,11 +180,19 @@ def _generate_program(graphdef, state, prompt_tokens, prompt_mask, key,
 
 def generate(model: CausalLM, prompt_tokens, prompt_mask, key: jax.Array,
              config: SamplingConfig) -> Rollout:
+    """generate_from_states on nnx.split(model); see there."""
+    graphdef, state = nnx.split(model)
+    return generate_from_states(graphdef, (state,), prompt_tokens, prompt_mask, key, config)
+
+
+def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, key: jax.Array,
+                         config: SamplingConfig) -> Rollout:
     """Samples config.num_generations completions for each left-padded prompt.
 
     Args:
-      model: the (possibly quantized / LoRA) model; split once into a static graphdef and a
-        state pytree, so new weights (e.g. AQN-noised norm scales) do not recompile.
+      graphdef, states: the (possibly quantized / LoRA) model as nnx.split gives it; the
+        graphdef is static and the states are inputs, so new weights (e.g. AQN-noised norm
+        scales, updated LoRA) do not recompile.
       prompt_tokens: [P, T] int, left-padded. prompt_mask: [P, T], 1 for real tokens.
       key: PRNG key for the whole batch (fold_in by step).
     Returns:
@@ -195,16 +203,12 @@ def generate(model: CausalLM, prompt_tokens, prompt_mask, key: jax.Array,
     if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
         raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask "
                          f"{prompt_mask.shape} must both be [P, T]")
-    prompts, length = prompt_tokens.shape
+    length = prompt_tokens.shape[1]
     padded = bucket_length(length, config.prompt_bucket)
     if padded > length:
         pad = padded - length
         prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (pad, 0)))
         prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad, 0)))
     total = padded + config.max_new_tokens
-    if total > model.config.max_position_embeddings:
-        logger.warning("prompt bucket %d + %d new tokens exceeds max_position_embeddings %d",
-                       padded, config.max_new_tokens, model.config.max_position_embeddings)
-    graphdef, state = nnx.split(model)
-    return _generate_program(graphdef, state, prompt_tokens, prompt_mask, key, config=config,
-                             cache_length=total)
+    return _generate_program(graphdef, tuple(states), prompt_tokens, prompt_mask, key,
+                             config=config, cache_length=total)

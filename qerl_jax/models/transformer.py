@@ -179,6 +179,17 @@ class CausalLM(nnx.Module):
                        head.weight.get_value().astype(head.compute_dtype),
                        preferred_element_type=jnp.float32)
 
+    def target_logits(self, tokens, attention_mask, num_targets: int) -> jax.Array:
+        """float32 logits [B, num_targets, vocab] of the positions that predict the last
+        `num_targets` tokens (the completion), without computing the prompt's logits."""
+        attention_mask = attention_mask.astype(jnp.bool_)
+        positions = positions_from_mask(attention_mask)
+        length = tokens.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
+        mask = causal[None] & attention_mask[:, None, :]
+        hidden, _ = self.hidden_states(tokens, positions, mask)
+        return self.logits(hidden[:, length - num_targets - 1:length - 1])
+
     def __call__(self, tokens, attention_mask=None, positions=None):
         """Full-sequence forward. tokens [B, T]; mask [B, T] (1 = real, left padding).
 
