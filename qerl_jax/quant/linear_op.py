@@ -1,13 +1,171 @@
 """The one linear op every projection of the model goes through.
 
-y = x @ W (+ b), with W either a dense array [in, out] (bf16/fp32 baseline) or a quantized
-weight pytree. Formats, LoRA and Pallas kernels plug in here without touching the layers.
+y = x @ W (+ b), with W either a dense array [in, out] (bf16/fp32 baseline) or a frozen
+QuantizedWeight with logical shape [out, in] = [N, K]. Formats, LoRA and Pallas kernels plug in
+here without touching the layers.
+
+Quantized path: y = x @ dequant(W).T through a custom VJP. The weight is frozen, so the VJP
+returns a gradient for x only (zero cotangents for the weight's arrays), and the backward pass
+dequantizes W again instead of keeping a dense copy from the forward pass: the only residual
+is the QuantizedWeight itself (x is not needed for dx = dy @ W).
+
+Dispatch: `select_matmul_path(format, m, platform)` picks the forward implementation for an
+[M, K] x [K, N] product. Kernels (pallas_kernels/) register with `register_matmul_kernel` for
+a (format, platform) and a range of M; without a match the XLA path runs (dequantize to the
+compute dtype, then one dot with float32 accumulation). The chosen path and the reason are
+logged once per (format, platform, path, reason).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax.quant.qarray import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+XLA_PATH = "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulKernel:
+    """A forward kernel for quantized matmuls: fn(x [M, K], weight, *, compute_dtype) ->
+    [M, N] float32, used for min_m <= M <= max_m (max_m None: no upper bound)."""
+
+    name: str
+    format: str
+    platform: str
+    fn: Callable[..., jax.Array]
+    min_m: int = 1
+    max_m: int | None = None
+
+    def accepts(self, m: int) -> bool:
+        return m >= self.min_m and (self.max_m is None or m <= self.max_m)
+
+
+_KERNELS: dict[tuple[str, str], list[MatmulKernel]] = {}
+_LOGGED: set[tuple[str, str, str, str]] = set()
+
+
+def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., jax.Array], *,
+                           name: str, min_m: int = 1,
+                           max_m: int | None = None) -> MatmulKernel:
+    """Registers a forward kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
+
+    Kernels registered first win when ranges overlap. Returns the registry entry.
+    """
+    if max_m is not None and max_m < min_m:
+        raise ValueError(f"kernel {name}: max_m={max_m} < min_m={min_m}")
+    kernel = MatmulKernel(name=name, format=format_name, platform=platform, fn=fn,
+                          min_m=min_m, max_m=max_m)
+    entries = _KERNELS.setdefault((format_name, platform), [])
+    if any(entry.name == name for entry in entries):
+        raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
+                         "registered")
+    entries.append(kernel)
+    return kernel
+
+
+def unregister_matmul_kernel(format_name: str, platform: str, name: str) -> None:
+    """Removes a registered kernel (tests, benchmarks comparing paths)."""
+    entries = _KERNELS.get((format_name, platform), [])
+    _KERNELS[(format_name, platform)] = [entry for entry in entries if entry.name != name]
+
+
+def _select(format_name: str, m: int, platform: str) -> tuple[MatmulKernel | None, str]:
+    entries = _KERNELS.get((format_name, platform), [])
+    if not entries:
+        return None, f"no kernel registered for {format_name} on {platform}"
+    for kernel in entries:
+        if kernel.accepts(m):
+            return kernel, (f"kernel {kernel.name} covers M={m} (M in [{kernel.min_m}, "
+                            f"{kernel.max_m if kernel.max_m is not None else 'inf'}])")
+    ranges = ", ".join(f"{k.name}: [{k.min_m}, {k.max_m if k.max_m is not None else 'inf'}]"
+                       for k in entries)
+    return None, f"M={m} is outside every registered kernel's range ({ranges})"
+
+
+def select_matmul_path(format_name: str, m: int, platform: str) -> str:
+    """Name of the forward path for an M-row matmul with a `format_name` weight on `platform`:
+    a registered kernel's name, or "xla"."""
+    kernel, _ = _select(format_name, m, platform)
+    return XLA_PATH if kernel is None else kernel.name
+
+
+def _log_path_once(format_name: str, platform: str, path: str, reason: str) -> None:
+    key = (format_name, platform, path, reason)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("quantized linear (%s on %s): %s path, because %s", format_name, platform,
+                    path, reason)
+
+
+def _xla_forward(x: jax.Array, weight: QuantizedWeight, *, compute_dtype) -> jax.Array:
+    """x [M, K] (compute dtype) @ dequant(W [N, K]).T -> [M, N] float32."""
+    dense = weight.dequantize(compute_dtype)
+    return jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _quantized_matmul(x, weight, compute_dtype, forward):
+    return forward(x, weight, compute_dtype=compute_dtype)
+
+
+def _quantized_matmul_fwd(x, weight, compute_dtype, forward):
+    return forward(x, weight, compute_dtype=compute_dtype), weight
+
+
+def _zero_cotangent(leaf):
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return jnp.zeros(leaf.shape, leaf.dtype)
+    return np.zeros(leaf.shape, jax.dtypes.float0)
+
+
+def _quantized_matmul_bwd(compute_dtype, forward, weight, grad_output):
+    # The barrier ties the re-dequantization to the cotangent, so XLA can neither hoist it
+    # into the forward pass nor merge it with the forward dequantization (which would keep a
+    # dense copy of W alive between the passes).
+    grad_output, weight = jax.lax.optimization_barrier((grad_output, weight))
+    dense = weight.dequantize(compute_dtype)
+    grad_x = jax.lax.dot_general(grad_output.astype(compute_dtype), dense,
+                                 (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32).astype(compute_dtype)
+    return grad_x, jax.tree_util.tree_map(_zero_cotangent, weight)
+
+
+_quantized_matmul.defvjp(_quantized_matmul_fwd, _quantized_matmul_bwd)
+
+
+def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp.bfloat16,
+                     platform: str | None = None) -> jax.Array:
+    """x [..., K] @ dequant(weight [N, K]).T -> [..., N] float32 (custom VJP, grad for x only).
+
+    Args:
+      x: activations [..., K]; cast to compute_dtype.
+      weight: a QuantizedWeight of logical shape [N, K].
+      compute_dtype: dtype of the matmul inputs (dequantized weight and x).
+      platform: where it runs, for kernel selection (default: jax.default_backend()).
+    """
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(f"linear: x has {x.shape[-1]} features but the {weight.format} "
+                         f"weight is [out={out_features}, in={in_features}]")
+    leading = x.shape[:-1]
+    x2d = x.reshape(-1, in_features).astype(compute_dtype)
+    platform = platform or jax.default_backend()
+    kernel, reason = _select(weight.format, x2d.shape[0], platform)
+    _log_path_once(weight.format, platform, XLA_PATH if kernel is None else kernel.name, reason)
+    forward = _xla_forward if kernel is None else kernel.fn
+    y = _quantized_matmul(x2d, weight, jnp.dtype(compute_dtype), forward)
+    return y.reshape(*leading, out_features)
 
 
 def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
@@ -16,14 +174,17 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
 
     Args:
       x: activations [..., in].
-      weight: dense kernel [in, out].
+      weight: dense kernel [in, out], or a QuantizedWeight of logical shape [out, in].
       bias: optional [out].
       compute_dtype: dtype of the matmul inputs and of the result; accumulation is float32.
     Returns:
       [..., out] in compute_dtype.
     """
-    x = x.astype(compute_dtype)
-    y = jnp.dot(x, weight.astype(compute_dtype), preferred_element_type=jnp.float32)
+    if isinstance(weight, QuantizedWeight):
+        y = quantized_matmul(x, weight, compute_dtype=compute_dtype)
+    else:
+        x = x.astype(compute_dtype)
+        y = jnp.dot(x, weight.astype(compute_dtype), preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(compute_dtype)

@@ -1,0 +1,125 @@
+"""QuantizedWeight: a frozen 4-bit weight as a plain pytree (arrays + static metadata).
+
+Logical shape (N, K) = (out_features, in_features), like a torch/HF Linear weight; blocks run
+along K (the reduction dimension). Layouts, per format (see docs/formats.md):
+
+  nvfp4  codes uint8 [N, K/2] (element 2j in the LOW nibble of byte j)
+         block_scales float8_e4m3fn [N, K/16]; tensor_scale float32 [] (a divisor:
+         w = e2m1(code) * block_scale / tensor_scale). Identical to compressed-tensors'
+         weight_packed / weight_scale / weight_global_scale.
+  mxfp4  codes uint8 [N, K/2] (low nibble first); block_scales uint8 [N, K/32] = biased E8M0
+         exponent (w = e2m1(code) * 2**(block_scale - 127)); tensor_scale None.
+  nf4    codes uint8 [N, K/2] (element 2j in the HIGH nibble, as bitsandbytes); per block of
+         64 along K an absmax: block_scales float32 [N, K/64] without double quantization, or
+         uint8 [N, K/64] codes into bitsandbytes' signed dynamic 8-bit map with double
+         quantization, in which case double_quant_scales float32 [ceil(N*K/64 / 256)] holds the
+         absmax of each run of 256 flattened block scales and tensor_scale float32 [] the mean
+         that was subtracted (bitsandbytes' `offset`).
+
+Array fields are pytree children (None fields are empty subtrees); format, shape and dtype are
+static (they are part of the treedef, so jit specializes on them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QUANTIZED_FORMATS = ("nvfp4", "mxfp4", "nf4")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["codes", "block_scales", "tensor_scale", "double_quant_scales"],
+                   meta_fields=["format", "shape", "dtype"])
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizedWeight:
+    """A quantized weight of logical shape `shape` = (N, K) = (out_features, in_features).
+
+    Attributes:
+      codes: packed 4-bit codes, uint8 [N, K/2].
+      block_scales: one scale per block along K [N, K/block] (dtype depends on the format).
+      tensor_scale: a per-tensor float32 scalar [] or None (format dependent).
+      format: "nvfp4" | "mxfp4" | "nf4".
+      shape: logical (N, K).
+      dtype: name of the default dequantization dtype ("bfloat16", "float32", ...).
+      double_quant_scales: NF4 double quantization only: float32 [ceil(N*K/64/256)].
+    """
+
+    codes: Any
+    block_scales: Any
+    tensor_scale: Any = None
+    format: str
+    shape: tuple[int, int]
+    dtype: str = "bfloat16"
+    double_quant_scales: Any = None
+
+    def __post_init__(self):
+        # Only static fields are checked: array fields may hold tracers or placeholders while
+        # JAX transforms the pytree.
+        if self.format not in QUANTIZED_FORMATS:
+            raise ValueError(f"QuantizedWeight.format={self.format!r}; known quantized "
+                             f"formats: {', '.join(QUANTIZED_FORMATS)}")
+        shape = tuple(int(d) for d in self.shape)
+        if len(shape) != 2:
+            raise ValueError(f"QuantizedWeight.shape must be (out_features, in_features), "
+                             f"got {self.shape}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays (codes + all scales)."""
+        return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                   for leaf in jax.tree_util.tree_leaves(self))
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The dense weight [N, K] in `dtype` (default: self.dtype)."""
+        from qerl_jax.quant.formats import get_format
+        return get_format(self.format).dequantize(self, dtype)
+
+
+def validate_weight(weight, *, block_size: int, format_name: str, name: str,
+                    check_finite: bool) -> None:
+    """Checks a weight [N, K] before quantization; raises ValueError naming the layer.
+
+    Shape checks are static and always run (also under jit). The NaN/Inf check needs concrete
+    values: with check_finite=True it runs eagerly (one device-side reduction, one bool to the
+    host) and raises if `weight` is a tracer, rather than silently skipping; inside jit pass
+    check_finite=False and check before tracing.
+    """
+    shape = tuple(weight.shape)
+    if len(shape) != 2:
+        raise ValueError(f"layer {name}: expected a 2-D weight [out_features, in_features], "
+                         f"got shape {shape}")
+    if not jnp.issubdtype(weight.dtype, jnp.floating):
+        raise ValueError(f"layer {name}: weight dtype {weight.dtype} is not floating point")
+    in_features = shape[1]
+    if in_features % block_size:
+        raise ValueError(f"layer {name}: in_features={in_features} (weight shape {shape} as "
+                         f"[out, in]) is not divisible by {format_name}'s block size "
+                         f"{block_size}")
+    if not check_finite:
+        return
+    try:
+        finite = bool(jnp.isfinite(weight).all())
+    except jax.errors.ConcretizationTypeError as error:
+        raise ValueError(
+            f"layer {name}: cannot check a traced weight for NaN/Inf inside jit; check it "
+            f"eagerly and call the {format_name} quantizer with check_finite=False") from error
+    if not finite:
+        count = int(jnp.sum(~jnp.isfinite(weight)))
+        raise ValueError(f"layer {name}: weight of shape {shape} holds {count} NaN/Inf "
+                         f"value(s); refusing to quantize to {format_name}")
