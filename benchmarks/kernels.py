@@ -1,0 +1,433 @@
+"""Benchmarks and GPU checks of the 4-bit weight-only matmul kernels (pallas_kernels/).
+
+On the real layer shapes of Qwen2.5-7B and -32B (plus fused q|k|v and gate|up) and M tokens, times
+the XLA bf16 dot, each format's Pallas kernel (NVFP4, MXFP4, NF4) and the naive XLA
+"dequantize NVFP4 with jnp, then dot"; reports achieved weight bandwidth against a
+device-to-device copy measured in the same run. Timing: each op is applied to R copies of the
+weight (enough to overflow the L2 cache) unrolled inside one jit, median over repeats, divided by
+R (so launch gaps are those of a compiled program, not of Python dispatch).
+
+    python benchmarks/kernels.py --out $OUT                 # full table
+    python benchmarks/kernels.py --quick --out $OUT         # subset
+    python benchmarks/kernels.py --check --out $OUT         # compiled kernels vs jnp reference
+    python benchmarks/kernels.py --sweep --out $OUT         # tiling / decoder sweep
+    python benchmarks/kernels.py --check --interpret        # dry run on CPU (tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels import blockwise_matmul as bw  # noqa: E402
+from pallas_kernels import mxfp4_matmul, nf4_matmul, nvfp4_matmul  # noqa: E402
+
+# (name, N, K) per model; y[M, N] = x[M, K] @ W^T.
+SHAPES = {
+    "7b": [("q", 3584, 3584), ("k/v", 512, 3584), ("o", 3584, 3584), ("gate/up", 18944, 3584),
+           ("down", 3584, 18944), ("qkv", 4608, 3584), ("gate|up", 37888, 3584)],
+    "32b": [("q/o", 5120, 5120), ("k/v", 1024, 5120), ("gate/up", 27648, 5120),
+            ("down", 5120, 27648), ("qkv", 7168, 5120), ("gate|up", 55296, 5120)],
+}
+M_VALUES = (1, 4, 16, 64, 256, 1024, 4096)
+QUICK = {"7b": ["k/v", "o", "gate|up", "down"]}
+QUICK_M = (1, 16, 64, 1024, 4096)
+L2_DEFEAT_BYTES = 160 << 20
+FORMATS = ("nvfp4", "mxfp4", "nf4")
+MODULES = {"nvfp4": nvfp4_matmul, "mxfp4": mxfp4_matmul, "nf4": nf4_matmul}
+SPECS = {"nvfp4": nvfp4_matmul.NVFP4, "mxfp4": mxfp4_matmul.MXFP4, "nf4": nf4_matmul.NF4}
+
+
+# ----------------------------------------------------------------------------------------------
+# Random checkpoint-layout weights (never zeros: real-looking codes and scales)
+
+
+def random_checkpoint(fmt, n, k, key):
+    kc, ks, kt = jax.random.split(key, 3)
+    codes = jax.random.bits(kc, (n, k // 2), jnp.uint8)
+    if fmt == "nvfp4":
+        scales = (2.0 ** jax.random.uniform(ks, (n, k // 16), minval=-6, maxval=6)).astype(
+            jnp.float8_e4m3fn)
+        return codes, scales, jax.random.uniform(kt, (), minval=50, maxval=500)
+    if fmt == "mxfp4":
+        return codes, jax.random.randint(ks, (n, k // 32), 112, 132).astype(jnp.uint8)
+    return codes, jax.random.uniform(ks, (n, k // 64), minval=0.01, maxval=0.5)
+
+
+def repack(fmt, ckpt, tile_k=256):
+    if fmt == "nvfp4":
+        return nvfp4_matmul.repack_nvfp4(*ckpt, tile_k=tile_k)
+    if fmt == "mxfp4":
+        return mxfp4_matmul.repack_mxfp4(*ckpt, tile_k=tile_k)
+    return nf4_matmul.repack_nf4(*ckpt, tile_k=tile_k)
+
+
+def reference(fmt, x, ckpt):
+    return getattr(MODULES[fmt], f"{fmt}_matmul_reference")(x, *ckpt)
+
+
+def reference_transposed(fmt, dy, ckpt):
+    return getattr(MODULES[fmt], f"{fmt}_matmul_transposed_reference")(dy, *ckpt)
+
+
+def naive_nvfp4_matmul(x, codes, scales, tensor_scale):
+    """The plain XLA path: dequantize NVFP4 with jnp to bf16, then an XLA dot."""
+    w = nvfp4_matmul.nvfp4_dequantize_reference(codes, scales, tensor_scale).astype(jnp.bfloat16)
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def packed_bytes(n, k, fmt):
+    return n * k // 2 + n * k // {"nvfp4": 16, "mxfp4": 32, "nf4": 16}[fmt]  # nf4: f32 per 64
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+def median_time(fn, args, repeats):
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_rotating(op, x, weights, repeats=7):
+    """Median seconds per application of op(x, w), over len(weights) copies in one jit."""
+    fn = jax.jit(lambda x, ws: tuple(op(x, w) for w in ws))
+    return median_time(fn, (x, weights), repeats) / len(weights)
+
+
+def copies(tree, count):
+    return [tree] + [jax.tree.map(lambda a: a.copy(), tree) for _ in range(count - 1)]
+
+
+def copy_bandwidth():
+    """Device-to-device copy bandwidth (bytes read + written per second), 1 GiB buffer."""
+    a = jax.random.bits(jax.random.key(0), (1 << 28,), jnp.uint32)
+    fn = jax.jit(lambda a: a.copy())
+    t = median_time(fn, (a,), 10)
+    return 2 * a.nbytes / t
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU correctness: compiled kernels vs the jnp reference, poisoned outputs
+
+
+def rel_errors(y, ref):
+    y = np.asarray(y, np.float32)
+    ref = np.asarray(ref, np.float32)
+    scale = float(np.abs(ref).max()) or 1.0
+    return (float(np.abs(y - ref).max()) / scale,
+            float(np.linalg.norm(y - ref) / (np.linalg.norm(ref) or 1.0)), bool(np.isfinite(y).all()))
+
+
+def run_check(args):
+    interpret = args.interpret
+    rows = []
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"check seed {seed}")
+    key = jax.random.key(seed)
+    # (M, N, K, tile_k, transposed too); K is cut to the format's block multiple.
+    cases = [(1, 80, 1616, 256, False), (5, 1000, 1616, 256, True),
+             (16, 1000, 3584, 512, False), (64, 512, 1616, 256, False),
+             (300, 1000, 1616, 256, True)]
+    if interpret:
+        cases = [(3, 80, 448, 128, True), (300, 80, 192, 128, True)]
+    decoders = {"nvfp4": ("fp8", "bits", "asm"), "mxfp4": ("fp8", "bits", "asm"),
+                "nf4": ("lut", "lut16", "select")}
+
+    def record(name, fn, ref):
+        try:
+            rows.append((name, *rel_errors(fn(), ref)))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            rows.append((name, float("nan"), float("nan"), False))
+            print("FAIL", name, repr(e)[:3000])
+
+    for fmt in FORMATS:
+        spec = SPECS[fmt]
+        decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm"))]
+        for i, (m, n, k, tile_k, transposed) in enumerate(cases):
+            key, kw, kx, ky = jax.random.split(key, 4)
+            k = k // spec.scale_block * spec.scale_block
+            ckpt = random_checkpoint(fmt, n, k, kw)
+            x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+            packed = repack(fmt, ckpt, tile_k)
+            ref = reference(fmt, x, ckpt)
+            base = bw.default_matmul_config(m, packed)
+            variants = [dataclasses.replace(base, decoder=d) for d in decs]
+            variants.append(dataclasses.replace(base, weight_as_lhs=not base.weight_as_lhs))
+            if i == 0:
+                variants.append(dataclasses.replace(base, path="dequantize"))
+            for cfg in variants:
+                record(f"{fmt} matmul M={m} N={n} K={k} tile_k={tile_k} {cfg}",
+                       lambda: bw.blockwise_matmul(x, packed, spec=spec, config=cfg,
+                                                   interpret=interpret, poison_output=True), ref)
+            if not transposed:
+                continue
+            dy = jax.random.normal(ky, (m, n), jnp.bfloat16)
+            tref = reference_transposed(fmt, dy, ckpt)
+            tbase = bw.default_transposed_config(m, packed)
+            tvariants = [dataclasses.replace(tbase, decoder=d) for d in decs]
+            tvariants.append(dataclasses.replace(tbase, path="dequantize"))
+            for cfg in tvariants:
+                record(f"{fmt} transposed M={m} N={n} K={k} tile_k={tile_k} {cfg}",
+                       lambda: bw.blockwise_matmul_transposed(
+                           dy, packed, spec=spec, config=cfg, interpret=interpret,
+                           poison_output=True), tref)
+    bad = 0
+    lines = ["| case | max err / max ref | rel. Frobenius | finite | ok |", "|---|---|---|---|---|"]
+    for name, emax, efro, finite in rows:
+        ok = finite and emax <= 1e-2 and efro <= 6e-3
+        bad += not ok
+        lines.append(f"| {name} | {emax:.2e} | {efro:.2e} | {finite} | {'yes' if ok else 'NO'} |")
+    text = "\n".join(lines)
+    print(text)
+    print(f"check: {len(rows) - bad} passed, {bad} failed (tolerance: max err <= 1e-2 * max|ref|, "
+          f"Frobenius <= 6e-3)")
+    if args.out:
+        with open(os.path.join(args.out, "check.md"), "w") as f:
+            f.write(f"seed {seed}\n\n{text}\n")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Sweep of tilings / decoders (on a few shapes), to pick the defaults
+
+
+def run_sweep(args):
+    """Measures candidate configs in priority order until --sweep-seconds run out."""
+    deadline = time.time() + args.sweep_seconds
+    results = []
+    key = jax.random.key(1)
+    cache = {}
+
+    def weights(fmt, n, k, tile_k):
+        if (fmt, n, k, tile_k) not in cache:
+            cache.clear()
+            packed = repack(fmt, random_checkpoint(fmt, n, k, key), tile_k)
+            count = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / packed_bytes(n, k, fmt))))
+            cache[(fmt, n, k, tile_k)] = copies(packed, count)
+        return cache[(fmt, n, k, tile_k)]
+
+    def measure(label, fmt, n, k, m, cfg, tile_k=256, transposed=False):
+        if time.time() > deadline:
+            return float("nan")
+        ws = weights(fmt, n, k, tile_k)
+        try:
+            if transposed:
+                x = jax.random.normal(key, (m, n), jnp.bfloat16)
+                op = lambda x, w: bw.blockwise_matmul_transposed(
+                    x, w, spec=SPECS[fmt], config=cfg, interpret=args.interpret)
+            else:
+                x = jax.random.normal(key, (m, k), jnp.bfloat16)
+                op = lambda x, w: bw.blockwise_matmul(x, w, spec=SPECS[fmt], config=cfg,
+                                                      interpret=args.interpret)
+            t = time_rotating(op, x, ws, repeats=5)
+        except Exception as e:  # noqa: BLE001
+            t = float("nan")
+            print("FAIL", label, cfg, repr(e)[:600])
+        results.append(dict(label=label, fmt=fmt, n=n, k=k, m=m, tile_k=tile_k,
+                            transposed=transposed, config=dataclasses.asdict(cfg), us=t * 1e6))
+        print(f"{label:10s} {fmt} N={n} K={k} M={m} tile_k={tile_k} {t*1e6:9.1f} us  {cfg}",
+              flush=True)
+        return t
+
+    def best(entries):
+        ok = [e for e in entries if not math.isnan(e[0])]
+        return min(ok, key=lambda e: e[0])[1] if ok else None
+
+    big, small_n, k, large_m = 37888, 4608, 3584, 4096
+    if args.interpret:  # CPU dry run of the script's logic
+        big, small_n, k, large_m = 256, 128, 512, 128
+    for n in (big, small_n):
+        for m in (16, large_m):
+            w = jax.random.normal(key, (n, k), jnp.bfloat16)
+            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            count = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / w.nbytes)))
+            t = time_rotating(lambda x, w: jax.lax.dot_general(
+                x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            ).astype(jnp.bfloat16), x, copies(w, count))
+            print(f"bf16 dot N={n} K={k} M={m}: {t*1e6:.1f} us", flush=True)
+            results.append(dict(label="bf16", n=n, k=k, m=m, us=t * 1e6))
+            del w
+    decs = {"nvfp4": ("fp8", "bits", "asm"), "mxfp4": ("fp8", "bits", "asm"),
+            "nf4": ("lut", "lut16", "select")}
+    # 1. small M: decoder x orientation (gate|up of 7B), all formats.
+    chosen = {}
+    for fmt in FORMATS:
+        entries = []
+        for dec in decs[fmt]:
+            for lhs in (True, False):
+                cfg = bw.MatmulConfig(block_m=16, block_n=64, split_k=1, decoder=dec,
+                                      weight_as_lhs=lhs)
+                entries.append((measure("small-A", fmt, big, k, 16, cfg), cfg))
+        chosen[fmt] = best(entries) or bw.MatmulConfig(decoder=SPECS[fmt].gpu_decoder)
+    # 2. large M: fused tilings vs dequantize + XLA dot; then the transposed kernel.
+    m = large_m
+    for fmt in FORMATS:
+        dec = chosen[fmt].decoder
+        measure("large-DQ", fmt, big, k, m, bw.MatmulConfig(path="dequantize"))
+        tiles = ((128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3), (128, 64, 4, 3))
+        for lhs in (True, False):
+            for bm, bn, warps, stages in tiles if fmt == "nvfp4" else tiles[:1]:
+                measure("large", fmt, big, k, m, bw.MatmulConfig(
+                    block_m=bm, block_n=bn, weight_as_lhs=lhs, num_warps=warps,
+                    num_stages=stages, decoder=dec))
+        measure("T-DQ", fmt, big, k, m, bw.TransposedConfig(path="dequantize"), transposed=True)
+        ttiles = ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3))
+        for bm, bn, warps, stages in ttiles if fmt == "nvfp4" else ttiles[:1]:
+            measure("T", fmt, big, k, m, bw.TransposedConfig(
+                block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, decoder=dec),
+                transposed=True)
+    # 3. small M tiles: NVFP4 on both shapes, then the others.
+    for fmt in FORMATS:
+        for n in (big, small_n):
+            entries = []
+            for bn in (32, 64, 128):
+                for split in (1, 2, 4):
+                    for warps, stages in ((4, 3), (4, 5), (8, 3)):
+                        if fmt != "nvfp4" and (warps, stages) != (4, 3):
+                            continue
+                        cfg = dataclasses.replace(chosen[fmt], block_n=bn, split_k=split,
+                                                  num_warps=warps, num_stages=stages)
+                        entries.append((measure("small-B", fmt, n, k, 16, cfg), cfg))
+            cfg = best(entries)
+            if cfg is not None:
+                measure("small-512", fmt, n, k, 16, cfg, tile_k=512)
+                measure("small-M1", fmt, n, k, 1, cfg)
+                measure("small-M64", fmt, n, k, 64, dataclasses.replace(cfg, block_m=64))
+    if args.out:
+        with open(os.path.join(args.out, "sweep.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark table
+
+
+def run_bench(args):
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    models = args.models.split(",")
+    if args.interpret:  # CPU dry run of the script's logic
+        SHAPES["tiny"], models = [("tiny", 80, 448)], ["tiny"]
+    rows = []
+    key = jax.random.key(2)
+    for model in models:
+        shapes = SHAPES[model]
+        if args.quick:
+            shapes = [s for s in shapes if s[0] in QUICK.get(model, [])] or shapes[:3]
+        for name, n, k in shapes:
+            key, kw, kx = jax.random.split(key, 3)
+            packed, ckpts = {}, {}
+            for fmt in FORMATS:
+                ckpts[fmt] = random_checkpoint(fmt, n, k, kw)
+                packed[fmt] = repack(fmt, ckpts[fmt])
+            w16 = jax.random.normal(kw, (n, k), jnp.bfloat16)
+            for m in (QUICK_M if args.quick else M_VALUES) if not args.interpret else (1, 300):
+                x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+                row = dict(model=model, layer=name, n=n, k=k, m=m)
+                count = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / packed_bytes(n, k, "nvfp4"))))
+                count16 = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / w16.nbytes)))
+                dot = lambda x, w: jax.lax.dot_general(
+                    x, w, (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+                ops = {"bf16": (dot, copies(w16, count16))}
+                for fmt in FORMATS:
+                    cfg = bw.default_matmul_config(m, packed[fmt])
+                    op = (lambda fmt, cfg: lambda x, w: bw.blockwise_matmul(
+                        x, w, spec=SPECS[fmt], config=cfg, interpret=args.interpret))(fmt, cfg)
+                    ops[fmt] = (op, copies(packed[fmt], count))
+                    row[f"{fmt}_config"] = str(cfg)
+                ops["naive"] = (lambda x, c: naive_nvfp4_matmul(x, *c),
+                                copies(ckpts["nvfp4"], min(count, 8)))
+                for label, (op, ws) in ops.items():
+                    try:
+                        row[label] = time_rotating(op, x, ws) * 1e6
+                    except Exception as e:  # noqa: BLE001
+                        row[label] = float("nan")
+                        print("FAIL", label, name, m, repr(e)[:800])
+                    del ws
+                for fmt in FORMATS:
+                    row[f"{fmt}_bw"] = packed_bytes(n, k, fmt) / (row[fmt] * 1e-6)
+                rows.append(row)
+                print(_row_md(row, bandwidth), flush=True)
+    text = _table(rows, bandwidth)
+    print("\n" + text)
+    if args.out:
+        meta = dict(date=datetime.datetime.now().isoformat(), device=str(jax.devices()[0]),
+                    jax=jax.__version__, copy_bandwidth=bandwidth)
+        with open(os.path.join(args.out, "kernels.md"), "w") as f:
+            f.write(f"{meta}\n\n{text}\n")
+        with open(os.path.join(args.out, "kernels.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return rows
+
+
+HEADER = ("| model | layer | N | K | M | bf16 dot us | NVFP4 us (x bf16, % copy bw) | "
+          "MXFP4 us (x, %) | NF4 us (x, %) | naive NVFP4 us (x) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _row_md(r, bandwidth):
+    def cell(fmt):
+        return (f"{r[fmt]:.1f} ({r['bf16'] / r[fmt]:.2f}x, "
+                f"{100 * r[f'{fmt}_bw'] / bandwidth:.0f}%)")
+    return (f"| {r['model']} | {r['layer']} | {r['n']} | {r['k']} | {r['m']} | {r['bf16']:.1f} | "
+            f"{cell('nvfp4')} | {cell('mxfp4')} | {cell('nf4')} | "
+            f"{r['naive']:.1f} ({r['bf16'] / r['naive']:.2f}x) |")
+
+
+def _table(rows, bandwidth):
+    return "\n".join([HEADER] + [_row_md(r, bandwidth) for r in rows])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--bench", action="store_true", help="with --check/--sweep: also bench")
+    parser.add_argument("--sweep-seconds", type=float, default=200)
+    parser.add_argument("--models", default="7b,32b")
+    parser.add_argument("--interpret", action="store_true",
+                        help="CPU dry run (interpret mode, tiny shapes)")
+    args = parser.parse_args()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+    start = time.time()
+    if args.check:
+        run_check(args)
+        print(f"[check done at {time.time() - start:.0f}s]", flush=True)
+    if args.sweep:
+        run_sweep(args)
+        print(f"[sweep done at {time.time() - start:.0f}s]", flush=True)
+    if args.bench or not (args.check or args.sweep):
+        run_bench(args)
+        print(f"[bench done at {time.time() - start:.0f}s]", flush=True)
+
+
+if __name__ == "__main__":
+    main()
