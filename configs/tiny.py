@@ -1,0 +1,51 @@
+"""The tiny end-to-end default: a char-level Qwen2-architecture model trained from scratch on
+synthetic arithmetic (supervised warm-up, cached in the workdir), quantized to NVFP4, then
+GRPO/DAPO with LoRA and AQN. Runs on a 2-core CPU in minutes.
+
+    python -m qerl_jax.train --config configs/tiny.py --workdir runs/tiny
+"""
+
+from qerl_jax.config_defaults import base_config
+
+
+def get_config():
+    config = base_config()
+    config.seed = 0
+    model = config.model
+    model.preset = "tiny_qwen2"
+    model.overrides = dict(vocab_size=104, hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256)
+    model.param_dtype = "float32"
+    model.compute_dtype = "float32"
+    model.remat = False
+    config.warmup.steps = 300
+    config.warmup.learning_rate = 3e-3
+    config.warmup.batch_size = 64
+    config.quant.format = "nvfp4"
+    config.lora.rank = 8
+    config.lora.alpha = 16.0
+    config.lora.train_norms = True
+    config.aqn.enabled = True
+    config.aqn.sigma_start = 1e-2
+    config.aqn.sigma_end = 1e-4
+    config.aqn.stages = 5
+    data = config.data
+    data.task = "arithmetic"
+    data.arithmetic_count = 2000
+    data.prompt_style = "plain"
+    data.max_prompt_length = 48
+    rollout = config.rollout
+    rollout.num_generations = 8
+    rollout.max_new_tokens = 16
+    rollout.prompt_bucket = 16
+    train = config.train
+    train.total_steps = 40
+    train.prompts_per_step = 16
+    train.micro_batch_size = 64
+    train.learning_rate = 2e-3
+    train.max_grad_norm = 1.0
+    config.loss.loss_type = "bnpo"
+    config.rewards.names = ("arithmetic", "format")
+    config.checkpoint.every_steps = 10
+    return config

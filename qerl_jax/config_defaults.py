@@ -1,0 +1,98 @@
+"""The full experiment config (ml_collections) with defaults from QeRL's released scripts, and
+its validation. configs/*.py start from `base_config()` and override fields.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from qerl_jax.aqn import SCHEDULES
+from qerl_jax.data.sources import TASKS
+from qerl_jax.lora import ALL_PROJECTIONS
+from qerl_jax.models.config import PRESETS
+from qerl_jax.rewards import REWARD_FUNCTIONS
+from qerl_jax.rl.losses import LOSS_TYPES
+
+FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+    config.model = ml_collections.ConfigDict(dict(
+        preset="", hf_path="", tokenizer_path="", overrides={}, param_dtype="bfloat16",
+        compute_dtype="bfloat16", remat=True))
+    # Supervised warm-up from scratch (only for the tiny CPU default; 0 steps = off).
+    config.warmup = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-3, batch_size=64))
+    config.quant = ml_collections.ConfigDict(dict(format="nvfp4"))
+    config.lora = ml_collections.ConfigDict(dict(rank=16, alpha=16.0,
+                                                 target_modules=ALL_PROJECTIONS,
+                                                 train_norms=True))
+    config.aqn = ml_collections.ConfigDict(dict(enabled=False, schedule="released_code",
+                                                sigma_start=1e-2, sigma_end=1e-4, stages=10,
+                                                apply_in_training=False))
+    config.data = ml_collections.ConfigDict(dict(
+        task="gsm8k", path="", split="train", subset="", limit=0, arithmetic_count=1000,
+        prompt_style="paper", use_chat_template=True, max_prompt_length=256))
+    config.rollout = ml_collections.ConfigDict(dict(
+        num_generations=8, max_new_tokens=2048, temperature=1.0, top_p=1.0, top_k=0,
+        prompt_bucket=64))
+    config.train = ml_collections.ConfigDict(dict(
+        total_steps=100, prompts_per_step=16, micro_batch_size=8, num_iterations=1,
+        learning_rate=1e-5, warmup_ratio=0.1, weight_decay=0.1, adam_b1=0.9, adam_b2=0.99,
+        max_grad_norm=0.2, max_consecutive_nonfinite=5, dynamic_sampling=False,
+        dynamic_sampling_max_tries=4))
+    config.loss = ml_collections.ConfigDict(dict(
+        loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0,
+        top_entropy_quantile=1.0, mask_truncated_completions=True))
+    config.rewards = ml_collections.ConfigDict(dict(names=("format", "gsm8k_exact")))
+    config.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, max_to_keep=2))
+    config.logging = ml_collections.ConfigDict(dict(tensorboard=False, progress_bar=True))
+    return config
+
+
+def _check(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"config.{field}: {message}")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the first bad field."""
+    model = config.model
+    _check(bool(model.preset) != bool(model.hf_path), "model.preset / model.hf_path",
+           "set exactly one of them")
+    _check(not model.preset or model.preset in PRESETS, "model.preset",
+           f"{model.preset!r} not in {sorted(PRESETS)}")
+    _check(model.param_dtype in ("bfloat16", "float32"), "model.param_dtype",
+           f"{model.param_dtype!r} not in ('bfloat16', 'float32')")
+    _check(config.quant.format in FORMATS, "quant.format",
+           f"{config.quant.format!r} not in {FORMATS}")
+    _check(config.lora.rank > 0, "lora.rank", "must be positive")
+    _check(set(config.lora.target_modules) <= set(ALL_PROJECTIONS), "lora.target_modules",
+           f"must be a subset of {ALL_PROJECTIONS}")
+    _check(config.aqn.schedule in SCHEDULES, "aqn.schedule", f"not in {SCHEDULES}")
+    _check(not config.aqn.enabled or config.quant.format != "bf16", "aqn.enabled",
+           "AQN is defined for quantized bases only (QeRL); use a quantized quant.format")
+    _check(config.data.task in TASKS, "data.task", f"{config.data.task!r} not in {TASKS}")
+    _check(config.data.task == "arithmetic" or bool(config.data.path), "data.path",
+           f"task {config.data.task!r} needs a .jsonl/.parquet path or hub dataset name")
+    _check(config.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
+    _check(config.rollout.num_generations >= 2, "rollout.num_generations",
+           "group advantages need G >= 2")
+    _check(config.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
+    train = config.train
+    _check(train.total_steps > 0, "train.total_steps", "must be positive")
+    _check(train.prompts_per_step > 0, "train.prompts_per_step", "must be positive")
+    rows = train.prompts_per_step * config.rollout.num_generations
+    _check(train.micro_batch_size > 0 and rows % train.micro_batch_size == 0,
+           "train.micro_batch_size",
+           f"must divide prompts_per_step * num_generations = {rows}")
+    _check(train.num_iterations >= 1, "train.num_iterations", "must be >= 1")
+    _check(train.learning_rate > 0, "train.learning_rate", "must be positive")
+    _check(0 <= train.warmup_ratio < 1, "train.warmup_ratio", "must be in [0, 1)")
+    _check(config.loss.loss_type in LOSS_TYPES, "loss.loss_type",
+           f"{config.loss.loss_type!r} not in {LOSS_TYPES}")
+    unknown = [name for name in config.rewards.names if name not in REWARD_FUNCTIONS]
+    _check(bool(config.rewards.names) and not unknown, "rewards.names",
+           f"unknown {unknown}; known {sorted(REWARD_FUNCTIONS)}")
+    _check(config.checkpoint.every_steps > 0, "checkpoint.every_steps", "must be positive")

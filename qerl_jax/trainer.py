@@ -1,0 +1,476 @@
+"""The QeRL training loop: rollout -> rewards -> advantages -> jitted train step(s).
+
+One step (QeRL facts sections 2-3):
+  1. P prompts from the seeded iterator; the rollout policy (AQN noise on its decoder norms,
+     a pure function of (key, step, schedule)) samples G completions each from one prefill.
+  2. Rewards (summed over reward functions) -> group advantages; optional DAPO dynamic
+     sampling drops zero-variance groups and refills them.
+  3. num_iterations passes of micro-batched gradient accumulation of the clipped policy loss
+     (+ k3 KL against the LoRA-disabled model) on the noise-free model, then AdamW.
+The model is split once: graphdef (static) / trainable (LoRA [+ norm scales]) / frozen (the
+quantized base); jitted functions take the states as inputs and merge inside.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
+from qerl_jax.checkpointing import TrainingCheckpoints
+from qerl_jax.config_defaults import validate_config
+from qerl_jax.data import PromptIterator, encode_prompts, load_examples
+from qerl_jax.data.prompts import build_prompt_text
+from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
+from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, plot_curves, run_metadata
+from qerl_jax.models.char_tokenizer import build_char_tokenizer
+from qerl_jax.models.config import preset
+from qerl_jax.models.hf_io import load_hf_model
+from qerl_jax.models.tokenizer import eos_token_ids, load_tokenizer
+from qerl_jax.models.transformer import CausalLM, init_model
+from qerl_jax.rewards import get_reward_functions, score_completions
+from qerl_jax.rl.advantages import group_advantages
+from qerl_jax.rl.losses import LossConfig, policy_loss_terms, token_logprobs_and_entropy
+from qerl_jax.sampling import SamplingConfig, bucket_length, generate_from_states
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite losses or gradients."""
+
+
+# ------------------------------------------------------------------------------ model set-up
+def build_model(config: ml_collections.ConfigDict, workdir: str):
+    """The quantized base model + tokenizer as the config describes (warm-up cached)."""
+    from qerl_jax.quant.model_quantization import load_quantized_hf_model, quantize_model
+    from qerl_jax.warmup import cached_warmup_model
+
+    model_cfg, fmt = config.model, config.quant.format
+    if model_cfg.hf_path:
+        tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.hf_path)
+        if fmt == "bf16":
+            model = load_hf_model(model_cfg.hf_path, param_dtype=model_cfg.param_dtype,
+                                  compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+        else:
+            model, report = load_quantized_hf_model(model_cfg.hf_path, fmt,
+                                                    compute_dtype=model_cfg.compute_dtype,
+                                                    remat=model_cfg.remat)
+            logger.info(report.summary())
+        return model, tokenizer
+    architecture = preset(model_cfg.preset, param_dtype=model_cfg.param_dtype,
+                          compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
+                          **dict(model_cfg.overrides))
+
+    def make_model():
+        return init_model(architecture, seed=config.seed)
+
+    if config.warmup.steps > 0:
+        model, tokenizer = cached_warmup_model(
+            os.path.join(workdir, "warmup"), make_model, build_char_tokenizer,
+            steps=config.warmup.steps, learning_rate=config.warmup.learning_rate,
+            batch_size=config.warmup.batch_size, seed=config.seed,
+            prompt_style=config.data.prompt_style)
+    else:
+        if not model_cfg.tokenizer_path:
+            raise ValueError("config.model.tokenizer_path is required for a preset model "
+                             "without warm-up")
+        model, tokenizer = make_model(), load_tokenizer(model_cfg.tokenizer_path)
+    if tokenizer.vocab_size > architecture.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                         f"{architecture.vocab_size}")
+    report = quantize_model(model, fmt)
+    logger.info(report.summary())
+    return model, tokenizer
+
+
+def make_optimizer(train: ml_collections.ConfigDict):
+    """(optimizer, lr schedule): AdamW (betas 0.9/0.99), weight decay masked off norms (only
+    LoRA matrices decay), linear warmup then cosine decay to 0, clip by global norm (QeRL facts
+    section 5)."""
+    warmup_steps = max(1, int(math.ceil(train.warmup_ratio * train.total_steps)))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, train.learning_rate, warmup_steps, max(train.total_steps, warmup_steps + 1),
+        end_value=0.0)
+
+    def decay_mask(params):
+        def is_lora(path, _):
+            names = [getattr(part, "key", getattr(part, "name", None)) for part in path]
+            return "lora_a" in names or "lora_b" in names
+        return jax.tree_util.tree_map_with_path(is_lora, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(train.max_grad_norm),
+        optax.adamw(schedule, b1=train.adam_b1, b2=train.adam_b2,
+                    weight_decay=train.weight_decay, mask=decay_mask)), schedule
+
+
+# ------------------------------------------------------------------------------ the trainer
+class Trainer:
+    """Holds the split model, optimizer, data iterator and checkpoints of one run."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        validate_config(config)
+        self.config = config
+        self.workdir = workdir
+        os.makedirs(workdir, exist_ok=True)
+        base_key = jax.random.key(config.seed)
+        self.lora_key = jax.random.fold_in(base_key, 1)
+        self.rollout_key = jax.random.fold_in(base_key, 2)
+        self.aqn_key = jax.random.fold_in(base_key, 3)
+
+        model, self.tokenizer = build_model(config, workdir)
+        self.lora_config = LoRAConfig(rank=config.lora.rank, alpha=config.lora.alpha,
+                                      target_modules=tuple(config.lora.target_modules),
+                                      train_norms=config.lora.train_norms)
+        add_lora(model, self.lora_config, self.lora_key)
+        self.model_config = model.config
+        self.graphdef, self.trainable, self.frozen = nnx.split(model, TRAINABLE, ...)
+        # LoRA B = 0 and the original norm scales: the reference (LoRA-disabled) policy.
+        self.reference_trainable = jax.tree_util.tree_map(jnp.copy, self.trainable)
+        self.optimizer, self.lr_schedule = make_optimizer(config.train)
+        self.opt_state = self.optimizer.init(self.trainable)
+
+        data = config.data
+        examples = load_examples(data.task, data.path, split=data.split,
+                                 subset=data.subset or None, limit=data.limit or None,
+                                 arithmetic_count=data.arithmetic_count, seed=config.seed)
+        self.iterator = PromptIterator(examples, config.train.prompts_per_step, config.seed)
+        self.reward_functions = get_reward_functions(list(config.rewards.names))
+        self.correctness_name = next((name for name in config.rewards.names
+                                      if name != "format"), None)
+        rollout = config.rollout
+        self.sampling = SamplingConfig(
+            max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+            top_p=rollout.top_p, top_k=rollout.top_k, num_generations=rollout.num_generations,
+            prompt_bucket=rollout.prompt_bucket,
+            eos_token_ids=eos_token_ids(self.tokenizer, self.model_config.eos_token_id))
+        self.loss_config = LossConfig(
+            loss_type=config.loss.loss_type, epsilon_low=config.loss.epsilon_low,
+            epsilon_high=config.loss.epsilon_high, beta=config.loss.beta,
+            top_entropy_quantile=config.loss.top_entropy_quantile,
+            max_completion_length=rollout.max_new_tokens)
+        self.aqn_schedule = AQNSchedule(
+            total_steps=config.train.total_steps, sigma_start=config.aqn.sigma_start,
+            sigma_end=config.aqn.sigma_end, stages=config.aqn.stages,
+            kind=config.aqn.schedule) if config.aqn.enabled else None
+        self.step = 0
+        self.consecutive_nonfinite = 0
+        self.skipped_updates = 0
+        self.checkpoints = TrainingCheckpoints(os.path.join(workdir, "checkpoints"),
+                                               config.checkpoint.max_to_keep)
+        self.metrics = MetricsWriter(workdir, config.logging.tensorboard)
+        self._compile_functions()
+
+    # -------------------------------------------------------------- jitted pieces
+    def _compile_functions(self):
+        graphdef, loss_config = self.graphdef, self.loss_config
+        temperature = self.config.rollout.temperature
+        completion_length = self.config.rollout.max_new_tokens
+        optimizer = self.optimizer
+
+        def completion_logprobs(trainable, frozen, batch):
+            model = nnx.merge(graphdef, trainable, frozen)
+            logits = model.target_logits(batch["tokens"], batch["attention_mask"],
+                                         completion_length)
+            return token_logprobs_and_entropy(logits, batch["completion_tokens"], temperature)
+
+        def micro_batch_loss(trainable, frozen, batch, global_valid_tokens, global_sequences):
+            logprobs, entropy = completion_logprobs(trainable, frozen, batch)
+            old = batch.get("old_logprobs")
+            old = jax.lax.stop_gradient(logprobs) if old is None else old
+            terms = policy_loss_terms(
+                logprobs, old, batch["advantages"], batch["loss_mask"], loss_config,
+                ref_logprobs=batch.get("ref_logprobs"), entropies=entropy,
+                global_valid_tokens=global_valid_tokens, global_sequences=global_sequences)
+            mask = batch["loss_mask"].astype(jnp.float32)
+            entropy_sum = jax.lax.stop_gradient((entropy * mask).sum())
+            return terms.numerator / terms.denominator, (terms, entropy_sum)
+
+        self._logprobs_fn = jax.jit(lambda t, f, b: completion_logprobs(t, f, b)[0])
+        self._grad_fn = jax.jit(jax.value_and_grad(micro_batch_loss, has_aux=True))
+
+        def apply_update(trainable, opt_state, grads):
+            grad_norm = optax.global_norm(grads)
+            finite = jnp.isfinite(grad_norm)
+            updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
+            new_trainable = optax.apply_updates(trainable, updates)
+            keep = lambda new, old: jax.tree_util.tree_map(
+                lambda a, b: jnp.where(finite, a, b), new, old)
+            return (keep(new_trainable, trainable), keep(new_opt_state, opt_state), grad_norm,
+                    finite)
+
+        self._apply_update = jax.jit(apply_update, donate_argnums=(0, 1))
+        self._add = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
+        self._scale = jax.jit(lambda a, s: jax.tree_util.tree_map(lambda x: x * s, a))
+
+    # -------------------------------------------------------------- rollout + rewards
+    def _rollout_states(self):
+        trainable, frozen = self.trainable, self.frozen
+        if self.aqn_schedule is not None:
+            trainable = aqn_noisy_state(trainable, self.aqn_key, self.step, self.aqn_schedule)
+            frozen = aqn_noisy_state(frozen, self.aqn_key, self.step, self.aqn_schedule)
+        return trainable, frozen
+
+    def _decode(self, tokens: np.ndarray, length: int) -> str:
+        text = self.tokenizer.decode(tokens[:length].tolist(), skip_special_tokens=False)
+        for special in {self.tokenizer.eos_token, self.tokenizer.pad_token} - {None}:
+            text = text.replace(special, "")
+        return text
+
+    def _sample_groups(self, examples, attempt: int):
+        texts = [build_prompt_text(self.tokenizer, example.question,
+                                   style=self.config.data.prompt_style,
+                                   use_chat_template=self.config.data.use_chat_template)
+                 for example in examples]
+        prompts = encode_prompts(self.tokenizer, texts, self.config.data.max_prompt_length)
+        key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, self.step), attempt)
+        rollout = generate_from_states(self.graphdef, self._rollout_states(), prompts.tokens,
+                                       prompts.mask, key, self.sampling)
+        rollout = jax.device_get(rollout)
+        group = self.sampling.num_generations
+        completions = [self._decode(rollout.tokens[row], int(rollout.lengths[row]))
+                       for row in range(rollout.tokens.shape[0])]
+        golds = [example.gold for example in examples for _ in range(group)]
+        scores = score_completions(completions, golds, self.reward_functions)
+        return prompts, rollout, scores
+
+    def _collect_rollouts(self):
+        """Rollout of P prompts (with dynamic sampling refills) -> training arrays + stats."""
+        group = self.sampling.num_generations
+        prompts_per_step = self.config.train.prompts_per_step
+        started = time.perf_counter()
+        groups: list[dict] = []
+        dropped: list[dict] = []
+        attempts = (self.config.train.dynamic_sampling_max_tries
+                    if self.config.train.dynamic_sampling else 1)
+        generated_tokens = 0
+        for attempt in range(attempts):
+            examples = self.iterator.next_batch()
+            prompts, rollout, scores = self._sample_groups(examples, attempt)
+            generated_tokens += int(rollout.lengths.sum())
+            rewards = np.asarray(scores["total"], np.float32).reshape(-1, group)
+            for index in range(len(examples)):
+                rows = slice(index * group, (index + 1) * group)
+                entry = {"prompt_tokens": prompts.tokens[index], "prompt_mask": prompts.mask[index],
+                         "rollout": jax.tree_util.tree_map(lambda a: a[rows], rollout),
+                         "scores": {name: values[rows] for name, values in scores.items()}}
+                degenerate = bool(np.all(rewards[index] == rewards[index][0]))
+                (dropped if self.config.train.dynamic_sampling and degenerate
+                 else groups).append(entry)
+            if len(groups) >= prompts_per_step:
+                break
+        groups = (groups + dropped)[:prompts_per_step]   # keep shapes static
+        rollout_seconds = time.perf_counter() - started
+        return self._training_arrays(groups), generated_tokens, rollout_seconds, len(dropped)
+
+    def _training_arrays(self, groups: list[dict]):
+        group = self.sampling.num_generations
+        prompt_length = bucket_length(max(len(g["prompt_tokens"]) for g in groups),
+                                      self.sampling.prompt_bucket)
+        rows = len(groups) * group
+        completion_length = self.sampling.max_new_tokens
+        tokens = np.zeros((rows, prompt_length + completion_length), np.int32)
+        attention = np.zeros_like(tokens, dtype=np.bool_)
+        completion_tokens = np.zeros((rows, completion_length), np.int32)
+        completion_mask = np.zeros((rows, completion_length), np.bool_)
+        truncated = np.zeros((rows,), np.bool_)
+        rewards: dict[str, list[float]] = {}
+        for index, entry in enumerate(groups):
+            prompt = entry["prompt_tokens"]
+            mask = entry["prompt_mask"]
+            for g in range(group):
+                row = index * group + g
+                tokens[row, prompt_length - len(prompt):prompt_length] = prompt
+                attention[row, prompt_length - len(prompt):prompt_length] = mask
+                completion_tokens[row] = entry["rollout"].tokens[g]
+                completion_mask[row] = entry["rollout"].mask[g]
+                truncated[row] = entry["rollout"].truncated[g]
+            for name, values in entry["scores"].items():
+                rewards.setdefault(name, []).extend(values)
+        tokens[:, prompt_length:] = completion_tokens
+        attention[:, prompt_length:] = completion_mask
+        loss_mask = completion_mask.copy()
+        if self.config.loss.mask_truncated_completions:
+            loss_mask &= ~truncated[:, None]
+        total = np.asarray(rewards["total"], np.float32)
+        advantages = np.asarray(group_advantages(jnp.asarray(total), group))
+        batch = {"tokens": tokens, "attention_mask": attention,
+                 "completion_tokens": completion_tokens, "loss_mask": loss_mask,
+                 "advantages": advantages}
+        return batch, rewards, completion_mask, truncated
+
+    # -------------------------------------------------------------- one step
+    def _micro_batches(self, batch: dict):
+        size = self.config.train.micro_batch_size
+        rows = batch["tokens"].shape[0]
+        for start in range(0, rows, size):
+            yield {name: jnp.asarray(value[start:start + size]) for name, value in batch.items()}
+
+    def train_step(self) -> dict:
+        config = self.config
+        (batch, rewards, completion_mask, truncated), generated, rollout_seconds, dropped = (
+            self._collect_rollouts())
+        started = time.perf_counter()
+        train_trainable = self.trainable
+        frozen = self.frozen
+        if self.aqn_schedule is not None and config.aqn.apply_in_training:
+            frozen = aqn_noisy_state(frozen, self.aqn_key, self.step, self.aqn_schedule)
+        if config.train.num_iterations > 1:
+            batch["old_logprobs"] = np.concatenate([
+                np.asarray(self._logprobs_fn(train_trainable, frozen, micro))
+                for micro in self._micro_batches(batch)])
+        if config.loss.beta != 0.0:
+            batch["ref_logprobs"] = np.concatenate([
+                np.asarray(self._logprobs_fn(self.reference_trainable, frozen, micro))
+                for micro in self._micro_batches(batch)])
+        global_tokens = jnp.asarray(batch["loss_mask"].sum(), jnp.float32)
+        global_sequences = jnp.asarray(batch["tokens"].shape[0], jnp.float32)
+        micro_count = math.ceil(batch["tokens"].shape[0] / config.train.micro_batch_size)
+        stats = {"loss": 0.0, "valid_tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0,
+                 "entropy_sum": 0.0}
+        grad_norm, updated = float("nan"), True
+        for iteration in range(config.train.num_iterations):
+            grads = None
+            for micro in self._micro_batches(batch):
+                (loss, (terms, entropy_sum)), micro_grads = self._grad_fn(
+                    self.trainable, frozen, micro, global_tokens, global_sequences)
+                grads = micro_grads if grads is None else self._add(grads, micro_grads)
+                if iteration == 0:
+                    stats["loss"] += float(loss)
+                    stats["valid_tokens"] += float(terms.valid_tokens)
+                    stats["clipped_tokens"] += float(terms.clipped_tokens)
+                    stats["kl_sum"] += float(terms.kl_sum)
+                    stats["entropy_sum"] += float(entropy_sum)
+            if not self.loss_config.denominator_is_global:
+                grads = self._scale(grads, 1.0 / micro_count)   # bnpo: mean of micro ratios
+                stats["loss"] = stats["loss"] / micro_count if iteration == 0 else stats["loss"]
+            self.trainable, self.opt_state, norm, finite = self._apply_update(
+                self.trainable, self.opt_state, grads)
+            grad_norm = float(norm)
+            if not bool(finite) or not math.isfinite(stats["loss"]):
+                updated = False
+        if updated:
+            self.consecutive_nonfinite = 0
+        else:
+            self.consecutive_nonfinite += 1
+            self.skipped_updates += 1
+            logger.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)",
+                           self.step, self.consecutive_nonfinite)
+        train_seconds = time.perf_counter() - started
+        valid = max(stats["valid_tokens"], 1.0)
+        metrics = {
+            "step": self.step,
+            "reward": float(np.mean(rewards["total"])),
+            **{f"reward/{name}": float(np.mean(values)) for name, values in rewards.items()
+               if name != "total"},
+            "accuracy": (float(np.mean(np.asarray(rewards[self.correctness_name]) > 0))
+                         if self.correctness_name else float("nan")),
+            "entropy": stats["entropy_sum"] / valid,
+            "kl": stats["kl_sum"] / valid,
+            "clip_fraction": stats["clipped_tokens"] / valid,
+            "loss": stats["loss"],
+            "completion_length": float(completion_mask.sum(axis=1).mean()),
+            "truncated_fraction": float(truncated.mean()),
+            "aqn_sigma": (float(aqn_sigma(self.step, self.aqn_schedule))
+                          if self.aqn_schedule is not None else 0.0),
+            "grad_norm": grad_norm,
+            "learning_rate": float(self.lr_schedule(self.step)),
+            "dropped_groups": dropped,
+            "skipped_updates": self.skipped_updates,
+            "time/rollout_s": rollout_seconds,
+            "time/train_s": train_seconds,
+            "rollout_tokens_per_s": generated / max(rollout_seconds, 1e-9),
+            "peak_memory_bytes": peak_memory_bytes(),
+        }
+        if self.consecutive_nonfinite >= config.train.max_consecutive_nonfinite:
+            raise NonFiniteError(f"{self.consecutive_nonfinite} consecutive non-finite steps "
+                                 f"(last at step {self.step}); stopping")
+        return metrics
+
+    # -------------------------------------------------------------- checkpoints
+    def _state_arrays(self):
+        return {"trainable": self.trainable, "opt_state": self.opt_state}
+
+    def save_checkpoint(self) -> None:
+        meta = {"step": self.step, "data_position": list(self.iterator.position),
+                "seed": self.config.seed, "skipped_updates": self.skipped_updates,
+                "consecutive_nonfinite": self.consecutive_nonfinite}
+        self.checkpoints.save(self.step, self._state_arrays(), meta)
+
+    def restore_latest(self) -> bool:
+        """Restores the last complete checkpoint; False when there is none."""
+        if self.checkpoints.latest_step() is None:
+            return False
+        arrays, meta = self.checkpoints.restore(self._state_arrays())
+        if meta["seed"] != self.config.seed:
+            raise ValueError(f"checkpoint seed {meta['seed']} != config.seed {self.config.seed}")
+        self.trainable, self.opt_state = arrays["trainable"], arrays["opt_state"]
+        self.step = meta["step"]
+        self.iterator.epoch, self.iterator.index = meta["data_position"]
+        self.skipped_updates = meta["skipped_updates"]
+        self.consecutive_nonfinite = meta["consecutive_nonfinite"]
+        self.metrics.truncate_after(self.step - 1)
+        logger.info("resumed from the checkpoint of step %d", self.step)
+        return True
+
+    # -------------------------------------------------------------- the loop
+    def train(self, resume: bool = False, stop_after: int | None = None) -> list[dict]:
+        """Runs until config.train.total_steps (or `stop_after` steps of this call);
+        checkpoints every N steps and at exit."""
+        if resume:
+            self.restore_latest()
+        with open(os.path.join(self.workdir, "run.json"), "w") as handle:
+            json.dump(run_metadata(self.config.to_json(), self.config.seed), handle, indent=1)
+        total = self.config.train.total_steps
+        progress = None
+        if self.config.logging.progress_bar:
+            from tqdm import tqdm
+            progress = tqdm(total=total, initial=self.step, desc="QeRL", unit="step")
+        history = []
+        last = total if stop_after is None else min(total, self.step + stop_after)
+        try:
+            while self.step < last:
+                metrics = self.train_step()
+                self.metrics.write(metrics)
+                history.append(metrics)
+                self.step += 1
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(reward=f"{metrics['reward']:.3f}",
+                                         acc=f"{metrics['accuracy']:.2f}",
+                                         entropy=f"{metrics['entropy']:.3f}")
+                if self.step % self.config.checkpoint.every_steps == 0:
+                    self.save_checkpoint()
+        finally:
+            if progress is not None:
+                progress.close()
+            if self.checkpoints.latest_step() != self.step and self.step > 0:
+                self.save_checkpoint()
+            self.checkpoints.close()
+        all_metrics = _read_all(self.metrics.path)
+        if all_metrics:
+            plot_curves(all_metrics, os.path.join(self.workdir, "curves.png"))
+        return history
+
+    def model(self) -> CausalLM:
+        """The current (noise-free) model."""
+        return nnx.merge(self.graphdef, self.trainable, self.frozen)
+
+
+def _read_all(path: str) -> list[dict[str, Any]]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
