@@ -25,9 +25,9 @@ def e2m1_encode(scaled: jax.Array, negative: jax.Array | None = None) -> jax.Arr
 
     Args:
       scaled: values already divided by their block scale [...] (any float dtype).
-      negative: optional bool mask [...] for the sign bit. Defaults to `scaled < 0`. The
-        quantizers pass their own mask to reproduce a reference's convention for negative
-        values that round to zero (code 0x8, "-0").
+      negative: optional bool mask [...] for the sign bit. Defaults to the sign bit of
+        `scaled` (IEEE conversion: -0.0 and small negatives give code 0x8, "-0"). The
+        quantizers pass their own mask to reproduce a reference's convention for zeros.
     Returns:
       uint8 codes in [0, 15], same shape as `scaled`.
     """
@@ -43,7 +43,7 @@ def e2m1_encode(scaled: jax.Array, negative: jax.Array | None = None) -> jax.Arr
              + (magnitude >= 3.5).astype(jnp.uint8)
              + (magnitude > 5.0).astype(jnp.uint8))
     if negative is None:
-        negative = scaled < 0
+        negative = jnp.signbit(scaled)
     return index | jnp.where(negative, jnp.uint8(SIGN_BIT), jnp.uint8(0))
 
 

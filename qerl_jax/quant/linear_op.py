@@ -9,11 +9,11 @@ returns a gradient for x only (zero cotangents for the weight's arrays), and the
 dequantizes W again instead of keeping a dense copy from the forward pass: the only residual
 is the QuantizedWeight itself (x is not needed for dx = dy @ W).
 
-Dispatch: `select_matmul_path(format, m, platform)` picks the forward implementation for an
-[M, K] x [K, N] product. Kernels (pallas_kernels/) register with `register_matmul_kernel` for
-a (format, platform) and a range of M; without a match the XLA path runs (dequantize to the
-compute dtype, then one dot with float32 accumulation). The chosen path and the reason are
-logged once per (format, platform, path, reason).
+Dispatch: `select_matmul_path(format, m, platform)` picks the implementation for an M-row
+product. Kernels (pallas_kernels/) register with `register_matmul_kernel` for a (format,
+platform) and a range of M, with an optional backward (dy @ W) kernel; without a match the XLA
+path runs (dequantize to the compute dtype, then one dot with float32 accumulation). The
+chosen path and the reason are logged once per (format, platform, path, reason).
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ XLA_PATH = "xla"
 
 @dataclasses.dataclass(frozen=True)
 class MatmulKernel:
-    """A forward kernel for quantized matmuls: fn(x [M, K], weight, *, compute_dtype) ->
-    [M, N] float32, used for min_m <= M <= max_m (max_m None: no upper bound)."""
+    """A kernel for quantized matmuls, used for min_m <= M <= max_m (max_m None: unbounded).
+
+    fn(x [M, K], weight, *, compute_dtype) -> y [M, N] float32 (the forward product), and
+    optionally grad_fn(grad_y [M, N], weight, *, compute_dtype) -> dx [M, K] in compute_dtype
+    (the backward product dy @ W); without grad_fn the backward pass runs on XLA.
+    """
 
     name: str
     format: str
@@ -45,6 +49,7 @@ class MatmulKernel:
     fn: Callable[..., jax.Array]
     min_m: int = 1
     max_m: int | None = None
+    grad_fn: Callable[..., jax.Array] | None = None
 
     def accepts(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
@@ -55,16 +60,16 @@ _LOGGED: set[tuple[str, str, str, str]] = set()
 
 
 def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., jax.Array], *,
-                           name: str, min_m: int = 1,
-                           max_m: int | None = None) -> MatmulKernel:
-    """Registers a forward kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
+                           name: str, min_m: int = 1, max_m: int | None = None,
+                           grad_fn: Callable[..., jax.Array] | None = None) -> MatmulKernel:
+    """Registers a kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
 
     Kernels registered first win when ranges overlap. Returns the registry entry.
     """
     if max_m is not None and max_m < min_m:
         raise ValueError(f"kernel {name}: max_m={max_m} < min_m={min_m}")
     kernel = MatmulKernel(name=name, format=format_name, platform=platform, fn=fn,
-                          min_m=min_m, max_m=max_m)
+                          min_m=min_m, max_m=max_m, grad_fn=grad_fn)
     entries = _KERNELS.setdefault((format_name, platform), [])
     if any(entry.name == name for entry in entries):
         raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
@@ -114,12 +119,23 @@ def _xla_forward(x: jax.Array, weight: QuantizedWeight, *, compute_dtype) -> jax
                                preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _quantized_matmul(x, weight, compute_dtype, forward):
+def _xla_backward(grad_output: jax.Array, weight: QuantizedWeight, *,
+                  compute_dtype) -> jax.Array:
+    """dy [M, N] @ dequant(W [N, K]) -> dx [M, K] in compute_dtype (float32 accumulation)."""
+    dense = weight.dequantize(compute_dtype)
+    return jax.lax.dot_general(grad_output.astype(compute_dtype), dense,
+                               (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(compute_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _quantized_matmul(x, weight, compute_dtype, forward, backward):
+    del backward
     return forward(x, weight, compute_dtype=compute_dtype)
 
 
-def _quantized_matmul_fwd(x, weight, compute_dtype, forward):
+def _quantized_matmul_fwd(x, weight, compute_dtype, forward, backward):
+    del backward
     return forward(x, weight, compute_dtype=compute_dtype), weight
 
 
@@ -129,15 +145,13 @@ def _zero_cotangent(leaf):
     return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
-def _quantized_matmul_bwd(compute_dtype, forward, weight, grad_output):
+def _quantized_matmul_bwd(compute_dtype, forward, backward, weight, grad_output):
+    del forward
     # The barrier ties the re-dequantization to the cotangent, so XLA can neither hoist it
     # into the forward pass nor merge it with the forward dequantization (which would keep a
     # dense copy of W alive between the passes).
     grad_output, weight = jax.lax.optimization_barrier((grad_output, weight))
-    dense = weight.dequantize(compute_dtype)
-    grad_x = jax.lax.dot_general(grad_output.astype(compute_dtype), dense,
-                                 (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32).astype(compute_dtype)
+    grad_x = backward(grad_output, weight, compute_dtype=compute_dtype)
     return grad_x, jax.tree_util.tree_map(_zero_cotangent, weight)
 
 
@@ -164,7 +178,8 @@ def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp
     kernel, reason = _select(weight.format, x2d.shape[0], platform)
     _log_path_once(weight.format, platform, XLA_PATH if kernel is None else kernel.name, reason)
     forward = _xla_forward if kernel is None else kernel.fn
-    y = _quantized_matmul(x2d, weight, jnp.dtype(compute_dtype), forward)
+    backward = _xla_backward if kernel is None or kernel.grad_fn is None else kernel.grad_fn
+    y = _quantized_matmul(x2d, weight, jnp.dtype(compute_dtype), forward, backward)
     return y.reshape(*leading, out_features)
 
 

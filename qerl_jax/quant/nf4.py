@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qerl_jax.quant.e2m1 import pack_nibbles, unpack_nibbles
+from qerl_jax.quant.nvfp4 import exact_divide
 from qerl_jax.quant.qarray import QuantizedWeight, validate_weight
 
 NF4_BLOCK_SIZE = 64
@@ -84,7 +85,8 @@ DYNAMIC_MAP_BITS = np.array([
     0x3F68999A, 0x3F6C3333, 0x3F6FCCCD, 0x3F736666, 0x3F770000, 0x3F7A999A, 0x3F7E3333, 0x3F800000,
 ], np.uint32)
 DYNAMIC_MAP = DYNAMIC_MAP_BITS.view(np.float32)
-DYNAMIC_MAP_MIDPOINTS = ((DYNAMIC_MAP[:-1] + DYNAMIC_MAP[1:]) / np.float32(2)).astype(np.float32)
+DYNAMIC_MAP_MIDPOINTS = ((DYNAMIC_MAP[:-1] + DYNAMIC_MAP[1:])
+                         / np.float32(2)).astype(np.float32)
 
 
 def _count_below(values: jax.Array, boundaries: np.ndarray) -> jax.Array:
@@ -97,7 +99,7 @@ def _normalize(values: jax.Array, absmax: jax.Array) -> jax.Array:
     """clamp(values * (1 / absmax), -1, 1) with 0 for all-zero blocks (bitsandbytes clamps
     absmax to 1e-38, which gives 0 as well)."""
     safe = jnp.where(absmax > 0, absmax, 1.0)
-    reciprocal = jnp.where(absmax > 0, 1.0 / safe, 0.0)
+    reciprocal = jnp.where(absmax > 0, exact_divide(1.0, safe), 0.0)
     return jnp.clip(values * reciprocal, -1.0, 1.0)
 
 
@@ -117,8 +119,7 @@ def pairwise_mean(values: jax.Array) -> jax.Array:
         if total.shape[0] % 2:
             total = jnp.pad(total, (0, 1))
         total = total[0::2] + total[1::2]
-    divisor = jax.lax.optimization_barrier(jnp.float32(size))
-    return total[0] / divisor
+    return exact_divide(total[0], size)
 
 
 def quantize_block_scales(absmax: jax.Array, offset: jax.Array | None = None):

@@ -14,8 +14,9 @@ Bit-exactness details reproduced from the reference (all checked by tests/quant/
   `1 / amax`, `* 2688` (torch evaluates 2688 / t as t.reciprocal() * 2688) and `amax / 6` are
   each rounded to bfloat16; `global * block`, `block / global` and `W / scale` are float32.
   Roundings to bfloat16 and to FP8 E4M3 are done on the bit patterns (integer ops), because
-  XLA may drop f32 -> bf16 -> f32 convert pairs inside jit (excess precision on GPU) and
-  rewrites division by a constant into multiplication by its reciprocal.
+  XLA may drop f32 -> bf16 -> f32 convert pairs inside jit (excess precision on GPU), and
+  divisions go through `exact_divide`, because XLA rewrites a division by a broadcast or a
+  constant into a multiplication by the reciprocal (off by one bit now and then).
 - A zero FP8 block scale (all-zero block, or one below FP8's subnormal range relative to the
   global scale) is replaced by 0.125, compressed-tensors' eps for float8_e4m3fn.
 - Sign of zero codes: a negative weight whose scaled value rounds to 0 gets code 0x8 ("-0")
@@ -100,9 +101,20 @@ def _round_like_input(x: jax.Array, input_dtype) -> jax.Array:
     return x
 
 
-def _opaque(value: float) -> jax.Array:
-    """A float32 scalar XLA cannot constant-fold (keeps `x / 6` a true division)."""
-    return jax.lax.optimization_barrier(jnp.float32(value))
+def exact_divide(numerator: jax.Array, denominator) -> jax.Array:
+    """IEEE float division numerator / denominator (broadcasting), as torch computes it.
+
+    XLA's algebraic simplifier rewrites a division by a broadcast (scalar or per-block
+    divisor) or by a constant into a multiplication by the reciprocal, which differs in the
+    last bit. Materializing the broadcast divisor behind an optimization barrier keeps the
+    true division. Costs one divisor-sized temporary.
+    """
+    numerator = jnp.asarray(numerator, jnp.float32)
+    denominator = jnp.asarray(denominator, jnp.float32)
+    shape = jnp.broadcast_shapes(numerator.shape, denominator.shape)
+    numerator = jnp.broadcast_to(numerator, shape)
+    denominator = jax.lax.optimization_barrier(jnp.broadcast_to(denominator, shape))
+    return numerator / denominator
 
 
 @jax.jit
@@ -113,7 +125,7 @@ def nvfp4_global_scale(weight: jax.Array) -> jax.Array:
     (amax below ~8e-36) gives 1.0, as generate_gparam's nan_to_num does.
     """
     amax = jnp.maximum(jnp.max(jnp.abs(weight.astype(jnp.float32))), FLOAT32_TINY)
-    reciprocal = _round_like_input(1.0 / amax, weight.dtype)
+    reciprocal = _round_like_input(exact_divide(1.0, amax), weight.dtype)
     global_scale = _round_like_input(reciprocal * (FP8_E4M3_MAX * E2M1_MAX), weight.dtype)
     return jnp.where(jnp.isfinite(global_scale), global_scale, 1.0).astype(jnp.float32)
 
@@ -125,13 +137,13 @@ def _nvfp4_codes_and_block_scales(weight: jax.Array, global_scale: jax.Array):
     blocks = weight.astype(jnp.float32).reshape(rows, columns // NVFP4_BLOCK_SIZE,
                                                 NVFP4_BLOCK_SIZE)
     block_amax = jnp.max(jnp.abs(blocks), axis=-1)
-    block_scale = _round_like_input(block_amax / _opaque(E2M1_MAX), weight.dtype)
+    block_scale = _round_like_input(exact_divide(block_amax, E2M1_MAX), weight.dtype)
     block_scale = jnp.minimum(global_scale * block_scale, FP8_E4M3_MAX)
     scale_bits = float32_to_float8_e4m3fn_bits(block_scale)
     scale_bits = jnp.where(scale_bits == 0, jnp.uint8(FP8_E4M3_BITS_OF_EPS), scale_bits)
     scale_fp8 = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn)
-    effective_scale = (scale_fp8.astype(jnp.float32) / global_scale)[..., None]
-    scaled = blocks / effective_scale
+    effective_scale = exact_divide(scale_fp8.astype(jnp.float32), global_scale)[..., None]
+    scaled = exact_divide(blocks, effective_scale)
     scale_exponent, scale_mantissa = _exponent_and_mantissa(effective_scale)
     negative = (blocks < 0) & quotient_rounds_to_nonzero(
         blocks, scale_exponent, scale_mantissa,
@@ -175,7 +187,7 @@ def _nvfp4_dequantize(codes, block_scales, tensor_scale, dtype):
     rows = codes.shape[0]
     values = e2m1_decode(unpack_nibbles(codes)).reshape(rows, block_scales.shape[1],
                                                         NVFP4_BLOCK_SIZE)
-    scale = block_scales.astype(jnp.float32) / tensor_scale.astype(jnp.float32)
+    scale = exact_divide(block_scales.astype(jnp.float32), tensor_scale)
     return (values * scale[..., None]).reshape(rows, -1).astype(dtype)
 
 
