@@ -269,52 +269,72 @@ def run_sweep(args):
             print(f"bf16 dot N={n} K={k} M={m}: {t*1e6:.1f} us", flush=True)
             results.append(dict(label="bf16", n=n, k=k, m=m, us=t * 1e6))
             del w
-    decs = {"nvfp4": ("fp8", "bits", "asm"), "mxfp4": ("fp8", "bits", "asm"),
-            "nf4": ("lut", "lut16", "select")}
-    # 1. small M: decoder x orientation (gate|up of 7B), all formats.
-    chosen = {}
-    for fmt in FORMATS:
-        entries = []
-        for dec in decs[fmt]:
-            for lhs in (True, False):
-                cfg = bw.MatmulConfig(block_m=16, block_n=64, split_k=1, decoder=dec,
-                                      weight_as_lhs=lhs)
-                entries.append((measure("small-A", fmt, big, k, 16, cfg), cfg))
-        chosen[fmt] = best(entries) or bw.MatmulConfig(decoder=SPECS[fmt].gpu_decoder)
-    # 2. large M: fused tilings vs dequantize + XLA dot; then the transposed kernel.
-    m = large_m
-    for fmt in FORMATS:
-        dec = chosen[fmt].decoder
-        measure("large-DQ", fmt, big, k, m, bw.MatmulConfig(path="dequantize"))
-        tiles = ((128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3), (128, 64, 4, 3))
-        for lhs in (True, False):
-            for bm, bn, warps, stages in tiles if fmt == "nvfp4" else tiles[:1]:
-                measure("large", fmt, big, k, m, bw.MatmulConfig(
-                    block_m=bm, block_n=bn, weight_as_lhs=lhs, num_warps=warps,
-                    num_stages=stages, decoder=dec))
-        measure("T-DQ", fmt, big, k, m, bw.TransposedConfig(path="dequantize"), transposed=True)
-        ttiles = ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3))
-        for bm, bn, warps, stages in ttiles if fmt == "nvfp4" else ttiles[:1]:
-            measure("T", fmt, big, k, m, bw.TransposedConfig(
-                block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, decoder=dec),
-                transposed=True)
-    # 3. small M tiles: NVFP4 on both shapes, then the others.
+    R = dataclasses.replace
+    gdecs = {"nvfp4": ("asmn", "asm", "fp8"), "mxfp4": ("asmn", "asm"), "nf4": ("lut16", "select")}
+    edec = {"nvfp4": "asm", "mxfp4": "asm", "nf4": "lut16"}
+    best_small = {}
+    # 1. M=16: group-scaled dots vs the per-weight-scale kernel (best of the first sweep).
     for fmt in FORMATS:
         for n in (big, small_n):
             entries = []
-            for bn in (32, 64, 128):
-                for split in (1, 2, 4):
-                    for warps, stages in ((4, 3), (4, 5), (8, 3)):
-                        if fmt != "nvfp4" and (warps, stages) != (4, 3):
-                            continue
-                        cfg = dataclasses.replace(chosen[fmt], block_n=bn, split_k=split,
-                                                  num_warps=warps, num_stages=stages)
-                        entries.append((measure("small-B", fmt, n, k, 16, cfg), cfg))
+            base = bw.MatmulConfig(block_m=16, block_n=64, split_k=1 if n == big else 2,
+                                   num_stages=4, decoder=edec[fmt])
+            for lhs in (False, True):
+                entries.append((measure("e", fmt, n, k, 16, R(base, weight_as_lhs=lhs)),
+                                R(base, weight_as_lhs=lhs)))
+            for dec in gdecs[fmt]:
+                for lhs in (True, False):
+                    for bn in (64, 128):
+                        for split in (1, 2):
+                            if fmt != "nvfp4" and (dec != gdecs[fmt][0] or bn == 128):
+                                continue
+                            cfg = R(base, group_dots=True, decoder=dec, weight_as_lhs=lhs,
+                                    block_n=bn, split_k=split, num_stages=3)
+                            entries.append((measure("g", fmt, n, k, 16, cfg), cfg))
             cfg = best(entries)
-            if cfg is not None:
-                measure("small-512", fmt, n, k, 16, cfg, tile_k=512)
-                measure("small-M1", fmt, n, k, 1, cfg)
-                measure("small-M64", fmt, n, k, 64, dataclasses.replace(cfg, block_m=64))
+            best_small[(fmt, n)] = cfg
+            if cfg is None:
+                continue
+            for stages, warps in ((2, 4), (4, 4), (3, 8)):
+                c2 = R(cfg, num_stages=stages, num_warps=warps)
+                entries.append((measure("g-tune", fmt, n, k, 16, c2), c2))
+            entries.append((measure("g-tile128", fmt, n, k, 16, cfg, tile_k=128), None))
+            cfg = best(entries) or cfg
+            best_small[(fmt, n)] = cfg
+            print("BEST-16", fmt, n, cfg, flush=True)
+    # 2. other M with the M=16 winner (and the other orientation at M >= 64).
+    for fmt in FORMATS:
+        for n in (big, small_n):
+            cfg = best_small.get((fmt, n))
+            if cfg is None:
+                continue
+            for m in (1, 4, 64, 256):
+                bm = max(16, min(128, bw._next_pow2(m)))
+                for lhs in ((cfg.weight_as_lhs,) if m < 64 else (True, False)):
+                    measure(f"M{m}", fmt, n, k, m, R(cfg, block_m=bm, weight_as_lhs=lhs,
+                                                     num_warps=cfg.num_warps if bm <= 64 else 8))
+            measure("M256-DQ", fmt, n, k, 256, bw.MatmulConfig(path="dequantize"))
+    # 3. large M: dequantize + XLA dot (the kernel alone too), fused transposed vs dequantize.
+    for fmt in FORMATS:
+        measure("large-DQ", fmt, big, k, large_m, bw.MatmulConfig(path="dequantize"))
+        measure("T-DQ", fmt, big, k, large_m, bw.TransposedConfig(path="dequantize"),
+                transposed=True)
+        measure("T", fmt, big, k, large_m, bw.TransposedConfig(
+            block_m=64, block_n=64, num_warps=4, num_stages=3, decoder=edec[fmt]),
+            transposed=True)
+    for fmt in FORMATS:
+        for bn, tpp, warps in ((64, 1, 4), (32, 2, 4), (128, 1, 8), (64, 2, 4)):
+            ws = weights(fmt, big, k, 256)
+            cfg = bw.DequantizeConfig(block_n=bn, tiles_per_program=tpp, num_warps=warps)
+            try:
+                t = time_rotating(lambda x, w: bw.blockwise_dequantize(
+                    w, spec=SPECS[fmt], config=cfg, interpret=args.interpret), None, ws)
+            except Exception as e:  # noqa: BLE001
+                t = float("nan")
+                print("FAIL dequantize", cfg, repr(e)[:400])
+            print(f"dequantize {fmt} N={big} K={k} {t*1e6:9.1f} us  {cfg}", flush=True)
+            results.append(dict(label="dequantize", fmt=fmt, n=big, k=k,
+                                config=dataclasses.asdict(cfg), us=t * 1e6))
     if args.out:
         with open(os.path.join(args.out, "sweep.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -132,6 +132,11 @@ class FormatSpec:
       uint8 [R, H] and the raw scale tiles of its two planes [R, H/B] into scaled weights
       [R, H] of out_dtype, times 2^-epilogue_exponent(decoder).
     aux_arrays(): constant extra kernel inputs (e.g. the NF4 level table), read via aux_refs.
+    For the group-scaled matmul (MatmulConfig.group_dots), which applies each block scale to the
+    f32 result of a dot over that block instead of to every weight:
+    decode_values(c, aux_refs, decoder) -> (v_lo, v_hi): unscaled values, bf16 [R, H], times
+      2^value_exponent(decoder);
+    scale_values(s) -> float32 [R]: one column of raw block scales as multipliers.
     """
     name: str
     scale_block: int
@@ -141,6 +146,9 @@ class FormatSpec:
     decode: Callable
     epilogue_exponent: Callable[[str], int]
     aux_arrays: Callable[[], tuple[np.ndarray, ...]] = lambda: ()
+    decode_values: Callable | None = None
+    value_exponent: Callable[[str], int] = lambda d: 0
+    scale_values: Callable | None = None
 
 
 def expand_block_scale(s: jax.Array, block: int) -> jax.Array:
@@ -155,7 +163,11 @@ def expand_block_scale(s: jax.Array, block: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
-    """Tiling of y = x @ W^T. path: "fused" (one kernel) or "dequantize" (bf16 W + XLA dot)."""
+    """Tiling of y = x @ W^T. path: "fused" (one kernel) or "dequantize" (bf16 W + XLA dot).
+
+    group_dots: one dot per scale block (K = block size) on unscaled values, the block scale
+    applied to its f32 result (no per-weight scale multiply, no scale broadcast).
+    """
     block_m: int = 16
     block_n: int = 64
     split_k: int = 1
@@ -164,6 +176,7 @@ class MatmulConfig:
     num_stages: int = 3
     decoder: str | None = None  # None: the format's interpret/GPU default
     path: str = "fused"
+    group_dots: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +215,14 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
             split *= 2
         return MatmulConfig(block_m=block_m, block_n=block_n, split_k=split,
                             weight_as_lhs=True, num_warps=4, num_stages=3)
-    return MatmulConfig(block_m=64 if m <= 128 else 128, block_n=128, split_k=1,
-                        weight_as_lhs=True, num_warps=8, num_stages=3)
+    # Large M: a Pallas dequantize kernel then the XLA (cuBLAS) matmul beat the fused kernels.
+    return MatmulConfig(path="dequantize")
 
 
 def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:
-    return TransposedConfig(block_m=64 if m <= 64 else 128, block_n=64, num_warps=8, num_stages=3)
+    if m <= 64:
+        return TransposedConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    return TransposedConfig(path="dequantize")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,7 +269,7 @@ def _store(ref_view, value, mask):
 
 def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
                    m: int, n: int, k: int, bm: int, bn: int, tile_k: int, tiles_per_split: int,
-                   split: int, weight_as_lhs: bool, poisoned: bool):
+                   split: int, weight_as_lhs: bool, poisoned: bool, group_dots: bool = False):
     out_ref = rest[-1]
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
     half = tile_k // 2
@@ -263,6 +278,24 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
     r0 = pid_m * bm
     n0 = pl.multiple_of(pid_n * bn, bn)
     ragged_m, ragged_k = m % bm != 0, k % tile_k != 0
+
+    def group_body(t, acc):
+        # One dot per scale block: codes of block gi of both planes share bytes [gi*B, gi*B+B).
+        kt = pid_s * tiles_per_split + t
+        blk = spec.scale_block
+        for gi in range(g):
+            c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half + gi * blk, blk), blk)]
+            values = spec.decode_values(c, aux_refs, decoder)
+            for p in range(2):
+                c0 = pl.multiple_of(kt * tile_k + p * half + gi * blk, blk)
+                mask = _edge_masks(r0, bm, m, c0, blk, k, ragged_m, ragged_k)
+                xg = _load(x_ref.at[pl.ds(r0, bm), pl.ds(c0, blk)], mask).astype(jnp.bfloat16)
+                sg = spec.scale_values(scales_ref[pl.ds(n0, bn), kt * 2 * g + p * g + gi])
+                if weight_as_lhs:
+                    acc = acc + _dot_nt(values[p], xg) * sg[:, None]
+                else:
+                    acc = acc + _dot_nt(xg, values[p]) * sg[None, :]
+        return acc
 
     def body(t, acc):
         kt = pid_s * tiles_per_split + t
@@ -280,9 +313,11 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
         return acc + _dot_nt(xs[0], w_lo) + _dot_nt(xs[1], w_hi)
 
     acc_shape = (bn, bm) if weight_as_lhs else (bm, bn)
-    acc = lax.fori_loop(0, tiles_per_split, body, jnp.zeros(acc_shape, jnp.float32))
+    acc = lax.fori_loop(0, tiles_per_split, group_body if group_dots else body,
+                        jnp.zeros(acc_shape, jnp.float32))
     y = acc.T if weight_as_lhs else acc
-    y = y * ((2.0 ** spec.epilogue_exponent(decoder)) / ts_ref[0])
+    exponent = -spec.value_exponent(decoder) if group_dots else spec.epilogue_exponent(decoder)
+    y = y * ((2.0 ** exponent) / ts_ref[0])
     mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, n % bn != 0)
     if split == 1:
         _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask)
@@ -414,7 +449,9 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     kernel = functools.partial(
         _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
         tile_k=packed.tile_k, tiles_per_split=k_tiles // split, split=split,
-        weight_as_lhs=config.weight_as_lhs, poisoned=poisoned)
+        weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots)
+    if config.group_dots and spec.decode_values is None:
+        raise ValueError(f"{spec.name} has no group-scaled decoder")
     if split == 1:
         out_shape = jax.ShapeDtypeStruct((m, packed.n), jnp.bfloat16)
     else:

@@ -13,6 +13,8 @@ power of two that the caller folds into the block scale:
           flushes to zero, so this decoder is GPU-only (checked against the reference on GPU).
 * "asm":  the "bits" pattern computed by inline PTX on packed registers (4 bytes at a time:
           prmt, and, imad, and per pair of weights). GPU-only: inline asm cannot be interpreted.
+* "asmn": "asm" plus one packed bf16 fma by 2^126 in the same asm block: exact e2m1 values as
+          normal bf16 (for kernels that feed decoded values straight into a dot). GPU-only.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = np.array(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=np.float32)
 
 # Power of two that each decoder's output carries (value = e2m1 * 2^DECODE_EXPONENT).
-DECODE_EXPONENT = {"fp8": -6, "bits": -126, "asm": -126}
+DECODE_EXPONENT = {"fp8": -6, "bits": -126, "asm": -126, "asmn": 0}
 E2M1_DECODERS = tuple(DECODE_EXPONENT)
 
 
@@ -70,7 +72,21 @@ and.b32 $1, y, 0x81C081C0;
 _ASM_HI = _ASM_LO.replace("0x000F000F", "0x00F000F0").replace("0x1040", "0x104")
 
 
-def _planes_asm(c):
+# fma.rn.bf16x2 by 2^126 (0x7E80) turns the subnormal-scaled pattern into the exact value.
+_ASM_NORMALIZE = (".reg .b32 x, y, z;\nmov.b32 z, 0;",
+                  ".reg .b32 x, y, z, s2, nz;\nmov.b32 z, 0;\nmov.b32 s2, 0x7E807E80;\n"
+                  "mov.b32 nz, 0x80008000;")
+
+
+def _normalized(asm):
+    asm = asm.replace(*_ASM_NORMALIZE)
+    for out in ("$0", "$1"):
+        asm = asm.replace(f"and.b32 {out}, y, 0x81C081C0;",
+                          f"and.b32 y, y, 0x81C081C0;\nfma.rn.bf16x2 {out}, y, s2, nz;")
+    return asm
+
+
+def _planes_asm(c, normalize=False):
     from jax.experimental.pallas import triton as plgpu
 
     def run(asm):
@@ -79,6 +95,8 @@ def _planes_asm(c):
             result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.bfloat16)])
         return out
 
+    if normalize:
+        return run(_normalized(_ASM_LO)), run(_normalized(_ASM_HI))
     return run(_ASM_LO), run(_ASM_HI)
 
 
@@ -93,4 +111,16 @@ def e2m1_planes(codes_tile: jax.Array, decoder: str):
         return _planes_bits(codes_tile)
     if decoder == "asm":
         return _planes_asm(codes_tile)
+    if decoder == "asmn":
+        return _planes_asm(codes_tile, normalize=True)
     raise ValueError(f"unknown E2M1 decoder {decoder!r}; expected one of {E2M1_DECODERS}")
+
+
+def e2m1_values(codes_tile: jax.Array, aux_refs, decoder: str):
+    """Unscaled planes for the group-scaled matmul: e2m1 exactly (e2m1/64 for "fp8")."""
+    del aux_refs
+    lo, hi = e2m1_planes(codes_tile, decoder)
+    if DECODE_EXPONENT[decoder] == -126:  # bf16 pattern: one multiply makes it a normal number
+        two_126 = jnp.asarray(2.0 ** 126, jnp.bfloat16)
+        lo, hi = lo * two_126, hi * two_126
+    return lo, hi

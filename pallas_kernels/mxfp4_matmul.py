@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels.e2m1_decode import DECODE_EXPONENT, e2m1_decode_reference, e2m1_planes
+from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference, e2m1_planes,
+                                        e2m1_values)
 
 SCALE_BLOCK = 32
 MAX_SCALE_CODE = 154
 # Power of two folded into the block scale per decoder: the multiplier 2^(s-127+a) is built from
 # its exponent bits, (s + a) must stay in [1, 254] (fp8: a=6 -> s <= 248; bits: a=100 -> s <= 154).
-_PRESCALE_EXPONENT = {"fp8": 6, "bits": 100, "asm": 100}
+_PRESCALE_EXPONENT = {"fp8": 6, "bits": 100, "asm": 100, "asmn": 0}
 
 
 def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
@@ -35,10 +36,17 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     return tuple(out)
 
 
+def _scale_values(s):
+    # 2^(s-127) from its exponent bits (s = 0, i.e. 2^-127, reads as 0).
+    return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
+
+
 MXFP4 = bw.FormatSpec(
-    name="mxfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm"),
+    name="mxfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm", "asmn"),
     interpret_decoder="fp8", gpu_decoder="bits", decode=_decode,
-    epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]))
+    epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]),
+    decode_values=e2m1_values, value_exponent=lambda d: -6 if d == "fp8" else 0,
+    scale_values=_scale_values)
 
 
 def _check_checkpoint(codes, block_scales):

@@ -53,11 +53,27 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     return tuple(out)
 
 
+def _decode_values(c, aux_refs, decoder):
+    lut_f32_ref, lut_bf16_ref = aux_refs
+    out = []
+    for v in ((c & 15).astype(jnp.int32), (c >> 4).astype(jnp.int32)):
+        if decoder == "lut16":
+            out.append(lut_bf16_ref[v])
+        elif decoder == "lut":
+            out.append(lut_f32_ref[v].astype(jnp.bfloat16))
+        elif decoder == "select":
+            out.append(_select_tree(v).astype(jnp.bfloat16))
+        else:
+            raise ValueError(f"unknown NF4 decoder {decoder!r}")
+    return tuple(out)
+
+
 NF4 = bw.FormatSpec(
     name="nf4", scale_block=SCALE_BLOCK, decoders=("lut", "lut16", "select"),
     interpret_decoder="lut", gpu_decoder="lut16", decode=_decode,
     epilogue_exponent=lambda d: 0,
-    aux_arrays=lambda: (NF4_LEVELS, NF4_LEVELS.astype(jnp.bfloat16)))
+    aux_arrays=lambda: (NF4_LEVELS, NF4_LEVELS.astype(jnp.bfloat16)),
+    decode_values=_decode_values, scale_values=lambda s: s)
 
 
 def nf4_absmax_from_double_quant(quantized_absmax: jax.Array, nested_absmax: jax.Array,

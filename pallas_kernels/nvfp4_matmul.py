@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels.e2m1_decode import DECODE_EXPONENT, e2m1_decode_reference, e2m1_planes
+from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference, e2m1_planes,
+                                        e2m1_values)
 
 SCALE_BLOCK = 16
 # Power of two folded into the block scale per decoder so that decoded weights are normal bf16
 # (fp8 decode is e2m1/64; the bf16-pattern decoders give e2m1 * 2^-126 and 448 * 2^118 < 2^127).
-_PRESCALE_EXPONENT = {"fp8": 6, "bits": 118, "asm": 118}
+_PRESCALE_EXPONENT = {"fp8": 6, "bits": 118, "asm": 118, "asmn": 0}
 
 
 def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
@@ -33,10 +34,16 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     return tuple(out)
 
 
+def _scale_values(s):
+    return s.astype(jnp.float32)
+
+
 NVFP4 = bw.FormatSpec(
-    name="nvfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm"),
+    name="nvfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm", "asmn"),
     interpret_decoder="fp8", gpu_decoder="bits", decode=_decode,
-    epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]))
+    epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]),
+    decode_values=e2m1_values, value_exponent=lambda d: -6 if d == "fp8" else 0,
+    scale_values=_scale_values)
 
 
 def _check_checkpoint(codes, block_scales):
