@@ -78,8 +78,9 @@ def _to_example(task: str, row: dict, where: str) -> Example:
                              f"got {sorted(row)}")
         return Example(row["question"], gsm8k_gold_answer(row["answer"]))
     if task == "math":
-        question = row.get("problem", row.get("question"))
-        gold = row.get("answer") or _boxed(row.get("solution", "") or "")
+        question = row.get("problem", row.get("question", row.get("prompt")))
+        solution = row.get("solution", "") or ""
+        gold = row.get("answer") or _boxed(solution) or solution.strip() or None
         if question is None or gold is None:
             raise ValueError(f"{where}: a math row needs 'problem' and 'answer' (or a boxed "
                              f"'solution'), got {sorted(row)}")

@@ -123,7 +123,20 @@ def _layer_forward(layer, x, cos, sin, mask, cached_kv, cache_index):
     return layer(x, cos, sin, mask, cached_kv, cache_index)
 
 
-_remat_layer_forward = nnx.remat(_layer_forward)
+def _remat_layer_forward(layer, x, cos, sin, mask, cached_kv, cache_index):
+    """The layer under jax.checkpoint (activations recomputed in the backward pass).
+
+    A pure function of the layer's state, merged inside the checkpoint: nnx.remat would update
+    the caller's Variables from the inner trace, which flax >= 0.12.10 rejects inside jit.
+    """
+    if cached_kv is not None:  # decoding: no gradients, nothing to save
+        return layer(x, cos, sin, mask, cached_kv, cache_index)
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, cos, sin, mask):
+        return nnx.merge(graphdef, state)(x, cos, sin, mask)[0]
+
+    return jax.checkpoint(run)(state, x, cos, sin, mask), None
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:

@@ -1,0 +1,121 @@
+"""The trainer end to end on a tiny CPU config: exact resume, a crash mid-save, non-finite
+updates skipped and counted, config validation."""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from qerl_jax.config_defaults import validate_config
+from qerl_jax.metrics import read_metrics
+from qerl_jax.trainer import NonFiniteError, Trainer
+
+TIMING_KEYS = ("time/rollout_s", "time/train_s", "rollout_tokens_per_s", "peak_memory_bytes")
+
+
+def _config(**train_overrides):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "tiny", os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.model.overrides = dict(config.model.overrides, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2)
+    config.warmup.steps = 40
+    config.warmup.batch_size = 32
+    config.train.prompts_per_step = 4
+    config.rollout.num_generations = 4
+    config.rollout.max_new_tokens = 12
+    config.train.micro_batch_size = 8
+    config.train.total_steps = 6
+    config.checkpoint.every_steps = 3
+    config.logging.progress_bar = False
+    config.loss.beta = 0.04          # exercise the KL reference path too
+    config.model.remat = True        # and per-layer remat with trainable norm scales
+    config.aqn.stages = 3
+    for key, value in train_overrides.items():
+        config.train[key] = value
+    return config
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    """One warm-up shared by every run of this module (it is deterministic in the seed)."""
+    workdir = str(tmp_path_factory.mktemp("warm"))
+    Trainer(_config(), workdir)
+    return os.path.join(workdir, "warmup")
+
+
+def _workdir(tmp_path, name, warm_cache):
+    workdir = str(tmp_path / name)
+    shutil.copytree(warm_cache, os.path.join(workdir, "warmup"))
+    return workdir
+
+
+def _comparable(metrics):
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in metrics]
+
+
+def test_resume_continues_exactly(tmp_path, warm_cache):
+    straight_dir = _workdir(tmp_path, "straight", warm_cache)
+    Trainer(_config(), straight_dir).train()
+    straight = read_metrics(straight_dir)
+    assert [row["step"] for row in straight] == list(range(6))
+
+    resumed_dir = _workdir(tmp_path, "resumed", warm_cache)
+    Trainer(_config(), resumed_dir).train(stop_after=3)
+    # a later save killed midway leaves an unfinished temporary directory behind
+    os.makedirs(os.path.join(resumed_dir, "checkpoints", "5.orbax-checkpoint-tmp-1234",
+                             "arrays"))
+    with open(os.path.join(resumed_dir, "metrics.jsonl"), "a") as handle:
+        handle.write('{"step": 3, "reward": 999.0}\n')  # a step that ran but was not saved
+    trainer = Trainer(_config(), resumed_dir)
+    assert trainer.checkpoints.latest_step() == 3
+    trainer.train(resume=True)
+    resumed = read_metrics(resumed_dir)
+    assert _comparable(resumed) == _comparable(straight)
+    a = jax.tree_util.tree_leaves(Trainer(_config(), straight_dir).checkpoints.restore(
+        trainer._state_arrays())[0])
+    b = jax.tree_util.tree_leaves(trainer._state_arrays())
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert os.path.isfile(os.path.join(resumed_dir, "curves.png"))
+    assert os.path.isfile(os.path.join(resumed_dir, "run.json"))
+
+
+def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path, warm_cache):
+    config = _config(max_consecutive_nonfinite=2)
+    trainer = Trainer(config, _workdir(tmp_path, "nan", warm_cache))
+    before = [np.array(leaf) for leaf in jax.tree_util.tree_leaves(trainer.trainable)]
+    grad_fn = trainer._grad_fn
+
+    def poisoned(*args):
+        (loss, aux), grads = grad_fn(*args)
+        return (loss * np.nan, aux), jax.tree_util.tree_map(lambda g: g * np.nan, grads)
+
+    trainer._grad_fn = poisoned
+    with pytest.raises(NonFiniteError, match="2 consecutive non-finite steps"):
+        trainer.train()
+    after = jax.tree_util.tree_leaves(trainer.trainable)
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    metrics = read_metrics(trainer.workdir)
+    assert metrics[0]["skipped_updates"] == 1
+
+
+def test_invalid_config_names_the_field():
+    config = _config()
+    config.train.micro_batch_size = 5
+    with pytest.raises(ValueError, match="config.train.micro_batch_size"):
+        validate_config(config)
+    config = _config()
+    config.quant.format = "bf16"
+    with pytest.raises(ValueError, match="config.aqn.enabled"):
+        validate_config(config)
+    config = _config()
+    config.data.task = "gsm8k"
+    with pytest.raises(ValueError, match="config.data.path"):
+        validate_config(config)
