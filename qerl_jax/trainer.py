@@ -202,7 +202,7 @@ class Trainer:
         self._grad_fn = jax.jit(jax.value_and_grad(micro_batch_loss, has_aux=True))
 
         def apply_update(trainable, opt_state, grads):
-            grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(grad_norm)
             updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
             new_trainable = optax.apply_updates(trainable, updates)

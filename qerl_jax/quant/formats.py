@@ -125,8 +125,8 @@ def quantized_nbytes(tree: Any) -> int:
     for leaf in jax.tree_util.tree_leaves(tree):
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             total += int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
-        else:
-            total += np.asarray(leaf).nbytes
+        else:  # a Python scalar: counted as the JAX array it becomes
+            total += int(np.size(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
     return total
 
 
