@@ -33,6 +33,7 @@ def base_config() -> ml_collections.ConfigDict:
                                                 apply_in_training=False))
     config.data = ml_collections.ConfigDict(dict(
         task="gsm8k", path="", split="train", subset="", limit=0, arithmetic_count=1000,
+        arithmetic_max_operand=20,
         prompt_style="paper", use_chat_template=True, max_prompt_length=256))
     config.rollout = ml_collections.ConfigDict(dict(
         num_generations=8, max_new_tokens=2048, temperature=1.0, top_p=1.0, top_k=0,

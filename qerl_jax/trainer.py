@@ -81,7 +81,8 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
             os.path.join(workdir, "warmup"), make_model, build_char_tokenizer,
             steps=config.warmup.steps, learning_rate=config.warmup.learning_rate,
             batch_size=config.warmup.batch_size, seed=config.seed,
-            prompt_style=config.data.prompt_style)
+            prompt_style=config.data.prompt_style,
+            max_operand=config.data.arithmetic_max_operand)
     else:
         if not model_cfg.tokenizer_path:
             raise ValueError("config.model.tokenizer_path is required for a preset model "
@@ -145,7 +146,9 @@ class Trainer:
         data = config.data
         examples = load_examples(data.task, data.path, split=data.split,
                                  subset=data.subset or None, limit=data.limit or None,
-                                 arithmetic_count=data.arithmetic_count, seed=config.seed)
+                                 arithmetic_count=data.arithmetic_count,
+                                 arithmetic_max_operand=data.arithmetic_max_operand,
+                                 seed=config.seed)
         self.iterator = PromptIterator(examples, config.train.prompts_per_step, config.seed)
         self.reward_functions = get_reward_functions(list(config.rewards.names))
         self.correctness_name = next((name for name in config.rewards.names

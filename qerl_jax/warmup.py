@@ -51,12 +51,14 @@ def _encode_pairs(tokenizer, pairs, prompt_style):
 
 
 def supervised_warmup(model: CausalLM, tokenizer, *, steps: int, learning_rate: float,
-                      batch_size: int, seed: int, prompt_style: str = "plain") -> list[float]:
+                      batch_size: int, seed: int, prompt_style: str = "plain",
+                      max_operand: int = 20) -> list[float]:
     """Trains all of `model`'s params by next-token cross-entropy on the completions.
 
     Returns the loss curve. Every draw comes from `seed`.
     """
-    problems = arithmetic_problems(steps * batch_size, seed=seed + 10_000)
+    problems = arithmetic_problems(steps * batch_size, seed=seed + 10_000,
+                                   max_operand=max_operand)
     pairs = [(p["question"], p["answer"]) for p in problems]
     tokens, mask, loss_mask = _encode_pairs(tokenizer, pairs, prompt_style)
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
@@ -91,7 +93,7 @@ def supervised_warmup(model: CausalLM, tokenizer, *, steps: int, learning_rate: 
 
 def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps: int,
                         learning_rate: float, batch_size: int, seed: int,
-                        prompt_style: str = "plain"):
+                        prompt_style: str = "plain", max_operand: int = 20):
     """Loads the warmed-up model + tokenizer from `directory`, or trains and saves them there.
 
     make_model() -> a fresh CausalLM; tokenizer_builder(path) writes the tokenizer. The
@@ -113,7 +115,8 @@ def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps:
     tokenizer = load_tokenizer(tokenizer_directory)
     model = make_model()
     losses = supervised_warmup(model, tokenizer, steps=steps, learning_rate=learning_rate,
-                               batch_size=batch_size, seed=seed, prompt_style=prompt_style)
+                               batch_size=batch_size, seed=seed, prompt_style=prompt_style,
+                               max_operand=max_operand)
     save_hf_model(model, directory)
     with open(marker, "w") as handle:
         handle.write(f"steps={steps} final_loss={losses[-1]:.5f}\n")

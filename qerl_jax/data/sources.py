@@ -90,7 +90,8 @@ def _to_example(task: str, row: dict, where: str) -> Example:
 
 def load_examples(task: str, source: str = "", *, split: str = "train",
                   subset: str | None = None, limit: int | None = None,
-                  arithmetic_count: int = 1000, seed: int = 0) -> list[Example]:
+                  arithmetic_count: int = 1000, arithmetic_max_operand: int = 20,
+                  seed: int = 0) -> list[Example]:
     """Examples of `task` from `source`: a local .jsonl/.parquet path, or a hub dataset name.
 
     For task 'arithmetic' no source is needed: `arithmetic_count` problems from `seed`.
@@ -99,7 +100,8 @@ def load_examples(task: str, source: str = "", *, split: str = "train",
         raise ValueError(f"unknown task {task!r}; known: {TASKS}")
     if task == "arithmetic":
         examples = [Example(p["question"], p["answer"])
-                    for p in arithmetic_problems(arithmetic_count, seed)]
+                    for p in arithmetic_problems(arithmetic_count, seed,
+                                                 max_operand=arithmetic_max_operand)]
     else:
         if not source:
             raise ValueError(f"task {task!r} needs a data source (a .jsonl/.parquet path or a "
