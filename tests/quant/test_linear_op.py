@@ -1,0 +1,170 @@
+"""The linear op on QuantizedWeights: forward equals the dense op on the dequantized weight,
+the custom-VJP x-gradient equals jax.grad of that dense reference, the weight gets zero
+cotangents, only the QuantizedWeight is saved for the backward pass, and the kernel dispatch
+point picks paths by (format, platform, M) and logs its choice once.
+
+Tolerances: the quantized path and the dense reference run the same dot on the same
+compute-dtype operands, differing only in float32 accumulation order (the dense reference
+contracts a pre-transposed [K, N] weight): |diff| <= 1e-5 * max|ref| before the final cast,
+i.e. at most one ulp of the output dtype (bf16: 2^-8 relative, f32: 1e-5 relative).
+"""
+
+import logging
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qerl_jax.quant import linear_op
+from qerl_jax.quant.formats import get_format
+from qerl_jax.quant.linear_op import (linear, quantized_matmul, register_matmul_kernel,
+                                      select_matmul_path, unregister_matmul_kernel)
+
+FORMATS = ["nvfp4", "mxfp4", "nf4"]
+TOLERANCE = {jnp.bfloat16: 2.0 ** -8, jnp.float32: 1e-5}
+
+
+def _problem(format_name, dtype=jnp.bfloat16, in_features=256, out_features=96):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    weight = jnp.asarray(rng.standard_normal((out_features, in_features)) * 0.05, dtype)
+    x = jnp.asarray(rng.standard_normal((2, 5, in_features)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((out_features,)) * 0.1, dtype)
+    quantized = get_format(format_name).quantize(weight, name="test.proj")
+    return quantized, x, bias, seed
+
+
+def _assert_close(actual, expected, compute_dtype, context):
+    actual = np.asarray(actual, np.float32)
+    expected = np.asarray(expected, np.float32)
+    scale = np.abs(expected).max()
+    assert np.abs(actual - expected).max() <= TOLERANCE[compute_dtype] * scale, context
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float32])
+def test_forward_and_gradient_equal_dense_reference(format_name, compute_dtype):
+    quantized, x, bias, seed = _problem(format_name)
+    dense_in_out = get_format(format_name).dequantize(quantized, jnp.float32).T  # [in, out]
+
+    def quantized_loss(x):
+        return jnp.sum(linear(x, quantized, bias, compute_dtype=compute_dtype)
+                       .astype(jnp.float32) ** 2)
+
+    def dense_loss(x):
+        return jnp.sum(linear(x, dense_in_out, bias, compute_dtype=compute_dtype)
+                       .astype(jnp.float32) ** 2)
+
+    context = f"{format_name} {compute_dtype.__name__} seed {seed}"
+    out = jax.jit(lambda x: linear(x, quantized, bias, compute_dtype=compute_dtype))(x)
+    assert out.shape == (2, 5, 96) and out.dtype == compute_dtype
+    _assert_close(out, linear(x, dense_in_out, bias, compute_dtype=compute_dtype),
+                  compute_dtype, context)
+    grad = jax.jit(jax.grad(quantized_loss))(x)
+    assert grad.shape == x.shape and grad.dtype == x.dtype
+    _assert_close(grad, jax.grad(dense_loss)(x), compute_dtype, context)
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+def test_weight_gets_zero_cotangents_and_only_it_is_saved(format_name):
+    quantized, x, _, _ = _problem(format_name)
+    grads = jax.grad(lambda q: jnp.sum(linear(x, q).astype(jnp.float32)), allow_int=True)(
+        quantized)
+    for leaf in jax.tree_util.tree_leaves(grads):
+        assert leaf.dtype == jax.dtypes.float0 or not np.asarray(leaf, np.float32).any()
+    # residuals of the VJP: exactly the QuantizedWeight's arrays (no dense copy of W, no x)
+    _, vjp_fn = jax.vjp(lambda x: linear(x, quantized), x)
+    saved = jax.tree_util.tree_leaves(vjp_fn)
+    expected = jax.tree_util.tree_leaves(quantized)
+    assert sorted((a.shape, str(a.dtype)) for a in saved) == sorted(
+        (a.shape, str(a.dtype)) for a in expected)
+
+
+def test_backward_dequantizes_again_instead_of_keeping_a_dense_copy():
+    """A jitted forward+backward dequantizes twice (once per pass), the second behind an
+    optimization barrier on (cotangent, weight), the mechanism jax.checkpoint uses against
+    CSE. XLA:GPU expands barriers only after scheduling, so the two dequantizations stay apart
+    there and no dense W lives from the forward to the backward pass; XLA:CPU expands them
+    before a late CSE and may merge the two (checked here: the barrier is in the program)."""
+    quantized, x, _, _ = _problem("nvfp4")
+    calls = []
+    original = get_format("nvfp4").dequantize
+
+    def counting_dequantize(q, dtype=None):
+        calls.append(dtype)
+        return original(q, dtype)
+
+    def loss(x, weight):
+        return jnp.sum(linear(x, weight).astype(jnp.float32) ** 2)
+
+    try:
+        object.__setattr__(get_format("nvfp4"), "dequantize", counting_dequantize)
+        lowered = jax.jit(jax.value_and_grad(loss)).lower(x, quantized)
+    finally:
+        object.__setattr__(get_format("nvfp4"), "dequantize", original)
+    assert len(calls) == 2
+    forward_only = jax.jit(loss).lower(x, quantized).as_text().count("optimization_barrier")
+    # the backward pass: its dequantization's barriers, plus the one on (cotangent, weight)
+    assert lowered.as_text().count("optimization_barrier") == 2 * forward_only + 1
+
+
+def test_dispatch_defaults_to_xla_and_honours_registered_kernels(caplog):
+    quantized, x, _, _ = _problem("nvfp4")
+    assert select_matmul_path("nvfp4", 1, "cpu") == "xla"
+    assert select_matmul_path("nf4", 4096, "gpu") == "xla"
+    kernel_calls = []
+
+    def fake_kernel(x2d, weight, *, compute_dtype):
+        kernel_calls.append(x2d.shape)
+        return linear_op._xla_forward(x2d, weight, compute_dtype=compute_dtype)
+
+    register_matmul_kernel("nvfp4", "cpu", fake_kernel, name="fake_small_m", min_m=1, max_m=8)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_matmul_kernel("nvfp4", "cpu", fake_kernel, name="fake_small_m")
+        assert select_matmul_path("nvfp4", 8, "cpu") == "fake_small_m"
+        assert select_matmul_path("nvfp4", 9, "cpu") == "xla"
+        assert select_matmul_path("mxfp4", 8, "cpu") == "xla"
+        with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+            small = linear(x[:1, :4], quantized)  # M = 4: the kernel
+            linear(x[:1, :4], quantized)
+            large = linear(x, quantized)  # M = 10: XLA
+        assert kernel_calls == [(4, 256), (4, 256)]
+        messages = [record.getMessage() for record in caplog.records]
+        assert sum("fake_small_m path" in m for m in messages) == 1, messages  # logged once
+        assert any("xla path, because M=10 is outside" in m for m in messages), messages
+        np.testing.assert_array_equal(np.asarray(small, np.float32),
+                                      np.asarray(large[:1, :4], np.float32))
+    finally:
+        unregister_matmul_kernel("nvfp4", "cpu", "fake_small_m")
+    assert select_matmul_path("nvfp4", 4, "cpu") == "xla"
+
+
+def test_registered_backward_kernel_is_used():
+    quantized, x, _, _ = _problem("mxfp4")
+    used = []
+
+    def fake_grad(grad_output, weight, *, compute_dtype):
+        used.append(grad_output.shape)
+        return linear_op._xla_backward(grad_output, weight, compute_dtype=compute_dtype)
+
+    register_matmul_kernel("mxfp4", "cpu", linear_op._xla_forward, name="fake_with_grad",
+                           grad_fn=fake_grad)
+    try:
+        grad = jax.grad(lambda x: jnp.sum(linear(x, quantized).astype(jnp.float32)))(x)
+    finally:
+        unregister_matmul_kernel("mxfp4", "cpu", "fake_with_grad")
+    assert used == [(10, 96)] and grad.shape == x.shape
+
+
+def test_shape_mismatch_and_dense_path_unchanged():
+    quantized, x, _, _ = _problem("nf4")
+    with pytest.raises(ValueError, match=r"x has 128 features.*nf4 weight is \[out=96, in=256\]"):
+        quantized_matmul(x[..., :128], quantized)
+    dense = jnp.asarray(np.random.default_rng(0).standard_normal((256, 96)), jnp.float32)
+    expected = jnp.dot(x.astype(jnp.bfloat16), dense.astype(jnp.bfloat16),
+                       preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(linear(x, dense), np.float32),
+                                  np.asarray(expected, np.float32))
