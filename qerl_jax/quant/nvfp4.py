@@ -158,9 +158,9 @@ def nvfp4_quantize(weight: jax.Array, *, name: str = "weight", check_finite: boo
     """Quantizes W [N, K] = [out, in] to NVFP4, bit-identical to compressed-tensors.
 
     Args:
-      weight: float32 or bfloat16 [N, K]; K must be a multiple of 16. (float16/float64 inputs
-        are treated as float32 after an exact cast, so bit-exactness is claimed for float32 and
-        bfloat16 only.)
+      weight: float32 or bfloat16 [N, K]; K must be a multiple of 16. (A float16 weight is cast
+        exactly to float32 and handled like one; compressed-tensors would round some
+        intermediates to float16, so bit-exactness is claimed for float32 and bfloat16.)
       name: layer name used in error messages.
       check_finite: reject NaN/Inf weights (eager check: raises if `weight` is traced; pass
         False inside jit after checking outside).
