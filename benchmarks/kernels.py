@@ -152,7 +152,7 @@ def run_check(args):
              (300, 1000, 1616, 256, True)]
     if interpret:
         cases = [(3, 80, 448, 128, True), (300, 80, 192, 128, True)]
-    decoders = {"nvfp4": ("fp8", "bits", "asm"), "mxfp4": ("fp8", "bits", "asm"),
+    decoders = {"nvfp4": ("fp8", "bits", "asm", "asmn"), "mxfp4": ("fp8", "bits", "asm", "asmn"),
                 "nf4": ("lut", "lut16", "select")}
 
     def record(name, fn, ref):
@@ -164,7 +164,7 @@ def run_check(args):
 
     for fmt in FORMATS:
         spec = SPECS[fmt]
-        decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm"))]
+        decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm", "asmn"))]
         for i, (m, n, k, tile_k, transposed) in enumerate(cases):
             key, kw, kx, ky = jax.random.split(key, 4)
             k = k // spec.scale_block * spec.scale_block
@@ -173,10 +173,17 @@ def run_check(args):
             packed = repack(fmt, ckpt, tile_k)
             ref = reference(fmt, x, ckpt)
             base = bw.default_matmul_config(m, packed)
-            variants = [dataclasses.replace(base, decoder=d) for d in decs]
-            variants.append(dataclasses.replace(base, weight_as_lhs=not base.weight_as_lhs))
-            if i == 0:
-                variants.append(dataclasses.replace(base, path="dequantize"))
+            R = dataclasses.replace
+            if base.path == "fused":
+                variants = [base] + [R(base, decoder=d) for d in decs]
+                variants.append(R(base, weight_as_lhs=not base.weight_as_lhs))
+                if m % base.block_m:
+                    variants.append(R(base, clamp_rows=False))
+                if i == 1:
+                    variants.append(R(base, group_dots=True))
+            else:
+                variants = [base, bw.MatmulConfig(block_m=64, block_n=64, weight_as_lhs=True,
+                                                  num_stages=2)]
             for cfg in variants:
                 record(f"{fmt} matmul M={m} N={n} K={k} tile_k={tile_k} {cfg}",
                        lambda: bw.blockwise_matmul(x, packed, spec=spec, config=cfg,
@@ -185,9 +192,9 @@ def run_check(args):
                 continue
             dy = jax.random.normal(ky, (m, n), jnp.bfloat16)
             tref = reference_transposed(fmt, dy, ckpt)
-            tbase = bw.default_transposed_config(m, packed)
-            tvariants = [dataclasses.replace(tbase, decoder=d) for d in decs]
-            tvariants.append(dataclasses.replace(tbase, path="dequantize"))
+            tfused = bw.TransposedConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+            tvariants = [bw.default_transposed_config(m, packed)]
+            tvariants += [R(tfused, decoder=d) for d in decs]
             for cfg in tvariants:
                 record(f"{fmt} transposed M={m} N={n} K={k} tile_k={tile_k} {cfg}",
                        lambda: bw.blockwise_matmul_transposed(
@@ -351,56 +358,96 @@ def run_bench(args):
     models = args.models.split(",")
     if args.interpret:  # CPU dry run of the script's logic
         SHAPES["tiny"], models = [("tiny", 80, 448)], ["tiny"]
-    rows = []
+    meta = dict(date=datetime.datetime.now().isoformat(), device=str(jax.devices()[0]),
+                jax=jax.__version__, copy_bandwidth=bandwidth)
+    rows, trows = [], []
     key = jax.random.key(2)
-    for model in models:
+    dot = lambda x, w: jax.lax.dot_general(
+        x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    dot_t = lambda dy, w: jnp.dot(dy, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    def timed(label, op, x, ws):
+        try:
+            return time_rotating(op, x, ws) * 1e6
+        except Exception as e:  # noqa: BLE001
+            print("FAIL", label, repr(e)[:800], flush=True)
+            return float("nan")
+
+    def kernel_op(fmt, cfg):
+        return lambda x, w: bw.blockwise_matmul(x, w, spec=SPECS[fmt], config=cfg,
+                                                interpret=args.interpret)
+
+    def save():
+        if not args.out:
+            return
+        text = _table(rows, bandwidth) + "\n\n" + _ttable(trows)
+        with open(os.path.join(args.out, "kernels.md"), "w") as f:
+            f.write(f"{meta}\n\n{text}\n")
+        with open(os.path.join(args.out, "kernels.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows, transposed=trows), f, indent=1)
+
+    def bench_model(model, transposed_only=False):
+        nonlocal key
         shapes = SHAPES[model]
         if args.quick:
             shapes = [s for s in shapes if s[0] in QUICK.get(model, [])] or shapes[:3]
         for name, n, k in shapes:
+            if transposed_only and name not in ("qkv", "gate|up", "down", "tiny"):
+                continue
             key, kw, kx = jax.random.split(key, 3)
-            packed, ckpts = {}, {}
+            count = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / packed_bytes(n, k, "nvfp4"))))
+            packed, ckpt0 = {}, None
             for fmt in FORMATS:
-                ckpts[fmt] = random_checkpoint(fmt, n, k, kw)
-                packed[fmt] = repack(fmt, ckpts[fmt])
+                ckpt = random_checkpoint(fmt, n, k, kw)
+                ckpt0 = ckpt if fmt == "nvfp4" else ckpt0
+                packed[fmt] = copies(repack(fmt, ckpt), count)
             w16 = jax.random.normal(kw, (n, k), jnp.bfloat16)
+            w16s = copies(w16, max(2, min(64, math.ceil(L2_DEFEAT_BYTES / w16.nbytes))))
+            naive_ws = copies(ckpt0, min(count, 8))
+            if transposed_only:
+                for m in (4096,) if not args.interpret else (300,):
+                    dy = jax.random.normal(kx, (m, n), jnp.bfloat16)
+                    row = dict(model=model, layer=name, n=n, k=k, m=m,
+                               bf16=timed("bf16 dx", dot_t, dy, w16s))
+                    for fmt in FORMATS:
+                        for path in ("dequantize", "fused"):
+                            cfg = (bw.TransposedConfig(path="dequantize") if path == "dequantize"
+                                   else bw.TransposedConfig(block_m=64, block_n=64, num_warps=4,
+                                                            num_stages=3))
+                            op = (lambda fmt, cfg: lambda x, w: bw.blockwise_matmul_transposed(
+                                x, w, spec=SPECS[fmt], config=cfg,
+                                interpret=args.interpret))(fmt, cfg)
+                            row[f"{fmt}_{path}"] = timed(f"{fmt} dx {path}", op, dy, packed[fmt])
+                    trows.append(row)
+                    print(_trow_md(row), flush=True)
+                    save()
+                continue
             for m in (QUICK_M if args.quick else M_VALUES) if not args.interpret else (1, 300):
                 x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-                row = dict(model=model, layer=name, n=n, k=k, m=m)
-                count = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / packed_bytes(n, k, "nvfp4"))))
-                count16 = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / w16.nbytes)))
-                dot = lambda x, w: jax.lax.dot_general(
-                    x, w, (((1,), (1,)), ((), ())),
-                    preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-                ops = {"bf16": (dot, copies(w16, count16))}
+                row = dict(model=model, layer=name, n=n, k=k, m=m,
+                           bf16=timed("bf16", dot, x, w16s))
                 for fmt in FORMATS:
-                    cfg = bw.default_matmul_config(m, packed[fmt])
-                    op = (lambda fmt, cfg: lambda x, w: bw.blockwise_matmul(
-                        x, w, spec=SPECS[fmt], config=cfg, interpret=args.interpret))(fmt, cfg)
-                    ops[fmt] = (op, copies(packed[fmt], count))
+                    cfg = bw.default_matmul_config(m, packed[fmt][0])
                     row[f"{fmt}_config"] = str(cfg)
-                ops["naive"] = (lambda x, c: naive_nvfp4_matmul(x, *c),
-                                copies(ckpts["nvfp4"], min(count, 8)))
-                for label, (op, ws) in ops.items():
-                    try:
-                        row[label] = time_rotating(op, x, ws) * 1e6
-                    except Exception as e:  # noqa: BLE001
-                        row[label] = float("nan")
-                        print("FAIL", label, name, m, repr(e)[:800])
-                    del ws
-                for fmt in FORMATS:
+                    row[fmt] = timed(f"{fmt} {name} {m}", kernel_op(fmt, cfg), x, packed[fmt])
                     row[f"{fmt}_bw"] = packed_bytes(n, k, fmt) / (row[fmt] * 1e-6)
+                    if fmt == "nvfp4" and m % 16 and m < 16:  # masked rows instead of clamped
+                        alt = dataclasses.replace(cfg, clamp_rows=False)
+                        row["nvfp4_masked_rows"] = timed("masked", kernel_op(fmt, alt), x,
+                                                         packed[fmt])
+                row["naive"] = timed("naive", lambda x, c: naive_nvfp4_matmul(x, *c), x, naive_ws)
                 rows.append(row)
                 print(_row_md(row, bandwidth), flush=True)
-    text = _table(rows, bandwidth)
+                save()
+            del packed, w16s, naive_ws
+
+    for i, model in enumerate(models):
+        bench_model(model)
+        if i == 0:
+            bench_model(model, transposed_only=True)
+    text = _table(rows, bandwidth) + "\n\n" + _ttable(trows)
     print("\n" + text)
-    if args.out:
-        meta = dict(date=datetime.datetime.now().isoformat(), device=str(jax.devices()[0]),
-                    jax=jax.__version__, copy_bandwidth=bandwidth)
-        with open(os.path.join(args.out, "kernels.md"), "w") as f:
-            f.write(f"{meta}\n\n{text}\n")
-        with open(os.path.join(args.out, "kernels.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    save()
     return rows
 
 
@@ -411,8 +458,13 @@ HEADER = ("| model | layer | N | K | M | bf16 dot us | NVFP4 us (x bf16, % copy 
 
 def _row_md(r, bandwidth):
     def cell(fmt):
-        return (f"{r[fmt]:.1f} ({r['bf16'] / r[fmt]:.2f}x, "
+        text = (f"{r[fmt]:.1f} ({r['bf16'] / r[fmt]:.2f}x, "
                 f"{100 * r[f'{fmt}_bw'] / bandwidth:.0f}%)")
+        if "dequantize" in r.get(f"{fmt}_config", ""):
+            text += " dq"
+        if fmt == "nvfp4" and "nvfp4_masked_rows" in r:
+            text += f" [masked rows: {r['nvfp4_masked_rows']:.1f}]"
+        return text
     return (f"| {r['model']} | {r['layer']} | {r['n']} | {r['k']} | {r['m']} | {r['bf16']:.1f} | "
             f"{cell('nvfp4')} | {cell('mxfp4')} | {cell('nf4')} | "
             f"{r['naive']:.1f} ({r['bf16'] / r['naive']:.2f}x) |")
@@ -420,6 +472,21 @@ def _row_md(r, bandwidth):
 
 def _table(rows, bandwidth):
     return "\n".join([HEADER] + [_row_md(r, bandwidth) for r in rows])
+
+
+THEADER = ("| model | layer | N | K | M | bf16 dy@W us | NVFP4 dequant+XLA / fused us | "
+           "MXFP4 dequant+XLA / fused us | NF4 dequant+XLA / fused us |\n"
+           "|---|---|---|---|---|---|---|---|---|")
+
+
+def _trow_md(r):
+    cells = " | ".join(f"{r[f+'_dequantize']:.0f} ({r['bf16'] / r[f+'_dequantize']:.2f}x) / "
+                       f"{r[f+'_fused']:.0f} ({r['bf16'] / r[f+'_fused']:.2f}x)" for f in FORMATS)
+    return f"| {r['model']} | {r['layer']} | {r['n']} | {r['k']} | {r['m']} | {r['bf16']:.0f} | {cells} |"
+
+
+def _ttable(trows):
+    return "\n".join([THEADER] + [_trow_md(r) for r in trows])
 
 
 def main():

@@ -167,6 +167,8 @@ class MatmulConfig:
 
     group_dots: one dot per scale block (K = block size) on unscaled values, the block scale
     applied to its f32 result (no per-weight scale multiply, no scale broadcast).
+    clamp_rows: when M is not a multiple of block_m, read activation rows min(r, M-1) (a gather
+    with no mask; the extra rows repeat the last one and are not stored) instead of masking.
     """
     block_m: int = 16
     block_n: int = 64
@@ -177,6 +179,7 @@ class MatmulConfig:
     decoder: str | None = None  # None: the format's interpret/GPU default
     path: str = "fused"
     group_dots: bool = False
+    clamp_rows: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,20 +206,25 @@ def _next_pow2(v: int) -> int:
 
 
 def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
-    """Heuristic tiling for y = x @ W^T (measured on one H100; see benchmarks/kernels_results.md)."""
+    """Heuristic tiling for y = x @ W^T, from sweeps on one H100 (benchmarks/kernels_results.md).
+
+    M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program, split-K 2
+    when that still leaves too few programs. E2M1 formats: inline-asm decode, activations as the
+    left dot operand at M <= 16 and the weights as the left one above. NF4: bf16 table lookup,
+    weights as the left operand. M > 64: Pallas dequantize kernel + XLA (cuBLAS) matmul.
+    """
     n_pad, half_k = packed.codes.shape
     k_tiles = 2 * half_k // packed.tile_k
-    if m <= 64:
-        block_m = max(16, _next_pow2(m))
-        block_n = 64 if n_pad >= 64 * 132 else 32
-        programs = n_pad // block_n
-        split = 1
-        while programs * split < 132 and split < 8 and k_tiles % (2 * split) == 0:
-            split *= 2
-        return MatmulConfig(block_m=block_m, block_n=block_n, split_k=split,
-                            weight_as_lhs=True, num_warps=4, num_stages=3)
-    # Large M: a Pallas dequantize kernel then the XLA (cuBLAS) matmul beat the fused kernels.
-    return MatmulConfig(path="dequantize")
+    if m > 64:
+        return MatmulConfig(path="dequantize")
+    block_m = max(16, _next_pow2(m))
+    block_n = 64
+    split = 1
+    if n_pad // block_n < 264 and k_tiles % 2 == 0:
+        split = 2
+    return MatmulConfig(block_m=block_m, block_n=block_n, split_k=split,
+                        weight_as_lhs=packed.fmt == "nf4" or block_m > 16, num_warps=4,
+                        num_stages=3)
 
 
 def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:
@@ -269,7 +277,8 @@ def _store(ref_view, value, mask):
 
 def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
                    m: int, n: int, k: int, bm: int, bn: int, tile_k: int, tiles_per_split: int,
-                   split: int, weight_as_lhs: bool, poisoned: bool, group_dots: bool = False):
+                   split: int, weight_as_lhs: bool, poisoned: bool, group_dots: bool = False,
+                   clamp_rows: bool = False):
     out_ref = rest[-1]
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
     half = tile_k // 2
@@ -278,6 +287,18 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
     r0 = pid_m * bm
     n0 = pl.multiple_of(pid_n * bn, bn)
     ragged_m, ragged_k = m % bm != 0, k % tile_k != 0
+
+    def load_x(c0, width):
+        if ragged_m and clamp_rows:
+            rows = jnp.minimum(r0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), m - 1)
+            cols = c0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+            if ragged_k:
+                mask = jnp.broadcast_to(cols < k, (bm, width))
+                cols = jnp.minimum(cols, k - 1)
+                return plgpu.load(x_ref.at[rows, cols], mask=mask, other=0.0)
+            return x_ref[rows, cols]
+        mask = _edge_masks(r0, bm, m, c0, width, k, ragged_m, ragged_k)
+        return _load(x_ref.at[pl.ds(r0, bm), pl.ds(c0, width)], mask)
 
     def group_body(t, acc):
         # One dot per scale block: codes of block gi of both planes share bytes [gi*B, gi*B+B).
@@ -288,8 +309,7 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
             values = spec.decode_values(c, aux_refs, decoder)
             for p in range(2):
                 c0 = pl.multiple_of(kt * tile_k + p * half + gi * blk, blk)
-                mask = _edge_masks(r0, bm, m, c0, blk, k, ragged_m, ragged_k)
-                xg = _load(x_ref.at[pl.ds(r0, bm), pl.ds(c0, blk)], mask).astype(jnp.bfloat16)
+                xg = load_x(c0, blk).astype(jnp.bfloat16)
                 sg = spec.scale_values(scales_ref[pl.ds(n0, bn), kt * 2 * g + p * g + gi])
                 if weight_as_lhs:
                     acc = acc + _dot_nt(values[p], xg) * sg[:, None]
@@ -305,8 +325,7 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
         xs = []
         for p in range(2):
             c0 = pl.multiple_of(kt * tile_k + p * half, half)
-            mask = _edge_masks(r0, bm, m, c0, half, k, ragged_m, ragged_k)
-            xs.append(_load(x_ref.at[pl.ds(r0, bm), pl.ds(c0, half)], mask).astype(jnp.bfloat16))
+            xs.append(load_x(c0, half).astype(jnp.bfloat16))
         w_lo, w_hi = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.bfloat16)
         if weight_as_lhs:
             return acc + _dot_nt(w_lo, xs[0]) + _dot_nt(w_hi, xs[1])
@@ -449,7 +468,8 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     kernel = functools.partial(
         _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
         tile_k=packed.tile_k, tiles_per_split=k_tiles // split, split=split,
-        weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots)
+        weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
+        clamp_rows=config.clamp_rows)
     if config.group_dots and spec.decode_values is None:
         raise ValueError(f"{spec.name} has no group-scaled decoder")
     if split == 1:

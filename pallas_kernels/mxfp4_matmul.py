@@ -43,7 +43,7 @@ def _scale_values(s):
 
 MXFP4 = bw.FormatSpec(
     name="mxfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm", "asmn"),
-    interpret_decoder="fp8", gpu_decoder="bits", decode=_decode,
+    interpret_decoder="fp8", gpu_decoder="asm", decode=_decode,
     epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]),
     decode_values=e2m1_values, value_exponent=lambda d: -6 if d == "fp8" else 0,
     scale_values=_scale_values)
