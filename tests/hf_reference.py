@@ -51,6 +51,17 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
     return model.float().eval()
 
 
+def left_padded_batch(rng, lengths, total, vocab=256, low=0):
+    """Random tokens [B, total] in [low, vocab) left-padded (pad id 0) to the given lengths,
+    with the matching int32 mask."""
+    tokens = rng.integers(low, vocab, size=(len(lengths), total))
+    mask = np.zeros((len(lengths), total), np.int32)
+    for row, length in enumerate(lengths):
+        mask[row, total - length:] = 1
+        tokens[row, :total - length] = 0
+    return tokens, mask
+
+
 def save_hf_model_dir(model, directory: str) -> str:
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -11,7 +11,7 @@ import torch
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.sampling import (SamplingConfig, _generate_program, bucket_length,
                                filter_logits, generate)
-from tests.hf_reference import make_hf_model, save_hf_model_dir
+from tests.hf_reference import left_padded_batch, make_hf_model, save_hf_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +22,7 @@ def tiny(tmp_path_factory):
 
 
 def _prompts(rng, lengths, total, vocab=256):
-    tokens = rng.integers(3, vocab, size=(len(lengths), total))
-    mask = np.zeros((len(lengths), total), np.int64)
-    for row, length in enumerate(lengths):
-        mask[row, total - length:] = 1
-        tokens[row, :total - length] = 0
-    return tokens, mask
+    return left_padded_batch(rng, lengths, total, vocab, low=3)
 
 
 def test_greedy_equals_transformers_generate(tiny):

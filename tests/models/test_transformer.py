@@ -13,7 +13,7 @@ import pytest
 
 from qerl_jax.models import decode_step, init_kv_cache, prefill
 from qerl_jax.models.hf_io import load_hf_model
-from tests.hf_reference import hf_logits, make_hf_model, save_hf_model_dir
+from tests.hf_reference import hf_logits, left_padded_batch, make_hf_model, save_hf_model_dir
 
 ARCHS = ["qwen2", "llama"]
 
@@ -27,12 +27,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _left_padded_batch(rng, vocab, lengths, total):
-    tokens = rng.integers(0, vocab, size=(len(lengths), total))
-    mask = np.zeros((len(lengths), total), np.int32)
-    for row, length in enumerate(lengths):
-        mask[row, total - length:] = 1
-        tokens[row, :total - length] = 0
-    return tokens, mask
+    return left_padded_batch(rng, lengths, total, vocab)
 
 
 def _valid_max_abs_diff(ours, reference, mask):
