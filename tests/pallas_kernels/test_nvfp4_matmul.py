@@ -1,0 +1,112 @@
+"""NVFP4 kernels (pallas_kernels/nvfp4_matmul.py) in interpret mode vs the jnp reference."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import blockwise_matmul as bw
+from pallas_kernels import nvfp4_matmul as nv
+from pallas_kernels.e2m1_decode import e2m1_decode_reference
+from tests.pallas_kernels import kernel_checks as kc
+
+
+def make_checkpoint(rng, n, k):
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    # Block scales over the whole e4m3 range used in practice, subnormals (< 2^-6) included.
+    scales = (2.0 ** rng.uniform(-9, 8, (n, k // 16))).astype(ml_dtypes.float8_e4m3fn)
+    tensor_scale = np.float32(rng.uniform(0.5, 600))
+    return jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(tensor_scale)
+
+
+NVFP4 = kc.FormatUnderTest(
+    name="nvfp4", block=16, make_checkpoint=make_checkpoint, repack=nv.repack_nvfp4,
+    unpack=nv.unpack_nvfp4, reference=nv.nvfp4_matmul_reference,
+    reference_transposed=nv.nvfp4_matmul_transposed_reference,
+    dequantize_reference=nv.nvfp4_dequantize_reference, matmul=nv.nvfp4_matmul,
+    matmul_transposed=nv.nvfp4_matmul_transposed, dequantize=nv.nvfp4_dequantize)
+
+
+def test_e2m1_table_matches_ml_dtypes():
+    codes = np.arange(16, dtype=np.uint8)
+    expected = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(e2m1_decode_reference(jnp.asarray(codes))), expected)
+
+
+def test_dequantize_reference_matches_float64_numpy():
+    seed = kc.fresh_seed()
+    rng = np.random.default_rng(seed)
+    codes, scales, ts = make_checkpoint(rng, 5, 64)
+    c = np.asarray(codes)
+    elements = np.stack([c & 15, c >> 4], axis=-1).reshape(5, 64)  # even k in the low nibble
+    values = elements.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    expected = values * np.repeat(np.asarray(scales).astype(np.float64), 16, axis=1) / float(ts)
+    np.testing.assert_allclose(np.asarray(nv.nvfp4_dequantize_reference(codes, scales, ts)),
+                               expected, rtol=1e-6, err_msg=f"seed={seed}")
+
+
+def test_repack_is_lossless():
+    kc.check_repack_roundtrip(NVFP4)
+
+
+def test_plane_layout():
+    kc.check_plane_layout(NVFP4, low_nibble_first=True)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+def test_matmul_default_config(m):
+    kc.check_matmul(NVFP4, m)
+
+
+@pytest.mark.parametrize("m,config", [
+    (300, bw.MatmulConfig(block_m=64, block_n=32, split_k=1, weight_as_lhs=True)),
+    (300, bw.MatmulConfig(block_m=128, block_n=64, split_k=1, weight_as_lhs=False)),
+    (3, bw.MatmulConfig(block_m=16, block_n=32, split_k=2, weight_as_lhs=True)),
+    (3, bw.MatmulConfig(block_m=16, block_n=64, split_k=1, weight_as_lhs=False,
+                        clamp_rows=False)),
+    (20, bw.MatmulConfig(block_m=32, block_n=32, split_k=2, weight_as_lhs=False,
+                         group_dots=True)),
+    (64, bw.MatmulConfig(block_m=64, block_n=32, split_k=1, weight_as_lhs=True,
+                         group_dots=True)),
+])
+def test_matmul_variants(m, config):
+    kc.check_matmul(NVFP4, m, config)
+
+
+def test_matmul_tile_256_and_wide_n():
+    kc.check_matmul(NVFP4, 5, n=200, tile_k=256)
+
+
+@pytest.mark.parametrize("m,config", [
+    (3, None),
+    (300, None),
+    (300, bw.TransposedConfig(block_m=128, block_n=32)),
+    (64, bw.TransposedConfig(block_m=64, block_n=64)),
+])
+def test_matmul_transposed(m, config):
+    kc.check_transposed(NVFP4, m, config)
+
+
+def test_dequantize_kernel():
+    kc.check_dequantize(NVFP4)
+
+
+def test_leading_dims():
+    kc.check_leading_dims(NVFP4)
+
+
+def test_bad_inputs_raise():
+    codes = jnp.zeros((4, 32), jnp.uint8)
+    with pytest.raises(ValueError, match="block_scales"):
+        nv.repack_nvfp4(codes, jnp.zeros((4, 3), jnp.float8_e4m3fn), 1.0)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        nv.repack_nvfp4(codes, jnp.zeros((4, 4), jnp.float32), 1.0)
+    packed = nv.repack_nvfp4(codes, jnp.ones((4, 4), jnp.float8_e4m3fn), 1.0, tile_k=128)
+    with pytest.raises(ValueError, match="K="):
+        nv.nvfp4_matmul(jnp.zeros((2, 32), jnp.bfloat16), packed, interpret=True)
+    with pytest.raises(ValueError, match="decoder"):
+        nv.nvfp4_matmul(jnp.zeros((2, 64), jnp.bfloat16), packed, interpret=True,
+                        config=dataclasses.replace(bw.default_matmul_config(2, packed),
+                                                   decoder="nope"))
