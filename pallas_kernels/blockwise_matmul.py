@@ -442,10 +442,15 @@ def _launch(kernel, out_shape, grid, inputs, *, interpret, compiler_params, pois
 
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output"))
 def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
-                     config: MatmulConfig, interpret: bool = False,
+                     config: MatmulConfig | None = None, interpret: bool = False,
                      poison_output: bool = False) -> jax.Array:
-    """y [..., N] bf16 = x [..., K] @ W^T for a packed 4-bit W [N, K]."""
+    """y [..., N] bf16 = x [..., K] @ W^T for a packed 4-bit W [N, K].
+
+    config None picks default_matmul_config(M, packed).
+    """
     _check_packed(packed, spec)
+    if config is None:
+        config = default_matmul_config(x.size // x.shape[-1], packed)
     lead, k = x.shape[:-1], x.shape[-1]
     if k != packed.k:
         raise ValueError(f"x has K={k}, weight has K={packed.k}")
@@ -490,10 +495,15 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
 
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output"))
 def blockwise_matmul_transposed(dy: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
-                                config: TransposedConfig, interpret: bool = False,
+                                config: TransposedConfig | None = None, interpret: bool = False,
                                 poison_output: bool = False) -> jax.Array:
-    """dx [..., K] bf16 = dy [..., N] @ W for a packed 4-bit W [N, K] (the backward of x @ W^T)."""
+    """dx [..., K] bf16 = dy [..., N] @ W for a packed 4-bit W [N, K] (the backward of x @ W^T).
+
+    config None picks default_transposed_config(M, packed).
+    """
     _check_packed(packed, spec)
+    if config is None:
+        config = default_transposed_config(dy.size // dy.shape[-1], packed)
     lead, n = dy.shape[:-1], dy.shape[-1]
     if n != packed.n:
         raise ValueError(f"dy has N={n}, weight has N={packed.n}")

@@ -120,8 +120,6 @@ def mxfp4_matmul(x: jax.Array, packed: bw.PackedWeight, *, interpret: bool = Fal
     config: tiling; None picks `blockwise_matmul.default_matmul_config(M, packed)`.
     poison_output: NaN-fill the kernel's output buffer first (tests: catches unwritten tiles).
     """
-    m = x.size // x.shape[-1]
-    config = config or bw.default_matmul_config(m, packed)
     return bw.blockwise_matmul(x, packed, spec=MXFP4, config=config, interpret=interpret,
                                poison_output=poison_output)
 
@@ -130,8 +128,6 @@ def mxfp4_matmul_transposed(dy: jax.Array, packed: bw.PackedWeight, *, interpret
                             config: bw.TransposedConfig | None = None,
                             poison_output: bool = False) -> jax.Array:
     """dx [..., K] bf16 = dy [..., N] @ W (backward of mxfp4_matmul w.r.t. x)."""
-    m = dy.size // dy.shape[-1]
-    config = config or bw.default_transposed_config(m, packed)
     return bw.blockwise_matmul_transposed(dy, packed, spec=MXFP4, config=config,
                                           interpret=interpret, poison_output=poison_output)
 

@@ -150,8 +150,6 @@ def nf4_matmul_transposed_reference(dy, codes, absmax) -> jax.Array:
 def nf4_matmul(x: jax.Array, packed: bw.PackedWeight, *, interpret: bool = False,
                config: bw.MatmulConfig | None = None, poison_output: bool = False) -> jax.Array:
     """y [..., N] bf16 = x [..., K] @ W^T with W packed by repack_nf4 (see nvfp4_matmul)."""
-    m = x.size // x.shape[-1]
-    config = config or bw.default_matmul_config(m, packed)
     return bw.blockwise_matmul(x, packed, spec=NF4, config=config, interpret=interpret,
                                poison_output=poison_output)
 
@@ -160,8 +158,6 @@ def nf4_matmul_transposed(dy: jax.Array, packed: bw.PackedWeight, *, interpret: 
                           config: bw.TransposedConfig | None = None,
                           poison_output: bool = False) -> jax.Array:
     """dx [..., K] bf16 = dy [..., N] @ W (backward of nf4_matmul w.r.t. x)."""
-    m = dy.size // dy.shape[-1]
-    config = config or bw.default_transposed_config(m, packed)
     return bw.blockwise_matmul_transposed(dy, packed, spec=NF4, config=config,
                                           interpret=interpret, poison_output=poison_output)
 
