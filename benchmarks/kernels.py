@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp

@@ -1,11 +1,9 @@
 """HF checkpoint I/O: exact round trips, sharding, interop with transformers, clear errors."""
 
-import json
 import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
