@@ -11,9 +11,11 @@ is the QuantizedWeight itself (x is not needed for dx = dy @ W).
 
 Dispatch: `select_matmul_path(format, m, platform)` picks the implementation for an M-row
 product. Kernels (pallas_kernels/) register with `register_matmul_kernel` for a (format,
-platform) and a range of M, with an optional backward (dy @ W) kernel; without a match the XLA
-path runs (dequantize to the compute dtype, then one dot with float32 accumulation). The
-chosen path and the reason are logged once per (format, platform, path, reason).
+platform) and a range of M, with an optional backward (dy @ W) kernel and an optional
+`supports(weight, compute_dtype)` check (e.g. the weight must be in the kernel layout made by
+qerl_jax.quant.kernel_dispatch.enable_kernels); without a match the XLA path runs (dequantize to
+the compute dtype, then one dot with float32 accumulation). The chosen path and the reason are
+logged once per (format, platform, path, reason).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class MatmulKernel:
     fn(x [M, K], weight, *, compute_dtype) -> y [M, N] float32 (the forward product), and
     optionally grad_fn(grad_y [M, N], weight, *, compute_dtype) -> dx [M, K] in compute_dtype
     (the backward product dy @ W); without grad_fn the backward pass runs on XLA.
+    supports(weight, compute_dtype) -> None when the kernel can take this weight, else a short
+    reason why not (then the XLA path runs and the reason is logged once).
     """
 
     name: str
@@ -50,6 +54,7 @@ class MatmulKernel:
     min_m: int = 1
     max_m: int | None = None
     grad_fn: Callable[..., jax.Array] | None = None
+    supports: Callable[..., str | None] | None = None
 
     def accepts(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
@@ -61,7 +66,8 @@ _LOGGED: set[tuple[str, str, str, str]] = set()
 
 def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., jax.Array], *,
                            name: str, min_m: int = 1, max_m: int | None = None,
-                           grad_fn: Callable[..., jax.Array] | None = None) -> MatmulKernel:
+                           grad_fn: Callable[..., jax.Array] | None = None,
+                           supports: Callable[..., str | None] | None = None) -> MatmulKernel:
     """Registers a kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
 
     Kernels registered first win when ranges overlap. Returns the registry entry.
@@ -69,7 +75,7 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
     if max_m is not None and max_m < min_m:
         raise ValueError(f"kernel {name}: max_m={max_m} < min_m={min_m}")
     kernel = MatmulKernel(name=name, format=format_name, platform=platform, fn=fn,
-                          min_m=min_m, max_m=max_m, grad_fn=grad_fn)
+                          min_m=min_m, max_m=max_m, grad_fn=grad_fn, supports=supports)
     entries = _KERNELS.setdefault((format_name, platform), [])
     if any(entry.name == name for entry in entries):
         raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
@@ -176,6 +182,10 @@ def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp
     x2d = x.reshape(-1, in_features).astype(compute_dtype)
     platform = platform or jax.default_backend()
     kernel, reason = _select(weight.format, x2d.shape[0], platform)
+    if kernel is not None and kernel.supports is not None:
+        refusal = kernel.supports(weight, jnp.dtype(compute_dtype))
+        if refusal is not None:
+            kernel, reason = None, f"kernel {kernel.name} cannot take it: {refusal}"
     _log_path_once(weight.format, platform, XLA_PATH if kernel is None else kernel.name, reason)
     forward = _xla_forward if kernel is None else kernel.fn
     backward = _xla_backward if kernel is None or kernel.grad_fn is None else kernel.grad_fn

@@ -1,0 +1,414 @@
+"""Pallas 4-bit kernels in the quantized linear op: weights repacked once, kernels picked by M.
+
+    model = enable_kernels(model)                 # after quantizing / loading, before nnx.split
+    enable_kernels(model, interpret=True)         # CPU tests: Pallas interpret mode
+
+`enable_kernels` (1) replaces every QuantizedWeight of the model by a `KernelLayoutWeight`, the
+same weight in the kernels' layout (nibble planes per K tile, zero padding; see
+pallas_kernels/blockwise_matmul.py), made once here so that no repack runs inside jit; and
+(2) registers the kernels with qerl_jax.quant.linear_op for the platform. On a platform without
+kernels (CPU unless interpret=True) it changes nothing and the XLA path runs.
+
+Paths per format (from the H100 measurements in benchmarks/kernels_results.md; every kernel path
+beat the XLA "dequantize with jnp, then dot" path at every measured shape and M):
+  forward, M <= 64   "<format>_fused": the fused decode+matmul kernel (NVFP4 1.23-2.19x, MXFP4
+                     1.16-2.28x, NF4 0.74-1.48x of a bf16 dot at M <= 16 outside k/v; the
+                     naive XLA path 0.24-0.69x).
+  forward, M > 64    "<format>_dequantize_xla": the Pallas dequantize kernel writes W in bf16,
+                     then one XLA (cuBLAS) dot (0.9-1.07x of bf16 at M >= 1024).
+  backward dx=dy@W   dequantize kernel + XLA dot at every M: at M = 4096 it was 0.96-1.09x of
+                     a bf16 dy @ W while the fused transposed kernel was 0.24-0.57x, and the
+                     transposed kernel has no small-M timing (`small_m_backward="transposed"`
+                     selects it for M <= 64; benchmarks/kernel_dispatch_check.py times both).
+The kernels compute in bfloat16 (f32 accumulation): a layer whose compute dtype is not bfloat16
+takes the XLA path, as does a weight still in the checkpoint layout; the reason is logged once.
+
+KernelLayoutWeight is a QuantizedWeight (isinstance holds), so everything written for the
+checkpoint layout keeps working: its `codes`, `block_scales`, `tensor_scale` and
+`double_quant_scales` are the checkpoint arrays, unpacked losslessly on access (compressed-tensors
+export, lora.merge_lora, get_format(...).dequantize), and `to_checkpoint()` returns the plain
+QuantizedWeight. NF4 with double quantization keeps its uint8 scale codes and run absmax next to
+the float32 absmax the kernels read (+1 byte per 64 weights over the kernel layout alone).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from pallas_kernels import blockwise_matmul as bw
+from pallas_kernels.mxfp4_matmul import MAX_SCALE_CODE as MXFP4_MAX_SCALE_CODE
+from pallas_kernels.mxfp4_matmul import MXFP4
+from pallas_kernels.nf4_matmul import NF4
+from pallas_kernels.nvfp4_matmul import NVFP4
+from qerl_jax.quant import linear_op
+from qerl_jax.quant.qarray import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+SPECS: dict[str, bw.FormatSpec] = {"nvfp4": NVFP4, "mxfp4": MXFP4, "nf4": NF4}
+# Element order within a checkpoint byte: True if element 2j is in the LOW nibble.
+_LOW_NIBBLE_FIRST = {"nvfp4": True, "mxfp4": True, "nf4": False}
+DEFAULT_TILE_K = 256
+# Largest M of the fused forward kernel, per format (kernels_results.md, "Recommended dispatch
+# thresholds"); the fused kernel's tilings stop at 64 rows, larger M go to dequantize + XLA.
+FUSED_MAX_M = {"nvfp4": 64, "mxfp4": 64, "nf4": 64}
+KERNEL_PLATFORMS = ("gpu",)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel-layout weight
+
+
+class KernelLayoutWeight(QuantizedWeight):
+    """A QuantizedWeight stored in the Pallas kernels' layout (made by `to_kernel_layout`).
+
+    Pytree children (frozen arrays): kernel_codes uint8 [N_pad, K_pad/2] (nibble planes),
+    kernel_scales [N_pad, K_pad/B] (the format's scale dtype; NF4: float32 absmax),
+    checkpoint_tensor_scale (the QuantizedWeight's tensor_scale, or None),
+    nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None).
+    Static: format, shape (logical N, K), dtype, tile_k.
+
+    The checkpoint-layout attributes (codes, block_scales, tensor_scale, double_quant_scales)
+    are computed from these on access, losslessly.
+    """
+
+    # Not dataclass fields: the base class's generated __init__/__eq__/__hash__ are bypassed.
+    def __init__(self, *, kernel_codes, kernel_scales, checkpoint_tensor_scale=None,
+                 nf4_scale_codes=None, nf4_double_quant_scales=None, format: str,
+                 shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int):
+        # No value checks: JAX rebuilds this object with tracers or placeholders as leaves.
+        set_attr = object.__setattr__
+        set_attr(self, "kernel_codes", kernel_codes)
+        set_attr(self, "kernel_scales", kernel_scales)
+        set_attr(self, "checkpoint_tensor_scale", checkpoint_tensor_scale)
+        set_attr(self, "nf4_scale_codes", nf4_scale_codes)
+        set_attr(self, "nf4_double_quant_scales", nf4_double_quant_scales)
+        set_attr(self, "format", format)
+        set_attr(self, "shape", tuple(int(d) for d in shape))
+        set_attr(self, "dtype", jnp.dtype(dtype).name)
+        set_attr(self, "tile_k", int(tile_k))
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return (f"KernelLayoutWeight(format={self.format!r}, shape={self.shape}, "
+                f"dtype={self.dtype!r}, tile_k={self.tile_k}, "
+                f"kernel_codes={getattr(self.kernel_codes, 'shape', None)})")
+
+    # pytree protocol
+    _CHILDREN = ("kernel_codes", "kernel_scales", "checkpoint_tensor_scale", "nf4_scale_codes",
+                 "nf4_double_quant_scales")
+
+    def tree_flatten_with_keys(self):
+        children = tuple((jax.tree_util.GetAttrKey(name), getattr(self, name))
+                         for name in self._CHILDREN)
+        return children, (self.format, self.shape, self.dtype, self.tile_k)
+
+    def tree_flatten(self):
+        return tuple(getattr(self, name) for name in self._CHILDREN), (
+            self.format, self.shape, self.dtype, self.tile_k)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        format_name, shape, dtype, tile_k = aux
+        return cls(**dict(zip(cls._CHILDREN, children)), format=format_name, shape=shape,
+                   dtype=dtype, tile_k=tile_k)
+
+    # the kernels' view
+    @property
+    def spec(self) -> bw.FormatSpec:
+        return SPECS[self.format]
+
+    def packed(self) -> bw.PackedWeight:
+        """The pallas_kernels PackedWeight (no computation: the arrays as they are, plus the
+        kernels' divisor [1]: NVFP4's tensor scale, else 1)."""
+        if self.format == "nvfp4":
+            divisor = jnp.asarray(self.checkpoint_tensor_scale, jnp.float32).reshape(1)
+        else:
+            divisor = jnp.ones((1,), jnp.float32)
+        return bw.PackedWeight(codes=self.kernel_codes, scales=self.kernel_scales,
+                               tensor_scale=divisor, fmt=self.format, n=self.shape[0],
+                               k=self.shape[1], tile_k=self.tile_k)
+
+    # the checkpoint view
+    @property
+    def codes(self):
+        n, k = self.shape
+        return bw.from_plane_layout(self.kernel_codes, n=n, k=k, tile_k=self.tile_k,
+                                    low_nibble_first=_LOW_NIBBLE_FIRST[self.format])
+
+    @property
+    def block_scales(self):
+        if self.nf4_scale_codes is not None:
+            return self.nf4_scale_codes
+        n, k = self.shape
+        return self.kernel_scales[:n, :k // self.spec.scale_block]
+
+    @property
+    def tensor_scale(self):
+        return self.checkpoint_tensor_scale
+
+    @property
+    def double_quant_scales(self):
+        return self.nf4_double_quant_scales
+
+    def to_checkpoint(self) -> QuantizedWeight:
+        """The plain QuantizedWeight (checkpoint layout), bit for bit what was repacked."""
+        return QuantizedWeight(codes=self.codes, block_scales=self.block_scales,
+                               tensor_scale=self.tensor_scale,
+                               double_quant_scales=self.double_quant_scales,
+                               format=self.format, shape=self.shape, dtype=self.dtype)
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The dense weight [N, K] (through the checkpoint view: the format's exact jnp code)."""
+        return self.to_checkpoint().dequantize(dtype)
+
+
+jax.tree_util.register_pytree_with_keys_class(KernelLayoutWeight)
+
+
+def default_tile_k(format_name: str, in_features: int) -> int:
+    """K tile of the kernel layout: 256 (the measured default); smaller for K < 256 (less
+    padding), at least 2 scale blocks and 32."""
+    block = SPECS[format_name].scale_block
+    return max(min(DEFAULT_TILE_K, bw._next_pow2(in_features)), 2 * block, 32)
+
+
+@functools.partial(jax.jit, static_argnames=("tile_k",))
+def _repack(weight: QuantizedWeight, tile_k: int) -> KernelLayoutWeight:
+    n, k = weight.shape
+    fmt = weight.format
+    block = SPECS[fmt].scale_block
+    n_pad, k_pad = bw.padded_sizes(n, k, tile_k)
+    codes = bw.to_plane_layout(weight.codes, k=k, tile_k=tile_k,
+                               low_nibble_first=_LOW_NIBBLE_FIRST[fmt])
+    scale_codes = run_absmax = None
+    if fmt == "nf4" and weight.double_quant_scales is not None:
+        from qerl_jax.quant.nf4 import dequantize_block_scales  # the format's own decode
+        scale_codes, run_absmax = weight.block_scales, weight.double_quant_scales
+        absmax = dequantize_block_scales(scale_codes.reshape(-1), run_absmax,
+                                         weight.tensor_scale).reshape(scale_codes.shape)
+    elif fmt == "nf4":
+        absmax = weight.block_scales.astype(jnp.float32)
+    else:
+        absmax = weight.block_scales
+    scales = bw.pad_scales(absmax, n_pad=n_pad, k_pad=k_pad, block=block)
+    return KernelLayoutWeight(kernel_codes=codes, kernel_scales=scales,
+                              checkpoint_tensor_scale=weight.tensor_scale,
+                              nf4_scale_codes=scale_codes, nf4_double_quant_scales=run_absmax,
+                              format=fmt, shape=weight.shape, dtype=weight.dtype, tile_k=tile_k)
+
+
+def kernel_refusal(weight: QuantizedWeight) -> str | None:
+    """Why the kernels cannot take this (checkpoint-layout) weight, or None. Needs concrete
+    arrays (run at load time)."""
+    if weight.format not in SPECS:
+        return f"no kernel for format {weight.format!r}"
+    if weight.format == "mxfp4":
+        top = int(jnp.max(weight.block_scales)) if weight.block_scales.size else 0
+        if top > MXFP4_MAX_SCALE_CODE:
+            return (f"an MXFP4 block scale code is {top} > {MXFP4_MAX_SCALE_CODE} (2^27), beyond "
+                    "the kernels' decode range")
+    return None
+
+
+def to_kernel_layout(weight: QuantizedWeight, *, tile_k: int | None = None) -> QuantizedWeight:
+    """Repacks one checkpoint-layout QuantizedWeight into a KernelLayoutWeight (lossless).
+
+    Already-repacked weights are returned as they are; a weight the kernels cannot take is
+    returned unchanged (it keeps the XLA path) with a warning naming the reason.
+    """
+    if isinstance(weight, KernelLayoutWeight):
+        return weight
+    refusal = kernel_refusal(weight)
+    if refusal is not None:
+        logger.warning("kernel layout: keeping a %s weight %s in the checkpoint layout (XLA "
+                       "path): %s", weight.format, weight.shape, refusal)
+        return weight
+    return _repack(weight, tile_k or default_tile_k(weight.format, weight.shape[1]))
+
+
+def _is_quantized(value) -> bool:
+    return isinstance(value, QuantizedWeight)
+
+
+def prepare_for_kernels(tree: Any, *, tile_k: int | None = None) -> Any:
+    """Pure: the same pytree (params, an nnx.State, a single weight) with every QuantizedWeight
+    in the kernel layout."""
+    return jax.tree_util.tree_map(
+        lambda v: to_kernel_layout(v, tile_k=tile_k) if _is_quantized(v) else v, tree,
+        is_leaf=_is_quantized)
+
+
+def restore_checkpoint_layout(tree: Any) -> Any:
+    """Pure inverse of prepare_for_kernels: every KernelLayoutWeight back to a QuantizedWeight."""
+    def restore(value):
+        return value.to_checkpoint() if isinstance(value, KernelLayoutWeight) else value
+    return jax.tree_util.tree_map(restore, tree, is_leaf=_is_quantized)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernels as linear_op sees them
+
+
+def _supports(weight, compute_dtype) -> str | None:
+    if not isinstance(weight, KernelLayoutWeight):
+        return ("the weight is in the checkpoint layout (call "
+                "qerl_jax.quant.kernel_dispatch.enable_kernels after loading the model)")
+    if jnp.dtype(compute_dtype) != jnp.bfloat16:
+        return f"compute dtype {jnp.dtype(compute_dtype).name} (the kernels compute in bfloat16)"
+    return None
+
+
+def _fused_forward(x, weight, *, compute_dtype, interpret):
+    """x [M, K] bf16 @ W^T -> [M, N] float32 (fused kernel, output rounded to bf16 inside)."""
+    del compute_dtype
+    packed = weight.packed()
+    config = bw.default_matmul_config(x.shape[0], packed)
+    return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config,
+                               interpret=interpret).astype(jnp.float32)
+
+
+def _pallas_dense(weight, interpret):
+    return bw.blockwise_dequantize(weight.packed(), spec=weight.spec, interpret=interpret)
+
+
+def _dequantize_forward(x, weight, *, compute_dtype, interpret):
+    """Pallas dequantize kernel (bf16 W [N, K]) then one XLA dot: [M, N] float32."""
+    del compute_dtype
+    dense = _pallas_dense(weight, interpret)
+    return lax.dot_general(x.astype(jnp.bfloat16), dense, (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+
+def _dequantize_backward(grad_output, weight, *, compute_dtype, interpret):
+    """dy [M, N] @ W (Pallas dequantize kernel + XLA dot) -> dx [M, K] in compute_dtype."""
+    dense = _pallas_dense(weight, interpret)
+    return lax.dot_general(grad_output.astype(jnp.bfloat16), dense, (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32).astype(compute_dtype)
+
+
+def _transposed_backward(grad_output, weight, *, compute_dtype, interpret):
+    """dy [M, N] @ W with the fused transposed kernel (W decoded tile by tile, never in HBM)."""
+    dx = bw.blockwise_matmul_transposed(grad_output.astype(jnp.bfloat16), weight.packed(),
+                                        spec=weight.spec, config=bw.TransposedConfig(),
+                                        interpret=interpret)
+    return dx.astype(compute_dtype)
+
+
+def kernel_names(format_name: str) -> tuple[str, str]:
+    """(small-M fused path, large-M dequantize + XLA path) names as select_matmul_path gives."""
+    return f"{format_name}_fused", f"{format_name}_dequantize_xla"
+
+
+_REGISTERED: dict[str, tuple] = {}  # platform -> the settings its kernels were registered with
+
+
+def register_kernels(platform: str = "gpu", *, interpret: bool = False,
+                     small_m_backward: str = "dequantize",
+                     fused_max_m: dict[str, int] | None = None) -> None:
+    """Registers the fused / dequantize+XLA kernels of every format with linear_op (idempotent;
+    re-registering with other settings replaces them).
+
+    Args:
+      platform: "gpu" (compiled Pallas, Triton backend), or any platform with interpret=True.
+      interpret: run the kernels in Pallas interpret mode (CPU tests).
+      small_m_backward: dx = dy @ W for M <= fused_max_m: "dequantize" (measured default) or
+        "transposed" (the fused transposed kernel).
+      fused_max_m: per format, the largest M of the fused forward (1..64); default FUSED_MAX_M.
+    """
+    if small_m_backward not in ("dequantize", "transposed"):
+        raise ValueError(f"small_m_backward={small_m_backward!r}; expected 'dequantize' or "
+                         "'transposed'")
+    if platform not in KERNEL_PLATFORMS and not interpret:
+        raise ValueError(f"no compiled Pallas kernels for platform {platform!r} (kernels: "
+                         f"{KERNEL_PLATFORMS}); pass interpret=True to run them interpreted")
+    limits = dict(FUSED_MAX_M, **(fused_max_m or {}))
+    for name, limit in limits.items():
+        if not 1 <= limit <= 64:
+            raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
+                             "M in [1, 64]")
+    settings = (interpret, small_m_backward, tuple(sorted(limits.items())))
+    if _REGISTERED.get(platform) == settings:
+        return
+    unregister_kernels(platform)
+    small_backward = _transposed_backward if small_m_backward == "transposed" else \
+        _dequantize_backward
+    for format_name in SPECS:
+        fused_name, dequantize_name = kernel_names(format_name)
+        limit = limits[format_name]
+        linear_op.register_matmul_kernel(
+            format_name, platform, functools.partial(_fused_forward, interpret=interpret),
+            name=fused_name, min_m=1, max_m=limit,
+            grad_fn=functools.partial(small_backward, interpret=interpret), supports=_supports)
+        linear_op.register_matmul_kernel(
+            format_name, platform, functools.partial(_dequantize_forward, interpret=interpret),
+            name=dequantize_name, min_m=limit + 1, max_m=None,
+            grad_fn=functools.partial(_dequantize_backward, interpret=interpret),
+            supports=_supports)
+    _REGISTERED[platform] = settings
+    logger.info("registered Pallas kernels for %s (interpret=%s, fused forward for M <= %s, "
+                "small-M backward: %s)", platform, interpret, limits, small_m_backward)
+
+
+def unregister_kernels(platform: str = "gpu") -> None:
+    """Removes this module's kernels for `platform` (back to the XLA path)."""
+    for format_name in SPECS:
+        for name in kernel_names(format_name):
+            linear_op.unregister_matmul_kernel(format_name, platform, name)
+    _REGISTERED.pop(platform, None)
+
+
+def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bool = False,
+                   tile_k: int | None = None, small_m_backward: str = "dequantize"):
+    """Makes the quantized linear layers run the Pallas kernels on `platform`.
+
+    Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
+    is changed in place (and returned); any other pytree (an nnx.State, params) is returned
+    converted. Where there are no compiled kernels (platform other than "gpu") and interpret is
+    False, nothing changes and the XLA path runs.
+
+    Args:
+      platform: default jax.default_backend().
+      interpret: Pallas interpret mode (CPU tests; slow).
+      tile_k: K tile of the kernel layout (default: default_tile_k).
+      small_m_backward: see register_kernels.
+    """
+    platform = platform or jax.default_backend()
+    if platform not in KERNEL_PLATFORMS and not interpret:
+        logger.info("enable_kernels: no Pallas kernels for platform %r; the quantized layers "
+                    "keep the XLA path (dequantize + dot)", platform)
+        return model_or_state
+    register_kernels(platform, interpret=interpret, small_m_backward=small_m_backward)
+    if not isinstance(model_or_state, nnx.Module):
+        return prepare_for_kernels(model_or_state, tile_k=tile_k)
+    count = 0
+    for _, node in nnx.iter_graph(model_or_state):
+        if not isinstance(node, nnx.Variable):
+            continue
+        value = node.get_value()
+        if _is_quantized(value) and not isinstance(value, KernelLayoutWeight):
+            node.set_value(to_kernel_layout(value, tile_k=tile_k))
+            count += 1
+    logger.info("enable_kernels: %d quantized weights in the kernel layout (%s, interpret=%s)",
+                count, platform, interpret)
+    return model_or_state
+
+
+def disable_kernels(model_or_state):
+    """Every KernelLayoutWeight back to the checkpoint layout (in place for an nnx Module).
+    The kernels stay registered; checkpoint-layout weights take the XLA path."""
+    if not isinstance(model_or_state, nnx.Module):
+        return restore_checkpoint_layout(model_or_state)
+    for _, node in nnx.iter_graph(model_or_state):
+        if isinstance(node, nnx.Variable) and isinstance(node.get_value(), KernelLayoutWeight):
+            node.set_value(node.get_value().to_checkpoint())
+    return model_or_state
