@@ -1,0 +1,1 @@
+"""Studies on top of the trainer (format ablation); run from the repository root."""
