@@ -483,7 +483,9 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     else:
         out_shape = jax.ShapeDtypeStruct((split, m, packed.n), jnp.float32)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
-    y = _launch(kernel, out_shape, (_cdiv(m, bm), n_pad // bn, split),
+    # Tiles of N past the logical n hold only padding: not launched (their unmasked stores would
+    # land outside the [m, n] output when n is a multiple of bn but n_pad > n).
+    y = _launch(kernel, out_shape, (_cdiv(m, bm), _cdiv(packed.n, bn), split),
                 (x2, packed.codes, packed.scales, packed.tensor_scale, *aux),
                 interpret=interpret, poison_output=poison_output,
                 compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
@@ -522,7 +524,7 @@ def blockwise_matmul_transposed(dy: jax.Array, packed: PackedWeight, *, spec: Fo
     poisoned = bool(poison_output)
     kernel = functools.partial(
         _transposed_kernel, spec=spec, decoder=decoder, m=m, n=n, k=packed.k, bm=bm, bn=bn,
-        tile_k=packed.tile_k, n_steps=n_pad // bn, poisoned=poisoned)
+        tile_k=packed.tile_k, n_steps=_cdiv(n, bn), poisoned=poisoned)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     dx = _launch(kernel, jax.ShapeDtypeStruct((m, packed.k), jnp.bfloat16),
                  (_cdiv(m, bm), 2 * half_k // packed.tile_k),
@@ -551,7 +553,7 @@ def blockwise_dequantize(packed: PackedWeight, *, spec: FormatSpec,
         tile_k=packed.tile_k, tiles_per_program=tpp, poisoned=poisoned)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     return _launch(kernel, jax.ShapeDtypeStruct((packed.n, packed.k), jnp.bfloat16),
-                   (n_pad // bn, k_tiles // tpp),
+                   (_cdiv(packed.n, bn), k_tiles // tpp),
                    (packed.codes, packed.scales, packed.tensor_scale, *aux),
                    interpret=interpret, poison_output=poison_output,
                    compiler_params=_compiler_params(interpret, config.num_warps,

@@ -1,0 +1,316 @@
+"""Kernel dispatch of the quantized linear op (qerl_jax/quant/kernel_dispatch.py), on CPU with
+the Pallas kernels in interpret mode.
+
+Reference: the XLA path on the same QuantizedWeight in the checkpoint layout (dequantize to
+bf16 with the format's jnp code, then one dot), i.e. what runs without kernels.
+
+Tolerances (bf16 compute, float32 accumulation in both paths): the kernels decode each weight
+exactly in bf16 and apply NVFP4's tensor scale to the float32 sums, while the XLA path rounds
+every w / tensor_scale to bf16 (one bf16 rounding per weight, <= 2^-9 relative), and the sums
+run in another order; the outputs are then rounded to bf16 (twice on the kernel path: inside the
+kernel and after the bias). Bound: max|y - y_ref| <= 2^-6 * max|y_ref| (about two bf16 ulps of
+the largest output), for y = x @ W^T and for dx = dy @ W alike. The tiny model compounds this over
+two layers: logits within 2^-4 * max|logits|, mean difference within 2^-8 * max|logits|.
+"""
+
+import logging
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels import blockwise_matmul as bw
+from qerl_jax.quant import kernel_dispatch, linear_op
+from qerl_jax.quant.formats import get_format
+from qerl_jax.quant.kernel_dispatch import (KernelLayoutWeight, disable_kernels, enable_kernels,
+                                            kernel_names, register_kernels, to_kernel_layout,
+                                            unregister_kernels)
+from qerl_jax.quant.linear_op import linear, select_matmul_path
+from qerl_jax.quant.qarray import QuantizedWeight
+
+FORMATS = ["nvfp4", "mxfp4", "nf4"]
+TOLERANCE = 2.0 ** -6
+# Neither K nor N is a multiple of the kernel tiles (tile_k 256, N padded to 128, block_n 64).
+N, K = 200, 320
+
+
+@pytest.fixture(autouse=True)
+def fresh_path_log(monkeypatch):
+    """Each test sees the once-per-reason path log messages again."""
+    monkeypatch.setattr(linear_op, "_LOGGED", set())
+
+
+@pytest.fixture
+def interpret_kernels():
+    register_kernels("cpu", interpret=True)
+    yield
+    unregister_kernels("cpu")
+
+
+def _weight(format_name, rng, n=N, k=K, **kwargs):
+    dense = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32)
+    return get_format(format_name).quantize(dense, name="test.proj", **kwargs)
+
+
+def _assert_close(actual, expected, tolerance, context):
+    actual = np.asarray(actual, np.float32)
+    expected = np.asarray(expected, np.float32)
+    assert np.all(np.isfinite(actual)), context
+    error = np.abs(actual - expected).max()
+    assert error <= tolerance * np.abs(expected).max(), (context, error,
+                                                         np.abs(expected).max())
+
+
+def _forward_and_dx(x, weight, bias, dy):
+    y, vjp = jax.vjp(lambda x: linear(x, weight, bias, compute_dtype=jnp.bfloat16), x)
+    return y, vjp(dy)[0]
+
+
+_forward_and_dx_jit = jax.jit(_forward_and_dx)
+
+
+def _leaves_equal(a, b):
+    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for left, right in zip(leaves_a, leaves_b):
+        assert left.shape == right.shape and left.dtype == right.dtype
+        np.testing.assert_array_equal(np.asarray(left).reshape(-1).view(np.uint8),
+                                      np.asarray(right).reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+def test_kernel_paths_match_xla_forward_and_dx(format_name, m, interpret_kernels, caplog):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    quantized = _weight(format_name, rng)
+    prepared = to_kernel_layout(quantized)
+    assert isinstance(prepared, KernelLayoutWeight)
+    x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, N)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((N,)) * 0.1, jnp.bfloat16)
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+        y, dx = _forward_and_dx_jit(x, prepared, bias, dy)
+        y_ref, dx_ref = _forward_and_dx_jit(x, quantized, bias, dy)
+    fused, dequantize = kernel_names(format_name)
+    expected_path = fused if m <= 64 else dequantize
+    assert select_matmul_path(format_name, m, "cpu") == expected_path
+    assert f"{expected_path} path" in caplog.text
+    context = f"{format_name} M={m} seed {seed}"
+    _assert_close(y, y_ref, TOLERANCE, context + " forward")
+    _assert_close(dx, dx_ref, TOLERANCE, context + " dx")
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+def test_transposed_backward_option(format_name):
+    """small_m_backward="transposed": dx from the fused transposed kernel (M <= 64)."""
+    rng = np.random.default_rng(secrets.randbits(32))
+    # N = 192: a multiple of block_n (64) but not of the 128-row padding
+    quantized = _weight(format_name, rng, n=192)
+    register_kernels("cpu", interpret=True, small_m_backward="transposed")
+    try:
+        x = jnp.asarray(rng.standard_normal((5, K)), jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((5, 192)), jnp.bfloat16)
+        prepared = to_kernel_layout(quantized)
+        jaxpr = str(jax.make_jaxpr(_forward_and_dx)(x, prepared, None, dy))
+        assert "_matmul_transposed" in jaxpr
+        y, dx = jax.jit(_forward_and_dx)(x, prepared, None, dy)
+        y_ref, dx_ref = jax.jit(_forward_and_dx)(x, quantized, None, dy)
+    finally:
+        unregister_kernels("cpu")
+    _assert_close(y, y_ref, TOLERANCE, f"{format_name} forward")
+    _assert_close(dx, dx_ref, TOLERANCE, f"{format_name} transposed dx")
+
+
+@pytest.mark.parametrize("format_name,kwargs", [("nvfp4", {}), ("mxfp4", {}),
+                                                ("nf4", {"double_quant": True}),
+                                                ("nf4", {"double_quant": False})])
+def test_kernel_layout_is_lossless(format_name, kwargs):
+    rng = np.random.default_rng(secrets.randbits(32))
+    quantized = _weight(format_name, rng, n=136, k=192, **kwargs)
+    prepared = to_kernel_layout(quantized)
+    assert isinstance(prepared, QuantizedWeight) and prepared.shape == quantized.shape
+    _leaves_equal(prepared.to_checkpoint(), quantized)
+    for name in ("codes", "block_scales", "tensor_scale", "double_quant_scales"):
+        _leaves_equal(getattr(prepared, name), getattr(quantized, name))
+    np.testing.assert_array_equal(np.asarray(prepared.dequantize(jnp.float32)),
+                                  np.asarray(quantized.dequantize(jnp.float32)))
+    np.testing.assert_array_equal(
+        np.asarray(get_format(format_name).dequantize(prepared, jnp.float32)),
+        np.asarray(quantized.dequantize(jnp.float32)))
+    # a pytree: flatten/unflatten and jit keep it a KernelLayoutWeight
+    rebuilt = jax.jit(lambda w: w)(prepared)
+    assert isinstance(rebuilt, KernelLayoutWeight) and rebuilt.tile_k == prepared.tile_k
+    _leaves_equal(rebuilt, prepared)
+
+
+def test_jit_runs_no_repack_and_weight_gets_zero_cotangents(interpret_kernels, monkeypatch):
+    rng = np.random.default_rng(secrets.randbits(32))
+    prepared = to_kernel_layout(_weight("nvfp4", rng))
+    calls = []
+
+    def counting(original):
+        def wrapped(*args, **kwargs):
+            calls.append(original.__name__)
+            return original(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(bw, "to_plane_layout", counting(bw.to_plane_layout))
+    monkeypatch.setattr(bw, "from_plane_layout", counting(bw.from_plane_layout))
+
+    def loss(x, weight):
+        return jnp.sum(linear(x, weight, compute_dtype=jnp.bfloat16).astype(jnp.float32) ** 2)
+
+    for m in (3, 300):
+        x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1), allow_int=True))(x, prepared))
+        assert "pallas_call" in jaxpr
+        grad_x, grad_weight = jax.jit(jax.grad(loss, argnums=(0, 1), allow_int=True))(
+            x, prepared)
+        assert np.all(np.isfinite(np.asarray(grad_x, np.float32)))
+        assert isinstance(grad_weight, KernelLayoutWeight)
+        for leaf in jax.tree_util.tree_leaves(grad_weight):
+            if leaf.dtype != jax.dtypes.float0:
+                assert not np.any(np.asarray(leaf, np.float32))
+    assert calls == [], f"repack/unpack ran while tracing the kernel path: {calls}"
+
+
+def test_path_selection_by_m():
+    assert select_matmul_path("nvfp4", 8, "cpu") == "xla"  # nothing registered for cpu
+    register_kernels("gpu")
+    try:
+        for format_name in FORMATS:
+            fused, dequantize = kernel_names(format_name)
+            for m in (1, 16, 64):
+                assert select_matmul_path(format_name, m, "gpu") == fused
+            for m in (65, 256, 2048):
+                assert select_matmul_path(format_name, m, "gpu") == dequantize
+        assert select_matmul_path("nvfp4", 8, "cpu") == "xla"
+        register_kernels("gpu", fused_max_m={"nf4": 16})
+        assert select_matmul_path("nf4", 16, "gpu") == "nf4_fused"
+        assert select_matmul_path("nf4", 17, "gpu") == "nf4_dequantize_xla"
+        assert select_matmul_path("nvfp4", 64, "gpu") == "nvfp4_fused"
+        with pytest.raises(ValueError, match="fused_max_m"):
+            register_kernels("gpu", fused_max_m={"nvfp4": 128})
+    finally:
+        unregister_kernels("gpu")
+    assert select_matmul_path("nvfp4", 8, "gpu") == "xla"
+    with pytest.raises(ValueError, match="interpret=True"):
+        register_kernels("cpu")
+
+
+def test_fallbacks_take_the_xla_path_and_say_why(interpret_kernels, caplog):
+    rng = np.random.default_rng(secrets.randbits(32))
+    quantized = _weight("mxfp4", rng)
+    prepared = to_kernel_layout(quantized)
+    x = jnp.asarray(rng.standard_normal((4, K)), jnp.float32)
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+        y32 = linear(x, prepared, compute_dtype=jnp.float32)
+        linear(x, quantized, compute_dtype=jnp.bfloat16)
+    assert "compute dtype float32" in caplog.text
+    assert "checkpoint layout" in caplog.text
+    np.testing.assert_array_equal(np.asarray(y32),
+                                  np.asarray(linear(x, quantized, compute_dtype=jnp.float32)))
+
+
+def _tiny_quantized_model(format_name, compute_dtype="bfloat16", layers=2):
+    from qerl_jax.models.config import preset
+    from qerl_jax.models.transformer import init_model
+    from qerl_jax.quant.model_quantization import quantize_model
+    config = preset("tiny_qwen2", compute_dtype=compute_dtype, num_hidden_layers=layers)
+    model = init_model(config, seed=3)
+    quantize_model(model, format_name)
+    return model
+
+
+@pytest.mark.parametrize("format_name,with_grads", [("nvfp4", True), ("nf4", False)])
+def test_tiny_model_logits_and_lora_grads_with_kernels(format_name, with_grads,
+                                                       interpret_kernels):
+    from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
+    from qerl_jax.quant.model_quantization import QuantizedParam
+    # one decoder layer (7 projections, N and K in {64, 128}) keeps interpret mode quick
+    model = _tiny_quantized_model(format_name, layers=1)
+    add_lora(model, LoRAConfig(rank=4), jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(secrets.randbits(32)).integers(0, 128, (2, 8)))
+
+    def logits_and_grads(graphdef, trainable, frozen, tokens):
+        def loss(trainable):
+            logits = nnx.merge(graphdef, trainable, frozen)(tokens)
+            return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), logits
+        if not with_grads:  # (interpret mode is slow: the backward kernels run once, for nvfp4)
+            return {}, loss(trainable)[1]
+        return jax.grad(loss, has_aux=True)(trainable)
+
+    run = jax.jit(logits_and_grads, static_argnums=0)
+    graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
+    grads_ref, logits_ref = run(graphdef, trainable, frozen, tokens)
+
+    assert enable_kernels(model, platform="cpu", interpret=True) is model
+    weights = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, QuantizedParam)]
+    assert len(weights) == 7 and all(isinstance(w, KernelLayoutWeight) for w in weights)
+    graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
+    assert not any(isinstance(leaf, KernelLayoutWeight) for leaf in jax.tree_util.tree_leaves(
+        trainable, is_leaf=lambda v: isinstance(v, QuantizedWeight)))
+    grads, logits = run(graphdef, trainable, frozen, tokens)
+
+    scale = float(np.abs(np.asarray(logits_ref)).max())
+    diff = np.abs(np.asarray(logits) - np.asarray(logits_ref))
+    assert diff.max() <= 2.0 ** -4 * scale and diff.mean() <= 2.0 ** -8 * scale, (diff.max(),
+                                                                                  scale)
+    for grad, grad_ref in zip(jax.tree_util.tree_leaves(grads),
+                              jax.tree_util.tree_leaves(grads_ref)):
+        grad, grad_ref = np.asarray(grad, np.float32), np.asarray(grad_ref, np.float32)
+        assert np.all(np.isfinite(grad))
+        assert np.abs(grad - grad_ref).max() <= 0.1 * max(np.abs(grad_ref).max(), 1e-12)
+
+
+def test_enable_kernels_on_cpu_without_interpret_changes_nothing():
+    from qerl_jax.quant.model_quantization import QuantizedParam
+    model = _tiny_quantized_model("nvfp4", compute_dtype="float32")
+    enable_kernels(model, platform="cpu")
+    values = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, QuantizedParam)]
+    assert values and not any(isinstance(v, KernelLayoutWeight) for v in values)
+    assert select_matmul_path("nvfp4", 1, "cpu") == "xla"
+
+
+def test_export_merge_and_state_conversion_after_enabling(tmp_path):
+    from qerl_jax.lora import LoRAConfig, add_lora, merge_lora
+    from qerl_jax.models.safetensors_io import SafetensorsFile
+    from qerl_jax.quant.compressed_tensors_io import export_compressed_tensors
+    model = _tiny_quantized_model("nvfp4", compute_dtype="float32", layers=1)
+    export_compressed_tensors(model, str(tmp_path / "before"))
+    state_before = nnx.state(model)
+    leaves_before = jax.tree_util.tree_leaves(state_before)  # nnx.state shares the Variables
+    # pure conversion of a State, and back
+    converted = kernel_dispatch.prepare_for_kernels(state_before)
+    assert any(isinstance(leaf, KernelLayoutWeight) for leaf in jax.tree_util.tree_leaves(
+        converted, is_leaf=lambda v: isinstance(v, QuantizedWeight)))
+    _leaves_equal(kernel_dispatch.restore_checkpoint_layout(converted), leaves_before)
+
+    enable_kernels(model, platform="cpu", interpret=True)
+    try:
+        export_compressed_tensors(model, str(tmp_path / "after"))
+        before = SafetensorsFile(str(tmp_path / "before" / "model.safetensors"))
+        after = SafetensorsFile(str(tmp_path / "after" / "model.safetensors"))
+        assert sorted(before.keys()) == sorted(after.keys())
+        for name in before.keys():
+            assert before.dtype(name) == after.dtype(name), name
+            np.testing.assert_array_equal(np.asarray(after[name]).view(np.uint8),
+                                          np.asarray(before[name]).view(np.uint8),
+                                          err_msg=name)
+
+        reference = _tiny_quantized_model("nvfp4", compute_dtype="float32", layers=1)
+        for target in (model, reference):
+            add_lora(target, LoRAConfig(rank=4), jax.random.key(1))
+            merge_lora(target, dtype=jnp.float32)
+        _leaves_equal(kernel_dispatch.restore_checkpoint_layout(nnx.state(model)),
+                      nnx.state(reference))
+    finally:
+        unregister_kernels("cpu")
+    model = _tiny_quantized_model("nvfp4", compute_dtype="float32", layers=1)
+    enable_kernels(model, platform="cpu", interpret=True)
+    unregister_kernels("cpu")
+    _leaves_equal(nnx.state(disable_kernels(model)), leaves_before)
