@@ -13,6 +13,7 @@ the largest output), for y = x @ W^T and for dx = dy @ W alike. The tiny model c
 two layers: logits within 2^-4 * max|logits|, mean difference within 2^-8 * max|logits|.
 """
 
+import functools
 import logging
 import secrets
 
@@ -104,7 +105,7 @@ def test_kernel_paths_match_xla_forward_and_dx(format_name, m, interpret_kernels
     _assert_close(dx, dx_ref, TOLERANCE, context + " dx")
 
 
-@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("format_name", ["nvfp4", "nf4"])  # E2M1 and table decoders
 def test_transposed_backward_option(format_name):
     """small_m_backward="transposed": dx from the fused transposed kernel (M <= 64)."""
     rng = np.random.default_rng(secrets.randbits(32))
@@ -149,7 +150,8 @@ def test_kernel_layout_is_lossless(format_name, kwargs):
 
 def test_jit_runs_no_repack_and_weight_gets_zero_cotangents(interpret_kernels, monkeypatch):
     rng = np.random.default_rng(secrets.randbits(32))
-    prepared = to_kernel_layout(_weight("nvfp4", rng))
+    quantized = _weight("nvfp4", rng, n=192)  # N: a multiple of 64, not of 128
+    prepared = to_kernel_layout(quantized)
     calls = []
 
     def counting(original):
@@ -172,6 +174,8 @@ def test_jit_runs_no_repack_and_weight_gets_zero_cotangents(interpret_kernels, m
             x, prepared)
         assert np.all(np.isfinite(np.asarray(grad_x, np.float32)))
         assert isinstance(grad_weight, KernelLayoutWeight)
+        grad_x_ref = jax.jit(jax.grad(loss))(x, quantized)
+        _assert_close(grad_x, grad_x_ref, 4 * TOLERANCE, f"grad x, M={m}")  # through y**2
         for leaf in jax.tree_util.tree_leaves(grad_weight):
             if leaf.dtype != jax.dtypes.float0:
                 assert not np.any(np.asarray(leaf, np.float32))
@@ -226,9 +230,11 @@ def _tiny_quantized_model(format_name, compute_dtype="bfloat16", layers=2):
     return model
 
 
-@pytest.mark.parametrize("format_name,with_grads", [("nvfp4", True), ("nf4", False)])
-def test_tiny_model_logits_and_lora_grads_with_kernels(format_name, with_grads,
-                                                       interpret_kernels):
+@pytest.mark.parametrize("format_name", ["nvfp4", "nf4"])
+def test_tiny_model_logits_with_kernels(format_name, interpret_kernels):
+    """Forward of a LoRA-adapted tiny CausalLM through nnx.split / jit / merge, kernel layout in
+    the frozen state. (Gradients through the kernels: test_kernel_paths_match_xla_forward_and_dx;
+    a model-level backward in interpret mode takes ~20 s, too slow here.)"""
     from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
     from qerl_jax.quant.model_quantization import QuantizedParam
     # one decoder layer (7 projections, N and K in {64, 128}) keeps interpret mode quick
@@ -236,35 +242,31 @@ def test_tiny_model_logits_and_lora_grads_with_kernels(format_name, with_grads,
     add_lora(model, LoRAConfig(rank=4), jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(secrets.randbits(32)).integers(0, 128, (2, 8)))
 
-    def logits_and_grads(graphdef, trainable, frozen, tokens):
-        def loss(trainable):
-            logits = nnx.merge(graphdef, trainable, frozen)(tokens)
-            return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), logits
-        if not with_grads:  # (interpret mode is slow: the backward kernels run once, for nvfp4)
-            return {}, loss(trainable)[1]
-        return jax.grad(loss, has_aux=True)(trainable)
+    @functools.partial(jax.jit, static_argnums=0)
+    def logits(graphdef, trainable, frozen, tokens):
+        return nnx.merge(graphdef, trainable, frozen)(tokens)
 
-    run = jax.jit(logits_and_grads, static_argnums=0)
-    graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
-    grads_ref, logits_ref = run(graphdef, trainable, frozen, tokens)
-
+    logits_ref = logits(*nnx.split(model, TRAINABLE, ...), tokens)
     assert enable_kernels(model, platform="cpu", interpret=True) is model
     weights = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, QuantizedParam)]
     assert len(weights) == 7 and all(isinstance(w, KernelLayoutWeight) for w in weights)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
-    assert not any(isinstance(leaf, KernelLayoutWeight) for leaf in jax.tree_util.tree_leaves(
-        trainable, is_leaf=lambda v: isinstance(v, QuantizedWeight)))
-    grads, logits = run(graphdef, trainable, frozen, tokens)
+    def is_quantized(value):
+        return isinstance(value, QuantizedWeight)
+
+    assert not any(isinstance(leaf, QuantizedWeight)
+                   for leaf in jax.tree_util.tree_leaves(trainable, is_leaf=is_quantized))
+    assert sum(isinstance(leaf, KernelLayoutWeight)
+               for leaf in jax.tree_util.tree_leaves(frozen, is_leaf=is_quantized)) == 7
+    jaxpr = str(jax.make_jaxpr(logits, static_argnums=0)(graphdef, trainable, frozen, tokens))
+    # one kernel jaxpr per distinct projection shape (q/o, k/v, gate/up, down; printed once)
+    assert jaxpr.count("pallas_call") >= 4
+    logits_kernel = logits(graphdef, trainable, frozen, tokens)
 
     scale = float(np.abs(np.asarray(logits_ref)).max())
-    diff = np.abs(np.asarray(logits) - np.asarray(logits_ref))
+    diff = np.abs(np.asarray(logits_kernel) - np.asarray(logits_ref))
     assert diff.max() <= 2.0 ** -4 * scale and diff.mean() <= 2.0 ** -8 * scale, (diff.max(),
                                                                                   scale)
-    for grad, grad_ref in zip(jax.tree_util.tree_leaves(grads),
-                              jax.tree_util.tree_leaves(grads_ref)):
-        grad, grad_ref = np.asarray(grad, np.float32), np.asarray(grad_ref, np.float32)
-        assert np.all(np.isfinite(grad))
-        assert np.abs(grad - grad_ref).max() <= 0.1 * max(np.abs(grad_ref).max(), 1e-12)
 
 
 def test_enable_kernels_on_cpu_without_interpret_changes_nothing():
