@@ -17,38 +17,19 @@ import json
 import os
 import tempfile
 
+import _common as common
 import jax
 
-from qerl_jax.config_defaults import base_config
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.trainer import Trainer
 
 
 def make_config(args, tokenizer_dir):
-    config = base_config()
-    config.model.preset = args.preset
-    config.model.tokenizer_path = tokenizer_dir
-    config.model.param_dtype = "bfloat16"
-    config.model.compute_dtype = "bfloat16"
-    config.model.remat = True
-    config.quant.format = args.format
-    config.lora.rank = args.rank
-    config.lora.alpha = float(args.rank)
-    config.aqn.enabled = args.format != "bf16"
-    config.data.task = "arithmetic"
-    config.data.prompt_style = "plain"
-    config.data.max_prompt_length = args.prompt
-    config.rollout.num_generations = args.group
-    config.rollout.max_new_tokens = args.completion
-    config.rollout.prompt_bucket = args.prompt
-    config.train.prompts_per_step = args.prompts
-    config.train.micro_batch_size = args.micro_batch
-    config.train.total_steps = args.steps
-    config.train.learning_rate = 1e-5
-    config.rewards.names = ("arithmetic",)
-    config.checkpoint.every_steps = 10_000
-    config.logging.progress_bar = False
-    return config
+    return common.grpo_config(preset=args.preset, format_name=args.format,
+                              tokenizer_dir=tokenizer_dir, rank=args.rank, group=args.group,
+                              prompts=args.prompts, prompt=args.prompt,
+                              completion=args.completion, micro_batch=args.micro_batch,
+                              steps=args.steps)
 
 
 def main():

@@ -1,0 +1,378 @@
+"""Shared pieces of the GPU benchmark scripts (rollout.py, e2e_step.py, grpo_step.py).
+
+Two halves:
+  * parent side (stdlib only, never imports jax, so the parent process holds no device memory):
+    running one worker subprocess per case under a wall-clock budget, collecting the JSON lines
+    the workers write, markdown tables;
+  * worker side (imports jax lazily): random-weight models built tensor by tensor (never a full
+    dense bf16 copy next to the quantized one), the kernel hook, peak memory, OOM detection.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+# The benchmarks run as scripts (sys.path[0] = benchmarks/): make the repository's qerl_jax the
+# one imported, whether or not the package is installed.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(1, REPO_ROOT)
+
+SIZE_PRESETS = {"tiny": "tiny_qwen2", "0p5b": "qwen2p5_0p5b", "1p5b": "qwen2p5_1p5b",
+                "3b": "qwen2p5_3b", "7b": "qwen2p5_7b", "14b": "qwen2p5_14b",
+                "32b": "qwen2p5_32b", "72b": "qwen2p5_72b"}
+DEFAULT_MEMORY_FRACTION = "0.95"
+
+
+def preset_name(size: str) -> str:
+    """'7b' -> 'qwen2p5_7b'; a preset name is returned as is."""
+    return SIZE_PRESETS.get(size.lower(), size)
+
+
+def split_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+# ============================================================================== parent side
+def worker_env() -> dict:
+    """Environment of a worker: XLA may use 95% of the GPU (the default 75% preallocation would
+    put an 80 GB card's limit at 60 GB); an explicit setting of the caller wins."""
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEMORY_FRACTION)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    return env
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    rows = []
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by a kill
+                    pass
+    return rows
+
+
+def append_jsonl(path: str, row: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(row) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def tail(path: str, lines: int = 15) -> str:
+    if not os.path.isfile(path):
+        return ""
+    with open(path, errors="replace") as handle:
+        return "".join(handle.readlines()[-lines:])
+
+
+def run_worker(command: list[str], log_path: str, timeout_s: float) -> tuple[int | None, float]:
+    """Runs one worker subprocess (output to log_path) for at most timeout_s seconds.
+
+    Returns (exit code or None when it was killed at the budget, wall seconds). Only the
+    worker this function started is killed (by its pid), never anything else.
+    """
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env=worker_env())
+        try:
+            code = process.wait(timeout=max(timeout_s, 1.0))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            code = None
+    return code, time.perf_counter() - started
+
+
+class Budget:
+    """Wall-clock budget of one benchmark command (the device call's limit minus slack)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.deadline = time.time() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+
+def fmt_number(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """rows -> markdown; columns = [(key, header)]."""
+    lines = ["| " + " | ".join(header for _, header in columns) + " |",
+             "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt_number(row.get(key)) for key, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def header_line(title: str, rows: list[dict]) -> str:
+    """Title, date, device, versions (as the workers reported them) and the command."""
+    meta = next((row for row in rows if row.get("device")), {})
+    return (f"{title}, {datetime.date.today()}, {meta.get('device', 'device unknown')}, JAX "
+            f"{meta.get('jax', '?')}, flax {meta.get('flax', '?')}, git {meta.get('git', '?')}, "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION="
+            f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', DEFAULT_MEMORY_FRACTION)}. "
+            f"Command: python {' '.join(sys.argv)}")
+
+
+def write_outputs(out_dir: str, name: str, text: str, payload: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name + ".md"), "w") as handle:
+        handle.write(text + "\n")
+    with open(os.path.join(out_dir, name + ".json"), "w") as handle:
+        json.dump(payload, handle, indent=1)
+
+
+# ============================================================================== worker side
+def device_info() -> dict:
+    """Device kind, versions and git revision for the result rows."""
+    import flax
+    import jax
+
+    from qerl_jax.metrics import git_revision
+    return {"device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+            "jax": jax.__version__, "flax": flax.__version__, "git": git_revision()}
+
+
+def peak_memory_gib() -> tuple[float, str]:
+    """(peak bytes in use / 2**30, source): the device allocator's peak where the backend
+    reports one (it cannot be reset: one process per case), else the process's peak RSS."""
+    import resource
+
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"] / 2**30, "device peak_bytes_in_use"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30, "host peak RSS"
+
+
+def memory_limit_gib() -> float | None:
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return None if limit is None else limit / 2**30
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    text = f"{type(error).__name__}: {error}"
+    return any(marker in text for marker in ("RESOURCE_EXHAUSTED", "Out of memory",
+                                              "out of memory", "OOM"))
+
+
+def describe_error(error: BaseException) -> str:
+    if is_out_of_memory(error):
+        return "OOM"
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return "error: " + text[:200]
+
+
+def state_gib(tree) -> float:
+    import jax
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree)
+               if hasattr(leaf, "dtype")) / 2**30
+
+
+_RANDOM_PROGRAMS: dict = {}
+
+
+def _random_program(kind: str, shape: tuple, dtype: str, format_name: str | None):
+    """One jitted program per (kind, shape, dtype, format): a random N(0, 0.02) tensor, quantized
+    inside the same program for kind 'quantized' (the dense draw never leaves it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qerl_jax.models.layers import INIT_STD
+    from qerl_jax.quant.formats import get_format
+
+    cache_key = (kind, shape, dtype, format_name)
+    if cache_key in _RANDOM_PROGRAMS:
+        return _RANDOM_PROGRAMS[cache_key]
+    if kind == "quantized":
+        fmt = get_format(format_name)
+
+        def program(key):
+            dense = (INIT_STD * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
+            return fmt.quantize(dense, check_finite=False)
+    else:
+        def program(key):
+            return (INIT_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    _RANDOM_PROGRAMS[cache_key] = jax.jit(program)
+    return _RANDOM_PROGRAMS[cache_key]
+
+
+def random_quantized_model(architecture, format_name: str, seed: int = 0):
+    """A random-weight CausalLM with its projections already in `format_name`, built tensor by
+    tensor into an abstract (shapes-only) model.
+
+    Same kind of model as the trainer's init_model + quantize_model (N(0, 0.02) weights, unit
+    norm scales, zero biases; q/k/v/o/gate/up/down in QuantizedParam, embeddings and lm_head
+    dense), but the dense copy of the whole model never exists: each projection is drawn and
+    quantized inside one small program and only its codes and scales are kept. Peak memory is
+    the quantized model plus one dense projection. The draws differ from init_model's for the
+    same seed (the benchmarks need shapes, not particular values).
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from qerl_jax.models.hf_io import tensor_specs, variable_at
+    from qerl_jax.models.transformer import abstract_model
+    from qerl_jax.quant.model_quantization import mark_quantized_params
+
+    model = abstract_model(architecture)
+    param_dtype = architecture.param_dtype
+    base = jax.random.key(seed)
+    for index, spec in enumerate(tensor_specs(architecture)):
+        key = jax.random.fold_in(base, index)
+        variable = variable_at(model, spec.path)
+        shape = tuple(variable.get_value().shape)
+        if spec.is_linear and format_name != "bf16":
+            # model layout [in, out]; the quantized weight is [out, in] = the HF layout
+            value = _random_program("quantized", tuple(spec.hf_shape), "bfloat16",
+                                    format_name)(key)
+        elif spec.path[-1] == "scale":
+            value = jnp.ones(shape, param_dtype)
+        elif spec.path[-1] == "bias":
+            value = jnp.zeros(shape, param_dtype)
+        else:
+            value = _random_program("dense", shape, param_dtype, None)(key)
+        variable.set_value(value)
+    mark_quantized_params(model)
+    leaves = jax.tree_util.tree_leaves(nnx.state(model))
+    leftover = [leaf for leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if leftover:
+        raise RuntimeError(f"random_quantized_model left {len(leftover)} abstract tensors")
+    jax.block_until_ready(leaves)
+    return model
+
+
+# ------------------------------------------------------------------------------ the kernel hook
+def _unregister_all_kernels(format_name: str) -> list[str]:
+    """Removes every registered quantized-matmul kernel of `format_name` (for --no-kernels on a
+    tree where kernels register themselves at import). Returns their names."""
+    from qerl_jax.quant import linear_op
+    removed = []
+    for (fmt, platform), entries in list(linear_op._KERNELS.items()):
+        if fmt != format_name:
+            continue
+        for entry in list(entries):
+            linear_op.unregister_matmul_kernel(fmt, platform, entry.name)
+            removed.append(f"{entry.name}/{platform}")
+    return removed
+
+
+def _prepare_model(model, format_name: str, use_kernels: bool = True,
+                   interpret: bool = False):
+    """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
+    when qerl_jax.quant.kernel_dispatch.enable_kernels exists; otherwise the pure XLA path.
+
+    Call it after quantization (and before nnx.split). Returns (model, info):
+    info["kernel_hook"] says what was done; info["kernel_layout_weights"] how many quantized
+    weights ended in the kernels' layout (the kernels only take those: 0 means every quantized
+    matmul runs on XLA, e.g. on CPU). The path of each case's matmuls is recorded from the
+    dispatch registry by matmul_path().
+    """
+    import jax
+
+    from qerl_jax.quant.qarray import QuantizedWeight
+    try:
+        from qerl_jax.quant.kernel_dispatch import enable_kernels
+    except ImportError as error:
+        enable_kernels = None
+        missing = str(error)
+    info: dict = {}
+    if format_name == "bf16":
+        info["kernel_hook"] = "dense bf16 (no quantized matmul)"
+    elif not use_kernels:
+        removed = _unregister_all_kernels(format_name)
+        info["kernel_hook"] = "off (--no-kernels): XLA" + (f"; unregistered {removed}"
+                                                          if removed else "")
+    elif enable_kernels is None:
+        info["kernel_hook"] = f"enable_kernels absent ({missing}): XLA"
+    else:
+        result = enable_kernels(model, interpret=True) if interpret else enable_kernels(model)
+        if result is not None and hasattr(result, "config"):  # returned the (same) model
+            model = result
+        info["kernel_hook"] = (f"enable_kernels on {jax.default_backend()}"
+                               + (" (Pallas interpret mode)" if interpret else ""))
+    from flax import nnx
+    quantized = [leaf for leaf in jax.tree_util.tree_leaves(
+        nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(leaf, QuantizedWeight)]
+    in_kernel_layout = sum(type(leaf).__name__ == "KernelLayoutWeight" for leaf in quantized)
+    info["kernel_layout_weights"] = f"{in_kernel_layout} of {len(quantized)}"
+    info["kernels_active"] = bool(quantized) and in_kernel_layout == len(quantized)
+    return model, info
+
+
+def matmul_path(format_name: str, rows: int, kernels_active: bool, platform=None) -> str:
+    """Forward path of an M=rows quantized matmul: the dispatch registry's choice when the
+    weights are in the kernel layout, else XLA."""
+    import jax
+
+    from qerl_jax.quant.linear_op import select_matmul_path
+    if format_name == "bf16":
+        return "xla-dense"
+    if not kernels_active:
+        return "xla"
+    return select_matmul_path(format_name, rows, platform or jax.default_backend())
+
+
+# ------------------------------------------------------------------------------ GRPO config
+def grpo_config(*, preset: str, format_name: str, tokenizer_dir: str, rank: int = 32,
+                group: int = 8, prompts: int = 1, prompt: int = 256, completion: int = 1024,
+                micro_batch: int = 2, steps: int = 3, aqn: bool | None = None):
+    """The trainer config of the GRPO benchmarks: a random-weight preset, char tokenizer,
+    arithmetic prompts padded to `prompt` tokens, `completion` new tokens, G = `group`, remat on,
+    LoRA rank `rank` (alpha = rank) on all projections + trainable norms. AQN defaults to on for
+    the quantized formats (as grpo_step.py always did)."""
+    from qerl_jax.config_defaults import base_config
+
+    config = base_config()
+    config.model.preset = preset
+    config.model.tokenizer_path = tokenizer_dir
+    config.model.param_dtype = "bfloat16"
+    config.model.compute_dtype = "bfloat16"
+    config.model.remat = True
+    config.quant.format = format_name
+    config.lora.rank = rank
+    config.lora.alpha = float(rank)
+    config.aqn.enabled = (format_name != "bf16") if aqn is None else aqn
+    config.data.task = "arithmetic"
+    config.data.prompt_style = "plain"
+    config.data.max_prompt_length = prompt
+    config.rollout.num_generations = group
+    config.rollout.max_new_tokens = completion
+    config.rollout.prompt_bucket = prompt
+    config.train.prompts_per_step = prompts
+    config.train.micro_batch_size = micro_batch
+    config.train.total_steps = steps
+    config.train.learning_rate = 1e-5
+    config.rewards.names = ("arithmetic",)
+    config.checkpoint.every_steps = 10_000
+    config.logging.progress_bar = False
+    return config

@@ -1,0 +1,320 @@
+"""End-to-end GRPO step time (rollout + train) and peak memory per model size and format.
+
+For each model size (Qwen2.5-7B/14B/32B shapes, random weights) and format (bf16-LoRA / nf4 /
+nvfp4), one worker subprocess (so the peak memory is the case's own) builds the qerl_jax Trainer
+(char-level tokenizer, arithmetic prompts left-padded to --prompt tokens, --completion new
+tokens, G = --group samples of one prompt, LoRA rank --rank on all projections + norm scales,
+remat on, micro-batch --micro-batch, AQN on for nvfp4/mxfp4 as in QeRL) and runs --steps
+train_step calls. Step 0 includes the compiles (reported separately as compile + run); the last
+step is the measurement. A random model almost never samples EOS, so completions run to the
+limit (the completion-length column shows it).
+
+Model building (--init): 'streaming' (default) draws and quantizes one projection at a time
+(_common.random_quantized_model, the same model kind as the trainer's build_model without its
+dense bf16 copy of the whole model, which would dominate the peak memory of a 4-bit case and
+needs 65 GB at 32B); 'trainer' runs qerl_jax.trainer.build_model unchanged. Either way the
+kernel hook (_common._prepare_model) runs on the quantized model before LoRA is attached.
+
+The parent never touches the GPU; workers run one after the other under --budget-s; a worker
+that would not fit is skipped, one still running at the deadline is killed (finished steps are
+kept). OOM or errors are recorded per case.
+
+    python benchmarks/e2e_step.py --sizes 7b --out $OUT
+    python benchmarks/e2e_step.py --sizes 32b --formats nvfp4 --out $OUT
+    python benchmarks/e2e_step.py --smoke --out /tmp/e2e_smoke        # CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import _common as common
+
+DEFAULTS = dict(sizes="7b", formats="bf16,nvfp4,nf4", group=8, prompt=256, completion=1024,
+                micro_batch=2, steps=2, budget_s=540.0)
+SMOKE = dict(sizes="tiny", formats="bf16,nvfp4", group=4, prompt=32, completion=8,
+             micro_batch=4, steps=2, budget_s=240.0)
+AQN_FORMATS = ("nvfp4", "mxfp4")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", help=f"comma list of 7b,14b,32b; default {DEFAULTS['sizes']}")
+    parser.add_argument("--formats", help=f"default {DEFAULTS['formats']} (run in this order)")
+    parser.add_argument("--group", type=int, help="G samples per prompt (1 prompt per step)")
+    parser.add_argument("--prompt", type=int, help="prompt tokens (padded bucket)")
+    parser.add_argument("--completion", type=int, help="new tokens per sample")
+    parser.add_argument("--micro-batch", type=int, help="training micro-batch (sequences)")
+    parser.add_argument("--steps", type=int, help="train steps per case (>= 2: the first "
+                                                  "compiles)")
+    parser.add_argument("--budget-s", type=float, help="wall-clock budget of the command")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--init", choices=("streaming", "trainer"), default="streaming")
+    parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--kernels-interpret", action="store_true",
+                        help="CPU check of the kernel path: enable_kernels(interpret=True)")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--format", help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    return args
+
+
+# ============================================================================== worker
+def worker_main(args) -> None:
+    import logging
+    import shutil
+    import tempfile
+
+    from qerl_jax import trainer as trainer_module
+    from qerl_jax.models.char_tokenizer import build_char_tokenizer
+    from qerl_jax.models.config import preset
+    from qerl_jax.models.tokenizer import load_tokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    size, format_name = args.size, args.format
+    row = {"size": size, "preset": common.preset_name(size), "format": format_name,
+           "aqn": format_name in AQN_FORMATS, "init": args.init, "group": args.group,
+           "prompt": args.prompt, "completion": args.completion,
+           "micro_batch": args.micro_batch, "lora_rank": args.rank, "steps_done": 0,
+           **common.device_info()}
+
+    def emit(status):
+        row["status"] = status
+        row["elapsed_s"] = time.time() - args.spawned_at
+        common.append_jsonl(args.results, row)
+        print({k: row.get(k) for k in ("size", "format", "status", "steps_done", "step_s",
+                                       "peak_GiB")}, flush=True)
+
+    workdir = tempfile.mkdtemp(prefix="e2e_step_")
+    original_build_model = trainer_module.build_model
+
+    def build_model_for_benchmark(config, run_dir):
+        begin = time.perf_counter()
+        if args.init == "streaming":
+            architecture = preset(config.model.preset, param_dtype=config.model.param_dtype,
+                                  compute_dtype=config.model.compute_dtype,
+                                  remat=config.model.remat)
+            model = common.random_quantized_model(architecture, config.quant.format,
+                                                  seed=config.seed)
+            tokenizer = load_tokenizer(config.model.tokenizer_path)
+        else:
+            model, tokenizer = original_build_model(config, run_dir)
+        row["build_model_s"] = time.perf_counter() - begin
+        row["peak_after_build_GiB"], _ = common.peak_memory_gib()
+        model, hook = common._prepare_model(model, format_name, not args.no_kernels,
+                                            args.kernels_interpret)
+        row.update(hook)
+        row["params_B"] = model.config.num_parameters() / 1e9
+        return model, tokenizer
+
+    trainer_module.build_model = build_model_for_benchmark
+    trainer = None
+    try:
+        tokenizer_dir = os.path.join(workdir, "tokenizer")
+        build_char_tokenizer(tokenizer_dir)
+        config = common.grpo_config(
+            preset=row["preset"], format_name=format_name, tokenizer_dir=tokenizer_dir,
+            rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
+            completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
+            aqn=row["aqn"])
+        begin = time.perf_counter()
+        trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
+        row["trainer_init_s"] = time.perf_counter() - begin
+        if "build_model_s" not in row:
+            raise RuntimeError("Trainer no longer calls qerl_jax.trainer.build_model: the "
+                               "benchmark's model building (and kernel hook) did not run")
+        row["weights_GiB"] = common.state_gib(trainer.frozen)
+        row["trainable_GiB"] = common.state_gib(trainer.trainable)
+        row["opt_state_GiB"] = common.state_gib(trainer.opt_state)
+        row["peak_after_init_GiB"], row["peak_source"] = common.peak_memory_gib()
+        row["memory_limit_GiB"] = common.memory_limit_gib()
+        active = row.get("kernels_active", False)
+        row["path_decode"] = common.matmul_path(format_name, args.group, active)
+        row["path_prefill"] = common.matmul_path(format_name, args.prompt, active)
+        row["path_train"] = common.matmul_path(
+            format_name, args.micro_batch * (args.prompt + args.completion), active)
+    except Exception as error:
+        row["peak_GiB"], _ = common.peak_memory_gib()
+        emit("init " + common.describe_error(error))
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    status = "ok"
+    for step in range(args.steps):
+        if step > 0:
+            # step 0 = compile + run; a later step is expected to take well under that
+            needed = 0.6 * (row["step0_rollout_s"] + row["step0_train_s"])
+            left = args.deadline - time.time()
+            if needed > left:
+                status = (f"stopped after step {step - 1}: budget (step {step} needs "
+                          f"~{needed:.0f} s, {max(left, 0):.0f} s left)")
+                break
+        try:
+            metrics = trainer.train_step()
+            trainer.step += 1
+        except Exception as error:
+            status = f"step {step} " + common.describe_error(error)
+            break
+        prefix = "step0" if step == 0 else "step"
+        row[f"{prefix}_rollout_s"] = metrics["time/rollout_s"]
+        row[f"{prefix}_train_s"] = metrics["time/train_s"]
+        row[f"{prefix}_s"] = metrics["time/rollout_s"] + metrics["time/train_s"]
+        row[f"{prefix}_tokens_per_s"] = metrics["rollout_tokens_per_s"]
+        row["completion_length"] = metrics["completion_length"]
+        row["loss"] = metrics["loss"]
+        row["steps_done"] = step + 1
+        row["peak_GiB"], _ = common.peak_memory_gib()
+        if step == 0 and args.steps > 1:
+            common.append_jsonl(args.results, {**row, "status": "partial: step 0 only",
+                                               "elapsed_s": time.time() - args.spawned_at})
+    row["peak_GiB"], _ = common.peak_memory_gib()
+    if status == "ok" and args.steps == 1:
+        status = "ok (1 step: includes compile)"
+    emit(status)
+    trainer.checkpoints.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ============================================================================== parent
+COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "status"),
+           ("step0_rollout_s", "step 0 rollout s (compile+run)"),
+           ("step0_train_s", "step 0 train s (compile+run)"),
+           ("step_rollout_s", "rollout s"), ("step_train_s", "train s"), ("step_s", "step s"),
+           ("speedup_vs_bf16", "x bf16 (step)"), ("step_tokens_per_s", "rollout tok/s"),
+           ("completion_length", "completion length"), ("peak_GiB", "peak GiB"),
+           ("peak_vs_bf16", "peak / bf16 peak"), ("weights_GiB", "weights GiB"),
+           ("trainer_init_s", "init s"), ("path_decode", "decode path"),
+           ("path_train", "train path"), ("kernel_hook", "kernel hook"),
+           ("kernel_layout_weights", "weights in kernel layout")]
+
+
+def _final(rows, size, format_name):
+    for row in rows:
+        if (row["size"], row["format"]) == (size, format_name) and row.get("step_s"):
+            return row
+    return None
+
+
+def targets(rows) -> list[str]:
+    lines = []
+
+    def verdict(ok):
+        return "MET" if ok else "not met"
+
+    case = next((row for row in rows if (row["size"], row["format"]) == ("32b", "nvfp4")), None)
+    if case is not None:
+        fits = bool(case.get("step_s")) and not case["status"].startswith(("step", "init"))
+        lines.append(f"32B NVFP4 GRPO step fits on one H100 80GB: status '{case['status']}', "
+                     f"peak {common.fmt_number(case.get('peak_GiB'))} GiB of "
+                     f"{common.fmt_number(case.get('memory_limit_GiB'))} GiB usable -> "
+                     f"{verdict(fits)}")
+    nv, bf = _final(rows, "7b", "nvfp4"), _final(rows, "7b", "bf16")
+    if nv and bf:
+        ratio = bf["step_s"] / nv["step_s"]
+        lines.append(f"7B NVFP4 step >= 1.3x faster than bf16-LoRA: x{ratio:.2f} "
+                     f"({nv['step_s']:.1f} s vs {bf['step_s']:.1f} s) -> {verdict(ratio >= 1.3)}"
+                     f" (paper, 7B batch 8: x1.2)")
+    for size in sorted({row["size"] for row in rows}):
+        nv, bf = _final(rows, size, "nvfp4"), _final(rows, size, "bf16")
+        if nv and bf and nv.get("peak_GiB") and bf.get("peak_GiB"):
+            ratio = nv["peak_GiB"] / bf["peak_GiB"]
+            lines.append(f"{size.upper()} NVFP4 peak <= 50% of bf16-LoRA's: "
+                         f"{nv['peak_GiB']:.1f} / {bf['peak_GiB']:.1f} GiB = {ratio:.0%} -> "
+                         f"{verdict(ratio <= 0.5)}")
+    return lines or ["(no case of a target was measured)"]
+
+
+def parent_main(args) -> None:
+    budget = common.Budget(args.budget_s)
+    sizes = common.split_list(args.sizes)
+    formats = common.split_list(args.formats)
+    raw_dir = os.path.join(args.out, "e2e_raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    rows: list[dict] = []
+    for size in sizes:
+        worker_costs: list[float] = []
+        for format_name in formats:
+            tag = f"{size}_{format_name}"
+            results = os.path.join(raw_dir, f"{tag}.jsonl")
+            if os.path.exists(results):
+                os.remove(results)
+            needed, left = max(worker_costs, default=0.0), budget.left()
+            if needed > left or left < 5:
+                rows.append({"size": size, "format": format_name,
+                             "status": f"skipped: budget ({max(left, 0):.0f} s left"
+                                       + (f"; a case took ~{needed:.0f} s)" if needed
+                                          else ")")})
+                continue
+            command = [sys.executable, os.path.abspath(__file__), "--worker", "--size", size,
+                       "--format", format_name, "--group", str(args.group),
+                       "--prompt", str(args.prompt), "--completion", str(args.completion),
+                       "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
+                       "--rank", str(args.rank), "--init", args.init,
+                       "--results", results, "--deadline", str(budget.deadline),
+                       "--spawned-at", str(time.time())]
+            if args.no_kernels:
+                command.append("--no-kernels")
+            if args.kernels_interpret:
+                command.append("--kernels-interpret")
+            print(f"[e2e] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
+            log = os.path.join(raw_dir, f"{tag}.log")
+            code, wall = common.run_worker(command, log, left)
+            got = common.read_jsonl(results)
+            row = got[-1] if got else {"size": size, "format": format_name}
+            if code is None:
+                row["status"] = (f"killed at the budget deadline after {wall:.0f} s"
+                                 + (f" ({row['steps_done']} step(s) done)"
+                                    if row.get("steps_done") else ""))
+            elif not got:
+                row["status"] = f"worker exited with code {code} before any result"
+            if code is not None and row.get("step_s"):
+                worker_costs.append(wall)
+            if code != 0:
+                print(f"[e2e] {tag}: worker {'killed' if code is None else 'rc=' + str(code)} "
+                      f"after {wall:.0f} s; log tail:\n{common.tail(log)}", flush=True)
+            rows.append(row)
+    for row in rows:
+        bf = _final(rows, row["size"], "bf16")
+        if bf and row.get("step_s"):
+            row["speedup_vs_bf16"] = bf["step_s"] / row["step_s"]
+        if bf and row.get("peak_GiB"):
+            row["peak_vs_bf16"] = row["peak_GiB"] / bf["peak_GiB"]
+    header = common.header_line(
+        f"GRPO step (rollout + train), random weights, 1 prompt x G={args.group}, prompt "
+        f"{args.prompt}, completion {args.completion}, LoRA r{args.rank} (+ norm scales), "
+        f"micro-batch {args.micro_batch}, remat on, model init '{args.init}'; last of "
+        f"{args.steps} steps reported, step 0 = compile + run", rows)
+    notes = ["", ("Peak memory: the device allocator's peak over the whole worker process "
+                  "(model build included), one process per size x format."),
+             "", "Targets:"] + [f"- {line}" for line in targets(rows)]
+    text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
+    print(text, flush=True)
+    name = "e2e_step_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
+    common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
+                                                "targets": targets(rows)})
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+    else:
+        parent_main(args)
+
+
+if __name__ == "__main__":
+    main()

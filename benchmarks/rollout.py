@@ -1,0 +1,340 @@
+"""Rollout throughput: generated tokens/s of the jitted sampler per model size, format, batch.
+
+For each model size (Qwen2.5-7B/14B/32B shapes, random weights) and weight format (bf16 / nvfp4
+/ nf4 / mxfp4, LoRA rank 32 attached unmerged with nonzero B), one worker subprocess builds the
+model tensor by tensor (the projections are drawn and quantized one at a time, so no dense bf16
+copy of a 32B model exists), runs the kernel hook (_common._prepare_model), and then for each
+batch in increasing order (so the process's peak memory only grows): compiles the sampler
+ahead of time (timed on its own), and times one full generation of --new-tokens tokens after a
+--prompt-token prompt, EOS disabled (every sequence runs to the limit), temperature 1.
+Tokens/s = all generated tokens / wall time of that one call (prefill included).
+
+The parent process never touches the GPU; it runs the workers one after the other under
+--budget-s (a worker is not started, and a case is skipped, when the time it is expected to
+take no longer fits; a worker still running at the deadline is killed and its unfinished case
+recorded). OOM or any error in one case is recorded in the table without losing the others.
+
+    python benchmarks/rollout.py --sizes 7b --out $OUT            # the full 7B table
+    python benchmarks/rollout.py --sizes 32b --formats bf16,nvfp4,nf4 --batches 8 --out $OUT
+    python benchmarks/rollout.py --smoke --out /tmp/rollout_smoke # CPU, tiny model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import _common as common
+
+DEFAULTS = dict(sizes="7b", formats="bf16,nvfp4,nf4,mxfp4", batches="2,8,64", new_tokens=2048,
+                prompt=256, budget_s=540.0)
+SMOKE = dict(sizes="tiny", formats="bf16,nvfp4", batches="2,4", new_tokens=8, prompt=16,
+             budget_s=240.0)
+# Anchors from QeRL facts section 6 (vLLM on one H100, input 256, completion 2048), tokens/s
+PAPER = {("7b", "bf16", 2): 115.4, ("7b", "nvfp4", 2): 151.6, ("14b", "bf16", 2): 65.4,
+         ("14b", "nvfp4", 2): 95.3, ("14b", "nf4", 2): 45.1, ("32b", "bf16", 2): 34.0,
+         ("32b", "nvfp4", 2): 58.0, ("32b", "nf4", 2): 25.2, ("7b", "bf16", 8): 1641,
+         ("7b", "nvfp4", 8): 2092, ("14b", "bf16", 8): 737, ("14b", "nvfp4", 8): 1091,
+         ("32b", "bf16", 8): 344, ("32b", "nvfp4", 8): 688}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", help=f"comma list of 7b,14b,32b (or preset names); "
+                        f"default {DEFAULTS['sizes']}")
+    parser.add_argument("--formats", help=f"default {DEFAULTS['formats']} (run in this order)")
+    parser.add_argument("--batches", help=f"default {DEFAULTS['batches']} (run ascending)")
+    parser.add_argument("--new-tokens", type=int, help=f"default {DEFAULTS['new_tokens']}")
+    parser.add_argument("--prompt", type=int, help=f"prompt tokens, default {DEFAULTS['prompt']}")
+    parser.add_argument("--budget-s", type=float,
+                        help=f"wall-clock budget of the whole command, default "
+                             f"{DEFAULTS['budget_s']:.0f}")
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (alpha = rank)")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip the kernel hook (pure XLA path) for comparison")
+    parser.add_argument("--kernels-interpret", action="store_true",
+                        help="CPU check of the kernel path: enable_kernels(interpret=True)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
+    parser.add_argument("--out", default=".")
+    # internal: one worker = one (size, format)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--format", help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+# ============================================================================== worker
+def _case_estimate(previous: dict | None, batch: int) -> float:
+    """Seconds the next batch is expected to take, from the previous case of this worker:
+    compile about the same, generation growing slowly with batch (weight reads dominate; the
+    KV-cache reads grow with it). Only a guard, so on the generous side."""
+    if previous is None:
+        return 0.0
+    growth = max(1.0, (batch / previous["batch"]) ** 0.25)
+    return 1.1 * (previous["compile_s"] + previous["run_s"] * growth)
+
+
+def worker_main(args) -> None:
+    import gc
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from qerl_jax import sampling
+    from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
+    from qerl_jax.models.config import preset
+    from qerl_jax.models.layers import Linear
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    size, format_name = args.size, args.format
+    batches = sorted(int(b) for b in common.split_list(args.batches))
+    base = {"size": size, "preset": common.preset_name(size), "format": format_name,
+            "prompt": args.prompt, "new_tokens": args.new_tokens, "lora_rank": args.rank,
+            **common.device_info()}
+
+    def emit(row):
+        row = {**base, **row, "elapsed_s": time.time() - args.spawned_at}
+        common.append_jsonl(args.results, row)
+        print({k: row.get(k) for k in ("size", "format", "batch", "status", "compile_s",
+                                       "run_s", "tokens_per_s", "peak_GiB")}, flush=True)
+
+    started = time.perf_counter()
+    try:
+        architecture = preset(base["preset"], param_dtype="bfloat16", compute_dtype="bfloat16",
+                              remat=False)
+        model = common.random_quantized_model(architecture, format_name, seed=args.seed)
+        # LoRA as the trainer attaches it (rank r, alpha r, all projections, trainable norms);
+        # B is drawn nonzero so the adapter visibly changes the output.
+        add_lora(model, LoRAConfig(rank=args.rank, alpha=float(args.rank), train_norms=True),
+                 jax.random.key(args.seed + 1))
+        lora_b_key = jax.random.key(args.seed + 2)
+        adapted = [node for _, node in nnx.iter_graph(model)
+                   if isinstance(node, Linear) and node.lora_b is not None]
+        for index, layer in enumerate(adapted):
+            value = layer.lora_b.get_value()
+            layer.lora_b.set_value(1e-3 * jax.random.normal(
+                jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
+        base["lora_layers"] = len(adapted)
+        model, hook = _prepare_model(model, format_name, not args.no_kernels,
+                                     args.kernels_interpret)
+        graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
+        del model
+        states = (trainable, frozen)
+        jax.block_until_ready(jax.tree_util.tree_leaves(states))
+        base.update(hook)
+        base["params_B"] = architecture.num_parameters() / 1e9
+        base["init_s"] = time.perf_counter() - started
+        base["weights_GiB"] = common.state_gib(frozen)
+        base["lora_GiB"] = common.state_gib(trainable)
+        base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()
+        base["memory_limit_GiB"] = common.memory_limit_gib()
+    except Exception as error:  # recorded per case; the parent goes on with the next worker
+        for batch in batches:
+            emit({"batch": batch, "status": "init " + common.describe_error(error)})
+        raise
+
+    previous, failed_at = None, None
+    key = jax.random.key(args.seed + 3)
+    for batch in batches:
+        if failed_at is not None:
+            emit({"batch": batch, "status": f"skipped: OOM at batch {failed_at}"})
+            continue
+        estimate = _case_estimate(previous, batch)
+        left = args.deadline - time.time()
+        if estimate > left:
+            emit({"batch": batch, "status": f"skipped: budget (needs ~{estimate:.0f} s, "
+                                            f"{max(left, 0):.0f} s left)"})
+            continue
+        active = base.get("kernels_active", False)
+        row = {"batch": batch, "path_decode": common.matmul_path(format_name, batch, active),
+               "path_prefill": common.matmul_path(format_name, batch * args.prompt, active)}
+        compiled = rollout = None
+        try:
+            config = sampling.SamplingConfig(
+                max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(),
+                num_generations=1, prompt_bucket=args.prompt)
+            tokens = jax.random.randint(jax.random.fold_in(key, batch), (batch, args.prompt), 0,
+                                        architecture.vocab_size, jnp.int32)
+            mask = jnp.ones((batch, args.prompt), jnp.bool_)
+            run_key = jax.random.fold_in(key, 10_000 + batch)
+            begin = time.perf_counter()
+            # The same program generate_from_states runs (prompt already at its bucket length),
+            # compiled ahead of time so compilation is timed apart from generation.
+            compiled = sampling._generate_program.lower(
+                graphdef, states, tokens, mask, run_key, config=config,
+                cache_length=args.prompt + args.new_tokens).compile()
+            row["compile_s"] = time.perf_counter() - begin
+            try:
+                row["program_temp_GiB"] = compiled.memory_analysis().temp_size_in_bytes / 2**30
+            except Exception:  # not every backend reports it
+                pass
+            begin = time.perf_counter()
+            rollout = compiled(states, tokens, mask, run_key)
+            generated = int(jax.device_get(rollout.lengths).sum())  # waits for the program
+            row["run_s"] = time.perf_counter() - begin
+            row["generated_tokens"] = generated
+            row["expected_tokens"] = batch * args.new_tokens
+            row["tokens_per_s"] = generated / row["run_s"]
+            row["ms_per_token_step"] = 1e3 * row["run_s"] / args.new_tokens
+            row["status"] = ("ok" if generated == batch * args.new_tokens
+                             else f"ok, but {generated} != {batch}x{args.new_tokens} tokens")
+            previous = row
+        except Exception as error:
+            row["status"] = common.describe_error(error)
+            if row["status"] == "OOM":
+                failed_at = batch
+        row["peak_GiB"], _ = common.peak_memory_gib()
+        emit(row)
+        del compiled, rollout
+        gc.collect()
+
+
+def _prepare_model(model, format_name, use_kernels, interpret=False):
+    # The kernel hook lives in _common._prepare_model (shared with e2e_step.py).
+    return common._prepare_model(model, format_name, use_kernels, interpret)
+
+
+# ============================================================================== parent
+COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status", "status"),
+           ("compile_s", "compile s"), ("run_s", "run s"),
+           ("generated_tokens", "generated tokens"), ("tokens_per_s", "tok/s"),
+           ("vs_bf16", "x bf16"), ("paper_tokens_per_s", "paper tok/s"),
+           ("peak_GiB", "peak GiB"), ("weights_GiB", "weights GiB"),
+           ("init_s", "init s"), ("path_decode", "decode path"),
+           ("path_prefill", "prefill path"), ("kernel_hook", "kernel hook"),
+           ("kernel_layout_weights", "weights in kernel layout")]
+
+
+def _lookup(rows, size, format_name, batch):
+    for row in rows:
+        if (row["size"], row["format"], row["batch"]) == (size, format_name, batch) and \
+                row.get("status", "").startswith("ok"):
+            return row
+    return None
+
+
+def targets(rows) -> list[str]:
+    """The issue's targets, evaluated where the cases were measured."""
+    lines = []
+
+    def verdict(ok):
+        return "MET" if ok else "not met"
+
+    nv7, bf7 = _lookup(rows, "7b", "nvfp4", 8), _lookup(rows, "7b", "bf16", 8)
+    if nv7:
+        ratio = nv7["tokens_per_s"] / bf7["tokens_per_s"] if bf7 else None
+        ok = nv7["tokens_per_s"] >= 2100 and (ratio is None or ratio >= 1.5)
+        lines.append(f"7B NVFP4 batch 8 >= 2100 tok/s and >= 1.5x our bf16: "
+                     f"{nv7['tokens_per_s']:.0f} tok/s, "
+                     f"{f'x{ratio:.2f}' if ratio else 'bf16 not measured'} -> {verdict(ok)}")
+    nv32 = _lookup(rows, "32b", "nvfp4", 8)
+    if nv32:
+        lines.append(f"32B NVFP4 batch 8 >= 700 tok/s: {nv32['tokens_per_s']:.0f} tok/s -> "
+                     f"{verdict(nv32['tokens_per_s'] >= 700)}")
+    for size in ("14b", "32b"):
+        for batch in sorted({row["batch"] for row in rows}):
+            nv, nf = _lookup(rows, size, "nvfp4", batch), _lookup(rows, size, "nf4", batch)
+            if nv and nf:
+                ratio = nv["tokens_per_s"] / nf["tokens_per_s"]
+                lines.append(f"{size.upper()} batch {batch}: NVFP4 >= 2x NF4: x{ratio:.2f} -> "
+                             f"{verdict(ratio >= 2)}")
+    return lines or ["(no case of a target was measured)"]
+
+
+def parent_main(args) -> None:
+    budget = common.Budget(args.budget_s)
+    sizes = common.split_list(args.sizes)
+    formats = common.split_list(args.formats)
+    batches = sorted(int(b) for b in common.split_list(args.batches))
+    raw_dir = os.path.join(args.out, "rollout_raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    rows: list[dict] = []
+    for size in sizes:
+        worker_costs: list[float] = []   # seconds each worker of this size took to its 1st case
+        for format_name in formats:
+            tag = f"{size}_{format_name}"
+            results = os.path.join(raw_dir, f"{tag}.jsonl")
+            if os.path.exists(results):
+                os.remove(results)
+            needed = max(worker_costs, default=0.0)
+            left = budget.left()
+            if needed > left or left < 5:
+                rows += [{"size": size, "format": format_name, "batch": batch,
+                          "status": f"skipped: budget ({max(left, 0):.0f} s left"
+                                    + (f"; a worker took ~{needed:.0f} s to its first case)"
+                                       if needed else ")")}
+                         for batch in batches]
+                continue
+            command = [sys.executable, os.path.abspath(__file__), "--worker", "--size", size,
+                       "--format", format_name, "--batches", args.batches,
+                       "--new-tokens", str(args.new_tokens), "--prompt", str(args.prompt),
+                       "--rank", str(args.rank), "--seed", str(args.seed),
+                       "--results", results, "--deadline", str(budget.deadline),
+                       "--spawned-at", str(time.time())]
+            if args.no_kernels:
+                command.append("--no-kernels")
+            if args.kernels_interpret:
+                command.append("--kernels-interpret")
+            print(f"[rollout] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
+            log = os.path.join(raw_dir, f"{tag}.log")
+            code, wall = common.run_worker(command, log, left)
+            got = common.read_jsonl(results)
+            done = {row["batch"] for row in got}
+            for batch in batches:
+                if batch not in done:
+                    why = ("killed at the budget deadline" if code is None
+                           else f"worker exited with code {code} before this case")
+                    got.append({"size": size, "format": format_name, "batch": batch,
+                                "status": why})
+            first = next((row for row in got if row.get("status", "").startswith("ok")), None)
+            if first is not None:
+                worker_costs.append(first["elapsed_s"])
+            if code != 0:
+                print(f"[rollout] {tag}: worker {'killed' if code is None else 'rc=' + str(code)}"
+                      f" after {wall:.0f} s; log tail:\n{common.tail(log)}", flush=True)
+            rows += sorted(got, key=lambda row: row["batch"])
+    for row in rows:
+        bf16 = _lookup(rows, row["size"], "bf16", row["batch"])
+        if row.get("tokens_per_s") and bf16:
+            row["vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
+        row["paper_tokens_per_s"] = PAPER.get((row["size"], row["format"], row["batch"]))
+    header = common.header_line(
+        f"Rollout throughput ({args.prompt}-token prompt, {args.new_tokens} new tokens, EOS "
+        f"off, LoRA r{args.rank} unmerged, temperature 1, random weights; tok/s = all "
+        f"generated tokens / one timed call incl. prefill; compile timed apart, AOT)", rows)
+    notes = ["", ("Peak memory: the device allocator's peak since the worker process started "
+                  "(one process per size x format, batches ascending, so each batch's peak "
+                  "includes the smaller ones'). 'paper tok/s': QeRL's vLLM numbers (facts "
+                  "section 6)."),
+             "", "Targets:"] + [f"- {line}" for line in targets(rows)]
+    text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
+    print(text, flush=True)
+    name = "rollout_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
+    common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
+                                                "targets": targets(rows)})
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+    else:
+        parent_main(args)
+
+
+if __name__ == "__main__":
+    main()
