@@ -96,6 +96,8 @@ class RunSpec:
 def plan_runs(config_path: str, formats: Sequence[str], seeds: Sequence[int],
               overrides: Sequence[str], out_dir: str) -> list[RunSpec]:
     """One RunSpec per (seed, format), seeds outermost (formats of a seed share a warm-up)."""
+    from qerl_jax.config_defaults import validate_config
+
     specs = []
     # The progress bar writes carriage returns into train.log; the user's --set can turn it on.
     base = ["logging.progress_bar=False", *overrides]
@@ -104,6 +106,7 @@ def plan_runs(config_path: str, formats: Sequence[str], seeds: Sequence[int],
             run_overrides = base + [f"{field}={value}" for field, value in
                                     format_overrides(name).items()] + [f"seed={seed}"]
             config = resolve_config(config_path, run_overrides)
+            validate_config(config)   # a bad override stops here, before any training
             config_json = json.loads(config.to_json())
             warmup = None
             if config.warmup.steps > 0 and not config.model.hf_path:
@@ -294,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if report["failed"]:
             print("failed:\n  " + "\n  ".join(report["failed"]), file=sys.stderr)
             return_code = 1
+    if return_code and not ablation_analysis.find_run_directories(args.out):
+        return return_code   # nothing finished to summarize
     summary = ablation_analysis.analyze([args.out, *args.runs], args.out, args.early_fraction,
                                         args.final_fraction, args.smooth)
     print(summary["markdown"])
