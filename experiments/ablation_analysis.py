@@ -25,7 +25,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -333,7 +333,7 @@ def plot_format_curves(runs: Sequence[Run], out_dir: str, smooth: int = 1,
 
     Writes {key}_vs_step.png and .svg into `out_dir`; returns the paths.
     """
-    from matplotlib.figure import Figure   # no pyplot: no GUI backend, no global state
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
     os.makedirs(out_dir, exist_ok=True)
     formats = list(dict.fromkeys(run.format for run in runs))

@@ -37,10 +37,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from experiments import ablation_analysis
-from experiments.ablation_analysis import FORMATS, format_directory_name, format_overrides
+from experiments.ablation_analysis import (
+    FORMATS,
+    format_directory_name,
+    format_overrides,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join("configs", "tiny.py")
@@ -205,7 +209,7 @@ def execute_run(spec: RunSpec, config_path: str, state: str, env: dict | None = 
     started = time.perf_counter()
     with open(os.path.join(spec.directory, "train.log"), "a") as log:
         result = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+                                env=env, check=False)   # a failure is recorded, others go on
     seconds = time.perf_counter() - started
     status = "done" if result.returncode == 0 else "failed"
     _write_status(spec, status=status, return_code=result.returncode,

@@ -24,9 +24,8 @@ def _write_run(directory, name, seed, total_steps, entropy, reward, accuracy):
     with open(os.path.join(directory, "run.json"), "w") as handle:
         json.dump({"seed": seed, "config": config, "git_revision": "x", "versions": {}}, handle)
     with open(os.path.join(directory, "metrics.jsonl"), "w") as handle:
-        for step in range(len(entropy)):
-            handle.write(json.dumps({"step": step, "entropy": entropy[step],
-                                     "reward": reward[step], "accuracy": accuracy[step]}) + "\n")
+        handle.writelines(json.dumps({"step": step, "entropy": entropy[step],
+                                     "reward": reward[step], "accuracy": accuracy[step]}) + "\n" for step in range(len(entropy)))
 
 
 def _synthetic(root, rng, total_steps=17, seeds=(0, 1, 2), formats=analysis.FORMATS,
