@@ -115,7 +115,7 @@ def copies_of(value, count):
 
 
 def run_case(record, format_name, n, k, m_values, fwd_bwd_m, key, time_it, platform,
-             small_m_backward_options):
+             small_m_backward_options, deadline):
     quantized, prepared, bf16 = build_weights(format_name, n, k, key)
     copies = 1 if not time_it else max(1, min(MAX_COPIES, math.ceil(
         L2_DEFEAT_BYTES / packed_bytes(prepared))))
@@ -128,10 +128,15 @@ def run_case(record, format_name, n, k, m_values, fwd_bwd_m, key, time_it, platf
         row = {"m": m, "path": select_matmul_path(format_name, m, platform)}
         record["forward"].append(row)
         try:
+            if time.perf_counter() > deadline:
+                row["skipped"] = "budget"
+                continue
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-            y_kernel = forward_copies(x, variants["kernel"][:1])[0]
-            y_xla = forward_copies(x, variants["xla"][:1])[0]
+            # the first copy's output of the timed (compiled) call is the checked one
+            y_kernel = forward_copies(x, variants["kernel"])[0]
+            y_xla = forward_copies(x, variants["xla"])[0]
             row["max_err"], row["max_ref"], row["ok"] = max_error(y_kernel, y_xla)
+            del y_kernel, y_xla
             if time_it:
                 for name, weights in variants.items():
                     row[f"{name}_us"] = time_us(forward_copies, x, weights, copies=copies)
@@ -139,18 +144,22 @@ def run_case(record, format_name, n, k, m_values, fwd_bwd_m, key, time_it, platf
             row["error"] = f"{type(error).__name__}: {error}"
             log(traceback.format_exc(limit=4))
         log(f"  {format_name} [{n}x{k}] M={m}: {summarize(row)}")
-    for m, option in [(m, o) for m in fwd_bwd_m for o in small_m_backward_options(m)]:
+    for m, option in [(size, o) for size in fwd_bwd_m for o in small_m_backward_options(size)]:
         row = {"m": m, "small_m_backward": option}
         record["forward_backward"].append(row)
         try:
+            if time.perf_counter() > deadline:
+                row["skipped"] = "budget"
+                continue
             kernel_dispatch.register_kernels(platform, interpret=platform != "gpu",
                                              small_m_backward=option)
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
-            (y_kernel, dx_kernel), = forward_backward_copies(x, dy, variants["kernel"][:1])
-            (y_xla, dx_xla), = forward_backward_copies(x, dy, variants["xla"][:1])
+            y_kernel, dx_kernel = forward_backward_copies(x, dy, variants["kernel"])[0]
+            y_xla, dx_xla = forward_backward_copies(x, dy, variants["xla"])[0]
             row["max_err_dx"], row["max_ref_dx"], row["ok"] = max_error(dx_kernel, dx_xla)
             row["ok"] = row["ok"] and max_error(y_kernel, y_xla)[2]
+            del y_kernel, dx_kernel, y_xla, dx_xla
             if time_it:
                 for name, weights in variants.items():
                     if name == "bf16" and option != "dequantize":
@@ -168,6 +177,8 @@ def run_case(record, format_name, n, k, m_values, fwd_bwd_m, key, time_it, platf
 def summarize(row) -> str:
     if "error" in row:
         return "ERROR " + row["error"][:200]
+    if "skipped" in row:
+        return "skipped (budget)"
     parts = [f"ok={row.get('ok')}"]
     for key in ("max_err", "max_err_dx"):
         if key in row:
@@ -209,6 +220,8 @@ def table_row(rec, row, label, err_key, ref_key) -> str:
 
     if "error" in row:
         check = "ERROR: " + row["error"][:80].replace("|", "/")
+    elif "skipped" in row:
+        check = "skipped (budget)"
     elif err_key in row:
         check = f"{row[err_key]:.3g} / {row[ref_key]:.3g}"
     else:
@@ -224,8 +237,9 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, Pallas interpret mode, no timing (CPU dry run)")
     parser.add_argument("--formats", default=",".join(FORMATS))
-    parser.add_argument("--budget-seconds", type=float, default=150.0,
-                        help="no new case starts after this many seconds")
+    parser.add_argument("--budget-seconds", type=float, default=120.0,
+                        help="no new case starts after this many seconds (rows of a started "
+                             "case stop 30 s later)")
     parser.add_argument("--no-small-m-backward", action="store_true",
                         help="skip the M=64 comparison of the two small-M backward options")
     parser.add_argument("--seed", type=int, default=0)
@@ -255,6 +269,8 @@ def main(argv=None) -> int:
     log(f"kernel dispatch check on {devices[0].device_kind} ({platform}), jax {jax.__version__}, "
         f"smoke={args.smoke}, budget {args.budget_seconds:.0f} s")
     records, skipped = [], []
+    # No case starts after the budget; no row of a started case after budget + 30 s.
+    hard_deadline = start + args.budget_seconds + 30.0
     key = jax.random.key(args.seed)
     # Priority: every format on the largest shape first, then the next shape.
     for layer, n, k in shapes:
@@ -269,15 +285,16 @@ def main(argv=None) -> int:
             log(f"{format_name} {layer} [N={n}, K={k}] ({time.perf_counter() - start:.0f} s)")
             try:
                 run_case(record, format_name, n, k, m_values, fwd_bwd_all, case_key, time_it,
-                         platform, backward_options)
+                         platform, backward_options, hard_deadline)
             except Exception as error:  # noqa: BLE001
                 record["error"] = f"{type(error).__name__}: {error}"
                 log(f"  ERROR {record['error']}")
                 log(traceback.format_exc(limit=6))
-            jax.clear_caches() if not args.smoke else None
+            if not args.smoke:
+                jax.clear_caches()  # frees the compiled programs of the finished shape
     print_tables(records)
     rows = [row for rec in records for row in rec["forward"] + rec["forward_backward"]]
-    failures = [row for row in rows if row.get("ok") is not True]
+    failures = [row for row in rows if row.get("ok") is not True and "skipped" not in row]
     failures += [rec for rec in records if "error" in rec]
     summary = {"cases": len(rows), "failed_or_error": len(failures), "skipped": skipped,
                "seconds": time.perf_counter() - start}

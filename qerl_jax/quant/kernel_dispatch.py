@@ -48,6 +48,7 @@ from pallas_kernels.mxfp4_matmul import MXFP4
 from pallas_kernels.nf4_matmul import NF4
 from pallas_kernels.nvfp4_matmul import NVFP4
 from qerl_jax.quant import linear_op
+from qerl_jax.quant.nf4 import dequantize_block_scales
 from qerl_jax.quant.qarray import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def _repack(weight: QuantizedWeight, tile_k: int) -> KernelLayoutWeight:
                                low_nibble_first=_LOW_NIBBLE_FIRST[fmt])
     scale_codes = run_absmax = None
     if fmt == "nf4" and weight.double_quant_scales is not None:
-        from qerl_jax.quant.nf4 import dequantize_block_scales  # the format's own decode
+        # the format's own decode, so dequantize() of both layouts agrees bit for bit
         scale_codes, run_absmax = weight.block_scales, weight.double_quant_scales
         absmax = dequantize_block_scales(scale_codes.reshape(-1), run_absmax,
                                          weight.tensor_scale).reshape(scale_codes.shape)

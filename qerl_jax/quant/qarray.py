@@ -18,6 +18,10 @@ along K (the reduction dimension). Layouts, per format (see docs/formats.md):
 
 Array fields are pytree children (None fields are empty subtrees); format, shape and dtype are
 static (they are part of the treedef, so jit specializes on them).
+
+For the Pallas GPU kernels, qerl_jax.quant.kernel_dispatch repacks a QuantizedWeight once at
+load time into a `KernelLayoutWeight` (a subclass: the checkpoint arrays above stay readable
+from it, unpacked losslessly on access).
 """
 
 from __future__ import annotations

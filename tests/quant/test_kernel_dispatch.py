@@ -298,7 +298,7 @@ def test_export_merge_and_state_conversion_after_enabling(tmp_path):
         before = SafetensorsFile(str(tmp_path / "before" / "model.safetensors"))
         after = SafetensorsFile(str(tmp_path / "after" / "model.safetensors"))
         assert sorted(before.keys()) == sorted(after.keys())
-        for name in before.keys():
+        for name in before.keys():  # noqa: SIM118 - a SafetensorsFile, not a dict
             assert before.dtype(name) == after.dtype(name), name
             np.testing.assert_array_equal(np.asarray(after[name]).view(np.uint8),
                                           np.asarray(before[name]).view(np.uint8),
