@@ -7,6 +7,8 @@ format and some arithmetic, so that GRPO's rewards are not all zero. The result 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 
@@ -91,6 +93,17 @@ def supervised_warmup(model: CausalLM, tokenizer, *, steps: int, learning_rate: 
     return losses
 
 
+def _settings_mismatch(marker: str, settings: dict) -> list[str]:
+    """Fields whose cached value differs from `settings` (all of them for an old marker)."""
+    try:
+        with open(marker) as handle:
+            cached = json.load(handle).get("settings", {})
+    except (json.JSONDecodeError, AttributeError):
+        cached = {}
+    return [f"{name}: cached {cached.get(name, '<missing>')!r} vs now {value!r}"
+            for name, value in settings.items() if cached.get(name) != value]
+
+
 def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps: int,
                         learning_rate: float, batch_size: int, seed: int,
                         prompt_style: str = "plain", max_operand: int = 20):
@@ -99,12 +112,27 @@ def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps:
     make_model() -> a fresh CausalLM; tokenizer_builder(path) writes the tokenizer. The
     tokenizer lives in its own subdirectory: next to a config.json with model_type qwen2,
     AutoTokenizer would pick Qwen2Tokenizer and tokenize differently.
+
+    The marker file records every setting the warm-up depends on (its hyperparameters, the seed
+    and the architecture); a cache made with other settings is never reused silently: it raises
+    a ValueError naming the fields that differ.
     """
     marker = os.path.join(directory, "warmup_done.txt")
     tokenizer_directory = os.path.join(directory, "tokenizer")
+    model = make_model()
+    settings = {"steps": steps, "learning_rate": learning_rate, "batch_size": batch_size,
+                "seed": seed, "prompt_style": prompt_style, "max_operand": max_operand,
+                "architecture": {name: value for name, value in
+                                 dataclasses.asdict(model.config).items()
+                                 if name != "remat"}}
+    settings = json.loads(json.dumps(settings))   # the form it takes after a round trip
     if os.path.isfile(marker):
+        different = _settings_mismatch(marker, settings)
+        if different:
+            raise ValueError(f"{directory}: cached warm-up was made with other settings ("
+                             + "; ".join(different) + "). Delete the directory to redo the "
+                             "warm-up, or use another workdir.")
         tokenizer = load_tokenizer(tokenizer_directory)
-        model = make_model()
         loaded = load_hf_model(directory, param_dtype=model.config.param_dtype,
                                compute_dtype=model.config.compute_dtype,
                                remat=model.config.remat)
@@ -113,11 +141,12 @@ def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps:
     os.makedirs(directory, exist_ok=True)
     tokenizer_builder(tokenizer_directory)
     tokenizer = load_tokenizer(tokenizer_directory)
-    model = make_model()
     losses = supervised_warmup(model, tokenizer, steps=steps, learning_rate=learning_rate,
                                batch_size=batch_size, seed=seed, prompt_style=prompt_style,
                                max_operand=max_operand)
     save_hf_model(model, directory)
-    with open(marker, "w") as handle:
-        handle.write(f"steps={steps} final_loss={losses[-1]:.5f}\n")
+    temporary = marker + ".tmp"
+    with open(temporary, "w") as handle:
+        json.dump({"settings": settings, "final_loss": losses[-1]}, handle, indent=1)
+    os.replace(temporary, marker)
     return model, tokenizer

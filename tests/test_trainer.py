@@ -119,3 +119,59 @@ def test_invalid_config_names_the_field():
     config.data.task = "gsm8k"
     with pytest.raises(ValueError, match="config.data.path"):
         validate_config(config)
+
+
+def test_rollout_logprobs_equal_the_training_forward(tmp_path, warm_cache):
+    """The sampler's per-token log-probs (temperature 1, no AQN) equal the trainer's recomputed
+    ones on the same tokens: prompts, positions and completions line up in the training batch.
+    float32 tiny model: 1e-4."""
+    config = _config()
+    config.aqn.enabled = False
+    trainer = Trainer(config, _workdir(tmp_path, "logprobs", warm_cache))
+    examples = trainer.iterator.next_batch()
+    prompts, rollout, scores = trainer._sample_groups(examples, 0)
+    group = config.rollout.num_generations
+    groups = [{"prompt_tokens": prompts.tokens[i], "prompt_mask": prompts.mask[i],
+               "rollout": jax.tree_util.tree_map(lambda a: a[i * group:(i + 1) * group], rollout),
+               "scores": {name: values[i * group:(i + 1) * group]
+                          for name, values in scores.items()}}
+              for i in range(len(examples))]
+    batch, *_ = trainer._training_arrays(groups)
+    recomputed = np.asarray(trainer._logprobs_fn(trainer.trainable, trainer.frozen, batch))
+    mask = np.asarray(rollout.mask)
+    assert mask.sum() > 0
+    np.testing.assert_allclose(recomputed * mask, np.asarray(rollout.logprobs) * mask, atol=1e-4)
+
+
+def test_warmup_cache_with_other_settings_is_refused(tmp_path, warm_cache):
+    config = _config()
+    config.warmup.steps = 41
+    with pytest.raises(ValueError, match="steps: cached 40 vs now 41"):
+        Trainer(config, _workdir(tmp_path, "other_warmup", warm_cache))
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_refills(tmp_path, warm_cache):
+    config = _config(dynamic_sampling=True, dynamic_sampling_max_tries=3)
+    trainer = Trainer(config, _workdir(tmp_path, "dapo", warm_cache))
+    group, prompts_per_step = config.rollout.num_generations, config.train.prompts_per_step
+    sample = trainer._sample_groups
+    attempts = []
+
+    def controlled(examples, attempt):
+        """First attempt: groups 0 and 2 all-correct / all-wrong; later attempts all vary."""
+        prompts, rollout, scores = sample(examples, attempt)
+        total = np.tile(np.arange(group, dtype=np.float32), len(examples))
+        if attempt == 0:
+            total[0:group] = 2.2
+            total[2 * group:3 * group] = 0.0
+        attempts.append(total)
+        return prompts, rollout, dict(scores, total=total)
+
+    trainer._sample_groups = controlled
+    (batch, rewards, _, _), _, _, dropped = trainer._collect_rollouts()
+    assert len(attempts) == 2 and dropped == 2
+    assert trainer.iterator.position == (0, 2 * prompts_per_step)
+    totals = np.asarray(rewards["total"]).reshape(prompts_per_step, group)
+    assert np.all(totals.std(axis=1) > 0)          # only groups with a learning signal
+    np.testing.assert_array_equal(totals[:2], attempts[0].reshape(-1, group)[[1, 3]])
+    assert np.all(np.abs(batch["advantages"]).reshape(prompts_per_step, group).max(1) > 0.1)
