@@ -24,7 +24,7 @@ def base_config() -> ml_collections.ConfigDict:
         compute_dtype="bfloat16", remat=True))
     # Supervised warm-up from scratch (only for the tiny CPU default; 0 steps = off).
     config.warmup = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-3, batch_size=64))
-    config.quant = ml_collections.ConfigDict(dict(format="nvfp4"))
+    config.quant = ml_collections.ConfigDict(dict(format="nvfp4", kernels=True))
     config.lora = ml_collections.ConfigDict(dict(rank=16, alpha=16.0,
                                                  target_modules=ALL_PROJECTIONS,
                                                  train_norms=True))
@@ -128,6 +128,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            f"{model.param_dtype!r} not in ('bfloat16', 'float32')")
     _check(config.quant.format in FORMATS, "quant.format",
            f"{config.quant.format!r} not in {FORMATS}")
+    _check(isinstance(config.quant.get("kernels", True), bool), "quant.kernels",
+           f"{config.quant.get('kernels')!r} must be True or False")
     _check(config.lora.rank > 0, "lora.rank", "must be positive")
     _check(set(config.lora.target_modules) <= set(ALL_PROJECTIONS), "lora.target_modules",
            f"must be a subset of {ALL_PROJECTIONS}")

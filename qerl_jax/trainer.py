@@ -53,8 +53,10 @@ class NonFiniteError(RuntimeError):
 
 # ------------------------------------------------------------------------------ model set-up
 def build_model(config: ml_collections.ConfigDict, workdir: str):
-    """The quantized base model + tokenizer as the config describes (warm-up cached)."""
+    """The quantized base model + tokenizer as the config describes (warm-up cached), with the
+    weights in the Pallas kernels' layout on GPU."""
     from qerl_jax.quant.model_quantization import load_quantized_hf_model, quantize_model
+    from qerl_jax.quant.random_model import random_quantized_model
     from qerl_jax.warmup import cached_warmup_model
 
     model_cfg, fmt = config.model, config.quant.format
@@ -68,6 +70,7 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
                                                     compute_dtype=model_cfg.compute_dtype,
                                                     remat=model_cfg.remat)
             logger.info(report.summary())
+        _maybe_enable_kernels(model, config)
         return model, tokenizer
     architecture = preset(model_cfg.preset, param_dtype=model_cfg.param_dtype,
                           compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
@@ -83,17 +86,30 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
             batch_size=config.warmup.batch_size, seed=config.seed,
             prompt_style=config.data.prompt_style,
             max_operand=config.data.arithmetic_max_operand)
+        report = quantize_model(model, fmt)
+        logger.info(report.summary())
     else:
+        # Random weights (shape-only runs, GPU benchmarks): drawn and quantized tensor by
+        # tensor, so a 32B model never exists in bf16 (61 GiB) on the way to 4 bits.
         if not model_cfg.tokenizer_path:
             raise ValueError("config.model.tokenizer_path is required for a preset model "
                              "without warm-up")
-        model, tokenizer = make_model(), load_tokenizer(model_cfg.tokenizer_path)
+        model = random_quantized_model(architecture, fmt, seed=config.seed)
+        tokenizer = load_tokenizer(model_cfg.tokenizer_path)
     if tokenizer.vocab_size > architecture.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                          f"{architecture.vocab_size}")
-    report = quantize_model(model, fmt)
-    logger.info(report.summary())
+    _maybe_enable_kernels(model, config)
     return model, tokenizer
+
+
+def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
+    """Repacks the 4-bit weights once into the Pallas kernels' layout and registers the kernels
+    (GPU only; a no-op on CPU and for bf16). config.quant.kernels=False keeps the XLA path."""
+    from qerl_jax.quant.kernel_dispatch import enable_kernels
+
+    if config.quant.get("kernels", True) and config.quant.format != "bf16":
+        enable_kernels(model)
 
 
 def make_optimizer(train: ml_collections.ConfigDict):
