@@ -3,6 +3,13 @@ synthetic arithmetic (supervised warm-up, cached in the workdir), quantized to N
 GRPO/DAPO with LoRA and AQN. Runs on a 2-core CPU in minutes.
 
     python -m qerl_jax.train --config configs/tiny.py --workdir runs/tiny
+
+Tuned so that the reward rises measurably (2026-11-21, 2-core CPU, seed 0): single-digit
+operands; 250 warm-up steps leave the NVFP4 model at greedy accuracy ~0.56 and sampled (T=1)
+accuracy ~0.29, so RL has room; a fixed set of 64 problems is revisited every 4 steps, so each
+problem's group signal accumulates; lr 2e-3 (5e-3 and 1e-2 were noise-dominated: accuracy fell
+and entropy rose). Truncated completions are not masked: with a 16-token limit, masking them let
+a policy drift into truncation without any penalty (observed at lr 1e-2).
 """
 
 from qerl_jax.config_defaults import base_config
@@ -19,7 +26,7 @@ def get_config():
     model.param_dtype = "float32"
     model.compute_dtype = "float32"
     model.remat = False
-    config.warmup.steps = 300
+    config.warmup.steps = 250
     config.warmup.learning_rate = 3e-3
     config.warmup.batch_size = 64
     config.quant.format = "nvfp4"
@@ -32,7 +39,8 @@ def get_config():
     config.aqn.stages = 5
     data = config.data
     data.task = "arithmetic"
-    data.arithmetic_count = 2000
+    data.arithmetic_count = 64
+    data.arithmetic_max_operand = 9
     data.prompt_style = "plain"
     data.max_prompt_length = 48
     rollout = config.rollout
@@ -40,12 +48,13 @@ def get_config():
     rollout.max_new_tokens = 16
     rollout.prompt_bucket = 16
     train = config.train
-    train.total_steps = 40
+    train.total_steps = 100
     train.prompts_per_step = 16
     train.micro_batch_size = 64
     train.learning_rate = 2e-3
     train.max_grad_norm = 1.0
     config.loss.loss_type = "bnpo"
+    config.loss.mask_truncated_completions = False
     config.rewards.names = ("arithmetic", "format")
-    config.checkpoint.every_steps = 10
+    config.checkpoint.every_steps = 25
     return config
