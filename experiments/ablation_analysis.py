@@ -163,6 +163,7 @@ class Aggregate:
     std: float                # sample std (ddof=1); NaN for one value
     n: int
     values: list[float]
+    seeds: list[int] = dataclasses.field(default_factory=list)   # seeds[i] gave values[i]
 
     def text(self, digits: int = 3) -> str:
         if self.n == 0:
@@ -171,12 +172,27 @@ class Aggregate:
         return f"{self.mean:.{digits}f} ± {spread}"
 
 
-def aggregate(values: Iterable[float]) -> Aggregate:
+def aggregate(values: Iterable[float], seeds: Iterable[int] = ()) -> Aggregate:
     values = [float(value) for value in values]
     n = len(values)
     return Aggregate(mean=float(np.mean(values)) if n else math.nan,
                      std=float(np.std(values, ddof=1)) if n > 1 else math.nan, n=n,
-                     values=values)
+                     values=values, seeds=[int(seed) for seed in seeds])
+
+
+def _paired(a: Aggregate, b: Aggregate) -> dict:
+    """Per-seed differences a - b over the seeds both have (the formats of one seed share its
+    warm-up model, problems and rollout keys, so the pairing removes the seed-to-seed spread):
+    their mean, sample std, and how many seeds have a > b."""
+    a_by_seed, b_by_seed = dict(zip(a.seeds, a.values)), dict(zip(b.seeds, b.values))
+    common = sorted(set(a_by_seed) & set(b_by_seed))
+    if not common:
+        return {}
+    differences = np.array([a_by_seed[seed] - b_by_seed[seed] for seed in common])
+    return {"paired_seeds": common, "paired_differences": differences.tolist(),
+            "paired_mean": float(differences.mean()),
+            "paired_std": float(differences.std(ddof=1)) if len(common) > 1 else math.nan,
+            "seeds_a_greater": int((differences > 0).sum())}
 
 
 def _difference(a: Aggregate, b: Aggregate) -> dict:
@@ -188,7 +204,7 @@ def _difference(a: Aggregate, b: Aggregate) -> dict:
         error = math.nan
     return {"difference": difference, "standard_error": error,
             "beyond_two_standard_errors": bool(error > 0 and abs(difference) > 2 * error)
-            if not math.isnan(error) else None}
+            if not math.isnan(error) else None, **_paired(a, b)}
 
 
 def check_claims(table: dict[str, dict[str, Aggregate]]) -> list[dict]:
@@ -228,10 +244,13 @@ def summarize_runs(runs: Sequence[Run], early_fraction: float = 0.2,
     table: dict[str, dict[str, Aggregate]] = {}
     for name in dict.fromkeys(run.format for run in complete):
         group = [run for run in complete if run.format == name]
+        seeds = [run.seed for run in group]
         table[name] = {
-            "early_entropy": aggregate(early_entropy(run, early_fraction) for run in group),
-            "reward_auc": aggregate(reward_auc(run) for run in group),
-            "final_accuracy": aggregate(final_accuracy(run, final_fraction) for run in group),
+            "early_entropy": aggregate((early_entropy(run, early_fraction) for run in group),
+                                       seeds),
+            "reward_auc": aggregate((reward_auc(run) for run in group), seeds),
+            "final_accuracy": aggregate((final_accuracy(run, final_fraction) for run in group),
+                                        seeds),
         }
     total_steps = sorted({run.total_steps for run in complete})
     return {"table": table, "checks": check_claims(table),
@@ -286,6 +305,11 @@ def summary_markdown(summary: dict) -> str:
                        f"standard error {check['standard_error']:.2g}")
         elif check["holds"] is not None:
             detail += f"; difference {check['difference']:+.4g} (one seed: no error estimate)"
+        if check.get("paired_seeds"):
+            spread = ("" if math.isnan(check["paired_std"])
+                      else f" ± {check['paired_std']:.2g}")
+            detail += (f"; paired by seed: {check['paired_mean']:+.4g}{spread}, higher in "
+                       f"{check['seeds_a_greater']} of {len(check['paired_seeds'])} seeds")
         lines.append(f"- {check['claim']}: **{verdict}** ({detail})")
     if summary["incomplete"]:
         lines.append("")

@@ -93,6 +93,29 @@ def test_checks_report_what_is_observed(tmp_path):
     assert "does NOT hold" in text and "| mxfp4 | 0,1,2 |" in text
 
 
+def test_paired_differences_by_seed(tmp_path):
+    """Formats of one seed share its warm-up and problems: the checks also report the per-seed
+    differences (numpy), which the unpaired standard error cannot see."""
+    rng = np.random.default_rng()
+    data = _synthetic(str(tmp_path), rng, seeds=(0, 1, 3))
+    summary = analysis.summarize_runs(analysis.load_runs(str(tmp_path)))
+    early = math.ceil(0.2 * 17)
+    checks = {check["claim"].split(" ")[0]: check for check in summary["checks"]}
+    differences = [data["nf4", s][0][:early].mean() - data["bf16", s][0][:early].mean()
+                   for s in (0, 1, 3)]
+    nf4 = checks["nf4"]
+    assert nf4["paired_seeds"] == [0, 1, 3]
+    np.testing.assert_allclose(nf4["paired_differences"], differences, rtol=1e-12)
+    np.testing.assert_allclose(nf4["paired_mean"], np.mean(differences), rtol=1e-12)
+    np.testing.assert_allclose(nf4["paired_std"], np.std(differences, ddof=1), rtol=1e-10)
+    assert nf4["seeds_a_greater"] == sum(d > 0 for d in differences)
+    auc = checks["nvfp4+aqn's"]
+    auc_differences = [np.trapezoid(data["nvfp4+aqn", s][1]) - np.trapezoid(data["nvfp4", s][1])
+                       for s in (0, 1, 3)]
+    np.testing.assert_allclose(auc["paired_differences"], auc_differences, rtol=1e-10)
+    assert "paired by seed" in analysis.summary_markdown(summary)
+
+
 def test_missing_formats_and_incomplete_runs(tmp_path):
     rng = np.random.default_rng()
     _synthetic(str(tmp_path), rng, total_steps=10, seeds=(0,), formats=("bf16", "nvfp4"))
