@@ -25,7 +25,7 @@ from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.lora import LoRAConfig, add_lora
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.models.safetensors_io import SafetensorsFile
-from qerl_jax.models.tokenizer import eos_token_ids, load_tokenizer
+from qerl_jax.models.tokenizer import decode_completion, eos_token_ids, load_tokenizer
 from qerl_jax.rewards.gsm8k import gsm8k_numeric_reward
 from qerl_jax.rewards.math_answers import math_accuracy_reward
 from qerl_jax.sampling import SamplingConfig, generate
@@ -90,8 +90,8 @@ def evaluate(model, tokenizer, examples, *, task: str, sampling: SamplingConfig,
                                           sampling))
         group = sampling.num_generations
         for row in range(rollout.tokens.shape[0]):
-            text = tokenizer.decode(rollout.tokens[row, :int(rollout.lengths[row])].tolist(),
-                                    skip_special_tokens=True)
+            text = decode_completion(tokenizer,
+                                     rollout.tokens[row, :int(rollout.lengths[row])].tolist())
             scores.append(correctness(task, text, chunk[row // group].gold))
     per_problem = np.asarray(scores).reshape(len(examples), sampling.num_generations)
     return {"pass@1": float(per_problem.mean()), "problems": len(examples),

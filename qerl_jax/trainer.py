@@ -37,7 +37,7 @@ from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, plot_curves, run_
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.config import preset
 from qerl_jax.models.hf_io import load_hf_model
-from qerl_jax.models.tokenizer import eos_token_ids, load_tokenizer
+from qerl_jax.models.tokenizer import decode_completion, eos_token_ids, load_tokenizer
 from qerl_jax.models.transformer import CausalLM, init_model
 from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.rl.advantages import group_advantages
@@ -243,10 +243,7 @@ class Trainer:
         return trainable, frozen
 
     def _decode(self, tokens: np.ndarray, length: int) -> str:
-        text = self.tokenizer.decode(tokens[:length].tolist(), skip_special_tokens=False)
-        for special in {self.tokenizer.eos_token, self.tokenizer.pad_token} - {None}:
-            text = text.replace(special, "")
-        return text
+        return decode_completion(self.tokenizer, tokens[:length].tolist())
 
     def _sample_groups(self, examples, attempt: int):
         texts = [build_prompt_text(self.tokenizer, example.question,

@@ -41,3 +41,17 @@ def test_peft_round_trip_and_cli(tmp_path):
     with open(out) as handle:
         result = json.load(handle)
     assert result["problems"] == 3 and 0.0 <= result["pass@1"] <= 1.0
+
+
+def test_completions_keep_special_think_and_answer_tokens(tmp_path):
+    """The char tokenizer registers <think>/<answer> as special tokens: evaluation must decode
+    them (as the trainer does), or '<think>6*12</think><answer>72</answer>' reads as '6*1272'."""
+    from qerl_jax.evaluate import correctness
+    from qerl_jax.models.tokenizer import decode_completion, load_tokenizer
+    build_char_tokenizer(str(tmp_path / "tok"))
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    ids = tokenizer("<think>6*12</think><answer>72</answer>" + tokenizer.eos_token,
+                    add_special_tokens=False)["input_ids"]
+    text = decode_completion(tokenizer, ids)
+    assert text == "<think>6*12</think><answer>72</answer>"
+    assert correctness("gsm8k", text, "72") == 1.0

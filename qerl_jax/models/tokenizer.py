@@ -6,7 +6,7 @@ Only local files are read (local_files_only=True): nothing is downloaded at run 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -45,3 +45,16 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase,
     ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
     ids.extend(int(i) for i in extra)
     return tuple(dict.fromkeys(ids))
+
+
+def decode_completion(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
+    """The text of a generated completion, as the rewards must see it.
+
+    Special tokens are kept (a tokenizer may register <think>/<answer> as special, as the char
+    tokenizer does; skipping them would glue the reasoning to the answer) except the eos and
+    pad tokens, which are removed.
+    """
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=False)
+    for special in {tokenizer.eos_token, tokenizer.pad_token} - {None}:
+        text = text.replace(special, "")
+    return text
