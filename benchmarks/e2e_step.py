@@ -9,11 +9,11 @@ train_step calls. Step 0 includes the compiles (reported separately as compile +
 step is the measurement. A random model almost never samples EOS, so completions run to the
 limit (the completion-length column shows it).
 
-Model building (--init): 'streaming' (default) draws and quantizes one projection at a time
-(_common.random_quantized_model, the same model kind as the trainer's build_model without its
-dense bf16 copy of the whole model, which would dominate the peak memory of a 4-bit case and
-needs 65 GB at 32B); 'trainer' runs qerl_jax.trainer.build_model unchanged. Either way the
-kernel hook (_common._prepare_model) runs on the quantized model before LoRA is attached.
+The model is the trainer's own: qerl_jax.trainer.build_model draws and quantizes one projection
+at a time (no dense bf16 copy of the model) and enables the Pallas kernels on GPU
+(--no-kernels sets config.quant.kernels=False). The benchmark wraps build_model only to time it
+and to record the kernel hook's outcome (_common._prepare_model, which also applies
+--kernels-interpret on CPU).
 
 The parent never touches the GPU; workers run one after the other under --budget-s; a worker
 that would not fit is skipped, one still running at the deadline is killed (finished steps are
@@ -53,7 +53,6 @@ def parse_args(argv=None):
                                                   "compiles)")
     parser.add_argument("--budget-s", type=float, help="wall-clock budget of the command")
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--init", choices=("streaming", "trainer"), default="streaming")
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--kernels-interpret", action="store_true",
                         help="CPU check of the kernel path: enable_kernels(interpret=True)")
@@ -82,13 +81,11 @@ def worker_main(args) -> None:
 
     from qerl_jax import trainer as trainer_module
     from qerl_jax.models.char_tokenizer import build_char_tokenizer
-    from qerl_jax.models.config import preset
-    from qerl_jax.models.tokenizer import load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     size, format_name = args.size, args.format
     row = {"size": size, "preset": common.preset_name(size), "format": format_name,
-           "aqn": format_name in AQN_FORMATS, "init": args.init, "group": args.group,
+           "aqn": format_name in AQN_FORMATS, "group": args.group,
            "prompt": args.prompt, "completion": args.completion,
            "micro_batch": args.micro_batch, "lora_rank": args.rank, "steps_done": 0,
            **common.device_info()}
@@ -105,15 +102,7 @@ def worker_main(args) -> None:
 
     def build_model_for_benchmark(config, run_dir):
         begin = time.perf_counter()
-        if args.init == "streaming":
-            architecture = preset(config.model.preset, param_dtype=config.model.param_dtype,
-                                  compute_dtype=config.model.compute_dtype,
-                                  remat=config.model.remat)
-            model = common.random_quantized_model(architecture, config.quant.format,
-                                                  seed=config.seed)
-            tokenizer = load_tokenizer(config.model.tokenizer_path)
-        else:
-            model, tokenizer = original_build_model(config, run_dir)
+        model, tokenizer = original_build_model(config, run_dir)
         row["build_model_s"] = time.perf_counter() - begin
         row["peak_after_build_GiB"], _ = common.peak_memory_gib()
         model, hook = common._prepare_model(model, format_name, not args.no_kernels,
@@ -132,6 +121,7 @@ def worker_main(args) -> None:
             rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
             completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
             aqn=row["aqn"])
+        config.quant.kernels = not args.no_kernels
         begin = time.perf_counter()
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
         row["trainer_init_s"] = time.perf_counter() - begin
@@ -263,7 +253,7 @@ def parent_main(args) -> None:
                        "--format", format_name, "--group", str(args.group),
                        "--prompt", str(args.prompt), "--completion", str(args.completion),
                        "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
-                       "--rank", str(args.rank), "--init", args.init,
+                       "--rank", str(args.rank),
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]
             if args.no_kernels:
@@ -296,7 +286,7 @@ def parent_main(args) -> None:
     header = common.header_line(
         f"GRPO step (rollout + train), random weights, 1 prompt x G={args.group}, prompt "
         f"{args.prompt}, completion {args.completion}, LoRA r{args.rank} (+ norm scales), "
-        f"micro-batch {args.micro_batch}, remat on, model init '{args.init}'; last of "
+        f"micro-batch {args.micro_batch}, remat on; last of "
         f"{args.steps} steps reported, step 0 = compile + run", rows)
     notes = ["", ("Peak memory: the device allocator's peak over the whole worker process "
                   "(model build included), one process per size x format."),

@@ -129,8 +129,8 @@ def worker_main(args) -> None:
             layer.lora_b.set_value(1e-3 * jax.random.normal(
                 jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
         base["lora_layers"] = len(adapted)
-        model, hook = _prepare_model(model, format_name, not args.no_kernels,
-                                     args.kernels_interpret)
+        model, hook = common._prepare_model(model, format_name, not args.no_kernels,
+                                            args.kernels_interpret)
         graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
         del model
         states = (trainable, frozen)
@@ -201,11 +201,6 @@ def worker_main(args) -> None:
         emit(row)
         del compiled, rollout
         gc.collect()
-
-
-def _prepare_model(model, format_name, use_kernels, interpret=False):
-    # The kernel hook lives in _common._prepare_model (shared with e2e_step.py).
-    return common._prepare_model(model, format_name, use_kernels, interpret)
 
 
 # ============================================================================== parent

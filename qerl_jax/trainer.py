@@ -262,9 +262,20 @@ class Trainer:
         scores = score_completions(completions, golds, self.reward_functions)
         return prompts, rollout, scores
 
+    def _group_entries(self, prompts, rollout, scores) -> list[dict]:
+        """One entry per prompt: its tokens and mask, its G rollout rows and their scores."""
+        group = self.sampling.num_generations
+        entries = []
+        for index in range(prompts.tokens.shape[0]):
+            rows = slice(index * group, (index + 1) * group)
+            entries.append({
+                "prompt_tokens": prompts.tokens[index], "prompt_mask": prompts.mask[index],
+                "rollout": jax.tree_util.tree_map(lambda a, rows=rows: a[rows], rollout),
+                "scores": {name: values[rows] for name, values in scores.items()}})
+        return entries
+
     def _collect_rollouts(self):
         """Rollout of P prompts (with dynamic sampling refills) -> training arrays + stats."""
-        group = self.sampling.num_generations
         prompts_per_step = self.config.train.prompts_per_step
         started = time.perf_counter()
         groups: list[dict] = []
@@ -276,13 +287,9 @@ class Trainer:
             examples = self.iterator.next_batch()
             prompts, rollout, scores = self._sample_groups(examples, attempt)
             generated_tokens += int(rollout.lengths.sum())
-            rewards = np.asarray(scores["total"], np.float32).reshape(-1, group)
-            for index in range(len(examples)):
-                rows = slice(index * group, (index + 1) * group)
-                entry = {"prompt_tokens": prompts.tokens[index], "prompt_mask": prompts.mask[index],
-                         "rollout": jax.tree_util.tree_map(lambda a: a[rows], rollout),
-                         "scores": {name: values[rows] for name, values in scores.items()}}
-                degenerate = bool(np.all(rewards[index] == rewards[index][0]))
+            for entry in self._group_entries(prompts, rollout, scores):
+                rewards = np.asarray(entry["scores"]["total"])
+                degenerate = bool(np.all(rewards == rewards[0]))
                 (dropped if self.config.train.dynamic_sampling and degenerate
                  else groups).append(entry)
             if len(groups) >= prompts_per_step:

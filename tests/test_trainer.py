@@ -80,7 +80,7 @@ def test_resume_continues_exactly(tmp_path, warm_cache):
     a = jax.tree_util.tree_leaves(Trainer(_config(), straight_dir).checkpoints.restore(
         trainer._state_arrays())[0])
     b = jax.tree_util.tree_leaves(trainer._state_arrays())
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert os.path.isfile(os.path.join(resumed_dir, "curves.png"))
     assert os.path.isfile(os.path.join(resumed_dir, "run.json"))
@@ -100,7 +100,7 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path, warm_
     with pytest.raises(NonFiniteError, match="2 consecutive non-finite steps"):
         trainer.train()
     after = jax.tree_util.tree_leaves(trainer.trainable)
-    for x, y in zip(before, after):
+    for x, y in zip(before, after, strict=True):
         np.testing.assert_array_equal(x, np.asarray(y))
     metrics = read_metrics(trainer.workdir)
     assert metrics[0]["skipped_updates"] == 1
@@ -130,13 +130,7 @@ def test_rollout_logprobs_equal_the_training_forward(tmp_path, warm_cache):
     trainer = Trainer(config, _workdir(tmp_path, "logprobs", warm_cache))
     examples = trainer.iterator.next_batch()
     prompts, rollout, scores = trainer._sample_groups(examples, 0)
-    group = config.rollout.num_generations
-    groups = [{"prompt_tokens": prompts.tokens[i], "prompt_mask": prompts.mask[i],
-               "rollout": jax.tree_util.tree_map(lambda a: a[i * group:(i + 1) * group], rollout),
-               "scores": {name: values[i * group:(i + 1) * group]
-                          for name, values in scores.items()}}
-              for i in range(len(examples))]
-    batch, *_ = trainer._training_arrays(groups)
+    batch, *_ = trainer._training_arrays(trainer._group_entries(prompts, rollout, scores))
     recomputed = np.asarray(trainer._logprobs_fn(trainer.trainable, trainer.frozen, batch))
     mask = np.asarray(rollout.mask)
     assert mask.sum() > 0
