@@ -169,3 +169,21 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(tmp_path, warm_
     assert np.all(totals.std(axis=1) > 0)          # only groups with a learning signal
     np.testing.assert_array_equal(totals[:2], attempts[0].reshape(-1, group)[[1, 3]])
     assert np.all(np.abs(batch["advantages"]).reshape(prompts_per_step, group).max(1) > 0.1)
+
+
+def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
+    """build_model repacks for the Pallas kernels only for 4-bit weights, bf16 compute and
+    quant.kernels=True (a float32-compute model would unpack the kernel layout on every call)."""
+    from qerl_jax import trainer as trainer_module
+    from qerl_jax.quant import kernel_dispatch
+    calls = []
+    monkeypatch.setattr(kernel_dispatch, "enable_kernels", lambda model: calls.append(model))
+    cases = [("nvfp4", "bfloat16", True, 1), ("nvfp4", "float32", True, 0),
+             ("nvfp4", "bfloat16", False, 0), ("bf16", "bfloat16", True, 0)]
+    for fmt, compute_dtype, kernels, expected in cases:
+        config = _config()
+        config.quant.format, config.quant.kernels = fmt, kernels
+        config.model.compute_dtype = compute_dtype
+        calls.clear()
+        trainer_module._maybe_enable_kernels("model", config)
+        assert len(calls) == expected, (fmt, compute_dtype, kernels)
