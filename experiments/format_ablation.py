@@ -45,6 +45,7 @@ from experiments.ablation_analysis import (
     format_directory_name,
     format_overrides,
 )
+from qerl_jax.atomic_io import write_json_atomic
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join("configs", "tiny.py")
@@ -167,9 +168,7 @@ def _write_status(spec: RunSpec, **fields) -> None:
     path = os.path.join(spec.directory, STATUS_FILE)
     status = read_status(spec.directory) or {}
     status.update(fields)
-    with open(path + ".tmp", "w") as handle:
-        json.dump(status, handle, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    write_json_atomic(path, status, indent=1, sort_keys=True)
 
 
 def _has_checkpoint(directory: str) -> bool:

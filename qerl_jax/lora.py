@@ -9,13 +9,13 @@ scales are trained too (QeRL's ln=True: input_layernorm and post_attention_layer
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.models.layers import Linear, LoRAParam, RMSNorm
 from qerl_jax.models.safetensors_io import save_safetensors
 from qerl_jax.models.transformer import CausalLM
@@ -159,10 +159,7 @@ def export_peft_adapter(model: CausalLM, directory: str, config: LoRAConfig,
         "base_model_name_or_path": base_model_name_or_path, "inference_mode": True,
         "modules_to_save": None,
     }
-    temporary = os.path.join(directory, "adapter_config.json.tmp")
-    with open(temporary, "w") as handle:
-        json.dump(adapter_config, handle, indent=2)
-    os.replace(temporary, os.path.join(directory, "adapter_config.json"))
+    write_json_atomic(os.path.join(directory, "adapter_config.json"), adapter_config)
 
 
 def count_lora_parameters(model: CausalLM) -> int:

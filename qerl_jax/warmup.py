@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.models.hf_io import load_hf_model, save_hf_model
 from qerl_jax.models.tokenizer import load_tokenizer
@@ -145,8 +146,5 @@ def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps:
                                batch_size=batch_size, seed=seed, prompt_style=prompt_style,
                                max_operand=max_operand)
     save_hf_model(model, directory)
-    temporary = marker + ".tmp"
-    with open(temporary, "w") as handle:
-        json.dump({"settings": settings, "final_loss": losses[-1]}, handle, indent=1)
-    os.replace(temporary, marker)
+    write_json_atomic(marker, {"settings": settings, "final_loss": losses[-1]}, indent=1)
     return model, tokenizer

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.models.config import ModelConfig, dtype_from_name
 from qerl_jax.models.safetensors_io import SafetensorsFile, save_safetensors
 from qerl_jax.models.transformer import CausalLM, abstract_model
@@ -262,13 +263,8 @@ def write_checkpoint(directory: str, tensors: Iterable[tuple[str, np.ndarray]],
             file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
             save_safetensors(os.path.join(directory, file_name), shard, metadata)
             weight_map.update({name: file_name for name in shard})
-        _write_json(os.path.join(directory, INDEX_FILE),
+        write_json_atomic(os.path.join(directory, INDEX_FILE),
                     {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map})
-    _write_json(os.path.join(directory, CONFIG_FILE), hf_config)
+    write_json_atomic(os.path.join(directory, CONFIG_FILE), hf_config)
 
 
-def _write_json(path: str, payload: dict) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as handle:
-        json.dump(payload, handle, indent=2)
-    os.replace(temporary, path)

@@ -5,7 +5,6 @@ policy improvement (signs, normalizers, masks), which per-formula tests alone ca
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
