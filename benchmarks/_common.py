@@ -203,6 +203,44 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0):
     return build(architecture, format_name, seed=seed)
 
 
+def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed: int = 0,
+                         use_kernels: bool = True, interpret: bool = False):
+    """The rollout benchmarks' model: a random-weight `preset` (bf16 params and compute, no
+    remat) in `format_name`, built tensor by tensor, with LoRA as the trainer attaches it (rank
+    r, alpha r, all projections, trainable norms) and B drawn nonzero (1e-3 N(0, 1)) so the
+    adapter visibly changes the output; then the kernel hook.
+
+    Returns (architecture, graphdef, (trainable, frozen) states, info dict for result rows).
+    """
+    import jax
+    from flax import nnx
+
+    from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
+    from qerl_jax.models.config import preset as make_preset
+    from qerl_jax.models.layers import Linear
+
+    architecture = make_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
+                               remat=False)
+    model = random_quantized_model(architecture, format_name, seed=seed)
+    add_lora(model, LoRAConfig(rank=rank, alpha=float(rank), train_norms=True),
+             jax.random.key(seed + 1))
+    lora_b_key = jax.random.key(seed + 2)
+    adapted = [node for _, node in nnx.iter_graph(model)
+               if isinstance(node, Linear) and node.lora_b is not None]
+    for index, layer in enumerate(adapted):
+        value = layer.lora_b.get_value()
+        layer.lora_b.set_value(1e-3 * jax.random.normal(
+            jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
+    model, info = _prepare_model(model, format_name, use_kernels, interpret)
+    graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
+    del model
+    states = (trainable, frozen)
+    jax.block_until_ready(jax.tree_util.tree_leaves(states))
+    info.update(lora_layers=len(adapted), params_B=architecture.num_parameters() / 1e9,
+                weights_GiB=state_gib(frozen), lora_GiB=state_gib(trainable))
+    return architecture, graphdef, states, info
+
+
 # ------------------------------------------------------------------------------ the kernel hook
 def _unregister_all_kernels(format_name: str) -> list[str]:
     """Removes every registered quantized-matmul kernel of `format_name` (for --no-kernels on a

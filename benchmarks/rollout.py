@@ -92,12 +92,8 @@ def worker_main(args) -> None:
 
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from qerl_jax import sampling
-    from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
-    from qerl_jax.models.config import preset
-    from qerl_jax.models.layers import Linear
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     size, format_name = args.size, args.format
@@ -114,32 +110,11 @@ def worker_main(args) -> None:
 
     started = time.perf_counter()
     try:
-        architecture = preset(base["preset"], param_dtype="bfloat16", compute_dtype="bfloat16",
-                              remat=False)
-        model = common.random_quantized_model(architecture, format_name, seed=args.seed)
-        # LoRA as the trainer attaches it (rank r, alpha r, all projections, trainable norms);
-        # B is drawn nonzero so the adapter visibly changes the output.
-        add_lora(model, LoRAConfig(rank=args.rank, alpha=float(args.rank), train_norms=True),
-                 jax.random.key(args.seed + 1))
-        lora_b_key = jax.random.key(args.seed + 2)
-        adapted = [node for _, node in nnx.iter_graph(model)
-                   if isinstance(node, Linear) and node.lora_b is not None]
-        for index, layer in enumerate(adapted):
-            value = layer.lora_b.get_value()
-            layer.lora_b.set_value(1e-3 * jax.random.normal(
-                jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
-        base["lora_layers"] = len(adapted)
-        model, hook = common._prepare_model(model, format_name, not args.no_kernels,
-                                            args.kernels_interpret)
-        graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
-        del model
-        states = (trainable, frozen)
-        jax.block_until_ready(jax.tree_util.tree_leaves(states))
-        base.update(hook)
-        base["params_B"] = architecture.num_parameters() / 1e9
+        architecture, graphdef, states, info = common.build_sampling_model(
+            base["preset"], format_name, rank=args.rank, seed=args.seed,
+            use_kernels=not args.no_kernels, interpret=args.kernels_interpret)
+        base.update(info)
         base["init_s"] = time.perf_counter() - started
-        base["weights_GiB"] = common.state_gib(frozen)
-        base["lora_GiB"] = common.state_gib(trainable)
         base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()
         base["memory_limit_GiB"] = common.memory_limit_gib()
     except Exception as error:  # recorded per case; the parent goes on with the next worker

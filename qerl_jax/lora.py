@@ -82,6 +82,26 @@ def add_lora(model: CausalLM, config: LoRAConfig, key: jax.Array) -> int:
     return count
 
 
+def cast_adapters_for_compute(model: CausalLM) -> int:
+    """Casts every adapter's A and B to its layer's compute dtype, in place; returns how many
+    layers were cast.
+
+    For decoding: Linear casts A and B to the compute dtype on every call, and inside the
+    sampler's while_loop XLA re-runs those converts at every token (measured on the GPU: about
+    9 convert kernels per layer per step, ~0.5 ms of a 7B decode step). Casting once before the
+    loop gives bit-identical outputs. Use it on a merged copy inside a jitted function, never on
+    the trained state (the optimizer keeps the float32 adapters).
+    """
+    count = 0
+    for _, layer in _named_modules(model, Linear):
+        if layer.lora_a is None:
+            continue
+        for param in (layer.lora_a, layer.lora_b):
+            param.set_value(param.get_value().astype(layer.compute_dtype))
+        count += 1
+    return count
+
+
 TRAINABLE = nnx.Any(LoRAParam, TrainableNormScale)
 """nnx filter selecting what the optimizer trains."""
 

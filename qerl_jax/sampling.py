@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from qerl_jax.lora import cast_adapters_for_compute
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
 
@@ -132,6 +133,7 @@ def _repeat_rows(tree, times: int):
 def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
                       config: SamplingConfig, cache_length: int):
     model = nnx.merge(graphdef, *states)
+    cast_adapters_for_compute(model)  # once here, not at every decode step
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
     cache = init_kv_cache(model.config, prompt_tokens.shape[0], cache_length)

@@ -98,3 +98,19 @@ def test_bad_config():
         LoRAConfig(rank=0)
     with pytest.raises(ValueError, match="qkv"):
         LoRAConfig(target_modules=("qkv",))
+
+
+def test_casting_adapters_for_compute_is_bit_identical(tiny):
+    """The sampler casts A and B to the compute dtype once, before its decode loop: the outputs
+    must equal those of the float32 adapters cast inside every call, bit for bit."""
+    from qerl_jax.lora import cast_adapters_for_compute
+    _, directory = tiny
+    model = load_hf_model(directory, param_dtype="bfloat16", compute_dtype="bfloat16")
+    add_lora(model, LoRAConfig(rank=4, alpha=8), jax.random.key(3))
+    _randomize_b(model, jax.random.key(4))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(2, 7)))
+    before = np.asarray(model(tokens))
+    assert cast_adapters_for_compute(model) == 7 * 3
+    dtypes = {leaf.dtype for leaf in jax.tree_util.tree_leaves(nnx.state(model, LoRAParam))}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(np.asarray(model(tokens)), before)
