@@ -53,6 +53,10 @@ def parse_args(argv=None):
                                                   "compiles)")
     parser.add_argument("--budget-s", type=float, help="wall-clock budget of the command")
     parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--logits-chunk", type=int, default=None,
+                        help="config.train.logits_chunk_size (log-probs computed this many "
+                             "completion positions at a time; 0 = all at once); default: the "
+                             "config default")
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--kernels-interpret", action="store_true",
                         help="CPU check of the kernel path: enable_kernels(interpret=True)")
@@ -122,6 +126,9 @@ def worker_main(args) -> None:
             completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
             aqn=row["aqn"])
         config.quant.kernels = not args.no_kernels
+        if args.logits_chunk is not None:
+            config.train.logits_chunk_size = args.logits_chunk
+        row["logits_chunk"] = config.train.logits_chunk_size
         begin = time.perf_counter()
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
         row["trainer_init_s"] = time.perf_counter() - begin
@@ -186,7 +193,8 @@ COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "s
            ("step_rollout_s", "rollout s"), ("step_train_s", "train s"), ("step_s", "step s"),
            ("speedup_vs_bf16", "x bf16 (step)"), ("step_tokens_per_s", "rollout tok/s"),
            ("completion_length", "completion length"), ("peak_GiB", "peak GiB"),
-           ("peak_vs_bf16", "peak / bf16 peak"), ("weights_GiB", "weights GiB"),
+           ("peak_vs_bf16", "peak / bf16 peak"), ("logits_chunk", "log-prob chunk"),
+           ("weights_GiB", "weights GiB"),
            ("trainer_init_s", "init s"), ("path_decode", "decode path"),
            ("path_train", "train path"), ("kernel_hook", "kernel hook"),
            ("kernel_layout_weights", "weights in kernel layout")]
@@ -254,6 +262,8 @@ def parent_main(args) -> None:
                        "--prompt", str(args.prompt), "--completion", str(args.completion),
                        "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
                        "--rank", str(args.rank),
+                       *(["--logits-chunk", str(args.logits_chunk)]
+                         if args.logits_chunk is not None else []),
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]
             if args.no_kernels:

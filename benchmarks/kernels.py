@@ -11,6 +11,7 @@ R (so launch gaps are those of a compiled program, not of Python dispatch).
     python benchmarks/kernels.py --quick --out $OUT         # subset
     python benchmarks/kernels.py --check --out $OUT         # compiled kernels vs jnp reference
     python benchmarks/kernels.py --sweep --out $OUT         # tiling / decoder sweep
+    python benchmarks/kernels.py --decode-sweep --models 7b --out $OUT   # tilings at rollout M
     python benchmarks/kernels.py --check --interpret        # dry run on CPU (tiny shapes)
 """
 
@@ -125,6 +126,102 @@ def copy_bandwidth():
     fn = jax.jit(lambda a: a.copy())
     t = median_time(fn, (a,), 10)
     return 2 * a.nbytes / t
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode-shape sweep: the fused kernel's tiling at the M of rollout batches
+
+
+def decode_candidates(m, packed):
+    """Fused-kernel tilings tried at M rows: block_n x split-K (uneven splits included) x dot
+    orientation, default first."""
+    n_pad, half_k = packed.codes.shape
+    k_tiles = 2 * half_k // packed.tile_k
+    bm = max(16, bw._next_pow2(m))
+    out = [bw.default_matmul_config(m, packed)]
+    for bn in (32, 64, 128):
+        for split in (1, 2, 3, 4, 6, 8):
+            tps = -(-k_tiles // split)
+            if (split - 1) * tps >= k_tiles or (n_pad // bn) * split > 4096:
+                continue
+            for lhs in ((False, True) if bm <= 16 else (True,)):
+                cfg = bw.MatmulConfig(block_m=bm, block_n=bn, split_k=split, weight_as_lhs=lhs)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+def run_decode_sweep(args):
+    """Times every decode candidate on the --models' layer shapes at each --decode-m (NVFP4;
+    NF4/MXFP4 on the default and the 3 best NVFP4 tilings of each shape), and checks the best
+    against the jnp reference. Writes decode_sweep.json/.md."""
+    deadline = time.time() + args.sweep_seconds
+    key = jax.random.key(7)
+    results, lines = [], []
+    shapes = [(model, *shape) for model in args.models.split(",") for shape in SHAPES[model]
+              if "|" not in shape[0] and shape[0] != "qkv"]
+    if args.interpret:
+        shapes = [("tiny", "w", 256, 640)]
+    ms = [int(v) for v in args.decode_m.split(",")]
+    for model, layer, n, k in shapes:
+        for m in ms:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            timed = {}
+            for fmt in ("nvfp4", "nf4", "mxfp4"):
+                if time.time() > deadline:
+                    break
+                ckpt = random_checkpoint(fmt, n, k, key)
+                packed = repack(fmt, ckpt, 256 if not args.interpret else 128)
+                count = 2 if args.interpret else max(
+                    2, min(64, math.ceil(L2_DEFEAT_BYTES / packed_bytes(n, k, fmt))))
+                ws = copies(packed, count)
+                cands = decode_candidates(m, packed)
+                if fmt != "nvfp4":
+                    ranked = sorted(timed.items(), key=lambda kv: kv[1])
+                    cands = [cands[0]] + [c for c, _ in ranked[:3] if c != cands[0]]
+                    cands = [dataclasses.replace(c, weight_as_lhs=True) if fmt == "nf4" else c
+                             for c in cands]
+                best = None
+                for cfg in cands:
+                    if time.time() > deadline:
+                        break
+                    try:
+                        t = time_rotating(lambda x, w, cfg=cfg: bw.blockwise_matmul(
+                            x, w, spec=SPECS[fmt], config=cfg, interpret=args.interpret),
+                            x, ws, repeats=5) * 1e6
+                    except Exception as e:  # noqa: BLE001 - record and go on
+                        print("FAIL", fmt, n, k, m, cfg, repr(e)[:300], flush=True)
+                        t = float("nan")
+                    if fmt == "nvfp4":
+                        timed[cfg] = t
+                    row = dict(model=model, layer=layer, n=n, k=k, m=m, fmt=fmt, us=t,
+                               default=cfg == cands[0], config=dataclasses.asdict(cfg))
+                    results.append(row)
+                    if not math.isnan(t) and (best is None or t < best[0]):
+                        best = (t, cfg)
+                if best is None:
+                    continue
+                errs = rel_errors(bw.blockwise_matmul(x, packed, spec=SPECS[fmt], config=best[1],
+                                                      interpret=args.interpret),
+                                  reference(fmt, x, ckpt))
+                default_us = next(r["us"] for r in results if r["default"] and r["fmt"] == fmt
+                                  and (r["n"], r["k"], r["m"]) == (n, k, m))
+                c = best[1]
+                line = (f"| {model} {layer} | {n} | {k} | {m} | {fmt} | {default_us:.1f} | "
+                        f"{best[0]:.1f} | bn={c.block_n} split={c.split_k} "
+                        f"lhs={c.weight_as_lhs} | {errs[0]:.1e} {'ok' if errs[0] <= 1e-2 and errs[2] else 'BAD'} |")
+                lines.append(line)
+                print(line, flush=True)
+    text = ("| shape | N | K | M | format | default us | best us | best tiling | best vs jnp "
+            "reference (max err / max) |\n|---|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(lines))
+    if args.out:
+        with open(os.path.join(args.out, "decode_sweep.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        with open(os.path.join(args.out, "decode_sweep.md"), "w") as f:
+            f.write(text + "\n")
+    print(text, flush=True)
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,6 +591,9 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="fused-kernel tilings at rollout M (see --decode-m)")
+    parser.add_argument("--decode-m", default="8,64")
     parser.add_argument("--bench", action="store_true", help="with --check/--sweep: also bench")
     parser.add_argument("--sweep-seconds", type=float, default=200)
     parser.add_argument("--models", default="7b,32b")
@@ -510,7 +610,10 @@ def main():
     if args.sweep:
         run_sweep(args)
         print(f"[sweep done at {time.time() - start:.0f}s]", flush=True)
-    if args.bench or not (args.check or args.sweep):
+    if args.decode_sweep:
+        run_decode_sweep(args)
+        print(f"[decode sweep done at {time.time() - start:.0f}s]", flush=True)
+    if args.bench or not (args.check or args.sweep or args.decode_sweep):
         run_bench(args)
         print(f"[bench done at {time.time() - start:.0f}s]", flush=True)
 

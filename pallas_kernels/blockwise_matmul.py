@@ -278,7 +278,7 @@ def _store(ref_view, value, mask):
 
 def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
                    m: int, n: int, k: int, bm: int, bn: int, tile_k: int, tiles_per_split: int,
-                   split: int, weight_as_lhs: bool, poisoned: bool, group_dots: bool = False,
+                   k_tiles: int, split: int, weight_as_lhs: bool, poisoned: bool, group_dots: bool = False,
                    clamp_rows: bool = False):
     out_ref = rest[-1]
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
@@ -333,7 +333,11 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
         return acc + _dot_nt(xs[0], w_lo) + _dot_nt(xs[1], w_hi)
 
     acc_shape = (bn, bm) if weight_as_lhs else (bm, bn)
-    acc = lax.fori_loop(0, tiles_per_split, group_body if group_dots else body,
+    # K tiles of this split: tiles_per_split, except the last split of an uneven split-K
+    # (k_tiles not a multiple of split), which gets the remainder (a dynamic trip count).
+    trips = tiles_per_split if k_tiles % tiles_per_split == 0 else jnp.minimum(
+        tiles_per_split, k_tiles - pid_s * tiles_per_split)
+    acc = lax.fori_loop(0, trips, group_body if group_dots else body,
                         jnp.zeros(acc_shape, jnp.float32))
     y = acc.T if weight_as_lhs else acc
     exponent = -spec.value_exponent(decoder) if group_dots else spec.epilogue_exponent(decoder)
@@ -467,13 +471,16 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     n_pad, half_k = packed.codes.shape
     k_tiles = 2 * half_k // packed.tile_k
     bm, bn, split = config.block_m, config.block_n, config.split_k
-    if n_pad % bn or k_tiles % split or bm < 16 or bn < 16:
-        raise ValueError(f"config {config} does not tile N_pad={n_pad}, K tiles={k_tiles}")
+    tiles_per_split = _cdiv(k_tiles, split)
+    if n_pad % bn or bm < 16 or bn < 16 or split < 1 or (split - 1) * tiles_per_split >= k_tiles:
+        raise ValueError(f"config {config} does not tile N_pad={n_pad}, K tiles={k_tiles} (every "
+                         f"one of the split_k splits of ceil(K tiles / split_k) tiles must get "
+                         f"at least one tile)")
     decoder = _resolve_decoder(spec, config.decoder, interpret)
     poisoned = bool(poison_output)
     kernel = functools.partial(
         _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
-        tile_k=packed.tile_k, tiles_per_split=k_tiles // split, split=split,
+        tile_k=packed.tile_k, tiles_per_split=tiles_per_split, k_tiles=k_tiles, split=split,
         weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
         clamp_rows=config.clamp_rows)
     if config.group_dots and spec.decode_values is None:

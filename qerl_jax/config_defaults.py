@@ -42,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
         total_steps=100, prompts_per_step=16, micro_batch_size=8, num_iterations=1,
         learning_rate=1e-5, warmup_ratio=0.1, weight_decay=0.1, adam_b1=0.9, adam_b2=0.99,
         max_grad_norm=0.2, max_consecutive_nonfinite=5, dynamic_sampling=False,
-        dynamic_sampling_max_tries=4))
+        dynamic_sampling_max_tries=4, logits_chunk_size=256))
     config.loss = ml_collections.ConfigDict(dict(
         loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0,
         top_entropy_quantile=1.0, mask_truncated_completions=True))
@@ -151,6 +151,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            "train.micro_batch_size",
            f"must divide prompts_per_step * num_generations = {rows}")
     _check(train.num_iterations >= 1, "train.num_iterations", "must be >= 1")
+    _check(train.logits_chunk_size >= 0, "train.logits_chunk_size",
+           "must be >= 0 (0 = whole completion at once)")
     _check(train.learning_rate > 0, "train.learning_rate", "must be positive")
     _check(0 <= train.warmup_ratio < 1, "train.warmup_ratio", "must be in [0, 1)")
     _check(config.loss.loss_type in LOSS_TYPES, "loss.loss_type",

@@ -41,7 +41,8 @@ from qerl_jax.models.tokenizer import decode_completion, eos_token_ids, load_tok
 from qerl_jax.models.transformer import CausalLM, init_model
 from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.rl.advantages import group_advantages
-from qerl_jax.rl.losses import LossConfig, policy_loss_terms, token_logprobs_and_entropy
+from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
+                                 policy_loss_terms)
 from qerl_jax.sampling import SamplingConfig, bucket_length, generate_from_states
 
 logger = logging.getLogger(__name__)
@@ -205,13 +206,16 @@ class Trainer:
         graphdef, loss_config = self.graphdef, self.loss_config
         temperature = self.config.rollout.temperature
         completion_length = self.config.rollout.max_new_tokens
+        logits_chunk_size = self.config.train.logits_chunk_size
         optimizer = self.optimizer
 
         def completion_logprobs(trainable, frozen, batch):
             model = nnx.merge(graphdef, trainable, frozen)
-            logits = model.target_logits(batch["tokens"], batch["attention_mask"],
+            hidden = model.target_hidden(batch["tokens"], batch["attention_mask"],
                                          completion_length)
-            return token_logprobs_and_entropy(logits, batch["completion_tokens"], temperature)
+            return chunked_token_logprobs_and_entropy(
+                hidden, model.logits_function(), batch["completion_tokens"], temperature,
+                logits_chunk_size)
 
         def micro_batch_loss(trainable, frozen, batch, global_valid_tokens, global_sequences):
             logprobs, entropy = completion_logprobs(trainable, frozen, batch)

@@ -121,11 +121,13 @@ def test_invalid_config_names_the_field():
         validate_config(config)
 
 
-def test_rollout_logprobs_equal_the_training_forward(tmp_path, warm_cache):
+@pytest.mark.parametrize("logits_chunk_size", [0, 5])
+def test_rollout_logprobs_equal_the_training_forward(tmp_path, warm_cache, logits_chunk_size):
     """The sampler's per-token log-probs (temperature 1, no AQN) equal the trainer's recomputed
     ones on the same tokens: prompts, positions and completions line up in the training batch.
-    float32 tiny model: 1e-4."""
-    config = _config()
+    Also with the log-probs computed 5 positions at a time (12 completion tokens: a ragged last
+    chunk). float32 tiny model: 1e-4."""
+    config = _config(logits_chunk_size=logits_chunk_size)
     config.aqn.enabled = False
     trainer = Trainer(config, _workdir(tmp_path, "logprobs", warm_cache))
     examples = trainer.iterator.next_batch()

@@ -60,7 +60,8 @@ class Linear(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """Token embedding table [vocab, hidden]; `attend` is the tied lm_head."""
+    """Token embedding table [vocab, hidden] (also the lm_head of tied models, see
+    CausalLM.logits_function)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, param_dtype, compute_dtype,
                  rngs: nnx.Rngs):
@@ -72,12 +73,6 @@ class Embedding(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] int -> [B, T, hidden] in compute dtype."""
         return jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.compute_dtype)
-
-    def attend(self, hidden: jax.Array) -> jax.Array:
-        """hidden [..., H] -> logits [..., vocab] in float32 (tied lm_head)."""
-        return jnp.dot(hidden.astype(self.compute_dtype),
-                       self.embedding.get_value().astype(self.compute_dtype).T,
-                       preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):

@@ -183,25 +183,41 @@ class CausalLM(nnx.Module):
             cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
         return x, cache
 
+    def logits_function(self):
+        """A pure function hidden [..., H] -> float32 logits [..., vocab] over this model's head
+        arrays (lm_head, or the tied embedding). Being a closure over arrays, not Variables, it
+        can run inside lax.map / jax.checkpoint (the chunked log-probs of the trainer)."""
+        if self.lm_head is None:  # tied: the embedding table [vocab, H], transposed
+            weight = self.embed_tokens.embedding.get_value().T
+            dtype = self.embed_tokens.compute_dtype
+        else:
+            weight = self.lm_head.weight.get_value()
+            dtype = self.lm_head.compute_dtype
+
+        def logits(hidden):
+            return jnp.dot(hidden.astype(dtype), weight.astype(dtype),
+                           preferred_element_type=jnp.float32)
+        return logits
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., H] -> float32 logits [..., vocab]."""
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden)
-        head = self.lm_head
-        return jnp.dot(hidden.astype(head.compute_dtype),
-                       head.weight.get_value().astype(head.compute_dtype),
-                       preferred_element_type=jnp.float32)
+        return self.logits_function()(hidden)
 
-    def target_logits(self, tokens, attention_mask, num_targets: int) -> jax.Array:
-        """float32 logits [B, num_targets, vocab] of the positions that predict the last
-        `num_targets` tokens (the completion), without computing the prompt's logits."""
+    def target_hidden(self, tokens, attention_mask, num_targets: int) -> jax.Array:
+        """Final-normed hidden states [B, num_targets, H] of the positions that predict the last
+        `num_targets` tokens (the completion); logits(target_hidden(...)) = target_logits."""
         attention_mask = attention_mask.astype(jnp.bool_)
         positions = positions_from_mask(attention_mask)
         length = tokens.shape[1]
         causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
         mask = causal[None] & attention_mask[:, None, :]
         hidden, _ = self.hidden_states(tokens, positions, mask)
-        return self.logits(hidden[:, length - num_targets - 1:length - 1])
+        return hidden[:, length - num_targets - 1:length - 1]
+
+    def target_logits(self, tokens, attention_mask, num_targets: int) -> jax.Array:
+        """float32 logits [B, num_targets, vocab] of the positions that predict the last
+        `num_targets` tokens (the completion), without computing the prompt's logits."""
+        return self.logits(self.target_hidden(tokens, attention_mask, num_targets))
 
     def __call__(self, tokens, attention_mask=None, positions=None):
         """Full-sequence forward. tokens [B, T]; mask [B, T] (1 = real, left padding).

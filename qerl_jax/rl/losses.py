@@ -143,3 +143,38 @@ def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array,
     chosen = jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
     return chosen, entropy
+
+
+def chunked_token_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax.Array,
+                                       temperature: float = 1.0,
+                                       chunk_size: int = 0) -> tuple[jax.Array, jax.Array]:
+    """token_logprobs_and_entropy(logits_fn(hidden), tokens), `chunk_size` positions at a time.
+
+    hidden [B, N, H], tokens [B, N] -> (log p [B, N], entropy [B, N]) float32. Each chunk's
+    logits [B, chunk, V] are computed under jax.checkpoint inside lax.map, so neither the
+    forward nor the backward pass holds the whole [B, N, V] float32 logits (with a 152k
+    vocabulary, 1024 completion tokens and 2 rows that is 1.2 GB per copy, and log_softmax and
+    its gradient hold several). Same values as the unchunked computation (each position's
+    logits are the same dot); chunk_size <= 0 or >= N computes it in one piece.
+
+    logits_fn: a pure function [..., H] -> float32 [..., V] (CausalLM.logits_function()).
+    """
+    batch, length = tokens.shape
+    if chunk_size <= 0 or chunk_size >= length:
+        return token_logprobs_and_entropy(logits_fn(hidden), tokens, temperature)
+    pad = (-length) % chunk_size
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+    chunks = (length + pad) // chunk_size
+    hidden = hidden.reshape(batch, chunks, chunk_size, -1).swapaxes(0, 1)
+    tokens = tokens.reshape(batch, chunks, chunk_size).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(hidden_chunk, token_chunk):
+        return token_logprobs_and_entropy(logits_fn(hidden_chunk), token_chunk, temperature)
+
+    logprobs, entropy = jax.lax.map(lambda pair: one_chunk(*pair), (hidden, tokens))
+
+    def unchunk(values):
+        return values.swapaxes(0, 1).reshape(batch, chunks * chunk_size)[:, :length]
+    return unchunk(logprobs), unchunk(entropy)

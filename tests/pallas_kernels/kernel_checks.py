@@ -106,13 +106,16 @@ def check_plane_layout(fmt: FormatUnderTest, low_nibble_first: bool):
         np.testing.assert_array_equal(byte >> 4, elements[:, t * tile_k + tile_k // 2:(t + 1) * tile_k])
 
 
-def check_matmul(fmt: FormatUnderTest, m: int, config=None, n: int = 80, tile_k: int = 128):
+def check_matmul(fmt: FormatUnderTest, m: int, config=None, n: int = 80, tile_k: int = 128,
+                 k: int | None = None):
+    """k None: a random ragged K (a multiple of split_k tiles when the config splits K)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     split = config.split_k if config is not None else 1
-    k = ragged_k(fmt, rng, min_k=(2 * split - 1) * tile_k // 2 + 1 if split > 1 else 0)
-    if split > 1 and -(-k // tile_k) % split:
-        k = -(-k // tile_k) * tile_k + tile_k - fmt.block  # an even number of ragged tiles
+    if k is None:
+        k = ragged_k(fmt, rng, min_k=(2 * split - 1) * tile_k // 2 + 1 if split > 1 else 0)
+        if split > 1 and -(-k // tile_k) % split:
+            k = -(-k // tile_k) * tile_k + tile_k - fmt.block  # an even number of ragged tiles
     ckpt, x, packed = random_problem(fmt, seed, m, n, k, tile_k)
     y = fmt.matmul(x, packed, interpret=True, config=config, poison_output=True)
     assert y.dtype == jnp.bfloat16

@@ -75,6 +75,20 @@ def test_matmul_variants(m, config):
     kc.check_matmul(NVFP4, m, config)
 
 
+@pytest.mark.parametrize("split", [2, 3])
+def test_matmul_uneven_split_k(split):
+    """5 K tiles (the last one ragged) over 2 or 3 splits: the last split gets the remainder."""
+    config = bw.MatmulConfig(block_m=16, block_n=32, split_k=split, weight_as_lhs=False)
+    kc.check_matmul(NVFP4, 3, config, k=5 * 128 - 16)
+
+
+def test_matmul_split_k_leaving_a_split_empty_is_refused():
+    _, x, packed = kc.random_problem(NVFP4, 0, 3, 80, 5 * 128, 128)
+    with pytest.raises(ValueError, match="split_k"):
+        NVFP4.matmul(x, packed, interpret=True,
+                     config=bw.MatmulConfig(block_m=16, block_n=32, split_k=4))
+
+
 def test_matmul_tile_256_and_wide_n():
     kc.check_matmul(NVFP4, 5, n=200, tile_k=256)
 
