@@ -206,13 +206,29 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
-    """Heuristic tiling for y = x @ W^T, from sweeps on one H100 (benchmarks/kernels_results.md).
+def _valid_split(split: int, k_tiles: int) -> bool:
+    """Every one of `split` splits of ceil(k_tiles / split) K tiles gets at least one tile."""
+    return split >= 1 and (split - 1) * _cdiv(k_tiles, split) < k_tiles
 
-    M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program, split-K 2
-    when that still leaves too few programs. E2M1 formats: inline-asm decode, activations as the
-    left dot operand at M <= 16 and the weights as the left one above. NF4: bf16 table lookup,
-    weights as the left operand. M > 64: Pallas dequantize kernel + XLA (cuBLAS) matmul.
+
+# Fused-kernel programs aimed for at M <= 16 (about 2.5 waves of an H100/H200's 132 SMs), and
+# the fewest K tiles a split-K program keeps (from the decode-shape sweep: RESULTS.md,
+# "Fused-kernel tiling at rollout M").
+_DECODE_TARGET_PROGRAMS = 320
+_MIN_TILES_PER_SPLIT = 4
+
+
+def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
+    """Heuristic tiling for y = x @ W^T, from sweeps on an H100 (benchmarks/kernels_results.md)
+    and the decode-shape sweep on an H200 (benchmarks/RESULTS.md).
+
+    M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program. Split-K: none
+    when the N tiles alone fill the GPU (>= 264 programs); else at M <= 16 enough splits for
+    ~320 programs (at most 8, each >= 4 K tiles; uneven splits allowed), and above 16 rows 2
+    (4 for narrow weights of < 32 N tiles, e.g. k/v projections). E2M1 formats: inline-asm
+    decode, activations as the left dot operand at M <= 16 and the weights as the left one
+    above. NF4: bf16 table lookup, weights as the left operand. M > 64: Pallas dequantize
+    kernel + XLA (cuBLAS) matmul.
     """
     n_pad, half_k = packed.codes.shape
     k_tiles = 2 * half_k // packed.tile_k
@@ -220,9 +236,16 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
         return MatmulConfig(path="dequantize")
     block_m = max(16, _next_pow2(m))
     block_n = 64
-    split = 1
-    if n_pad // block_n < 264 and k_tiles % 2 == 0:
-        split = 2
+    n_tiles = n_pad // block_n
+    most = max(1, k_tiles // _MIN_TILES_PER_SPLIT)
+    if n_tiles >= 264:
+        split = 1
+    elif block_m <= 16:
+        split = min(8, most, _cdiv(_DECODE_TARGET_PROGRAMS, n_tiles))
+    else:
+        split = min(4 if n_tiles < 32 else 2, most)
+    while not _valid_split(split, k_tiles):
+        split -= 1
     return MatmulConfig(block_m=block_m, block_n=block_n, split_k=split,
                         weight_as_lhs=packed.fmt == "nf4" or block_m > 16, num_warps=4,
                         num_stages=3)
@@ -472,7 +495,7 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     k_tiles = 2 * half_k // packed.tile_k
     bm, bn, split = config.block_m, config.block_n, config.split_k
     tiles_per_split = _cdiv(k_tiles, split)
-    if n_pad % bn or bm < 16 or bn < 16 or split < 1 or (split - 1) * tiles_per_split >= k_tiles:
+    if n_pad % bn or bm < 16 or bn < 16 or not _valid_split(split, k_tiles):
         raise ValueError(f"config {config} does not tile N_pad={n_pad}, K tiles={k_tiles} (every "
                          f"one of the split_k splits of ceil(K tiles / split_k) tiles must get "
                          f"at least one tile)")

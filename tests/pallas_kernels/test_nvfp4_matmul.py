@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -124,3 +125,23 @@ def test_bad_inputs_raise():
         nv.nvfp4_matmul(jnp.zeros((2, 64), jnp.bfloat16), packed, interpret=True,
                         config=dataclasses.replace(bw.default_matmul_config(2, packed),
                                                    decoder="nope"))
+
+
+def test_default_tilings_are_valid_and_split_narrow_decode_weights():
+    """The default tiling always tiles the packed weight (every split gets a K tile), and at
+    decode M it splits K of weights too narrow to fill the GPU (7B down: 56 N tiles -> 6 splits
+    of 74 K tiles) but not of wide ones (7B gate/up: 296 N tiles)."""
+    def packed(n, k):
+        codes = jax.ShapeDtypeStruct((-(-n // 128) * 128, -(-k // 256) * 128), jnp.uint8)
+        return bw.PackedWeight(codes=codes, scales=None, tensor_scale=None, fmt="nvfp4", n=n,
+                               k=k, tile_k=256)
+
+    for n in (80, 512, 1024, 3584, 5120, 13824, 18944, 27648):
+        for k in (256, 640, 3584, 5120, 13824, 18944, 27648):
+            for m in (1, 2, 8, 16, 17, 64):
+                config = bw.default_matmul_config(m, packed(n, k))
+                k_tiles = -(-k // 256)
+                assert bw._valid_split(config.split_k, k_tiles), (n, k, m, config)
+    assert bw.default_matmul_config(8, packed(3584, 18944)).split_k == 6
+    assert bw.default_matmul_config(8, packed(18944, 3584)).split_k == 1
+    assert bw.default_matmul_config(128, packed(3584, 18944)).path == "dequantize"
