@@ -39,6 +39,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=64, help="decode steps traced")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--no-lora-epilogue", action="store_true",
+                        help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
     parser.add_argument("--short-cache", action="store_true",
                         help="also profile with a cache of prompt + steps slots")
     parser.add_argument("--top", type=int, default=45, help="rows of the kernel table")
@@ -179,7 +181,7 @@ def main(argv=None):
     started = time.perf_counter()
     architecture, graphdef, states, info = common.build_sampling_model(
         common.preset_name(args.size), args.format, rank=args.rank, seed=args.seed,
-        use_kernels=not args.no_kernels)
+        use_kernels=not args.no_kernels, lora_epilogue=not args.no_lora_epilogue)
     init_s = time.perf_counter() - started
     cases = [profile_case(graphdef, states, architecture, args,
                           args.prompt + args.cache_new_tokens, "full cache", args.out)]
@@ -196,7 +198,8 @@ def main(argv=None):
     text = "\n\n".join([header] + [report(case, args) for case in cases])
     print(text, flush=True)
     name = f"decode_profile_{args.size}_{args.format}_b{args.batch}" + (
-        "_no-kernels" if args.no_kernels else "")
+        "_no-kernels" if args.no_kernels else "") + (
+        "_no-lora-epilogue" if args.no_lora_epilogue else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "info": info,
                                                 "init_s": init_s, "peak_GiB": peak,
                                                 "cases": cases, "jax": jax.__version__})

@@ -57,6 +57,8 @@ def parse_args(argv=None):
                         help="config.train.logits_chunk_size (log-probs computed this many "
                              "completion positions at a time; 0 = all at once); default: the "
                              "config default")
+    parser.add_argument("--no-lora-epilogue", action="store_true",
+                        help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--kernels-interpret", action="store_true",
                         help="CPU check of the kernel path: enable_kernels(interpret=True)")
@@ -110,7 +112,8 @@ def worker_main(args) -> None:
         row["build_model_s"] = time.perf_counter() - begin
         row["peak_after_build_GiB"], _ = common.peak_memory_gib()
         model, hook = common._prepare_model(model, format_name, not args.no_kernels,
-                                            args.kernels_interpret)
+                                            args.kernels_interpret,
+                                            not args.no_lora_epilogue)
         row.update(hook)
         row["params_B"] = model.config.num_parameters() / 1e9
         return model, tokenizer
@@ -268,6 +271,8 @@ def parent_main(args) -> None:
                        "--spawned-at", str(time.time())]
             if args.no_kernels:
                 command.append("--no-kernels")
+            if args.no_lora_epilogue:
+                command.append("--no-lora-epilogue")
             if args.kernels_interpret:
                 command.append("--kernels-interpret")
             print(f"[e2e] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
@@ -303,7 +308,8 @@ def parent_main(args) -> None:
              "", "Targets:"] + [f"- {line}" for line in targets(rows)]
     text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
     print(text, flush=True)
-    name = "e2e_step_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
+    name = "e2e_step_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "") + (
+        "_no-lora-epilogue" if args.no_lora_epilogue else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
                                                 "targets": targets(rows)})
 

@@ -53,6 +53,8 @@ def parse_args(argv=None):
                         help=f"wall-clock budget of the whole command, default "
                              f"{DEFAULTS['budget_s']:.0f}")
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank (alpha = rank)")
+    parser.add_argument("--no-lora-epilogue", action="store_true",
+                        help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the kernel hook (pure XLA path) for comparison")
     parser.add_argument("--kernels-interpret", action="store_true",
@@ -112,7 +114,8 @@ def worker_main(args) -> None:
     try:
         architecture, graphdef, states, info = common.build_sampling_model(
             base["preset"], format_name, rank=args.rank, seed=args.seed,
-            use_kernels=not args.no_kernels, interpret=args.kernels_interpret)
+            use_kernels=not args.no_kernels, interpret=args.kernels_interpret,
+            lora_epilogue=not args.no_lora_epilogue)
         base.update(info)
         base["init_s"] = time.perf_counter() - started
         base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()
@@ -257,6 +260,8 @@ def parent_main(args) -> None:
                        "--spawned-at", str(time.time())]
             if args.no_kernels:
                 command.append("--no-kernels")
+            if args.no_lora_epilogue:
+                command.append("--no-lora-epilogue")
             if args.kernels_interpret:
                 command.append("--kernels-interpret")
             print(f"[rollout] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
@@ -293,7 +298,8 @@ def parent_main(args) -> None:
              "", "Targets:"] + [f"- {line}" for line in targets(rows)]
     text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
     print(text, flush=True)
-    name = "rollout_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
+    name = "rollout_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "") + (
+        "_no-lora-epilogue" if args.no_lora_epilogue else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
                                                 "targets": targets(rows)})
 

@@ -3,7 +3,7 @@
     python benchmarks/run_on_gpus.py --jobs jobs.txt --out $OUT [--gpus 4]
 
 jobs.txt holds one shell command per line (blank lines and '#' comments skipped); '{out}' in a
-command is replaced by its own output folder $OUT/job<i>. Each GPU runs the next job not yet
+command is replaced by its own output folder $OUT/job<i>, '{flags}' by --flags. Each GPU runs the next job not yet
 started, with CUDA_VISIBLE_DEVICES set to that GPU alone, so the jobs do not share a device
 (timings stay those of one GPU; the host's CPUs and PCIe are shared). A job's stdout and stderr
 go to $OUT/job<i>/log.txt; a summary (command, GPU, exit code, wall seconds) to
@@ -41,6 +41,7 @@ def main(argv=None):
     parser.add_argument("--jobs", required=True, help="file of shell commands, one per line")
     parser.add_argument("--out", required=True)
     parser.add_argument("--gpus", type=int, default=0, help="default: all that nvidia-smi lists")
+    parser.add_argument("--flags", default="", help="replaces '{flags}' in every command")
     args = parser.parse_args(argv)
     jobs = read_jobs(args.jobs)
     gpus = args.gpus or gpu_count()
@@ -63,7 +64,8 @@ def main(argv=None):
             started = time.time()
             print(f"[gpu {gpu}] job{index}: {command}", flush=True)
             with open(os.path.join(out, "log.txt"), "w") as log:
-                code = subprocess.call(command.replace("{out}", out), shell=True, env=env,
+                code = subprocess.call(command.replace("{out}", out).replace("{flags}", args.flags),
+                                       shell=True, env=env,
                                        stdout=log, stderr=subprocess.STDOUT)
             wall = time.time() - started
             results[index] = {"command": command, "gpu": gpu, "code": code, "wall_s": wall}

@@ -301,9 +301,12 @@ def _store(ref_view, value, mask):
 
 def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
                    m: int, n: int, k: int, bm: int, bn: int, tile_k: int, tiles_per_split: int,
-                   k_tiles: int, split: int, weight_as_lhs: bool, poisoned: bool, group_dots: bool = False,
-                   clamp_rows: bool = False):
+                   k_tiles: int, split: int, weight_as_lhs: bool, poisoned: bool,
+                   group_dots: bool = False, clamp_rows: bool = False,
+                   lora_scale: float | None = None):
     out_ref = rest[-1]
+    if lora_scale is not None:  # LoRA epilogue inputs: down = x @ A [M, r], B [r, N]
+        down_ref, lora_b_ref, *rest = rest
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
     half = tile_k // 2
     g = half // spec.scale_block
@@ -365,6 +368,16 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
     y = acc.T if weight_as_lhs else acc
     exponent = -spec.value_exponent(decoder) if group_dots else spec.epilogue_exponent(decoder)
     y = y * ((2.0 ** exponent) / ts_ref[0])
+    if lora_scale is not None:
+        # + lora_scale * down @ B on this [bm, bn] tile, in f32 before the output rounding;
+        # with split-K only the first split adds it.
+        rank = down_ref.shape[1]
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(0, rank)],
+                     _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False))
+        lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
+                       _edge_masks(0, rank, rank, n0, bn, n, False, n % bn != 0))
+        weight = lora_scale if split == 1 else jnp.where(pid_s == 0, lora_scale, 0.0)
+        y = y + weight * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
     mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, n % bn != 0)
     if split == 1:
         _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask)
@@ -467,13 +480,23 @@ def _launch(kernel, out_shape, grid, inputs, *, interpret, compiler_params, pois
         interpret=interpret, compiler_params=compiler_params, name=name)(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output"))
+# tl.dot needs >= 16 along the contraction: LoRA ranks are zero-padded to a power of two >= this.
+_MIN_LORA_RANK = 16
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
+                                             "lora_scale"))
 def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
                      config: MatmulConfig | None = None, interpret: bool = False,
-                     poison_output: bool = False) -> jax.Array:
-    """y [..., N] bf16 = x [..., K] @ W^T for a packed 4-bit W [N, K].
+                     poison_output: bool = False, lora_down: jax.Array | None = None,
+                     lora_b: jax.Array | None = None, lora_scale: float = 0.0) -> jax.Array:
+    """y [..., N] bf16 = x [..., K] @ W^T (+ lora_scale * lora_down @ lora_b) for a packed
+    4-bit W [N, K].
 
     config None picks default_matmul_config(M, packed).
+    lora_down [..., r] (= x @ A, rounded to bf16) and lora_b [r, N]: an unmerged LoRA
+    adapter's second product, added in the fused kernel's f32 epilogue (one kernel instead of
+    the matmul, the B dot and the add), or after the XLA dot on the dequantize path.
     """
     _check_packed(packed, spec)
     if config is None:
@@ -483,12 +506,28 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
         raise ValueError(f"x has K={k}, weight has K={packed.k}")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
+    has_lora = lora_down is not None
+    if has_lora:
+        rank = lora_down.shape[-1]
+        if lora_b is None or lora_b.shape != (rank, packed.n) or \
+                lora_down.shape[:-1] != tuple(lead):
+            raise ValueError(f"LoRA epilogue: lora_down {lora_down.shape} and lora_b "
+                             f"{None if lora_b is None else lora_b.shape} must be "
+                             f"[..., r] with x's leading dims {tuple(lead)} and [r, N={packed.n}]")
+        down2 = lora_down.reshape(m, rank).astype(jnp.bfloat16)
+        lora_b = lora_b.astype(jnp.bfloat16)
+        padded_rank = max(_MIN_LORA_RANK, _next_pow2(rank))  # Pallas blocks: powers of two
+        if padded_rank > rank:
+            down2 = jnp.pad(down2, ((0, 0), (0, padded_rank - rank)))
+            lora_b = jnp.pad(lora_b, ((0, padded_rank - rank), (0, 0)))
     if config.path == "dequantize":
         w = blockwise_dequantize(packed, spec=spec, config=DequantizeConfig(),
                                  interpret=interpret, poison_output=poison_output)
         y = lax.dot_general(x2.astype(jnp.bfloat16), w, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        return y.reshape(*lead, packed.n)
+                            preferred_element_type=jnp.float32)
+        if has_lora:
+            y = y + lora_scale * jnp.dot(down2, lora_b, preferred_element_type=jnp.float32)
+        return y.astype(jnp.bfloat16).reshape(*lead, packed.n)
     if config.path != "fused":
         raise ValueError(f"unknown matmul path {config.path!r}")
     n_pad, half_k = packed.codes.shape
@@ -505,7 +544,7 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
         _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
         tile_k=packed.tile_k, tiles_per_split=tiles_per_split, k_tiles=k_tiles, split=split,
         weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
-        clamp_rows=config.clamp_rows)
+        clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None)
     if config.group_dots and spec.decode_values is None:
         raise ValueError(f"{spec.name} has no group-scaled decoder")
     if split == 1:
@@ -516,10 +555,11 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     # Tiles of N past the logical n hold only padding: not launched (their unmasked stores would
     # land outside the [m, n] output when n is a multiple of bn but n_pad > n).
     y = _launch(kernel, out_shape, (_cdiv(m, bm), _cdiv(packed.n, bn), split),
-                (x2, packed.codes, packed.scales, packed.tensor_scale, *aux),
+                (x2, packed.codes, packed.scales, packed.tensor_scale,
+                 *((down2, lora_b) if has_lora else ()), *aux),
                 interpret=interpret, poison_output=poison_output,
                 compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
-                name=f"{spec.name}_matmul")
+                name=f"{spec.name}_matmul" + ("_lora" if has_lora else ""))
     if split > 1:
         y = y.sum(axis=0).astype(jnp.bfloat16)
     return y.reshape(*lead, packed.n)

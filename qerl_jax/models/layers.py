@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qerl_jax.models.config import RopeScaling
-from qerl_jax.quant import linear
+from qerl_jax.quant import LoRAProduct, linear
 
 INIT_STD = 0.02  # HF initializer_range of Qwen2 / Llama
 
@@ -47,16 +47,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         bias = None if self.bias is None else self.bias.get_value()
-        y = linear(x, self.weight.get_value(), bias, compute_dtype=self.compute_dtype)
-        if self.lora_a is not None:
-            down = jnp.dot(x.astype(self.compute_dtype),
-                           self.lora_a.get_value().astype(self.compute_dtype),
-                           preferred_element_type=jnp.float32)
-            up = jnp.dot(down.astype(self.compute_dtype),
-                         self.lora_b.get_value().astype(self.compute_dtype),
-                         preferred_element_type=jnp.float32)
-            y = (y.astype(jnp.float32) + self.lora_scale * up).astype(self.compute_dtype)
-        return y
+        lora = None if self.lora_a is None else LoRAProduct(
+            self.lora_a.get_value(), self.lora_b.get_value(), self.lora_scale)
+        return linear(x, self.weight.get_value(), bias, compute_dtype=self.compute_dtype,
+                      lora=lora)
 
 
 class Embedding(nnx.Module):

@@ -13,7 +13,8 @@ Paths per format (from the H100 measurements in benchmarks/kernels_results.md; e
 beat the XLA "dequantize with jnp, then dot" path at every measured shape and M):
   forward, M <= 64   "<format>_fused": the fused decode+matmul kernel (NVFP4 1.23-2.19x, MXFP4
                      1.16-2.28x, NF4 0.74-1.48x of a bf16 dot at M <= 16 outside k/v; the
-                     naive XLA path 0.24-0.69x).
+                     naive XLA path 0.24-0.69x). A layer's unmerged LoRA adds its second
+                     product (x @ A) @ B in this kernel's epilogue.
   forward, M > 64    "<format>_dequantize_xla": the Pallas dequantize kernel writes W in bf16,
                      then one XLA (cuBLAS) dot (0.9-1.07x of bf16 at M >= 1024).
   backward dx=dy@W   dequantize kernel + XLA dot at every M: at M = 4096 it was 0.96-1.09x of
@@ -278,6 +279,17 @@ def _fused_forward(x, weight, *, compute_dtype, interpret):
                                interpret=interpret).astype(jnp.float32)
 
 
+def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interpret):
+    """x [M, K] @ W^T + scale * down [M, r] @ lora_b [r, N] -> [M, N] float32: the fused
+    kernel with the LoRA product in its epilogue (no separate B dot and add per layer)."""
+    del compute_dtype
+    packed = weight.packed()
+    config = bw.default_matmul_config(x.shape[0], packed)
+    return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config, interpret=interpret,
+                               lora_down=down, lora_b=lora_b,
+                               lora_scale=scale).astype(jnp.float32)
+
+
 def _pallas_dense(weight, interpret):
     return bw.blockwise_dequantize(weight.packed(), spec=weight.spec, interpret=interpret)
 
@@ -315,7 +327,8 @@ _REGISTERED: dict[str, tuple] = {}  # platform -> the settings its kernels were 
 
 def register_kernels(platform: str = "gpu", *, interpret: bool = False,
                      small_m_backward: str = "dequantize",
-                     fused_max_m: dict[str, int] | None = None) -> None:
+                     fused_max_m: dict[str, int] | None = None,
+                     lora_epilogue: bool = True) -> None:
     """Registers the fused / dequantize+XLA kernels of every format with linear_op (idempotent;
     re-registering with other settings replaces them).
 
@@ -325,6 +338,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
       small_m_backward: dx = dy @ W for M <= fused_max_m: "dequantize" (measured default) or
         "transposed" (the fused transposed kernel).
       fused_max_m: per format, the largest M of the fused forward (1..64); default FUSED_MAX_M.
+      lora_epilogue: the fused kernel adds an unmerged LoRA's (x @ A) @ B in its epilogue;
+        False: separate XLA dots (for comparisons).
     """
     if small_m_backward not in ("dequantize", "transposed"):
         raise ValueError(f"small_m_backward={small_m_backward!r}; expected 'dequantize' or "
@@ -337,7 +352,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         if not 1 <= limit <= 64:
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
-    settings = (interpret, small_m_backward, tuple(sorted(limits.items())))
+    settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue)
     if _REGISTERED.get(platform) == settings:
         return
     unregister_kernels(platform)
@@ -349,7 +364,9 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         linear_op.register_matmul_kernel(
             format_name, platform, functools.partial(_fused_forward, interpret=interpret),
             name=fused_name, min_m=1, max_m=limit,
-            grad_fn=functools.partial(small_backward, interpret=interpret), supports=_supports)
+            grad_fn=functools.partial(small_backward, interpret=interpret), supports=_supports,
+            lora_fn=(functools.partial(_fused_forward_lora, interpret=interpret)
+                     if lora_epilogue else None))
         linear_op.register_matmul_kernel(
             format_name, platform, functools.partial(_dequantize_forward, interpret=interpret),
             name=dequantize_name, min_m=limit + 1, max_m=None,
@@ -357,7 +374,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             supports=_supports)
     _REGISTERED[platform] = settings
     logger.info("registered Pallas kernels for %s (interpret=%s, fused forward for M <= %s, "
-                "small-M backward: %s)", platform, interpret, limits, small_m_backward)
+                "small-M backward: %s, LoRA epilogue: %s)", platform, interpret, limits,
+                small_m_backward, lora_epilogue)
 
 
 def unregister_kernels(platform: str = "gpu") -> None:
@@ -369,7 +387,8 @@ def unregister_kernels(platform: str = "gpu") -> None:
 
 
 def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bool = False,
-                   tile_k: int | None = None, small_m_backward: str = "dequantize"):
+                   tile_k: int | None = None, small_m_backward: str = "dequantize",
+                   lora_epilogue: bool = True):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
     Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
@@ -381,14 +400,15 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
       platform: default jax.default_backend().
       interpret: Pallas interpret mode (CPU tests; slow).
       tile_k: K tile of the kernel layout (default: default_tile_k).
-      small_m_backward: see register_kernels.
+      small_m_backward, lora_epilogue: see register_kernels.
     """
     platform = platform or jax.default_backend()
     if platform not in KERNEL_PLATFORMS and not interpret:
         logger.info("enable_kernels: no Pallas kernels for platform %r; the quantized layers "
                     "keep the XLA path (dequantize + dot)", platform)
         return model_or_state
-    register_kernels(platform, interpret=interpret, small_m_backward=small_m_backward)
+    register_kernels(platform, interpret=interpret, small_m_backward=small_m_backward,
+                     lora_epilogue=lora_epilogue)
     if not isinstance(model_or_state, nnx.Module):
         return prepare_for_kernels(model_or_state, tile_k=tile_k)
     count = 0

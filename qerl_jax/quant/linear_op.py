@@ -43,6 +43,9 @@ class MatmulKernel:
     fn(x [M, K], weight, *, compute_dtype) -> y [M, N] float32 (the forward product), and
     optionally grad_fn(grad_y [M, N], weight, *, compute_dtype) -> dx [M, K] in compute_dtype
     (the backward product dy @ W); without grad_fn the backward pass runs on XLA.
+    Optionally lora_fn(x, weight, down [M, r], lora_b [r, N], scale, *, compute_dtype) -> y
+    [M, N] float32 = x @ W^T + scale * down @ lora_b in one kernel (an unmerged LoRA's second
+    product in the epilogue); without it LoRA runs as separate XLA dots.
     supports(weight, compute_dtype) -> None when the kernel can take this weight, else a short
     reason why not (then the XLA path runs and the reason is logged once).
     """
@@ -55,6 +58,7 @@ class MatmulKernel:
     max_m: int | None = None
     grad_fn: Callable[..., jax.Array] | None = None
     supports: Callable[..., str | None] | None = None
+    lora_fn: Callable[..., jax.Array] | None = None
 
     def accepts(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
@@ -67,7 +71,8 @@ _LOGGED: set[tuple[str, str, str, str]] = set()
 def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., jax.Array], *,
                            name: str, min_m: int = 1, max_m: int | None = None,
                            grad_fn: Callable[..., jax.Array] | None = None,
-                           supports: Callable[..., str | None] | None = None) -> MatmulKernel:
+                           supports: Callable[..., str | None] | None = None,
+                           lora_fn: Callable[..., jax.Array] | None = None) -> MatmulKernel:
     """Registers a kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
 
     Kernels registered first win when ranges overlap. Returns the registry entry.
@@ -75,7 +80,8 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
     if max_m is not None and max_m < min_m:
         raise ValueError(f"kernel {name}: max_m={max_m} < min_m={min_m}")
     kernel = MatmulKernel(name=name, format=format_name, platform=platform, fn=fn,
-                          min_m=min_m, max_m=max_m, grad_fn=grad_fn, supports=supports)
+                          min_m=min_m, max_m=max_m, grad_fn=grad_fn, supports=supports,
+                          lora_fn=lora_fn)
     entries = _KERNELS.setdefault((format_name, platform), [])
     if any(entry.name == name for entry in entries):
         raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
@@ -164,6 +170,55 @@ def _quantized_matmul_bwd(compute_dtype, forward, backward, weight, grad_output)
 _quantized_matmul.defvjp(_quantized_matmul_fwd, _quantized_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _quantized_matmul_lora(x, down, lora_b, weight, compute_dtype, scale, lora_forward,
+                           backward):
+    del backward
+    return lora_forward(x, weight, down, lora_b, scale, compute_dtype=compute_dtype)
+
+
+def _quantized_matmul_lora_fwd(x, down, lora_b, weight, compute_dtype, scale, lora_forward,
+                               backward):
+    del backward
+    y = lora_forward(x, weight, down, lora_b, scale, compute_dtype=compute_dtype)
+    return y, (weight, down, lora_b)
+
+
+def _quantized_matmul_lora_bwd(compute_dtype, scale, lora_forward, backward, residuals,
+                               grad_output):
+    """dx = dy @ W (as the plain op), d down = scale dy B^T, d B = scale down^T dy (float32
+    products, cast to the inputs' dtypes)."""
+    del lora_forward
+    weight, down, lora_b = residuals
+    grad_output, weight = jax.lax.optimization_barrier((grad_output, weight))
+    grad_x = backward(grad_output, weight, compute_dtype=compute_dtype)
+    grad32 = grad_output.astype(jnp.float32)
+    grad_down = scale * jnp.dot(grad32, lora_b.astype(jnp.float32).T)
+    grad_b = scale * jnp.dot(down.astype(jnp.float32).T, grad32)
+    return (grad_x, grad_down.astype(down.dtype), grad_b.astype(lora_b.dtype),
+            jax.tree_util.tree_map(_zero_cotangent, weight))
+
+
+_quantized_matmul_lora.defvjp(_quantized_matmul_lora_fwd, _quantized_matmul_lora_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAProduct:
+    """An unmerged LoRA adapter for `linear`: y += scale * (x @ a) @ b.
+
+    a [in, r], b [r, out] (any float dtype; cast to the compute dtype), scale = alpha / r.
+    """
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+
+def _lora_down(x2d: jax.Array, lora: LoRAProduct, compute_dtype) -> jax.Array:
+    """x @ A in compute dtype, float32 accumulation: [M, r] float32."""
+    return jnp.dot(x2d.astype(compute_dtype), lora.a.astype(compute_dtype),
+                   preferred_element_type=jnp.float32)
+
+
 def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp.bfloat16,
                      platform: str | None = None) -> jax.Array:
     """x [..., K] @ dequant(weight [N, K]).T -> [..., N] float32 (custom VJP, grad for x only).
@@ -174,6 +229,14 @@ def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp
       compute_dtype: dtype of the matmul inputs (dequantized weight and x).
       platform: where it runs, for kernel selection (default: jax.default_backend()).
     """
+    return _quantized_product(x, weight, compute_dtype, platform, None)[0]
+
+
+def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
+                       platform: str | None,
+                       lora: LoRAProduct | None) -> tuple[jax.Array, bool]:
+    """quantized_matmul, plus `lora`'s product where the selected kernel has a LoRA epilogue:
+    ([..., N] float32, whether the LoRA product was added here; if not, the caller adds it)."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features but the {weight.format} "
@@ -189,27 +252,45 @@ def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp
     _log_path_once(weight.format, platform, XLA_PATH if kernel is None else kernel.name, reason)
     forward = _xla_forward if kernel is None else kernel.fn
     backward = _xla_backward if kernel is None or kernel.grad_fn is None else kernel.grad_fn
+    if lora is not None and kernel is not None and kernel.lora_fn is not None:
+        down = _lora_down(x2d, lora, compute_dtype).astype(compute_dtype)
+        y = _quantized_matmul_lora(x2d, down, lora.b.astype(compute_dtype), weight,
+                                   jnp.dtype(compute_dtype), float(lora.scale), kernel.lora_fn,
+                                   backward)
+        return y.reshape(*leading, out_features), True
     y = _quantized_matmul(x2d, weight, jnp.dtype(compute_dtype), forward, backward)
-    return y.reshape(*leading, out_features)
+    return y.reshape(*leading, out_features), False
 
 
 def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
-           compute_dtype=jnp.bfloat16) -> jax.Array:
-    """Applies a (possibly quantized) linear layer.
+           compute_dtype=jnp.bfloat16, lora: LoRAProduct | None = None) -> jax.Array:
+    """Applies a (possibly quantized) linear layer, with an optional unmerged LoRA adapter.
+
+    y = x @ W + b, then y + scale * (x @ A) @ B (float32 sum, one rounding to compute_dtype).
+    Where the quantized kernel has a LoRA epilogue (the fused small-M kernels), the adapter's
+    second product is added inside the kernel, before the bias.
 
     Args:
       x: activations [..., in].
       weight: dense kernel [in, out], or a QuantizedWeight of logical shape [out, in].
       bias: optional [out].
       compute_dtype: dtype of the matmul inputs and of the result; accumulation is float32.
+      lora: optional LoRAProduct (a [in, r], b [r, out], scale).
     Returns:
       [..., out] in compute_dtype.
     """
+    lora_applied = False
     if isinstance(weight, QuantizedWeight):
-        y = quantized_matmul(x, weight, compute_dtype=compute_dtype)
+        y, lora_applied = _quantized_product(x, weight, compute_dtype, None, lora)
     else:
         x = x.astype(compute_dtype)
         y = jnp.dot(x, weight.astype(compute_dtype), preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return y.astype(compute_dtype)
+    y = y.astype(compute_dtype)
+    if lora is not None and not lora_applied:
+        down = _lora_down(x.reshape(-1, x.shape[-1]), lora, compute_dtype)
+        up = jnp.dot(down.astype(compute_dtype), lora.b.astype(compute_dtype),
+                     preferred_element_type=jnp.float32)
+        y = (y.astype(jnp.float32) + lora.scale * up.reshape(y.shape)).astype(compute_dtype)
+    return y

@@ -145,3 +145,33 @@ def test_default_tilings_are_valid_and_split_narrow_decode_weights():
     assert bw.default_matmul_config(8, packed(3584, 18944)).split_k == 6
     assert bw.default_matmul_config(8, packed(18944, 3584)).split_k == 1
     assert bw.default_matmul_config(128, packed(3584, 18944)).path == "dequantize"
+
+
+@pytest.mark.parametrize("m,rank,config", [
+    (3, 8, bw.MatmulConfig(block_m=16, block_n=32, split_k=1, weight_as_lhs=False)),
+    (3, 32, bw.MatmulConfig(block_m=16, block_n=32, split_k=3, weight_as_lhs=False)),
+    (20, 24, bw.MatmulConfig(block_m=32, block_n=64, split_k=2, weight_as_lhs=True)),
+    (70, 16, bw.MatmulConfig(path="dequantize")),
+])
+def test_matmul_lora_epilogue(m, rank, config):
+    """y = x @ W^T + scale * down @ B with the LoRA product added in the kernel's epilogue
+    (N=80 ragged for block_n 32/64, ranks padded to powers of two >= 16, split-K adding it
+    once), against the float32 reference plus the same LoRA term in float32."""
+    seed = kc.fresh_seed()
+    rng = np.random.default_rng(seed)
+    ckpt, x, packed = kc.random_problem(NVFP4, seed, m, 80, 5 * 128 - 16, 128)
+    down = jnp.asarray(rng.standard_normal((m, rank)), jnp.bfloat16)
+    lora_b = jnp.asarray(rng.standard_normal((rank, 80)), jnp.bfloat16)
+    y = bw.blockwise_matmul(x, packed, spec=nv.NVFP4, config=config, interpret=True,
+                            poison_output=True, lora_down=down, lora_b=lora_b, lora_scale=0.5)
+    reference = (np.asarray(nv.nvfp4_matmul_reference(x, *ckpt), np.float32)
+                 + 0.5 * np.asarray(down, np.float32) @ np.asarray(lora_b, np.float32))
+    kc.assert_close(y, jnp.asarray(reference, jnp.bfloat16), f"seed={seed} M={m} r={rank} {config}")
+
+
+def test_matmul_lora_epilogue_shape_errors():
+    _, x, packed = kc.random_problem(NVFP4, 0, 3, 80, 256, 128)
+    with pytest.raises(ValueError, match="LoRA epilogue"):
+        bw.blockwise_matmul(x, packed, spec=nv.NVFP4, interpret=True,
+                            lora_down=jnp.zeros((3, 8), jnp.bfloat16),
+                            lora_b=jnp.zeros((8, 81), jnp.bfloat16), lora_scale=1.0)

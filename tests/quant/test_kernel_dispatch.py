@@ -316,3 +316,33 @@ def test_export_merge_and_state_conversion_after_enabling(tmp_path):
     enable_kernels(model, platform="cpu", interpret=True)
     unregister_kernels("cpu")
     _leaves_equal(nnx.state(disable_kernels(model)), leaves_before)
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("m,rank", [(3, 8), (40, 32), (300, 16)])
+def test_lora_epilogue_matches_separate_lora_dots(interpret_kernels, format_name, m, rank):
+    """linear(..., lora=...) on a kernel-layout weight adds (x @ A) @ B in the fused kernel's
+    epilogue for M <= 64 (and separately above): output and gradients w.r.t. x, A and B equal
+    the XLA path's (checkpoint layout, separate LoRA dots) within the module's tolerance."""
+    from qerl_jax.quant.linear_op import LoRAProduct
+    rng = np.random.default_rng(secrets.randbits(32))
+    quantized = _weight(format_name, rng)
+    prepared = to_kernel_layout(quantized)
+    x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(N) * 0.1, jnp.float32)
+    a = jnp.asarray(rng.standard_normal((K, rank)) * 0.1, jnp.float32)
+    b = jnp.asarray(rng.standard_normal((rank, N)) * 0.1, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((m, N)), jnp.bfloat16)
+
+    def forward(x, a, b, weight):
+        return linear(x, weight, bias, compute_dtype=jnp.bfloat16,
+                      lora=LoRAProduct(a, b, 2.0))
+
+    results = {}
+    for name, weight in (("kernel", prepared), ("xla", quantized)):
+        y, vjp = jax.vjp(functools.partial(forward, weight=weight), x, a, b)
+        results[name] = (y, *vjp(dy))
+    jaxpr = str(jax.make_jaxpr(functools.partial(forward, weight=prepared))(x, a, b))
+    assert (f"{format_name}_matmul_lora" in jaxpr) == (m <= 64)  # the epilogue kernel
+    for label, got, want in zip(("y", "dx", "dA", "dB"), results["kernel"], results["xla"]):
+        _assert_close(got, want, 2 * TOLERANCE, f"{format_name} M={m} r={rank} {label}")
