@@ -376,8 +376,10 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
                      _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False))
         lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
                        _edge_masks(0, rank, rank, n0, bn, n, False, n % bn != 0))
-        weight = lora_scale if split == 1 else jnp.where(pid_s == 0, lora_scale, 0.0)
-        y = y + weight * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
+        term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
+        if split > 1:  # 1 in the first split, 0 in the others (integer arithmetic: no i1)
+            term = term * (1 - jnp.minimum(pid_s, 1)).astype(jnp.float32)
+        y = y + term
     mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, n % bn != 0)
     if split == 1:
         _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask)
