@@ -3,7 +3,9 @@
     python benchmarks/run_on_gpus.py --jobs jobs.txt --out $OUT [--gpus 4]
 
 jobs.txt holds one shell command per line (blank lines and '#' comments skipped); '{out}' in a
-command is replaced by its own output folder $OUT/job<i>, '{flags}' by --flags. Each GPU runs the next job not yet
+command is replaced by its own output folder $OUT/job<i>, '{flags}' by --flags, and '{budget}' by
+the seconds left until --total-s (minus a 15 s margin) when the job starts; a job is not started
+when fewer than --min-start-s are left (recorded as skipped). Each GPU runs the next job not yet
 started, with CUDA_VISIBLE_DEVICES set to that GPU alone, so the jobs do not share a device
 (timings stay those of one GPU; the host's CPUs and PCIe are shared). A job's stdout and stderr
 go to $OUT/job<i>/log.txt; a summary (command, GPU, exit code, wall seconds) to
@@ -42,6 +44,9 @@ def main(argv=None):
     parser.add_argument("--out", required=True)
     parser.add_argument("--gpus", type=int, default=0, help="default: all that nvidia-smi lists")
     parser.add_argument("--flags", default="", help="replaces '{flags}' in every command")
+    parser.add_argument("--total-s", type=float, default=0.0,
+                        help="wall-clock budget of all jobs together (0: none)")
+    parser.add_argument("--min-start-s", type=float, default=60.0)
     args = parser.parse_args(argv)
     jobs = read_jobs(args.jobs)
     gpus = args.gpus or gpu_count()
@@ -51,6 +56,7 @@ def main(argv=None):
     for index, command in enumerate(jobs):
         pending.put((index, command))
     results: dict[int, dict] = {}
+    begin = time.time()
 
     def worker(gpu: int):
         while True:
@@ -60,6 +66,13 @@ def main(argv=None):
                 return
             out = os.path.join(args.out, f"job{index}")
             os.makedirs(out, exist_ok=True)
+            left = args.total_s - (time.time() - begin) - 15 if args.total_s else 1e9
+            if left < args.min_start_s:
+                results[index] = {"command": command, "gpu": gpu, "code": "skipped",
+                                  "wall_s": 0.0}
+                print(f"[gpu {gpu}] job{index}: skipped, {left:.0f} s left", flush=True)
+                continue
+            command = command.replace("{budget}", f"{left:.0f}")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu))
             started = time.time()
             print(f"[gpu {gpu}] job{index}: {command}", flush=True)
