@@ -147,6 +147,25 @@ def write_outputs(out_dir: str, name: str, text: str, payload: dict) -> None:
         json.dump(payload, handle, indent=1)
 
 
+def merged_rows(paths: list[str]) -> list[dict]:
+    """The result rows of several runs' JSON outputs (write_outputs payloads), in order; a row
+    whose status is not ok is dropped when another run has an ok row of the same case."""
+    rows: list[dict] = []
+    for path in paths:
+        with open(path) as handle:
+            payload = json.load(handle)
+        for row in payload["rows"]:
+            row.setdefault("source", os.path.basename(os.path.dirname(path)) or path)
+            rows.append(row)
+
+    def case(row):
+        return (row.get("size"), row.get("format"), row.get("batch"))
+
+    ok = {case(row) for row in rows if str(row.get("status", "")).startswith("ok")}
+    return [row for row in rows
+            if str(row.get("status", "")).startswith("ok") or case(row) not in ok]
+
+
 # ============================================================================== worker side
 def device_info() -> dict:
     """Device kind, versions and git revision for the result rows."""

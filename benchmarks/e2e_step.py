@@ -64,6 +64,9 @@ def parse_args(argv=None):
                         help="CPU check of the kernel path: enable_kernels(interpret=True)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="merge the rows of these runs' e2e_step_*.json into one table "
+                             "(e2e_step_merged.md/.json in --out); runs nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--format", help=argparse.SUPPRESS)
@@ -153,6 +156,17 @@ def worker_main(args) -> None:
         emit("init " + common.describe_error(error))
         shutil.rmtree(workdir, ignore_errors=True)
         raise
+    # the allocator's peak cannot be reset: record it after step 0's rollout too, which splits
+    # the step's peak into the rollout phase and the training phase
+    collect_rollouts = trainer._collect_rollouts
+
+    def collect_and_record_peak():
+        result = collect_rollouts()
+        if "peak_after_rollout0_GiB" not in row:
+            row["peak_after_rollout0_GiB"], _ = common.peak_memory_gib()
+        return result
+
+    trainer._collect_rollouts = collect_and_record_peak
     status = "ok"
     for step in range(args.steps):
         if step > 0:
@@ -196,7 +210,9 @@ COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "s
            ("step_rollout_s", "rollout s"), ("step_train_s", "train s"), ("step_s", "step s"),
            ("speedup_vs_bf16", "x bf16 (step)"), ("step_tokens_per_s", "rollout tok/s"),
            ("completion_length", "completion length"), ("peak_GiB", "peak GiB"),
-           ("peak_vs_bf16", "peak / bf16 peak"), ("logits_chunk", "log-prob chunk"),
+           ("peak_vs_bf16", "peak / bf16 peak"),
+           ("peak_after_rollout0_GiB", "peak after step-0 rollout GiB"),
+           ("logits_chunk", "log-prob chunk"),
            ("weights_GiB", "weights GiB"),
            ("trainer_init_s", "init s"), ("path_decode", "decode path"),
            ("path_train", "train path"), ("kernel_hook", "kernel hook"),
@@ -292,6 +308,13 @@ def parent_main(args) -> None:
                 print(f"[e2e] {tag}: worker {'killed' if code is None else 'rc=' + str(code)} "
                       f"after {wall:.0f} s; log tail:\n{common.tail(log)}", flush=True)
             rows.append(row)
+    name = "e2e_step_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "") + (
+        "_no-lora-epilogue" if args.no_lora_epilogue else "")
+    report(rows, args, name)
+
+
+def report(rows: list[dict], args, name: str) -> None:
+    """Ratios to bf16, the table and the targets -> {out}/{name}.md/.json."""
     for row in rows:
         bf = _final(rows, row["size"], "bf16")
         if bf and row.get("step_s"):
@@ -308,15 +331,26 @@ def parent_main(args) -> None:
              "", "Targets:"] + [f"- {line}" for line in targets(rows)]
     text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
     print(text, flush=True)
-    name = "e2e_step_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "") + (
-        "_no-lora-epilogue" if args.no_lora_epilogue else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
                                                 "targets": targets(rows)})
 
 
+def merge_main(args) -> None:
+    """One table (ratios, targets) from the rows of several runs' e2e_step_*.json files."""
+    rows = common.merged_rows(args.merge)
+    first = rows[0]
+    args.rank = first.get("lora_rank", args.rank)
+    for name in ("group", "prompt", "completion", "micro_batch", "steps"):
+        if first.get(name) is not None:
+            setattr(args, name, first[name])
+    report(rows, args, "e2e_step_merged")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.worker:
+    if args.merge:
+        merge_main(args)
+    elif args.worker:
         worker_main(args)
     else:
         parent_main(args)

@@ -63,6 +63,9 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="merge the rows of these runs' rollout_*.json into one table "
+                             "(rollout_merged.md/.json in --out); runs nothing")
     # internal: one worker = one (size, format)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
@@ -282,6 +285,13 @@ def parent_main(args) -> None:
                 print(f"[rollout] {tag}: worker {'killed' if code is None else 'rc=' + str(code)}"
                       f" after {wall:.0f} s; log tail:\n{common.tail(log)}", flush=True)
             rows += sorted(got, key=lambda row: row["batch"])
+    name = "rollout_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "") + (
+        "_no-lora-epilogue" if args.no_lora_epilogue else "")
+    report(rows, args, name)
+
+
+def report(rows: list[dict], args, name: str) -> None:
+    """Ratios to bf16, the paper's figures, the table and the targets -> {out}/{name}.md/.json."""
     for row in rows:
         bf16 = _lookup(rows, row["size"], "bf16", row["batch"])
         if row.get("tokens_per_s") and bf16:
@@ -298,15 +308,24 @@ def parent_main(args) -> None:
              "", "Targets:"] + [f"- {line}" for line in targets(rows)]
     text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
     print(text, flush=True)
-    name = "rollout_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "") + (
-        "_no-lora-epilogue" if args.no_lora_epilogue else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
                                                 "targets": targets(rows)})
 
 
+def merge_main(args) -> None:
+    """One table (ratios, targets) from the rows of several runs' rollout_*.json files."""
+    rows = common.merged_rows(args.merge)
+    first = rows[0]
+    args.prompt, args.new_tokens, args.rank = (first["prompt"], first["new_tokens"],
+                                               first["lora_rank"])
+    report(rows, args, "rollout_merged")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.worker:
+    if args.merge:
+        merge_main(args)
+    elif args.worker:
         worker_main(args)
     else:
         parent_main(args)
