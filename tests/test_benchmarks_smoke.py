@@ -58,3 +58,40 @@ def test_rollout_and_e2e_smoke(tmp_path):
     assert row["step_s"] > 0 and row["step0_rollout_s"] > 0 and row["step0_train_s"] > 0
     assert row["aqn"] is True
     assert "| tiny | nvfp4 |" in e2e_text
+    assert row["peak_after_rollout0_GiB"] > 0
+
+    # --merge: one table from several runs' JSON; an ok row replaces another run's failed one
+    failed = {"rows": [{**rows[0], "status": "killed at the budget deadline"}]}
+    (tmp_path / "failed").mkdir()
+    (tmp_path / "failed" / "rollout_tiny.json").write_text(json.dumps(failed))
+    merged_out = tmp_path / "merged"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rollout.py"), "--merge",
+                    str(tmp_path / "failed" / "rollout_tiny.json"),
+                    str(rollout_out / "rollout_tiny.json"), "--out", str(merged_out)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=60)
+    with open(merged_out / "rollout_merged.json") as handle:
+        merged = json.load(handle)["rows"]
+    assert [(row["batch"], row["status"]) for row in merged] == [(2, "ok"), (3, "ok")]
+
+
+def test_run_on_gpus_queue_budget_and_skip(tmp_path):
+    """benchmarks/run_on_gpus.py: jobs in file order on the free 'GPUs', {out}, {flags} and
+    {budget} substituted, CUDA_VISIBLE_DEVICES set per job, jobs that cannot start in time
+    skipped (the third job can only start after ~2 s, leaving < 63 of the 80 - 15 s)."""
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text("# a comment\n"
+                    "echo first {out} {flags} {budget} $CUDA_VISIBLE_DEVICES; sleep 2\n"
+                    "echo second {budget} $CUDA_VISIBLE_DEVICES; sleep 2\n"
+                    "echo third {budget}\n")
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_on_gpus.py"),
+                    "--jobs", str(jobs), "--out", str(out), "--gpus", "2",
+                    "--flags=--x", "--total-s", "80", "--min-start-s", "63"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=60)
+    first = (out / "job0" / "log.txt").read_text().split()
+    assert first[:3] == ["first", str(out / "job0"), "--x"] and 60 <= int(first[3]) <= 65
+    assert first[4] in ("0", "1")
+    second = (out / "job1" / "log.txt").read_text().split()
+    assert second[0] == "second" and second[2] in ("0", "1") and second[2] != first[4]
+    summary = (out / "jobs_summary.md").read_text()
+    assert "| job2 |" in summary and "skipped" in summary.split("| job2 |")[1]
