@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
             for m in ((1, 8) if args.quick else (1, 8, 64)):
                 for rank in ((8, 32) if format_name == "nvfp4" or not args.quick else (32,)):
                     try:
-                        errors, in_kernel = check_case(format_name, n, k, m, rank,
-                                                       seed=hash((format_name, n, m, rank)) % 2**31)
+                        seed = zlib.crc32(f"{format_name}/{n}/{k}/{m}/{rank}".encode())
+                        errors, in_kernel = check_case(format_name, n, k, m, rank, seed)
                         ok = in_kernel and all(e <= TOLERANCE for e in errors.values())
                     except Exception as error:  # noqa: BLE001 - report, count, go on
                         errors, in_kernel, ok = {"error": repr(error)[:300]}, False, False
