@@ -213,6 +213,14 @@ class LoRAProduct:
     scale: float
 
 
+def _check_lora_shapes(lora: LoRAProduct, in_features: int, out_features: int) -> None:
+    a_shape, b_shape = tuple(lora.a.shape), tuple(lora.b.shape)
+    if (len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != in_features
+            or b_shape[1] != out_features or a_shape[1] != b_shape[0]):
+        raise ValueError(f"linear: LoRA A {a_shape} and B {b_shape} must be [in={in_features}, "
+                         f"r] and [r, out={out_features}]")
+
+
 def _lora_down(x2d: jax.Array, lora: LoRAProduct, compute_dtype) -> jax.Array:
     """x @ A in compute dtype, float32 accumulation: [M, r] float32."""
     return jnp.dot(x2d.astype(compute_dtype), lora.a.astype(compute_dtype),
@@ -279,6 +287,10 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
     Returns:
       [..., out] in compute_dtype.
     """
+    if lora is not None:
+        _check_lora_shapes(lora, x.shape[-1],
+                           weight.shape[0] if isinstance(weight, QuantizedWeight)
+                           else weight.shape[-1])
     lora_applied = False
     if isinstance(weight, QuantizedWeight):
         y, lora_applied = _quantized_product(x, weight, compute_dtype, None, lora)

@@ -159,6 +159,9 @@ def chunked_token_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax
 
     logits_fn: a pure function [..., H] -> float32 [..., V] (CausalLM.logits_function()).
     """
+    if hidden.ndim != 3 or tokens.ndim != 2 or hidden.shape[:2] != tokens.shape:
+        raise ValueError(f"hidden {hidden.shape} and tokens {tokens.shape} must be [B, N, H] and "
+                         "[B, N]")
     batch, length = tokens.shape
     if chunk_size <= 0 or chunk_size >= length:
         return token_logprobs_and_entropy(logits_fn(hidden), tokens, temperature)

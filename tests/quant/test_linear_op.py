@@ -168,3 +168,28 @@ def test_shape_mismatch_and_dense_path_unchanged():
                        preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(linear(x, dense), np.float32),
                                   np.asarray(expected, np.float32))
+
+
+def test_linear_lora_matches_float64_and_names_bad_shapes():
+    """linear(x, W, b, lora=LoRAProduct(A, B, s)) = x W + b + s (x A) B for a dense float32 W
+    and for an NVFP4 W (XLA path, against its dequantized matrix), float64 numpy reference;
+    float32 compute: rtol 1e-5, atol 1e-5. Mismatched adapter shapes name both shapes."""
+    from qerl_jax.quant.linear_op import LoRAProduct
+    rng = np.random.default_rng(secrets.randbits(32))
+    x = rng.standard_normal((2, 3, 32))
+    dense = rng.standard_normal((32, 48)) * 0.1
+    bias = rng.standard_normal(48) * 0.1
+    a, b = rng.standard_normal((32, 4)) * 0.1, rng.standard_normal((4, 48)) * 0.1
+    lora = LoRAProduct(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), 0.5)
+    quantized = get_format("nvfp4").quantize(jnp.asarray(dense.T, jnp.float32), name="t.proj")
+    for weight, matrix in ((jnp.asarray(dense, jnp.float32), dense),
+                           (quantized, np.asarray(quantized.dequantize(jnp.float32),
+                                                  np.float64).T)):
+        y = linear(jnp.asarray(x, jnp.float32), weight, jnp.asarray(bias, jnp.float32),
+                   compute_dtype=jnp.float32, lora=lora)
+        expected = x @ matrix + bias + 0.5 * (x @ a) @ b
+        np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
+    bad = LoRAProduct(jnp.zeros((32, 4)), jnp.zeros((5, 48)), 1.0)
+    with pytest.raises(ValueError, match=r"LoRA A \(32, 4\) and B \(5, 48\)"):
+        linear(jnp.asarray(x, jnp.float32), jnp.asarray(dense, jnp.float32), lora=bad,
+               compute_dtype=jnp.float32)

@@ -184,3 +184,9 @@ def test_entropy_mask_uses_valid_tokens_only():
 def test_bad_loss_config():
     with pytest.raises(ValueError, match="loss_type='ppo'"):
         LossConfig(loss_type="ppo")
+
+
+def test_chunked_logprobs_name_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"hidden \(2, 5, 4\) and tokens \(2, 6\)"):
+        chunked_token_logprobs_and_entropy(jnp.zeros((2, 5, 4)), lambda h: h,
+                                           jnp.zeros((2, 6), jnp.int32), 1.0, 2)
