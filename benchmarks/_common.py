@@ -147,6 +147,51 @@ def write_outputs(out_dir: str, name: str, text: str, payload: dict) -> None:
         json.dump(payload, handle, indent=1)
 
 
+def add_worker_arguments(parser, script_name: str) -> None:
+    """The options rollout.py and e2e_step.py share: the kernel path switches, --out, --merge,
+    and the internal ones a parent passes to its worker processes."""
+    import argparse
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip the kernel hook (pure XLA path) for comparison")
+    parser.add_argument("--no-lora-epilogue", action="store_true",
+                        help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
+    parser.add_argument("--kernels-interpret", action="store_true",
+                        help="CPU check of the kernel path: enable_kernels(interpret=True)")
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help=f"merge the rows of these runs' {script_name}_*.json into one table "
+                             f"({script_name}_merged.md/.json in --out); runs nothing")
+    # internal: one worker = one (size, format)
+    for name in ("--size", "--format", "--results"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
+
+
+def kernel_flags(args) -> list[str]:
+    """The kernel path switches of the parent's command line, to pass on to a worker."""
+    return [flag for flag, on in (("--no-kernels", args.no_kernels),
+                                  ("--no-lora-epilogue", args.no_lora_epilogue),
+                                  ("--kernels-interpret", args.kernels_interpret)) if on]
+
+
+def output_name(script_name: str, sizes: list[str], args) -> str:
+    """'rollout_7b-32b' (+ '_no-kernels', '_no-lora-epilogue' when those switches are on)."""
+    return (f"{script_name}_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
+            + ("_no-lora-epilogue" if args.no_lora_epilogue else ""))
+
+
+def run_script(args, worker_main, parent_main, merge_main) -> None:
+    """--merge, --worker or the parent, as the arguments say."""
+    if args.merge:
+        merge_main(args)
+    elif args.worker:
+        worker_main(args)
+    else:
+        parent_main(args)
+
+
 def merged_rows(paths: list[str]) -> list[dict]:
     """The result rows of several runs' JSON outputs (write_outputs payloads), in order; a row
     whose status is not ok is dropped when another run has an ok row of the same case."""

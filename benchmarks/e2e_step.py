@@ -57,22 +57,8 @@ def parse_args(argv=None):
                         help="config.train.logits_chunk_size (log-probs computed this many "
                              "completion positions at a time; 0 = all at once); default: the "
                              "config default")
-    parser.add_argument("--no-lora-epilogue", action="store_true",
-                        help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
-    parser.add_argument("--no-kernels", action="store_true")
-    parser.add_argument("--kernels-interpret", action="store_true",
-                        help="CPU check of the kernel path: enable_kernels(interpret=True)")
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--merge", nargs="+", metavar="JSON",
-                        help="merge the rows of these runs' e2e_step_*.json into one table "
-                             "(e2e_step_merged.md/.json in --out); runs nothing")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--size", help=argparse.SUPPRESS)
-    parser.add_argument("--format", help=argparse.SUPPRESS)
-    parser.add_argument("--results", help=argparse.SUPPRESS)
-    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
+    common.add_worker_arguments(parser, "e2e_step")
     args = parser.parse_args(argv)
     for name, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, name) is None:
@@ -285,12 +271,7 @@ def parent_main(args) -> None:
                          if args.logits_chunk is not None else []),
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]
-            if args.no_kernels:
-                command.append("--no-kernels")
-            if args.no_lora_epilogue:
-                command.append("--no-lora-epilogue")
-            if args.kernels_interpret:
-                command.append("--kernels-interpret")
+            command += common.kernel_flags(args)
             print(f"[e2e] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
             log = os.path.join(raw_dir, f"{tag}.log")
             code, wall = common.run_worker(command, log, left)
@@ -308,9 +289,7 @@ def parent_main(args) -> None:
                 print(f"[e2e] {tag}: worker {'killed' if code is None else 'rc=' + str(code)} "
                       f"after {wall:.0f} s; log tail:\n{common.tail(log)}", flush=True)
             rows.append(row)
-    name = "e2e_step_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "") + (
-        "_no-lora-epilogue" if args.no_lora_epilogue else "")
-    report(rows, args, name)
+    report(rows, args, common.output_name("e2e_step", sizes, args))
 
 
 def report(rows: list[dict], args, name: str) -> None:
@@ -347,13 +326,7 @@ def merge_main(args) -> None:
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.merge:
-        merge_main(args)
-    elif args.worker:
-        worker_main(args)
-    else:
-        parent_main(args)
+    common.run_script(parse_args(argv), worker_main, parent_main, merge_main)
 
 
 if __name__ == "__main__":

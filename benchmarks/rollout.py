@@ -53,26 +53,10 @@ def parse_args(argv=None):
                         help=f"wall-clock budget of the whole command, default "
                              f"{DEFAULTS['budget_s']:.0f}")
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank (alpha = rank)")
-    parser.add_argument("--no-lora-epilogue", action="store_true",
-                        help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
-    parser.add_argument("--no-kernels", action="store_true",
-                        help="skip the kernel hook (pure XLA path) for comparison")
-    parser.add_argument("--kernels-interpret", action="store_true",
-                        help="CPU check of the kernel path: enable_kernels(interpret=True)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--merge", nargs="+", metavar="JSON",
-                        help="merge the rows of these runs' rollout_*.json into one table "
-                             "(rollout_merged.md/.json in --out); runs nothing")
-    # internal: one worker = one (size, format)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--size", help=argparse.SUPPRESS)
-    parser.add_argument("--format", help=argparse.SUPPRESS)
-    parser.add_argument("--results", help=argparse.SUPPRESS)
-    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
+    common.add_worker_arguments(parser, "rollout")
     args = parser.parse_args(argv)
     for name, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, name) is None:
@@ -261,12 +245,7 @@ def parent_main(args) -> None:
                        "--rank", str(args.rank), "--seed", str(args.seed),
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]
-            if args.no_kernels:
-                command.append("--no-kernels")
-            if args.no_lora_epilogue:
-                command.append("--no-lora-epilogue")
-            if args.kernels_interpret:
-                command.append("--kernels-interpret")
+            command += common.kernel_flags(args)
             print(f"[rollout] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
             log = os.path.join(raw_dir, f"{tag}.log")
             code, wall = common.run_worker(command, log, left)
@@ -285,9 +264,7 @@ def parent_main(args) -> None:
                 print(f"[rollout] {tag}: worker {'killed' if code is None else 'rc=' + str(code)}"
                       f" after {wall:.0f} s; log tail:\n{common.tail(log)}", flush=True)
             rows += sorted(got, key=lambda row: row["batch"])
-    name = "rollout_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "") + (
-        "_no-lora-epilogue" if args.no_lora_epilogue else "")
-    report(rows, args, name)
+    report(rows, args, common.output_name("rollout", sizes, args))
 
 
 def report(rows: list[dict], args, name: str) -> None:
@@ -322,13 +299,7 @@ def merge_main(args) -> None:
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.merge:
-        merge_main(args)
-    elif args.worker:
-        worker_main(args)
-    else:
-        parent_main(args)
+    common.run_script(parse_args(argv), worker_main, parent_main, merge_main)
 
 
 if __name__ == "__main__":
