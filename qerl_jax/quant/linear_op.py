@@ -157,14 +157,19 @@ def _zero_cotangent(leaf):
     return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
-def _quantized_matmul_bwd(compute_dtype, forward, backward, weight, grad_output):
-    del forward
+def _grad_x_and_weight_cotangent(grad_output, weight, compute_dtype, backward):
+    """(dx = dy @ W, zero cotangents for the frozen weight's arrays)."""
     # The barrier ties the re-dequantization to the cotangent, so XLA can neither hoist it
     # into the forward pass nor merge it with the forward dequantization (which would keep a
     # dense copy of W alive between the passes).
     grad_output, weight = jax.lax.optimization_barrier((grad_output, weight))
     grad_x = backward(grad_output, weight, compute_dtype=compute_dtype)
     return grad_x, jax.tree_util.tree_map(_zero_cotangent, weight)
+
+
+def _quantized_matmul_bwd(compute_dtype, forward, backward, weight, grad_output):
+    del forward
+    return _grad_x_and_weight_cotangent(grad_output, weight, compute_dtype, backward)
 
 
 _quantized_matmul.defvjp(_quantized_matmul_fwd, _quantized_matmul_bwd)
@@ -190,13 +195,12 @@ def _quantized_matmul_lora_bwd(compute_dtype, scale, lora_forward, backward, res
     products, cast to the inputs' dtypes)."""
     del lora_forward
     weight, down, lora_b = residuals
-    grad_output, weight = jax.lax.optimization_barrier((grad_output, weight))
-    grad_x = backward(grad_output, weight, compute_dtype=compute_dtype)
     grad32 = grad_output.astype(jnp.float32)
     grad_down = scale * jnp.dot(grad32, lora_b.astype(jnp.float32).T)
     grad_b = scale * jnp.dot(down.astype(jnp.float32).T, grad32)
-    return (grad_x, grad_down.astype(down.dtype), grad_b.astype(lora_b.dtype),
-            jax.tree_util.tree_map(_zero_cotangent, weight))
+    grad_x, grad_weight = _grad_x_and_weight_cotangent(grad_output, weight, compute_dtype,
+                                                       backward)
+    return grad_x, grad_down.astype(down.dtype), grad_b.astype(lora_b.dtype), grad_weight
 
 
 _quantized_matmul_lora.defvjp(_quantized_matmul_lora_fwd, _quantized_matmul_lora_bwd)
