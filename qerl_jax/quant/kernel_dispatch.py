@@ -270,24 +270,22 @@ def _supports(weight, compute_dtype) -> str | None:
     return None
 
 
-def _fused_forward(x, weight, *, compute_dtype, interpret):
-    """x [M, K] bf16 @ W^T -> [M, N] float32 (fused kernel, output rounded to bf16 inside)."""
-    del compute_dtype
-    packed = weight.packed()
-    config = bw.default_matmul_config(x.shape[0], packed)
-    return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config,
-                               interpret=interpret).astype(jnp.float32)
-
-
 def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interpret):
-    """x [M, K] @ W^T + scale * down [M, r] @ lora_b [r, N] -> [M, N] float32: the fused
-    kernel with the LoRA product in its epilogue (no separate B dot and add per layer)."""
+    """x [M, K] bf16 @ W^T (+ scale * down [M, r] @ lora_b [r, N], the LoRA product in the
+    kernel's epilogue, when down is given) -> [M, N] float32 (fused kernel, output rounded to
+    bf16 inside)."""
     del compute_dtype
     packed = weight.packed()
     config = bw.default_matmul_config(x.shape[0], packed)
     return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config, interpret=interpret,
                                lora_down=down, lora_b=lora_b,
                                lora_scale=scale).astype(jnp.float32)
+
+
+def _fused_forward(x, weight, *, compute_dtype, interpret):
+    """x [M, K] bf16 @ W^T -> [M, N] float32 (the fused kernel, no LoRA)."""
+    return _fused_forward_lora(x, weight, None, None, 0.0, compute_dtype=compute_dtype,
+                               interpret=interpret)
 
 
 def _pallas_dense(weight, interpret):
