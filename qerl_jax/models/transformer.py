@@ -205,7 +205,8 @@ class CausalLM(nnx.Module):
 
     def target_hidden(self, tokens, attention_mask, num_targets: int) -> jax.Array:
         """Final-normed hidden states [B, num_targets, H] of the positions that predict the last
-        `num_targets` tokens (the completion); logits(target_hidden(...)) = target_logits."""
+        `num_targets` tokens (the completion), without the prompt positions' logits: the trainer
+        applies the head to them in chunks (rl.losses.chunked_token_logprobs_and_entropy)."""
         attention_mask = attention_mask.astype(jnp.bool_)
         positions = positions_from_mask(attention_mask)
         length = tokens.shape[1]
@@ -213,11 +214,6 @@ class CausalLM(nnx.Module):
         mask = causal[None] & attention_mask[:, None, :]
         hidden, _ = self.hidden_states(tokens, positions, mask)
         return hidden[:, length - num_targets - 1:length - 1]
-
-    def target_logits(self, tokens, attention_mask, num_targets: int) -> jax.Array:
-        """float32 logits [B, num_targets, vocab] of the positions that predict the last
-        `num_targets` tokens (the completion), without computing the prompt's logits."""
-        return self.logits(self.target_hidden(tokens, attention_mask, num_targets))
 
     def __call__(self, tokens, attention_mask=None, positions=None):
         """Full-sequence forward. tokens [B, T]; mask [B, T] (1 = real, left padding).
