@@ -135,8 +135,9 @@ def header_line(title: str, rows: list[dict]) -> str:
     return (f"{title}, {datetime.date.today()}, {meta.get('device', 'device unknown')}, JAX "
             f"{meta.get('jax', '?')}, flax {meta.get('flax', '?')}, git {meta.get('git', '?')}, "
             f"XLA_PYTHON_CLIENT_MEM_FRACTION="
-            f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', DEFAULT_MEMORY_FRACTION)}. "
-            f"Command: python {' '.join(sys.argv)}")
+            f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', DEFAULT_MEMORY_FRACTION)}"
+            + (f", XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
+            + f". Command: python {' '.join(sys.argv)}")
 
 
 def write_outputs(out_dir: str, name: str, text: str, payload: dict) -> None:

@@ -12,6 +12,7 @@ R (so launch gaps are those of a compiled program, not of Python dispatch).
     python benchmarks/kernels.py --check --out $OUT         # compiled kernels vs jnp reference
     python benchmarks/kernels.py --sweep --out $OUT         # tiling / decoder sweep
     python benchmarks/kernels.py --decode-sweep --models 7b --out $OUT   # tilings at rollout M
+    python benchmarks/kernels.py --launch-sweep --models 7b --out $OUT   # warps/stages/tile_k
     python benchmarks/kernels.py --check --interpret        # dry run on CPU (tiny shapes)
 """
 
@@ -126,6 +127,82 @@ def copy_bandwidth():
     fn = jax.jit(lambda a: a.copy())
     t = median_time(fn, (a,), 10)
     return 2 * a.nbytes / t
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch sweep: warps x pipeline stages x layout K tile of the default decode tiling
+
+
+def run_launch_sweep(args):
+    """NVFP4 at each --decode-m on the --models' layer shapes: the default tiling (split-K as
+    default_matmul_config picks it for the layout) with num_warps in {2, 4, 8} x num_stages in
+    {2, 3, 4, 6}, for layout K tiles of 256 (the default) and 512. Each time is the median of
+    R weight copies in one jit (comparable within the sweep only). The fastest setting of each
+    shape is checked against the jnp reference. Writes launch_sweep.json/.md."""
+    deadline = time.time() + args.sweep_seconds
+    key = jax.random.key(11)
+    shapes = [(model, *shape) for model in args.models.split(",") for shape in SHAPES[model]
+              if "|" not in shape[0] and shape[0] != "qkv"]
+    tile_ks, warps_list, stages_list = (256, 512), (2, 4, 8), (2, 3, 4, 6)
+    if args.interpret:
+        shapes, tile_ks, warps_list, stages_list = [("tiny", "w", 256, 1024)], (256,), (4,), (3,)
+    results, lines = [], []
+    for model, layer, n, k in shapes:
+        ckpt = random_checkpoint("nvfp4", n, k, key)
+        for m in [int(v) for v in args.decode_m.split(",")]:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            default_us, best = None, None
+            for tile_k in tile_ks:
+                if tile_k > k or time.time() > deadline:
+                    continue
+                packed = repack("nvfp4", ckpt, tile_k if not args.interpret else 128)
+                count = 2 if args.interpret else max(
+                    2, min(64, math.ceil(L2_DEFEAT_BYTES / packed_bytes(n, k, "nvfp4"))))
+                ws = copies(packed, count)
+                base = bw.default_matmul_config(m, packed)
+                for warps in warps_list:
+                    for stages in stages_list:
+                        if time.time() > deadline:
+                            break
+                        cfg = dataclasses.replace(base, num_warps=warps, num_stages=stages)
+                        try:
+                            t = time_rotating(lambda x, w, cfg=cfg: bw.blockwise_matmul(
+                                x, w, spec=SPECS["nvfp4"], config=cfg,
+                                interpret=args.interpret), x, ws, repeats=5) * 1e6
+                        except Exception as e:  # noqa: BLE001 - record and go on
+                            print("FAIL", n, k, m, tile_k, cfg, repr(e)[:300], flush=True)
+                            t = float("nan")
+                        is_default = tile_k == 256 and cfg == base
+                        results.append(dict(model=model, layer=layer, n=n, k=k, m=m,
+                                            tile_k=packed.tile_k, us=t, default=is_default,
+                                            config=dataclasses.asdict(cfg)))
+                        if is_default:
+                            default_us = t
+                        if not math.isnan(t) and (best is None or t < best[0]):
+                            best = (t, packed.tile_k, cfg, packed)
+            if best is None:
+                continue
+            t, tile_k, cfg, packed = best
+            errs = rel_errors(bw.blockwise_matmul(x, packed, spec=SPECS["nvfp4"], config=cfg,
+                                                  interpret=args.interpret),
+                              reference("nvfp4", x, ckpt))
+            line = (f"| {model} {layer} | {n} | {k} | {m} | "
+                    f"{'-' if default_us is None else f'{default_us:.1f}'} | {t:.1f} | "
+                    f"tile_k={tile_k} split={cfg.split_k} warps={cfg.num_warps} "
+                    f"stages={cfg.num_stages} | {errs[0]:.1e} "
+                    f"{'ok' if errs[0] <= 1e-2 and errs[2] else 'BAD'} |")
+            lines.append(line)
+            print(line, flush=True)
+    text = ("| shape | N | K | M | default us (tile_k 256, 4 warps, 3 stages) | best us | best "
+            "setting | best vs jnp reference (max err / max) |\n|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(lines))
+    if args.out:
+        with open(os.path.join(args.out, "launch_sweep.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        with open(os.path.join(args.out, "launch_sweep.md"), "w") as f:
+            f.write(text + "\n")
+    print(text, flush=True)
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -593,6 +670,9 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="fused-kernel tilings at rollout M (see --decode-m)")
+    parser.add_argument("--launch-sweep", action="store_true",
+                        help="num_warps x num_stages x layout K tile of the default tiling at "
+                             "--decode-m (NVFP4)")
     parser.add_argument("--decode-m", default="8,64")
     parser.add_argument("--bench", action="store_true", help="with --check/--sweep: also bench")
     parser.add_argument("--sweep-seconds", type=float, default=200)
@@ -612,8 +692,10 @@ def main():
         print(f"[sweep done at {time.time() - start:.0f}s]", flush=True)
     if args.decode_sweep:
         run_decode_sweep(args)
+    if args.launch_sweep:
+        run_launch_sweep(args)
         print(f"[decode sweep done at {time.time() - start:.0f}s]", flush=True)
-    if args.bench or not (args.check or args.sweep or args.decode_sweep):
+    if args.bench or not (args.check or args.sweep or args.decode_sweep or args.launch_sweep):
         run_bench(args)
         print(f"[bench done at {time.time() - start:.0f}s]", flush=True)
 

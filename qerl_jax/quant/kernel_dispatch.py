@@ -295,6 +295,7 @@ def _pallas_dense(weight, interpret):
 def _dequantize_forward(x, weight, *, compute_dtype, interpret):
     """Pallas dequantize kernel (bf16 W [N, K]) then one XLA dot: [M, N] float32."""
     del compute_dtype
+    x, weight = linear_op.tie_weight_to_activations(x, weight)
     dense = _pallas_dense(weight, interpret)
     return lax.dot_general(x.astype(jnp.bfloat16), dense, (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32)

@@ -124,8 +124,21 @@ def _log_path_once(format_name: str, platform: str, path: str, reason: str) -> N
                     path, reason)
 
 
+def tie_weight_to_activations(x: jax.Array, weight):
+    """(x, weight) through one optimization barrier, for a forward that dequantizes `weight`.
+
+    A dequantization depends only on the frozen weight, so without this XLA may schedule it
+    long before its matmul: in a training forward it then keeps several layers' dense copies
+    alive at once. After the barrier the dequantization needs x, so it runs when its layer's
+    activations exist (the backward pass ties its re-dequantization to the cotangent the same
+    way). Values are unchanged.
+    """
+    return jax.lax.optimization_barrier((x, weight))
+
+
 def _xla_forward(x: jax.Array, weight: QuantizedWeight, *, compute_dtype) -> jax.Array:
     """x [M, K] (compute dtype) @ dequant(W [N, K]).T -> [M, N] float32."""
+    x, weight = tie_weight_to_activations(x, weight)
     dense = weight.dequantize(compute_dtype)
     return jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
@@ -225,10 +238,12 @@ def _check_lora_shapes(lora: LoRAProduct, in_features: int, out_features: int) -
                          f"r] and [r, out={out_features}]")
 
 
-def _lora_down(x2d: jax.Array, lora: LoRAProduct, compute_dtype) -> jax.Array:
-    """x @ A in compute dtype, float32 accumulation: [M, r] float32."""
+def _lora_down(x2d: jax.Array, lora: LoRAProduct, compute_dtype,
+               out_dtype=jnp.float32) -> jax.Array:
+    """x @ A in compute dtype, float32 accumulation: [M, r] in out_dtype (the dot writes it
+    directly: no separate convert kernel)."""
     return jnp.dot(x2d.astype(compute_dtype), lora.a.astype(compute_dtype),
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=out_dtype)
 
 
 def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp.bfloat16,
@@ -265,7 +280,7 @@ def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
     forward = _xla_forward if kernel is None else kernel.fn
     backward = _xla_backward if kernel is None or kernel.grad_fn is None else kernel.grad_fn
     if lora is not None and kernel is not None and kernel.lora_fn is not None:
-        down = _lora_down(x2d, lora, compute_dtype).astype(compute_dtype)
+        down = _lora_down(x2d, lora, compute_dtype, out_dtype=compute_dtype)
         y = _quantized_matmul_lora(x2d, down, lora.b.astype(compute_dtype), weight,
                                    jnp.dtype(compute_dtype), float(lora.scale), kernel.lora_fn,
                                    backward)

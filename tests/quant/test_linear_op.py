@@ -83,9 +83,10 @@ def test_weight_gets_zero_cotangents_and_only_it_is_saved(format_name):
 
 
 def test_backward_dequantizes_again_instead_of_keeping_a_dense_copy():
-    """A jitted forward+backward dequantizes twice (once per pass), the second behind an
-    optimization barrier on (cotangent, weight), the mechanism jax.checkpoint uses against
-    CSE. XLA:GPU expands barriers only after scheduling, so the two dequantizations stay apart
+    """A jitted forward+backward dequantizes twice (once per pass), the first behind an
+    optimization barrier on (x, weight) (so it is not scheduled before its layer's input
+    exists), the second behind one on (cotangent, weight), the mechanism jax.checkpoint uses
+    against CSE. XLA:GPU expands barriers only after scheduling, so the two dequantizations stay apart
     there and no dense W lives from the forward to the backward pass; XLA:CPU expands them
     before a late CSE and may merge the two (checked here: the barrier is in the program)."""
     quantized, x, _, _ = _problem("nvfp4")
@@ -105,9 +106,16 @@ def test_backward_dequantizes_again_instead_of_keeping_a_dense_copy():
     finally:
         object.__setattr__(get_format("nvfp4"), "dequantize", original)
     assert len(calls) == 2
-    forward_only = jax.jit(loss).lower(x, quantized).as_text().count("optimization_barrier")
-    # the backward pass: its dequantization's barriers, plus the one on (cotangent, weight)
-    assert lowered.as_text().count("optimization_barrier") == 2 * forward_only + 1
+
+    def barriers(function, *args):
+        return jax.jit(function).lower(*args).as_text().count("optimization_barrier")
+
+    in_dequantize = barriers(lambda q: q.dequantize(jnp.bfloat16), quantized)
+    # the forward: the barrier on (x, weight) that keeps the dequantization after x exists
+    assert barriers(loss, x, quantized) == in_dequantize + 1
+    # forward + backward: each pass's dequantization, the forward's barrier on (x, weight) and
+    # the backward's on (cotangent, weight)
+    assert lowered.as_text().count("optimization_barrier") == 2 * in_dequantize + 2
 
 
 def test_dispatch_defaults_to_xla_and_honours_registered_kernels(caplog):

@@ -1,0 +1,222 @@
+"""What the GRPO step's two big programs hold: XLA's memory analysis of the sampler program and
+of the training micro-batch gradient, per model size and format, with the buffers live at each
+program's peak (from XLA's buffer-assignment dump).
+
+The e2e_step.py benchmark measures the allocator's peak over a whole step; this script says which
+program and which buffers make it. For each (size, format) it builds the trainer exactly as
+e2e_step.py does (random weights, LoRA r32 + norms, remat on, kernels on GPU), then lowers and
+compiles, without running:
+  * rollout: qerl_jax.sampling's generate program for 1 prompt x G samples (prompt + completion
+    cache), on the AQN-noised states the trainer samples with;
+  * train: the jitted value-and-grad of one micro-batch (the trainer's own _grad_fn).
+and reports compiled.memory_analysis() (arguments, outputs, aliased, temporaries) plus, with
+--dump, the largest buffers live at the peak of each program as XLA's memory-usage report lists
+them.
+
+    python benchmarks/memory_breakdown.py --sizes 7b --formats nvfp4,bf16 --dump --out $OUT/mem
+    python benchmarks/memory_breakdown.py --smoke --out /tmp/mem     # CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import _common as common
+
+PROGRAM_PATTERNS = {"rollout": "_generate_program", "train": "micro_batch_loss"}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="7b")
+    parser.add_argument("--formats", default="nvfp4,bf16")
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--completion", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--dump", action="store_true",
+                        help="dump XLA's buffer assignment and list the buffers live at peak")
+    parser.add_argument("--top", type=int, default=25, help="peak buffers listed per program")
+    parser.add_argument("--smoke", action="store_true", help="tiny model (CPU test)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.group, args.prompt, args.completion = "tiny", 4, 32, 8
+    return args
+
+
+def peak_buffers(report_path: str, top: int) -> list[str]:
+    """The 'peak buffers' lines of an XLA memory-usage report (size, operator, shape), as
+    written; empty when the report has no such section."""
+    with open(report_path) as handle:
+        lines = handle.read().splitlines()
+    start = next((i for i, line in enumerate(lines) if "peak buffers" in line.lower()), None)
+    if start is None:
+        return []
+    entries, current = [], []
+    for line in lines[start + 1:]:
+        if re.match(r"\s*Buffer \d+:", line):
+            if current:
+                entries.append(" ".join(current))
+            current = [line.strip()]
+            if len(entries) >= top:
+                break
+        elif current and line.strip():
+            current.append(line.strip())
+        elif current and not line.strip() and len(current) > 1:
+            entries.append(" ".join(current))
+            current = []
+    if current and len(entries) < top:
+        entries.append(" ".join(current))
+    return entries[:top]
+
+
+def largest_values(assignment_path: str, top: int) -> list[tuple[int, str]]:
+    """(bytes, description) of the largest logical values in a buffer-assignment dump."""
+    pattern = re.compile(r"value: <\d+ (\S+) @\S*> \(size=(\d+),offset=\d+\): (.*)$")
+    found = {}
+    with open(assignment_path) as handle:
+        for line in handle:
+            match = pattern.search(line)
+            if match:
+                name, size, shape = match.group(1), int(match.group(2)), match.group(3)
+                found[name] = (size, f"{name}: {shape.strip()[:120]}")
+    return sorted(found.values(), reverse=True)[:top]
+
+
+def dump_summary(dump_dir: str, pattern: str, top: int) -> dict:
+    reports = sorted(glob.glob(os.path.join(dump_dir, f"*{pattern}*memory-usage-report.txt")))
+    assignments = sorted(glob.glob(os.path.join(dump_dir,
+                                                f"*{pattern}*buffer-assignment.txt")))
+    summary = {"report_file": os.path.basename(reports[-1]) if reports else None,
+               "peak_buffers": peak_buffers(reports[-1], top) if reports else [],
+               "largest_values": []}
+    if assignments:
+        summary["largest_values"] = [f"{size / 2**20:.1f} MiB {text}" for size, text in
+                                     largest_values(assignments[-1], top)]
+    return summary
+
+
+def analysis_row(compiled) -> dict:
+    analysis = compiled.memory_analysis()
+    row = {}
+    for field in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                  "temp_size_in_bytes", "generated_code_size_in_bytes",
+                  "peak_memory_in_bytes"):
+        value = getattr(analysis, field, None)
+        if value is not None:
+            row[field.replace("_size_in_bytes", "").replace("_in_bytes", "") + "_GiB"] = (
+                value / 2**30)
+    return row
+
+
+def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from qerl_jax import sampling, trainer as trainer_module
+    from qerl_jax.aqn import aqn_noisy_state
+    from qerl_jax.models.char_tokenizer import build_char_tokenizer
+
+    workdir = tempfile.mkdtemp(prefix="memory_breakdown_")
+    tokenizer_dir = os.path.join(workdir, "tokenizer")
+    build_char_tokenizer(tokenizer_dir)
+    config = common.grpo_config(
+        preset=common.preset_name(size), format_name=format_name, tokenizer_dir=tokenizer_dir,
+        rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
+        completion=args.completion, micro_batch=args.micro_batch, steps=1)
+    trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
+    base = {"size": size, "format": format_name, "weights_GiB": common.state_gib(trainer.frozen),
+            "trainable_GiB": common.state_gib(trainer.trainable),
+            "opt_state_GiB": common.state_gib(trainer.opt_state), **common.device_info()}
+    rows = []
+
+    tokens = jnp.ones((1, args.prompt), jnp.int32)
+    mask = jnp.ones((1, args.prompt), jnp.bool_)
+    begin = time.perf_counter()
+    lowered = sampling._generate_program.lower(
+        trainer.graphdef, tuple(trainer._rollout_states()), tokens, mask, jax.random.key(0),
+        config=trainer.sampling, cache_length=args.prompt + args.completion)
+    compiled = lowered.compile()
+    rows.append({**base, "program": "rollout", "compile_s": time.perf_counter() - begin,
+                 **analysis_row(compiled)})
+
+    length = args.prompt + args.completion
+    micro = {"tokens": jnp.ones((args.micro_batch, length), jnp.int32),
+             "attention_mask": jnp.ones((args.micro_batch, length), jnp.bool_),
+             "completion_tokens": jnp.ones((args.micro_batch, args.completion), jnp.int32),
+             "loss_mask": jnp.ones((args.micro_batch, args.completion), jnp.bool_),
+             "advantages": jnp.asarray(np.linspace(-1, 1, args.micro_batch), jnp.float32)}
+    frozen = trainer.frozen
+    if trainer.aqn_schedule is not None and config.aqn.apply_in_training:
+        frozen = aqn_noisy_state(frozen, trainer.aqn_key, 0, trainer.aqn_schedule)
+    begin = time.perf_counter()
+    compiled = trainer._grad_fn.lower(trainer.trainable, frozen, micro,
+                                      jnp.asarray(float(args.micro_batch * args.completion)),
+                                      jnp.asarray(float(args.micro_batch))).compile()
+    rows.append({**base, "program": "train micro-batch", "compile_s": time.perf_counter() - begin,
+                 **analysis_row(compiled)})
+    if dump_dir:
+        for row, key in zip(rows, ("rollout", "train")):
+            row.update(dump_summary(dump_dir, PROGRAM_PATTERNS[key], args.top))
+    trainer.checkpoints.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+    return rows
+
+
+COLUMNS = [("size", "size"), ("format", "format"), ("program", "program"),
+           ("weights_GiB", "weights GiB"), ("argument_GiB", "arguments GiB"),
+           ("output_GiB", "outputs GiB"), ("alias_GiB", "aliased GiB"),
+           ("temp_GiB", "temporaries GiB"), ("peak_memory_GiB", "XLA peak GiB"),
+           ("compile_s", "compile s")]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    dump_dir = None
+    if args.dump:
+        dump_dir = os.path.join(args.out, "xla_dump")
+        patterns = "|".join(f".*{p}.*" for p in PROGRAM_PATTERNS.values())
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+            os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}",
+            f"--xla_dump_hlo_module_re={patterns}", "--xla_dump_hlo_pass_re=^$"]))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", common.DEFAULT_MEMORY_FRACTION)
+    rows = []
+    for size in common.split_list(args.sizes):
+        for format_name in common.split_list(args.formats):
+            if dump_dir:
+                shutil.rmtree(dump_dir, ignore_errors=True)
+            rows.extend(run_case(size, format_name, args, dump_dir))
+            print({k: rows[-1].get(k) for k in ("size", "format", "temp_GiB")}, flush=True)
+    lines = [common.header_line("Memory analysis of the GRPO step's programs (compiled, not run)",
+                                rows), "",
+             common.markdown_table(rows, COLUMNS)]
+    for row in rows:
+        if row.get("peak_buffers") or row.get("largest_values"):
+            lines += ["", f"### {row['size']} {row['format']} {row['program']}: buffers live at "
+                      "the peak (XLA memory-usage report)", ""]
+            lines += [f"- {entry}" for entry in row.get("peak_buffers", [])] or ["- (none)"]
+            lines += ["", "Largest values in the buffer assignment:", ""]
+            lines += [f"- {entry}" for entry in row.get("largest_values", [])]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    name = f"memory_breakdown_{'_'.join(common.split_list(args.sizes))}"
+    common.write_outputs(args.out, name, text, {"rows": rows, "args": vars(args)})
+    if dump_dir:
+        shutil.rmtree(dump_dir, ignore_errors=True)   # the summaries above keep what matters
+
+
+if __name__ == "__main__":
+    main()
