@@ -270,7 +270,7 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0):
 
 def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed: int = 0,
                          use_kernels: bool = True, interpret: bool = False,
-                         lora_epilogue: bool = True):
+                         lora_epilogue: bool = True, tile_k: int | None = None):
     """The rollout benchmarks' model: a random-weight `preset` (bf16 params and compute, no
     remat) in `format_name`, built tensor by tensor, with LoRA as the trainer attaches it (rank
     r, alpha r, all projections, trainable norms) and B drawn nonzero (1e-3 N(0, 1)) so the
@@ -297,7 +297,8 @@ def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed:
         value = layer.lora_b.get_value()
         layer.lora_b.set_value(1e-3 * jax.random.normal(
             jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
-    model, info = _prepare_model(model, format_name, use_kernels, interpret, lora_epilogue)
+    model, info = _prepare_model(model, format_name, use_kernels, interpret, lora_epilogue,
+                                 tile_k)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     del model
     states = (trainable, frozen)
@@ -323,7 +324,8 @@ def _unregister_all_kernels(format_name: str) -> list[str]:
 
 
 def _prepare_model(model, format_name: str, use_kernels: bool = True,
-                   interpret: bool = False, lora_epilogue: bool = True):
+                   interpret: bool = False, lora_epilogue: bool = True,
+                   tile_k: int | None = None):
     """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
     when qerl_jax.quant.kernel_dispatch.enable_kernels exists; otherwise the pure XLA path.
 
@@ -351,12 +353,14 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     elif enable_kernels is None:
         info["kernel_hook"] = f"enable_kernels absent ({missing}): XLA"
     else:
-        result = enable_kernels(model, interpret=interpret, lora_epilogue=lora_epilogue)
+        result = enable_kernels(model, interpret=interpret, lora_epilogue=lora_epilogue,
+                                tile_k=tile_k)
         if result is not None and hasattr(result, "config"):  # returned the (same) model
             model = result
         info["kernel_hook"] = (f"enable_kernels on {jax.default_backend()}"
                                + (" (Pallas interpret mode)" if interpret else "")
-                               + ("" if lora_epilogue else ", no LoRA epilogue"))
+                               + ("" if lora_epilogue else ", no LoRA epilogue")
+                               + (f", tile_k {tile_k} for every weight" if tile_k else ""))
     from flax import nnx
     quantized = [leaf for leaf in jax.tree_util.tree_leaves(
         nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedWeight))

@@ -46,6 +46,8 @@ def parse_args(argv=None):
     parser.add_argument("--top", type=int, default=45, help="rows of the kernel table")
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU, seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tile-k", type=int, default=None,
+                        help="K tile of every weight's kernel layout (default: per weight)")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -181,7 +183,8 @@ def main(argv=None):
     started = time.perf_counter()
     architecture, graphdef, states, info = common.build_sampling_model(
         common.preset_name(args.size), args.format, rank=args.rank, seed=args.seed,
-        use_kernels=not args.no_kernels, lora_epilogue=not args.no_lora_epilogue)
+        use_kernels=not args.no_kernels, lora_epilogue=not args.no_lora_epilogue,
+        tile_k=args.tile_k)
     init_s = time.perf_counter() - started
     cases = [profile_case(graphdef, states, architecture, args,
                           args.prompt + args.cache_new_tokens, "full cache", args.out)]
@@ -199,7 +202,8 @@ def main(argv=None):
     print(text, flush=True)
     name = f"decode_profile_{args.size}_{args.format}_b{args.batch}" + (
         "_no-kernels" if args.no_kernels else "") + (
-        "_no-lora-epilogue" if args.no_lora_epilogue else "")
+        "_no-lora-epilogue" if args.no_lora_epilogue else "") + (
+        f"_tile{args.tile_k}" if args.tile_k else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "info": info,
                                                 "init_s": init_s, "peak_GiB": peak,
                                                 "cases": cases, "jax": jax.__version__})

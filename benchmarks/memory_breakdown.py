@@ -10,10 +10,13 @@ compiles, without running:
     cache), on the AQN-noised states the trainer samples with;
   * train: the jitted value-and-grad of one micro-batch (the trainer's own _grad_fn).
 and reports compiled.memory_analysis() (arguments, outputs, aliased, temporaries) plus, with
---dump, the largest buffers live at the peak of each program as XLA's memory-usage report lists
-them.
+--dump, the largest values of each program's buffer assignment (and the buffers live at its
+peak where XLA writes a memory-usage report); with --run, each program also runs once and the
+device allocator's in-use, peak and largest allocation are recorded after every stage (the
+allocator's peak cannot be reset: one process per command).
 
     python benchmarks/memory_breakdown.py --sizes 7b --formats nvfp4,bf16 --dump --out $OUT/mem
+    python benchmarks/memory_breakdown.py --sizes 7b --run --out $OUT/mem_run   # + allocator
     python benchmarks/memory_breakdown.py --smoke --out /tmp/mem     # CPU, tiny model
 """
 
@@ -47,6 +50,9 @@ def parse_args(argv=None):
     parser.add_argument("--dump", action="store_true",
                         help="dump XLA's buffer assignment and list the buffers live at peak")
     parser.add_argument("--top", type=int, default=25, help="peak buffers listed per program")
+    parser.add_argument("--run", action="store_true",
+                        help="also run each program once and record the device allocator's "
+                             "in-use / peak / largest allocation after each stage")
     parser.add_argument("--smoke", action="store_true", help="tiny model (CPU test)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -120,6 +126,15 @@ def analysis_row(compiled) -> dict:
     return row
 
 
+def allocator_stats() -> dict:
+    """The device allocator's bytes in use, peak and largest single allocation (GiB)."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return {name: stats[key] / 2**30 for name, key in (
+        ("in_use_GiB", "bytes_in_use"), ("peak_GiB", "peak_bytes_in_use"),
+        ("largest_alloc_GiB", "largest_alloc_size")) if key in stats}
+
+
 def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -141,6 +156,7 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
             "trainable_GiB": common.state_gib(trainer.trainable),
             "opt_state_GiB": common.state_gib(trainer.opt_state), **common.device_info()}
     rows = []
+    stages = [("trainer built", allocator_stats())]
 
     tokens = jnp.ones((1, args.prompt), jnp.int32)
     mask = jnp.ones((1, args.prompt), jnp.bool_)
@@ -151,6 +167,12 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
     compiled = lowered.compile()
     rows.append({**base, "program": "rollout", "compile_s": time.perf_counter() - begin,
                  **analysis_row(compiled)})
+    stages.append(("rollout compiled", allocator_stats()))
+    if args.run:
+        # the compiled program takes the non-static arguments only
+        jax.block_until_ready(compiled(tuple(trainer._rollout_states()), tokens, mask,
+                                       jax.random.key(0)))
+        stages.append(("rollout run", allocator_stats()))
 
     length = args.prompt + args.completion
     micro = {"tokens": jnp.ones((args.micro_batch, length), jnp.int32),
@@ -162,11 +184,17 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
     if trainer.aqn_schedule is not None and config.aqn.apply_in_training:
         frozen = aqn_noisy_state(frozen, trainer.aqn_key, 0, trainer.aqn_schedule)
     begin = time.perf_counter()
-    compiled = trainer._grad_fn.lower(trainer.trainable, frozen, micro,
-                                      jnp.asarray(float(args.micro_batch * args.completion)),
-                                      jnp.asarray(float(args.micro_batch))).compile()
+    totals = (jnp.asarray(float(args.micro_batch * args.completion)),
+              jnp.asarray(float(args.micro_batch)))
+    compiled = trainer._grad_fn.lower(trainer.trainable, frozen, micro, *totals).compile()
     rows.append({**base, "program": "train micro-batch", "compile_s": time.perf_counter() - begin,
                  **analysis_row(compiled)})
+    stages.append(("train compiled", allocator_stats()))
+    if args.run:
+        jax.block_until_ready(compiled(trainer.trainable, frozen, micro, *totals))
+        stages.append(("train micro-batch run", allocator_stats()))
+    for row in rows:
+        row["allocator_stages"] = stages
     if dump_dir:
         for row, key in zip(rows, ("rollout", "train")):
             row.update(dump_summary(dump_dir, PROGRAM_PATTERNS[key], args.top))
@@ -203,6 +231,17 @@ def main(argv=None) -> None:
     lines = [common.header_line("Memory analysis of the GRPO step's programs (compiled, not run)",
                                 rows), "",
              common.markdown_table(rows, COLUMNS)]
+    seen = set()
+    for row in rows:
+        case = (row["size"], row["format"])
+        if row.get("allocator_stages") and case not in seen:
+            seen.add(case)
+            lines += ["", f"### {case[0]} {case[1]}: device allocator after each stage (GiB)", "",
+                      "| stage | in use | peak so far | largest allocation |", "|---|---|---|---|"]
+            lines += [f"| {stage} | {common.fmt_number(stats.get('in_use_GiB'))} | "
+                      f"{common.fmt_number(stats.get('peak_GiB'))} | "
+                      f"{common.fmt_number(stats.get('largest_alloc_GiB'))} |"
+                      for stage, stats in row["allocator_stages"]]
     for row in rows:
         if row.get("peak_buffers") or row.get("largest_values"):
             lines += ["", f"### {row['size']} {row['format']} {row['program']}: buffers live at "

@@ -54,6 +54,9 @@ def parse_args(argv=None):
                              f"{DEFAULTS['budget_s']:.0f}")
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank (alpha = rank)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tile-k", type=int, default=None,
+                        help="K tile of every weight's kernel layout (default: "
+                             "kernel_dispatch.default_tile_k per weight)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
     common.add_worker_arguments(parser, "rollout")
@@ -102,7 +105,7 @@ def worker_main(args) -> None:
         architecture, graphdef, states, info = common.build_sampling_model(
             base["preset"], format_name, rank=args.rank, seed=args.seed,
             use_kernels=not args.no_kernels, interpret=args.kernels_interpret,
-            lora_epilogue=not args.no_lora_epilogue)
+            lora_epilogue=not args.no_lora_epilogue, tile_k=args.tile_k)
         base.update(info)
         base["init_s"] = time.perf_counter() - started
         base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()
@@ -246,6 +249,8 @@ def parent_main(args) -> None:
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)
+            if args.tile_k:
+                command += ["--tile-k", str(args.tile_k)]
             print(f"[rollout] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
             log = os.path.join(raw_dir, f"{tag}.log")
             code, wall = common.run_worker(command, log, left)

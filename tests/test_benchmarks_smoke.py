@@ -95,3 +95,20 @@ def test_run_on_gpus_queue_budget_and_skip(tmp_path):
     assert second[0] == "second" and second[2] in ("0", "1") and second[2] != first[4]
     summary = (out / "jobs_summary.md").read_text()
     assert "| job2 |" in summary and "skipped" in summary.split("| job2 |")[1]
+
+
+def test_memory_breakdown_smoke(tmp_path):
+    """Both programs lowered, compiled and run on the tiny model; the table and the buffer
+    listing of the dump are written."""
+    output = _finish(_start("memory_breakdown.py", tmp_path, "--formats", "nvfp4", "--dump",
+                            "--run"))
+    payload = json.load(open(tmp_path / "memory_breakdown_tiny.json"))
+    rows = payload["rows"]
+    assert [row["program"] for row in rows] == ["rollout", "train micro-batch"], output[-2000:]
+    for row in rows:
+        assert row["temp_GiB"] >= 0 and row["argument_GiB"] > 0
+        assert row["largest_values"], "no value parsed from the buffer-assignment dump"
+        assert [stage for stage, _ in row["allocator_stages"]] == [
+            "trainer built", "rollout compiled", "rollout run", "train compiled",
+            "train micro-batch run"]
+    assert "| tiny | nvfp4 | rollout |" in open(tmp_path / "memory_breakdown_tiny.md").read()

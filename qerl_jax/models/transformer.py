@@ -145,6 +145,40 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
 
 
+@jax.custom_vjp
+def head_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
+    """hidden [..., H] @ weight [H, V] -> float32 logits [..., V] (inputs in the compute dtype,
+    float32 accumulation).
+
+    The custom VJP keeps the backward pass in the compute dtype: the float32 logits cotangent
+    is rounded to the weight's dtype before the two products (float32 accumulation). Without
+    it, autodiff multiplies the float32 cotangent by the bf16 head and XLA converts the whole
+    head to float32 first, a [H, V] float32 copy (2 GB for Qwen2.5-7B) that lives through the
+    training program. With float32 compute the cotangent is not rounded (the plain VJP's
+    products).
+    """
+    return jnp.dot(hidden, weight, preferred_element_type=jnp.float32)
+
+
+def _head_logits_fwd(hidden, weight):
+    return head_logits(hidden, weight), (hidden, weight)
+
+
+def _head_logits_bwd(residuals, grad_logits):
+    hidden, weight = residuals
+    grad = grad_logits.astype(weight.dtype)
+    grad_hidden = jax.lax.dot_general(grad, weight, (((grad.ndim - 1,), (1,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    grad_weight = jax.lax.dot_general(flat_hidden, grad.reshape(-1, grad.shape[-1]),
+                                      (((0,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+    return grad_hidden.astype(hidden.dtype), grad_weight.astype(weight.dtype)
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
+
 class CausalLM(nnx.Module):
     """Decoder-only language model: embed -> N x DecoderLayer -> RMSNorm -> lm_head."""
 
@@ -195,8 +229,7 @@ class CausalLM(nnx.Module):
             dtype = self.lm_head.compute_dtype
 
         def logits(hidden):
-            return jnp.dot(hidden.astype(dtype), weight.astype(dtype),
-                           preferred_element_type=jnp.float32)
+            return head_logits(hidden.astype(dtype), weight.astype(dtype))
         return logits
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -13,6 +13,7 @@ import pytest
 
 from qerl_jax.models import decode_step, init_kv_cache, prefill
 from qerl_jax.models.hf_io import load_hf_model
+from qerl_jax.models.transformer import head_logits
 from tests.hf_reference import hf_logits, left_padded_batch, make_hf_model, save_hf_model_dir
 
 ARCHS = ["qwen2", "llama"]
@@ -129,3 +130,52 @@ def test_remat_gives_same_loss_and_gradients(checkpoint):
     for a, b in zip(jax.tree_util.tree_leaves(nnx.state(grads_plain)),
                     jax.tree_util.tree_leaves(nnx.state(grads_remat))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def _head_problem(dtype):
+    keys = jax.random.split(jax.random.key(3), 3)
+    hidden = jax.random.normal(keys[0], (2, 5, 24), jnp.float32).astype(dtype)
+    weight = (0.2 * jax.random.normal(keys[1], (24, 40), jnp.float32)).astype(dtype)
+    cotangent = jax.random.normal(keys[2], (2, 5, 40), jnp.float32)
+    return hidden, weight, cotangent
+
+
+def _head_vjp(function, hidden, weight, cotangent):
+    logits, pullback = jax.vjp(function, hidden, weight)
+    return (logits, *pullback(cotangent))
+
+
+def test_head_logits_float32_equals_the_plain_dot_and_its_autodiff():
+    hidden, weight, cotangent = _head_problem(jnp.float32)
+    plain = lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32)  # noqa: E731
+    for ours, reference in zip(_head_vjp(head_logits, hidden, weight, cotangent),
+                               _head_vjp(plain, hidden, weight, cotangent)):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(reference), rtol=1e-6,
+                                   atol=1e-6)
+
+
+def test_head_logits_bf16_backward_against_float64_and_without_a_float32_head_copy():
+    """bf16 head: the backward rounds the cotangent to bf16 once and accumulates in float32
+    (float64 numpy reference of exactly that, tolerance 2 bf16 ulps of the output scale); the
+    gradient program holds no float32 [H, V] array (what autodiff alone makes: the whole head
+    converted to float32, 2 GB for Qwen2.5-7B)."""
+    hidden, weight, cotangent = _head_problem(jnp.bfloat16)
+    logits, grad_hidden, grad_weight = _head_vjp(head_logits, hidden, weight, cotangent)
+    h64 = np.asarray(hidden.astype(jnp.float32), np.float64)
+    w64 = np.asarray(weight.astype(jnp.float32), np.float64)
+    g64 = np.asarray(cotangent.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    for ours, expected in ((logits, h64 @ w64), (grad_hidden, g64 @ w64.T),
+                           (grad_weight, np.einsum("bnh,bnv->hv", h64, g64))):
+        ours = np.asarray(ours.astype(jnp.float32), np.float64)
+        np.testing.assert_allclose(ours, expected, rtol=0,
+                                   atol=2 * 2.0 ** -8 * np.abs(expected).max())
+
+    def loss(h):
+        return jnp.sum(head_logits(h, weight) * cotangent)
+
+    def plain_loss(h):
+        return jnp.sum(jnp.dot(h, weight, preferred_element_type=jnp.float32) * cotangent)
+
+    head_f32 = "tensor<24x40xf32>"
+    assert head_f32 in jax.jit(jax.grad(plain_loss)).lower(hidden).as_text()  # the copy
+    assert head_f32 not in jax.jit(jax.grad(loss)).lower(hidden).as_text()

@@ -91,3 +91,10 @@ def test_bad_inputs_raise():
         nf.repack_nf4(jnp.zeros((2, 64), jnp.uint8), jnp.zeros((2, 3), jnp.float32))
     with pytest.raises(ValueError, match="tile_k"):
         nf.repack_nf4(jnp.zeros((2, 64), jnp.uint8), jnp.zeros((2, 2), jnp.float32), tile_k=64)
+
+
+def test_tile_512_split_k_and_dequantize():
+    """The K tile default_tile_k gives large weights (512), with split-K at decode M."""
+    kc.check_matmul(NF4, 8, bw.MatmulConfig(block_m=16, block_n=64, split_k=2), tile_k=512,
+                    k=960)  # 2 K tiles, the second ragged
+    kc.check_dequantize(NF4, tile_k=512)

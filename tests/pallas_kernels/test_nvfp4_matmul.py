@@ -175,3 +175,10 @@ def test_matmul_lora_epilogue_shape_errors():
         bw.blockwise_matmul(x, packed, spec=nv.NVFP4, interpret=True,
                             lora_down=jnp.zeros((3, 8), jnp.bfloat16),
                             lora_b=jnp.zeros((8, 81), jnp.bfloat16), lora_scale=1.0)
+
+
+def test_tile_512_split_k_and_dequantize():
+    """The K tile default_tile_k gives large weights (512), with split-K at decode M."""
+    kc.check_matmul(NVFP4, 8, bw.MatmulConfig(block_m=16, block_n=64, split_k=2), tile_k=512,
+                    k=960)  # 2 K tiles, the second ragged
+    kc.check_dequantize(NVFP4, tile_k=512)
