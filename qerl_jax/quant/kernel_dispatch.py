@@ -177,21 +177,11 @@ class KernelLayoutWeight(QuantizedWeight):
 jax.tree_util.register_pytree_with_keys_class(KernelLayoutWeight)
 
 
-# Weights of at least this many elements whose K is a multiple of LARGE_WEIGHT_TILE_K get that
-# K tile (the MLP projections of Qwen2.5-7B and up): at rollout M it halves the fused kernel's
-# loop trips per program (benchmarks/RESULTS.md, session 4).
-LARGE_WEIGHT_TILE_K = 512
-LARGE_WEIGHT_ELEMENTS = 1 << 25
-
-
-def default_tile_k(format_name: str, in_features: int, out_features: int = 0) -> int:
-    """K tile of the kernel layout: 256 (the measured default); 512 for large weights
-    (out_features * in_features >= 2^25, K a multiple of 512); smaller for K < 256 (less
+def default_tile_k(format_name: str, in_features: int) -> int:
+    """K tile of the kernel layout: 256 (the measured default; 512 for the large MLP weights was
+    no faster in the 7B rollout, benchmarks/RESULTS.md session 4); smaller for K < 256 (less
     padding), at least 2 scale blocks and 32."""
     block = SPECS[format_name].scale_block
-    if (out_features * in_features >= LARGE_WEIGHT_ELEMENTS
-            and in_features % LARGE_WEIGHT_TILE_K == 0):
-        return LARGE_WEIGHT_TILE_K
     return max(min(DEFAULT_TILE_K, bw._next_pow2(in_features)), 2 * block, 32)
 
 
@@ -246,8 +236,7 @@ def to_kernel_layout(weight: QuantizedWeight, *, tile_k: int | None = None) -> Q
         logger.warning("kernel layout: keeping a %s weight %s in the checkpoint layout (XLA "
                        "path): %s", weight.format, weight.shape, refusal)
         return weight
-    out_features, in_features = weight.shape
-    return _repack(weight, tile_k or default_tile_k(weight.format, in_features, out_features))
+    return _repack(weight, tile_k or default_tile_k(weight.format, weight.shape[1]))
 
 
 def _is_quantized(value) -> bool:

@@ -94,7 +94,7 @@ def test_bad_inputs_raise():
 
 
 def test_tile_512_split_k_and_dequantize():
-    """The K tile default_tile_k gives large weights (512), with split-K at decode M."""
+    """A 512 K tile (the --tile-k option of the rollout benchmarks), with split-K at decode M."""
     kc.check_matmul(NF4, 8, bw.MatmulConfig(block_m=16, block_n=64, split_k=2), tile_k=512,
                     k=960)  # 2 K tiles, the second ragged
     kc.check_dequantize(NF4, tile_k=512)

@@ -178,7 +178,7 @@ def test_matmul_lora_epilogue_shape_errors():
 
 
 def test_tile_512_split_k_and_dequantize():
-    """The K tile default_tile_k gives large weights (512), with split-K at decode M."""
+    """A 512 K tile (the --tile-k option of the rollout benchmarks), with split-K at decode M."""
     kc.check_matmul(NVFP4, 8, bw.MatmulConfig(block_m=16, block_n=64, split_k=2), tile_k=512,
                     k=960)  # 2 K tiles, the second ragged
     kc.check_dequantize(NVFP4, tile_k=512)

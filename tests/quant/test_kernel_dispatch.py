@@ -347,13 +347,3 @@ def test_lora_epilogue_matches_separate_lora_dots(interpret_kernels, format_name
     for label, got, want in zip(("y", "dx", "dA", "dB"), results["kernel"], results["xla"]):
         _assert_close(got, want, 2 * TOLERANCE, f"{format_name} M={m} r={rank} {label}")
 
-
-def test_default_tile_k_gives_large_weights_512():
-    from qerl_jax.quant.kernel_dispatch import default_tile_k
-    assert default_tile_k("nvfp4", 3584, 18944) == 512     # 7B gate/up
-    assert default_tile_k("nvfp4", 18944, 3584) == 512     # 7B down
-    assert default_tile_k("nf4", 5120, 27648) == 512       # 32B gate/up
-    assert default_tile_k("nvfp4", 3584, 3584) == 256      # 7B q/o: below 2^25 elements
-    assert default_tile_k("nvfp4", 3584, 512) == 256       # 7B k/v
-    assert default_tile_k("mxfp4", 8960, 8960) == 256      # K not a multiple of 512
-    assert default_tile_k("nvfp4", 96) == 128              # small K: less padding
