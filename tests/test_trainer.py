@@ -189,3 +189,17 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
         calls.clear()
         trainer_module._maybe_enable_kernels("model", config)
         assert len(calls) == expected, (fmt, compute_dtype, kernels)
+
+
+def test_reference_adapters_are_kept_only_for_the_kl_term(tmp_path, warm_cache):
+    """beta != 0: a copy of the initial adapters (the reference policy); beta = 0: none (no
+    second copy of every adapter on the device)."""
+    with_kl = Trainer(_config(), _workdir(tmp_path, "kl", warm_cache))
+    for ours, initial in zip(jax.tree_util.tree_leaves(with_kl.reference_trainable),
+                             jax.tree_util.tree_leaves(with_kl.trainable)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(initial))
+    config = _config()
+    config.loss.beta = 0.0
+    without_kl = Trainer(config, _workdir(tmp_path, "no_kl", warm_cache))
+    assert without_kl.reference_trainable is None
+    without_kl.train(stop_after=1)
