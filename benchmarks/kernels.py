@@ -193,16 +193,22 @@ def run_launch_sweep(args):
                     f"{'ok' if errs[0] <= 1e-2 and errs[2] else 'BAD'} |")
             lines.append(line)
             print(line, flush=True)
-    text = ("| shape | N | K | M | default us (tile_k 256, 4 warps, 3 stages) | best us | best "
-            "setting | best vs jnp reference (max err / max) |\n|---|---|---|---|---|---|---|---|\n"
-            + "\n".join(lines))
+    _write_sweep(args, "launch_sweep",
+                 "| shape | N | K | M | default us (tile_k 256, 4 warps, 3 stages) | best us | "
+                 "best setting | best vs jnp reference (max err / max) |", lines, results)
+    return results
+
+
+def _write_sweep(args, name, header, lines, results):
+    """Prints the sweep's markdown table and writes <name>.md/.json under --out."""
+    columns = header.count("|") - 1
+    text = header + "\n" + "|---" * columns + "|\n" + "\n".join(lines)
     if args.out:
-        with open(os.path.join(args.out, "launch_sweep.json"), "w") as f:
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
-        with open(os.path.join(args.out, "launch_sweep.md"), "w") as f:
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(text + "\n")
     print(text, flush=True)
-    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,15 +295,9 @@ def run_decode_sweep(args):
                         f"lhs={c.weight_as_lhs} | {errs[0]:.1e} {'ok' if errs[0] <= 1e-2 and errs[2] else 'BAD'} |")
                 lines.append(line)
                 print(line, flush=True)
-    text = ("| shape | N | K | M | format | default us | best us | best tiling | best vs jnp "
-            "reference (max err / max) |\n|---|---|---|---|---|---|---|---|---|\n"
-            + "\n".join(lines))
-    if args.out:
-        with open(os.path.join(args.out, "decode_sweep.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        with open(os.path.join(args.out, "decode_sweep.md"), "w") as f:
-            f.write(text + "\n")
-    print(text, flush=True)
+    _write_sweep(args, "decode_sweep",
+                 "| shape | N | K | M | format | default us | best us | best tiling | best vs jnp "
+                 "reference (max err / max) |", lines, results)
     return results
 
 
@@ -692,9 +692,10 @@ def main():
         print(f"[sweep done at {time.time() - start:.0f}s]", flush=True)
     if args.decode_sweep:
         run_decode_sweep(args)
+        print(f"[decode sweep done at {time.time() - start:.0f}s]", flush=True)
     if args.launch_sweep:
         run_launch_sweep(args)
-        print(f"[decode sweep done at {time.time() - start:.0f}s]", flush=True)
+        print(f"[launch sweep done at {time.time() - start:.0f}s]", flush=True)
     if args.bench or not (args.check or args.sweep or args.decode_sweep or args.launch_sweep):
         run_bench(args)
         print(f"[bench done at {time.time() - start:.0f}s]", flush=True)

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 
