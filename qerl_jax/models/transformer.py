@@ -145,23 +145,29 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
 
 
-@jax.custom_vjp
 def head_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     """hidden [..., H] @ weight [H, V] -> float32 logits [..., V] (inputs in the compute dtype,
     float32 accumulation).
 
-    The custom VJP keeps the backward pass in the compute dtype: the float32 logits cotangent
-    is rounded to the weight's dtype before the two products (float32 accumulation). Without
-    it, autodiff multiplies the float32 cotangent by the bf16 head and XLA converts the whole
-    head to float32 first, a [H, V] float32 copy (2 GB for Qwen2.5-7B) that lives through the
-    training program. With float32 compute the cotangent is not rounded (the plain VJP's
-    products).
+    For a weight narrower than float32 (bf16) the backward pass stays in that dtype
+    (_head_logits_narrow): the float32 logits cotangent is rounded to the weight's dtype before
+    the two products (float32 accumulation). Plain autodiff would multiply the float32
+    cotangent by the bf16 head, and XLA converts the whole head to float32 first: a [H, V]
+    float32 copy (2 GB for Qwen2.5-7B) that lives through the training program. A float32
+    weight takes the plain dot and its autodiff (no copy to avoid; the same numbers as before).
     """
+    if weight.dtype == jnp.float32:
+        return jnp.dot(hidden, weight, preferred_element_type=jnp.float32)
+    return _head_logits_narrow(hidden, weight)
+
+
+@jax.custom_vjp
+def _head_logits_narrow(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.dot(hidden, weight, preferred_element_type=jnp.float32)
 
 
 def _head_logits_fwd(hidden, weight):
-    return head_logits(hidden, weight), (hidden, weight)
+    return _head_logits_narrow(hidden, weight), (hidden, weight)
 
 
 def _head_logits_bwd(residuals, grad_logits):
@@ -176,7 +182,7 @@ def _head_logits_bwd(residuals, grad_logits):
     return grad_hidden.astype(hidden.dtype), grad_weight.astype(weight.dtype)
 
 
-head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+_head_logits_narrow.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
 class CausalLM(nnx.Module):
