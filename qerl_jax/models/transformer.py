@@ -154,7 +154,7 @@ def head_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     the two products (float32 accumulation). Plain autodiff would multiply the float32
     cotangent by the bf16 head, and XLA converts the whole head to float32 first: a [H, V]
     float32 copy (2 GB for Qwen2.5-7B) that lives through the training program. A float32
-    weight takes the plain dot and its autodiff (no copy to avoid; the same numbers as before).
+    weight takes the plain dot and its autodiff (there is no copy to avoid).
     """
     if weight.dtype == jnp.float32:
         return jnp.dot(hidden, weight, preferred_element_type=jnp.float32)
