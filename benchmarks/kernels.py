@@ -189,8 +189,7 @@ def run_launch_sweep(args):
             line = (f"| {model} {layer} | {n} | {k} | {m} | "
                     f"{'-' if default_us is None else f'{default_us:.1f}'} | {t:.1f} | "
                     f"tile_k={tile_k} split={cfg.split_k} warps={cfg.num_warps} "
-                    f"stages={cfg.num_stages} | {errs[0]:.1e} "
-                    f"{'ok' if errs[0] <= 1e-2 and errs[2] else 'BAD'} |")
+                    f"stages={cfg.num_stages} | {error_verdict(errs)} |")
             lines.append(line)
             print(line, flush=True)
     _write_sweep(args, "launch_sweep",
@@ -292,7 +291,7 @@ def run_decode_sweep(args):
                 c = best[1]
                 line = (f"| {model} {layer} | {n} | {k} | {m} | {fmt} | {default_us:.1f} | "
                         f"{best[0]:.1f} | bn={c.block_n} split={c.split_k} "
-                        f"lhs={c.weight_as_lhs} | {errs[0]:.1e} {'ok' if errs[0] <= 1e-2 and errs[2] else 'BAD'} |")
+                        f"lhs={c.weight_as_lhs} | {error_verdict(errs)} |")
                 lines.append(line)
                 print(line, flush=True)
     _write_sweep(args, "decode_sweep",
@@ -311,6 +310,11 @@ def rel_errors(y, ref):
     scale = float(np.abs(ref).max()) or 1.0
     return (float(np.abs(y - ref).max()) / scale,
             float(np.linalg.norm(y - ref) / (np.linalg.norm(ref) or 1.0)), bool(np.isfinite(y).all()))
+
+
+def error_verdict(errs) -> str:
+    """'<max err / max> ok|BAD' for rel_errors' result: ok when <= 1e-2 and all finite."""
+    return f"{errs[0]:.1e} {'ok' if errs[0] <= 1e-2 and errs[2] else 'BAD'}"
 
 
 def run_check(args):

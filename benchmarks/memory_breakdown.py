@@ -10,8 +10,7 @@ compiles, without running:
     cache), on the AQN-noised states the trainer samples with;
   * train: the jitted value-and-grad of one micro-batch (the trainer's own _grad_fn).
 and reports compiled.memory_analysis() (arguments, outputs, aliased, temporaries) plus, with
---dump, the largest values of each program's buffer assignment (and the buffers live at its
-peak where XLA writes a memory-usage report); with --run, each program also runs once and the
+--dump, the largest values of each program's buffer assignment; with --run, each program also runs once and the
 device allocator's in-use, peak and largest allocation are recorded after every stage (the
 allocator's peak cannot be reset: one process per command).
 
@@ -46,8 +45,8 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--dump", action="store_true",
-                        help="dump XLA's buffer assignment and list the buffers live at peak")
-    parser.add_argument("--top", type=int, default=25, help="peak buffers listed per program")
+                        help="dump XLA's buffer assignment and list its largest values")
+    parser.add_argument("--top", type=int, default=25, help="largest values listed per program")
     parser.add_argument("--run", action="store_true",
                         help="also run each program once and record the device allocator's "
                              "in-use / peak / largest allocation after each stage")
@@ -57,32 +56,6 @@ def parse_args(argv=None):
     if args.smoke:
         args.sizes, args.group, args.prompt, args.completion = "tiny", 4, 32, 8
     return args
-
-
-def peak_buffers(report_path: str, top: int) -> list[str]:
-    """The 'peak buffers' lines of an XLA memory-usage report (size, operator, shape), as
-    written; empty when the report has no such section."""
-    with open(report_path) as handle:
-        lines = handle.read().splitlines()
-    start = next((i for i, line in enumerate(lines) if "peak buffers" in line.lower()), None)
-    if start is None:
-        return []
-    entries, current = [], []
-    for line in lines[start + 1:]:
-        if re.match(r"\s*Buffer \d+:", line):
-            if current:
-                entries.append(" ".join(current))
-            current = [line.strip()]
-            if len(entries) >= top:
-                break
-        elif current and line.strip():
-            current.append(line.strip())
-        elif current and not line.strip() and len(current) > 1:
-            entries.append(" ".join(current))
-            current = []
-    if current and len(entries) < top:
-        entries.append(" ".join(current))
-    return entries[:top]
 
 
 def largest_values(assignment_path: str, top: int) -> list[tuple[int, str]]:
@@ -99,16 +72,13 @@ def largest_values(assignment_path: str, top: int) -> list[tuple[int, str]]:
 
 
 def dump_summary(dump_dir: str, pattern: str, top: int) -> dict:
-    reports = sorted(glob.glob(os.path.join(dump_dir, f"*{pattern}*memory-usage-report.txt")))
+    """{"largest_values": [...]} of the program whose module name contains `pattern`."""
     assignments = sorted(glob.glob(os.path.join(dump_dir,
                                                 f"*{pattern}*buffer-assignment.txt")))
-    summary = {"report_file": os.path.basename(reports[-1]) if reports else None,
-               "peak_buffers": peak_buffers(reports[-1], top) if reports else [],
-               "largest_values": []}
-    if assignments:
-        summary["largest_values"] = [f"{size / 2**20:.1f} MiB {text}" for size, text in
-                                     largest_values(assignments[-1], top)]
-    return summary
+    if not assignments:
+        return {"largest_values": []}
+    return {"largest_values": [f"{size / 2**20:.1f} MiB {text}" for size, text in
+                               largest_values(assignments[-1], top)]}
 
 
 def analysis_row(compiled) -> dict:
@@ -241,12 +211,10 @@ def main(argv=None) -> None:
                       f"{common.fmt_number(stats.get('largest_alloc_GiB'))} |"
                       for stage, stats in row["allocator_stages"]]
     for row in rows:
-        if row.get("peak_buffers") or row.get("largest_values"):
-            lines += ["", f"### {row['size']} {row['format']} {row['program']}: buffers live at "
-                      "the peak (XLA memory-usage report)", ""]
-            lines += [f"- {entry}" for entry in row.get("peak_buffers", [])] or ["- (none)"]
-            lines += ["", "Largest values in the buffer assignment:", ""]
-            lines += [f"- {entry}" for entry in row.get("largest_values", [])]
+        if row.get("largest_values"):
+            lines += ["", f"### {row['size']} {row['format']} {row['program']}: largest values "
+                      "in XLA's buffer assignment", ""]
+            lines += [f"- {entry}" for entry in row["largest_values"]]
     text = "\n".join(lines) + "\n"
     print(text)
     name = f"memory_breakdown_{'_'.join(common.split_list(args.sizes))}"
