@@ -353,6 +353,7 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     elif enable_kernels is None:
         info["kernel_hook"] = f"enable_kernels absent ({missing}): XLA"
     else:
+        tuning = apply_decode_tuning_from_env()
         result = enable_kernels(model, interpret=interpret, lora_epilogue=lora_epilogue,
                                 tile_k=tile_k)
         if result is not None and hasattr(result, "config"):  # returned the (same) model
@@ -360,7 +361,8 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
         info["kernel_hook"] = (f"enable_kernels on {jax.default_backend()}"
                                + (" (Pallas interpret mode)" if interpret else "")
                                + ("" if lora_epilogue else ", no LoRA epilogue")
-                               + (f", tile_k {tile_k} for every weight" if tile_k else ""))
+                               + (f", tile_k {tile_k} for every weight" if tile_k else "")
+                               + (f", decode tuning {tuning}" if tuning else ""))
     from flax import nnx
     quantized = [leaf for leaf in jax.tree_util.tree_leaves(
         nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedWeight))
@@ -369,6 +371,21 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     info["kernel_layout_weights"] = f"{in_kernel_layout} of {len(quantized)}"
     info["kernels_active"] = bool(quantized) and in_kernel_layout == len(quantized)
     return model, info
+
+
+DECODE_TUNING_ENV = "QERL_DECODE_TUNING"
+
+
+def apply_decode_tuning_from_env() -> str:
+    """Applies $QERL_DECODE_TUNING ('prefetch=1,num_warps=8': DecodeTuning fields of
+    pallas_kernels.blockwise_matmul) before a benchmark builds its programs, so one job list can
+    try kernel settings in the model (it reaches worker processes too). Returns the setting
+    ('' when unset); the kernel hook records it in the result rows."""
+    text = os.environ.get(DECODE_TUNING_ENV, "").strip()
+    if text:
+        from pallas_kernels import blockwise_matmul as bw
+        bw.set_decode_tuning(**bw.parse_tuning(text))
+    return text
 
 
 def matmul_path(format_name: str, rows: int, kernels_active: bool, platform=None) -> str:

@@ -170,6 +170,10 @@ class MatmulConfig:
     clamp_rows: when M is not a multiple of block_m, read activation rows min(r, M-1) (a gather
     with no mask; the extra rows repeat the last one and are not stored) instead of masked
     loads. Off by default: masked rows were as fast or faster on most H100 layer shapes.
+    prefetch: K tiles loaded ahead of the one being decoded (software pipelining written into
+    the kernel: the codes, scales and activations of tile t + prefetch are loaded while tile t
+    is decoded and multiplied, and carried through the loop). 0: every tile is loaded in its
+    own iteration (Triton's pipeliner may still overlap it, num_stages). Not with group_dots.
     """
     block_m: int = 16
     block_n: int = 64
@@ -181,6 +185,7 @@ class MatmulConfig:
     path: str = "fused"
     group_dots: bool = False
     clamp_rows: bool = False
+    prefetch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,44 +216,116 @@ def _valid_split(split: int, k_tiles: int) -> bool:
     return split >= 1 and (split - 1) * _cdiv(k_tiles, split) < k_tiles
 
 
-# Fused-kernel programs aimed for at M <= 16 (about 2.5 waves of an H100/H200's 132 SMs), and
-# the fewest K tiles a split-K program keeps (from the decode-shape sweep: RESULTS.md,
-# "Fused-kernel tiling at rollout M").
-_DECODE_TARGET_PROGRAMS = 320
-_MIN_TILES_PER_SPLIT = 4
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """What default_matmul_config picks at decode M (M <= 16), in one place so that benchmarks
+    can try other settings in the model (set_decode_tuning) without new code.
+
+    target_programs: split-K is chosen so the launch has about this many programs (about 2.5
+      waves of an H100/H200's 132 SMs); min_tiles_per_split: the fewest K tiles a split-K
+      program keeps (both from the decode-shape sweep: RESULTS.md, "Fused-kernel tiling at
+      rollout M"). no_split_programs: N tiles alone at or above this many programs: no split.
+    block_n, num_warps, num_stages, prefetch, weight_as_lhs (None: per format, see
+      default_matmul_config): as in MatmulConfig.
+    """
+    target_programs: int = 320
+    min_tiles_per_split: int = 4
+    no_split_programs: int = 264
+    max_split: int = 8
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    prefetch: int = 0
+    weight_as_lhs: bool | None = None
+
+
+_DECODE_TUNING = DecodeTuning()
+
+
+def decode_tuning() -> DecodeTuning:
+    """The DecodeTuning in use."""
+    return _DECODE_TUNING
+
+
+def set_decode_tuning(tuning: DecodeTuning | None = None, **fields) -> DecodeTuning:
+    """Replaces the decode-M tiling defaults (a DecodeTuning, or fields of the current one;
+    no arguments: back to the measured defaults). Takes effect for programs traced afterwards
+    (jit caches keep earlier choices). Returns the previous tuning."""
+    global _DECODE_TUNING
+    previous = _DECODE_TUNING
+    if tuning is None:
+        tuning = DecodeTuning() if not fields else dataclasses.replace(previous, **fields)
+    elif fields:
+        tuning = dataclasses.replace(tuning, **fields)
+    if tuning.block_n < 16 or tuning.block_n & (tuning.block_n - 1):
+        raise ValueError(f"DecodeTuning.block_n={tuning.block_n}: a power of two >= 16")
+    if tuning.prefetch < 0 or tuning.max_split < 1 or tuning.min_tiles_per_split < 1:
+        raise ValueError(f"DecodeTuning {tuning}: prefetch >= 0, max_split >= 1 and "
+                         "min_tiles_per_split >= 1")
+    _DECODE_TUNING = tuning
+    return previous
+
+
+def parse_tuning(text: str) -> dict:
+    """'block_n=128,prefetch=1,weight_as_lhs=true' -> fields for set_decode_tuning (benchmark
+    command lines); names and values are checked."""
+    names = {f.name: f for f in dataclasses.fields(DecodeTuning)}
+    fields = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in names or not value:
+            raise ValueError(f"decode tuning {item!r}: expected name=value with name in "
+                             f"{sorted(names)}")
+        if name == "weight_as_lhs":
+            if value.lower() not in ("true", "false", "none"):
+                raise ValueError(f"decode tuning {item!r}: true, false or none")
+            fields[name] = None if value.lower() == "none" else value.lower() == "true"
+        else:
+            fields[name] = int(value)
+    return fields
 
 
 def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
     """Heuristic tiling for y = x @ W^T, from sweeps on an H100 (benchmarks/kernels_results.md)
     and the decode-shape sweep on an H200 (benchmarks/RESULTS.md).
 
-    M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program. Split-K: none
-    when the N tiles alone fill the GPU (>= 264 programs); else at M <= 16 enough splits for
-    ~320 programs (at most 8, each >= 4 K tiles; uneven splits allowed), and above 16 rows 2
-    (4 for narrow weights of < 32 N tiles, e.g. k/v projections). E2M1 formats: inline-asm
-    decode, activations as the left dot operand at M <= 16 and the weights as the left one
-    above. NF4: bf16 table lookup, weights as the left operand. M > 64: Pallas dequantize
-    kernel + XLA (cuBLAS) matmul.
+    M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program (at M <= 16
+    the DecodeTuning's block_n, warps, stages and prefetch). Split-K: none when the N tiles
+    alone fill the GPU (>= 264 programs); else at M <= 16 enough splits for ~320 programs (at
+    most 8, each >= 4 K tiles; uneven splits allowed), and above 16 rows 2 (4 for narrow
+    weights of < 32 N tiles, e.g. k/v projections). E2M1 formats: inline-asm decode,
+    activations as the left dot operand at M <= 16 and the weights as the left one above. NF4:
+    bf16 table lookup, weights as the left operand. M > 64: Pallas dequantize kernel + XLA
+    (cuBLAS) matmul.
     """
     n_pad, half_k = packed.codes.shape
     k_tiles = 2 * half_k // packed.tile_k
     if m > 64:
         return MatmulConfig(path="dequantize")
     block_m = max(16, _next_pow2(m))
-    block_n = 64
+    tuning = _DECODE_TUNING
+    decode = block_m <= 16
+    block_n = min(tuning.block_n, n_pad) if decode else 64
+    while n_pad % block_n:
+        block_n //= 2
     n_tiles = n_pad // block_n
-    most = max(1, k_tiles // _MIN_TILES_PER_SPLIT)
-    if n_tiles >= 264:
+    most = max(1, k_tiles // (tuning.min_tiles_per_split if decode else 4))
+    if n_tiles >= (tuning.no_split_programs if decode else 264):
         split = 1
-    elif block_m <= 16:
-        split = min(8, most, _cdiv(_DECODE_TARGET_PROGRAMS, n_tiles))
+    elif decode:
+        split = min(tuning.max_split, most, _cdiv(tuning.target_programs, n_tiles))
     else:
         split = min(4 if n_tiles < 32 else 2, most)
     while not _valid_split(split, k_tiles):
         split -= 1
+    weight_as_lhs = packed.fmt == "nf4" or not decode
+    if decode and tuning.weight_as_lhs is not None:
+        weight_as_lhs = tuning.weight_as_lhs
     return MatmulConfig(block_m=block_m, block_n=block_n, split_k=split,
-                        weight_as_lhs=packed.fmt == "nf4" or block_m > 16, num_warps=4,
-                        num_stages=3)
+                        weight_as_lhs=weight_as_lhs,
+                        num_warps=tuning.num_warps if decode else 4,
+                        num_stages=tuning.num_stages if decode else 3,
+                        prefetch=tuning.prefetch if decode else 0)
 
 
 def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:
@@ -303,7 +380,7 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
                    m: int, n: int, k: int, bm: int, bn: int, tile_k: int, tiles_per_split: int,
                    k_tiles: int, split: int, weight_as_lhs: bool, poisoned: bool,
                    group_dots: bool = False, clamp_rows: bool = False,
-                   lora_scale: float | None = None):
+                   lora_scale: float | None = None, prefetch: int = 0):
     out_ref = rest[-1]
     if lora_scale is not None:  # LoRA epilogue inputs: down = x @ A [M, r], B [r, N]
         down_ref, lora_b_ref, *rest = rest
@@ -344,27 +421,49 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
                     acc = acc + _dot_nt(xg, values[p]) * sg[None, :]
         return acc
 
-    def body(t, acc):
-        kt = pid_s * tiles_per_split + t
+    def load_tile(kt):
+        """Codes, the two planes' scales and activations of K tile kt (loads only)."""
         c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
         s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
         s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
-        xs = []
-        for p in range(2):
-            c0 = pl.multiple_of(kt * tile_k + p * half, half)
-            xs.append(load_x(c0, half).astype(jnp.bfloat16))
+        xs = tuple(load_x(pl.multiple_of(kt * tile_k + p * half, half), half)
+                   for p in range(2))
+        return c, s_lo, s_hi, xs
+
+    def multiply_tile(tile, acc):
+        c, s_lo, s_hi, xs = tile
+        xs = [x.astype(jnp.bfloat16) for x in xs]
         w_lo, w_hi = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.bfloat16)
         if weight_as_lhs:
             return acc + _dot_nt(w_lo, xs[0]) + _dot_nt(w_hi, xs[1])
         return acc + _dot_nt(xs[0], w_lo) + _dot_nt(xs[1], w_hi)
+
+    def body(t, acc):
+        return multiply_tile(load_tile(pid_s * tiles_per_split + t), acc)
 
     acc_shape = (bn, bm) if weight_as_lhs else (bm, bn)
     # K tiles of this split: tiles_per_split, except the last split of an uneven split-K
     # (k_tiles not a multiple of split), which gets the remainder (a dynamic trip count).
     trips = tiles_per_split if k_tiles % tiles_per_split == 0 else jnp.minimum(
         tiles_per_split, k_tiles - pid_s * tiles_per_split)
-    acc = lax.fori_loop(0, trips, group_body if group_dots else body,
-                        jnp.zeros(acc_shape, jnp.float32))
+    acc = jnp.zeros(acc_shape, jnp.float32)
+    if prefetch and not group_dots:
+        # Tiles t+1 .. t+prefetch are in flight while tile t is decoded; indices past this
+        # split's last tile re-read the last one (never used).
+        last = pid_s * tiles_per_split + trips - 1
+
+        def tile_index(t):
+            return jnp.minimum(pid_s * tiles_per_split + t, last)
+
+        def prefetching_body(t, carry):
+            acc, queue = carry
+            incoming = load_tile(tile_index(t + prefetch))
+            return multiply_tile(queue[0], acc), (*queue[1:], incoming)
+
+        queue = tuple(load_tile(tile_index(j)) for j in range(prefetch))
+        acc, _ = lax.fori_loop(0, trips, prefetching_body, (acc, queue))
+    else:
+        acc = lax.fori_loop(0, trips, group_body if group_dots else body, acc)
     y = acc.T if weight_as_lhs else acc
     exponent = -spec.value_exponent(decoder) if group_dots else spec.epilogue_exponent(decoder)
     y = y * ((2.0 ** exponent) / ts_ref[0])
@@ -486,8 +585,6 @@ def _launch(kernel, out_shape, grid, inputs, *, interpret, compiler_params, pois
 _MIN_LORA_RANK = 16
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
-                                             "lora_scale"))
 def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
                      config: MatmulConfig | None = None, interpret: bool = False,
                      poison_output: bool = False, lora_down: jax.Array | None = None,
@@ -495,14 +592,25 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     """y [..., N] bf16 = x [..., K] @ W^T (+ lora_scale * lora_down @ lora_b) for a packed
     4-bit W [N, K].
 
-    config None picks default_matmul_config(M, packed).
+    config None picks default_matmul_config(M, packed) (here, outside the jit, so that a new
+    set_decode_tuning is seen by the next call).
     lora_down [..., r] (= x @ A, rounded to bf16) and lora_b [r, N]: an unmerged LoRA
     adapter's second product, added in the fused kernel's f32 epilogue (one kernel instead of
     the matmul, the B dot and the add), or after the XLA dot on the dequantize path.
     """
-    _check_packed(packed, spec)
     if config is None:
-        config = default_matmul_config(x.size // x.shape[-1], packed)
+        config = default_matmul_config(math.prod(x.shape[:-1]), packed)
+    return _blockwise_matmul(x, packed, spec=spec, config=config, interpret=interpret,
+                             poison_output=poison_output, lora_down=lora_down, lora_b=lora_b,
+                             lora_scale=lora_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
+                                             "lora_scale"))
+def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: MatmulConfig,
+                      interpret: bool, poison_output: bool, lora_down, lora_b,
+                      lora_scale: float) -> jax.Array:
+    _check_packed(packed, spec)
     lead, k = x.shape[:-1], x.shape[-1]
     if k != packed.k:
         raise ValueError(f"x has K={k}, weight has K={packed.k}")
@@ -546,9 +654,13 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
         _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
         tile_k=packed.tile_k, tiles_per_split=tiles_per_split, k_tiles=k_tiles, split=split,
         weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
-        clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None)
+        clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None,
+        prefetch=config.prefetch)
     if config.group_dots and spec.decode_values is None:
         raise ValueError(f"{spec.name} has no group-scaled decoder")
+    if config.prefetch < 0 or (config.prefetch and config.group_dots):
+        raise ValueError(f"config {config}: prefetch must be >= 0 and is not implemented with "
+                         "group_dots")
     if split == 1:
         out_shape = jax.ShapeDtypeStruct((m, packed.n), jnp.bfloat16)
     else:

@@ -182,3 +182,62 @@ def test_tile_512_split_k_and_dequantize():
     kc.check_matmul(NVFP4, 8, bw.MatmulConfig(block_m=16, block_n=64, split_k=2), tile_k=512,
                     k=960)  # 2 K tiles, the second ragged
     kc.check_dequantize(NVFP4, tile_k=512)
+
+
+@pytest.mark.parametrize("prefetch,split,lhs", [(1, 1, False), (2, 3, False), (1, 2, True)])
+def test_matmul_prefetch(prefetch, split, lhs):
+    """Tiles loaded `prefetch` iterations ahead (carried through the loop): 5 K tiles, the last
+    ragged, over even and uneven splits (the clamped look-ahead past a split's last tile)."""
+    config = bw.MatmulConfig(block_m=16, block_n=32, split_k=split, weight_as_lhs=lhs,
+                             prefetch=prefetch)
+    kc.check_matmul(NVFP4, 3, config, k=5 * 128 - 16)
+
+
+def test_matmul_prefetch_with_lora_epilogue():
+    seed = kc.fresh_seed()
+    rng = np.random.default_rng(seed)
+    ckpt, x, packed = kc.random_problem(NVFP4, seed, 5, 80, 3 * 128, 128)
+    down = jnp.asarray(rng.standard_normal((5, 8)), jnp.bfloat16)
+    lora_b = jnp.asarray(0.1 * rng.standard_normal((8, 80)), jnp.bfloat16)
+    config = bw.MatmulConfig(block_m=16, block_n=32, split_k=2, prefetch=1,
+                             weight_as_lhs=False)
+    y = bw.blockwise_matmul(x, packed, spec=nv.NVFP4, config=config, interpret=True,
+                            poison_output=True, lora_down=down, lora_b=lora_b, lora_scale=0.5)
+    w = np.asarray(nv.nvfp4_dequantize_reference(*ckpt), np.float64)
+    ref = (np.asarray(x, np.float64) @ w.T
+           + 0.5 * np.asarray(down, np.float64) @ np.asarray(lora_b, np.float64))
+    kc.assert_close(y, ref, f"prefetch + LoRA epilogue seed={seed}")
+
+
+def test_prefetch_with_group_dots_is_refused():
+    _, x, packed = kc.random_problem(NVFP4, 0, 3, 80, 256, 128)
+    with pytest.raises(ValueError, match="prefetch"):
+        NVFP4.matmul(x, packed, interpret=True,
+                     config=bw.MatmulConfig(group_dots=True, prefetch=1))
+
+
+def test_decode_tuning_drives_the_default_config():
+    def packed(n, k):
+        return bw.PackedWeight(codes=jnp.zeros((n, k // 2), jnp.uint8),
+                               scales=jnp.zeros((n, k // 16), jnp.float8_e4m3fn),
+                               tensor_scale=jnp.ones((1,), jnp.float32), fmt="nvfp4", n=n, k=k,
+                               tile_k=256)
+
+    gate = packed(18944, 3584)
+    before = bw.default_matmul_config(8, gate)
+    previous = bw.set_decode_tuning(**bw.parse_tuning("block_n=128,prefetch=2,num_warps=8,"
+                                                      "weight_as_lhs=true"))
+    try:
+        tuned = bw.default_matmul_config(8, gate)
+        assert (tuned.block_n, tuned.prefetch, tuned.num_warps, tuned.weight_as_lhs) == (
+            128, 2, 8, True)
+        assert tuned.split_k == 3  # 148 N tiles < 264: ceil(320 / 148) splits
+        assert bw.default_matmul_config(32, gate).prefetch == 0  # only decode M is tuned
+    finally:
+        bw.set_decode_tuning(previous)
+    assert bw.default_matmul_config(8, gate) == before
+    with pytest.raises(ValueError, match="expected name=value"):
+        bw.parse_tuning("block_size=3")
+    with pytest.raises(ValueError, match="power of two"):
+        bw.set_decode_tuning(block_n=48)
+    assert bw.decode_tuning() == previous
