@@ -156,6 +156,8 @@ def add_worker_arguments(parser, script_name: str) -> None:
                         help="skip the kernel hook (pure XLA path) for comparison")
     parser.add_argument("--no-lora-epilogue", action="store_true",
                         help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
+    parser.add_argument("--no-grouped-launches", action="store_true",
+                        help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
     parser.add_argument("--kernels-interpret", action="store_true",
                         help="CPU check of the kernel path: enable_kernels(interpret=True)")
     parser.add_argument("--out", default=".")
@@ -174,13 +176,15 @@ def kernel_flags(args) -> list[str]:
     """The kernel path switches of the parent's command line, to pass on to a worker."""
     return [flag for flag, on in (("--no-kernels", args.no_kernels),
                                   ("--no-lora-epilogue", args.no_lora_epilogue),
+                                  ("--no-grouped-launches", args.no_grouped_launches),
                                   ("--kernels-interpret", args.kernels_interpret)) if on]
 
 
 def output_name(script_name: str, sizes: list[str], args) -> str:
     """'rollout_7b-32b' (+ '_no-kernels', '_no-lora-epilogue' when those switches are on)."""
     return (f"{script_name}_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
-            + ("_no-lora-epilogue" if args.no_lora_epilogue else ""))
+            + ("_no-lora-epilogue" if args.no_lora_epilogue else "")
+            + ("_no-grouped" if args.no_grouped_launches else ""))
 
 
 def run_script(args, worker_main, parent_main, merge_main) -> None:
@@ -270,7 +274,8 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0):
 
 def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed: int = 0,
                          use_kernels: bool = True, interpret: bool = False,
-                         lora_epilogue: bool = True, tile_k: int | None = None):
+                         lora_epilogue: bool = True, tile_k: int | None = None,
+                         grouped: bool = True):
     """The rollout benchmarks' model: a random-weight `preset` (bf16 params and compute, no
     remat) in `format_name`, built tensor by tensor, with LoRA as the trainer attaches it (rank
     r, alpha r, all projections, trainable norms) and B drawn nonzero (1e-3 N(0, 1)) so the
@@ -298,7 +303,7 @@ def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed:
         layer.lora_b.set_value(1e-3 * jax.random.normal(
             jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
     model, info = _prepare_model(model, format_name, use_kernels, interpret, lora_epilogue,
-                                 tile_k)
+                                 tile_k, grouped)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     del model
     states = (trainable, frozen)
@@ -325,7 +330,7 @@ def _unregister_all_kernels(format_name: str) -> list[str]:
 
 def _prepare_model(model, format_name: str, use_kernels: bool = True,
                    interpret: bool = False, lora_epilogue: bool = True,
-                   tile_k: int | None = None):
+                   tile_k: int | None = None, grouped: bool = True):
     """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
     when qerl_jax.quant.kernel_dispatch.enable_kernels exists; otherwise the pure XLA path.
 
@@ -355,12 +360,13 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     else:
         tuning = apply_decode_tuning_from_env()
         result = enable_kernels(model, interpret=interpret, lora_epilogue=lora_epilogue,
-                                tile_k=tile_k)
+                                tile_k=tile_k, grouped=grouped)
         if result is not None and hasattr(result, "config"):  # returned the (same) model
             model = result
         info["kernel_hook"] = (f"enable_kernels on {jax.default_backend()}"
                                + (" (Pallas interpret mode)" if interpret else "")
                                + ("" if lora_epilogue else ", no LoRA epilogue")
+                               + ("" if grouped else ", no grouped launches")
                                + (f", tile_k {tile_k} for every weight" if tile_k else "")
                                + (f", decode tuning {tuning}" if tuning else ""))
     from flax import nnx
@@ -377,7 +383,7 @@ DECODE_TUNING_ENV = "QERL_DECODE_TUNING"
 
 
 def apply_decode_tuning_from_env() -> str:
-    """Applies $QERL_DECODE_TUNING ('prefetch=1,num_warps=8': DecodeTuning fields of
+    """Applies $QERL_DECODE_TUNING ('block_n=128,num_warps=8': DecodeTuning fields of
     pallas_kernels.blockwise_matmul) before a benchmark builds its programs, so one job list can
     try kernel settings in the model (it reaches worker processes too). Returns the setting
     ('' when unset); the kernel hook records it in the result rows."""

@@ -41,6 +41,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-lora-epilogue", action="store_true",
                         help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
+    parser.add_argument("--no-grouped-launches", action="store_true",
+                        help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
     parser.add_argument("--short-cache", action="store_true",
                         help="also profile with a cache of prompt + steps slots")
     parser.add_argument("--top", type=int, default=45, help="rows of the kernel table")
@@ -184,6 +186,7 @@ def main(argv=None):
     architecture, graphdef, states, info = common.build_sampling_model(
         common.preset_name(args.size), args.format, rank=args.rank, seed=args.seed,
         use_kernels=not args.no_kernels, lora_epilogue=not args.no_lora_epilogue,
+        grouped=not args.no_grouped_launches,
         tile_k=args.tile_k)
     init_s = time.perf_counter() - started
     cases = [profile_case(graphdef, states, architecture, args,
@@ -203,6 +206,7 @@ def main(argv=None):
     name = f"decode_profile_{args.size}_{args.format}_b{args.batch}" + (
         "_no-kernels" if args.no_kernels else "") + (
         "_no-lora-epilogue" if args.no_lora_epilogue else "") + (
+        "_no-grouped" if args.no_grouped_launches else "") + (
         f"_tile{args.tile_k}" if args.tile_k else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "info": info,
                                                 "init_s": init_s, "peak_GiB": peak,

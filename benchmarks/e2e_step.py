@@ -102,7 +102,8 @@ def worker_main(args) -> None:
         row["peak_after_build_GiB"], _ = common.peak_memory_gib()
         model, hook = common._prepare_model(model, format_name, not args.no_kernels,
                                             args.kernels_interpret,
-                                            not args.no_lora_epilogue)
+                                            not args.no_lora_epilogue,
+                                            grouped=not args.no_grouped_launches)
         row.update(hook)
         row["params_B"] = model.config.num_parameters() / 1e9
         return model, tokenizer

@@ -105,7 +105,8 @@ def worker_main(args) -> None:
         architecture, graphdef, states, info = common.build_sampling_model(
             base["preset"], format_name, rank=args.rank, seed=args.seed,
             use_kernels=not args.no_kernels, interpret=args.kernels_interpret,
-            lora_epilogue=not args.no_lora_epilogue, tile_k=args.tile_k)
+            lora_epilogue=not args.no_lora_epilogue, tile_k=args.tile_k,
+            grouped=not args.no_grouped_launches)
         base.update(info)
         base["init_s"] = time.perf_counter() - started
         base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()

@@ -170,10 +170,6 @@ class MatmulConfig:
     clamp_rows: when M is not a multiple of block_m, read activation rows min(r, M-1) (a gather
     with no mask; the extra rows repeat the last one and are not stored) instead of masked
     loads. Off by default: masked rows were as fast or faster on most H100 layer shapes.
-    prefetch: K tiles loaded ahead of the one being decoded (software pipelining written into
-    the kernel: the codes, scales and activations of tile t + prefetch are loaded while tile t
-    is decoded and multiplied, and carried through the loop). 0: every tile is loaded in its
-    own iteration (Triton's pipeliner may still overlap it, num_stages). Not with group_dots.
     """
     block_m: int = 16
     block_n: int = 64
@@ -185,7 +181,6 @@ class MatmulConfig:
     path: str = "fused"
     group_dots: bool = False
     clamp_rows: bool = False
-    prefetch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +220,7 @@ class DecodeTuning:
       waves of an H100/H200's 132 SMs); min_tiles_per_split: the fewest K tiles a split-K
       program keeps (both from the decode-shape sweep: RESULTS.md, "Fused-kernel tiling at
       rollout M"). no_split_programs: N tiles alone at or above this many programs: no split.
-    block_n, num_warps, num_stages, prefetch, weight_as_lhs (None: per format, see
+    block_n, num_warps, num_stages, weight_as_lhs (None: per format, see
       default_matmul_config): as in MatmulConfig.
     """
     target_programs: int = 320
@@ -235,7 +230,6 @@ class DecodeTuning:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    prefetch: int = 0
     weight_as_lhs: bool | None = None
 
 
@@ -259,15 +253,15 @@ def set_decode_tuning(tuning: DecodeTuning | None = None, **fields) -> DecodeTun
         tuning = dataclasses.replace(tuning, **fields)
     if tuning.block_n < 16 or tuning.block_n & (tuning.block_n - 1):
         raise ValueError(f"DecodeTuning.block_n={tuning.block_n}: a power of two >= 16")
-    if tuning.prefetch < 0 or tuning.max_split < 1 or tuning.min_tiles_per_split < 1:
-        raise ValueError(f"DecodeTuning {tuning}: prefetch >= 0, max_split >= 1 and "
-                         "min_tiles_per_split >= 1")
+    if tuning.max_split < 1 or tuning.min_tiles_per_split < 1:
+        raise ValueError(f"DecodeTuning {tuning}: max_split and min_tiles_per_split must be "
+                         ">= 1")
     _DECODE_TUNING = tuning
     return previous
 
 
 def parse_tuning(text: str) -> dict:
-    """'block_n=128,prefetch=1,weight_as_lhs=true' -> fields for set_decode_tuning (benchmark
+    """'block_n=128,num_warps=8,weight_as_lhs=true' -> fields for set_decode_tuning (benchmark
     command lines); names and values are checked."""
     names = {f.name: f for f in dataclasses.fields(DecodeTuning)}
     fields = {}
@@ -290,7 +284,7 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
     and the decode-shape sweep on an H200 (benchmarks/RESULTS.md).
 
     M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program (at M <= 16
-    the DecodeTuning's block_n, warps, stages and prefetch). Split-K: none when the N tiles
+    the DecodeTuning's block_n, warps and stages). Split-K: none when the N tiles
     alone fill the GPU (>= 264 programs); else at M <= 16 enough splits for ~320 programs (at
     most 8, each >= 4 K tiles; uneven splits allowed), and above 16 rows 2 (4 for narrow
     weights of < 32 N tiles, e.g. k/v projections). E2M1 formats: inline-asm decode,
@@ -324,8 +318,7 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
     return MatmulConfig(block_m=block_m, block_n=block_n, split_k=split,
                         weight_as_lhs=weight_as_lhs,
                         num_warps=tuning.num_warps if decode else 4,
-                        num_stages=tuning.num_stages if decode else 3,
-                        prefetch=tuning.prefetch if decode else 0)
+                        num_stages=tuning.num_stages if decode else 3)
 
 
 def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:
@@ -376,18 +369,53 @@ def _store(ref_view, value, mask):
         plgpu.store(ref_view, value, mask=mask)
 
 
-def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
-                   m: int, n: int, k: int, bm: int, bn: int, tile_k: int, tiles_per_split: int,
-                   k_tiles: int, split: int, weight_as_lhs: bool, poisoned: bool,
-                   group_dots: bool = False, clamp_rows: bool = False,
-                   lora_scale: float | None = None, prefetch: int = 0):
+def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, poisoned: bool,
+                   lora_scale: float | None = None, **static):
+    """One weight: refs (x, codes, scales, tensor scale[, down, lora_b], *aux[, poison], out)."""
     out_ref = rest[-1]
+    down_ref = lora_b_ref = None
     if lora_scale is not None:  # LoRA epilogue inputs: down = x @ A [M, r], B [r, N]
         down_ref, lora_b_ref, *rest = rest
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
+    _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, aux_refs,
+                    out_ref, (pl.program_id(0), pl.program_id(1), pl.program_id(2)),
+                    lora_scale=lora_scale, **static)
+
+
+def _grouped_matmul_kernel(x_ref, *refs, members: tuple[tuple[int, int, int], ...],
+                           lora_scales: tuple[float, ...] | None, poisoned: bool, **static):
+    """Several weights sharing x in one launch. refs: per member (codes, scales, tensor
+    scale[, down, lora_b]), then the aux refs, [one poison per member,] one output per member.
+    members[i] = (n_i, first N-tile program of member i, its N tiles): the programs of the N
+    grid axis are dealt out to the members in order, each running the single-weight program."""
+    count = len(members)
+    per_member = 3 if lora_scales is None else 5
+    outs = refs[len(refs) - count:]
+    aux_refs = refs[count * per_member:len(refs) - count * (1 + int(poisoned))]
+    # program ids are read here, outside the branches (interpret mode cannot read them inside)
+    pid_m, pid_n, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    for i, (n, offset, n_tiles) in enumerate(members):
+        weight_refs = refs[i * per_member:(i + 1) * per_member]
+        down_ref, lora_b_ref = (None, None) if lora_scales is None else weight_refs[3:]
+
+        @pl.when((pid_n >= offset) & (pid_n < offset + n_tiles))
+        def _(weight_refs=weight_refs, down_ref=down_ref, lora_b_ref=lora_b_ref, n=n,
+              offset=offset, out_ref=outs[i], i=i):
+            _matmul_program(x_ref, *weight_refs[:3], down_ref, lora_b_ref, aux_refs, out_ref,
+                            (pid_m, pid_n - offset, pid_s), n=n,
+                            lora_scale=None if lora_scales is None else lora_scales[i], **static)
+
+
+def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, aux_refs,
+                    out_ref, program_ids, *, spec: FormatSpec, decoder: str, m: int, n: int, k: int,
+                    bm: int, bn: int, tile_k: int, tiles_per_split: int, k_tiles: int,
+                    split: int, weight_as_lhs: bool, group_dots: bool = False,
+                    clamp_rows: bool = False, lora_scale: float | None = None):
+    """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
+    program_ids = (pid_m, pid_n, pid_s)."""
     half = tile_k // 2
     g = half // spec.scale_block
-    pid_m, pid_n, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pid_m, pid_n, pid_s = program_ids
     r0 = pid_m * bm
     n0 = pl.multiple_of(pid_n * bn, bn)
     ragged_m, ragged_k = m % bm != 0, k % tile_k != 0
@@ -446,24 +474,8 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec
     # (k_tiles not a multiple of split), which gets the remainder (a dynamic trip count).
     trips = tiles_per_split if k_tiles % tiles_per_split == 0 else jnp.minimum(
         tiles_per_split, k_tiles - pid_s * tiles_per_split)
-    acc = jnp.zeros(acc_shape, jnp.float32)
-    if prefetch and not group_dots:
-        # Tiles t+1 .. t+prefetch are in flight while tile t is decoded; indices past this
-        # split's last tile re-read the last one (never used).
-        last = pid_s * tiles_per_split + trips - 1
-
-        def tile_index(t):
-            return jnp.minimum(pid_s * tiles_per_split + t, last)
-
-        def prefetching_body(t, carry):
-            acc, queue = carry
-            incoming = load_tile(tile_index(t + prefetch))
-            return multiply_tile(queue[0], acc), (*queue[1:], incoming)
-
-        queue = tuple(load_tile(tile_index(j)) for j in range(prefetch))
-        acc, _ = lax.fori_loop(0, trips, prefetching_body, (acc, queue))
-    else:
-        acc = lax.fori_loop(0, trips, group_body if group_dots else body, acc)
+    acc = lax.fori_loop(0, trips, group_body if group_dots else body,
+                        jnp.zeros(acc_shape, jnp.float32))
     y = acc.T if weight_as_lhs else acc
     exponent = -spec.value_exponent(decoder) if group_dots else spec.epilogue_exponent(decoder)
     y = y * ((2.0 ** exponent) / ts_ref[0])
@@ -569,13 +581,14 @@ def _check_packed(packed: PackedWeight, spec: FormatSpec):
 
 
 def _launch(kernel, out_shape, grid, inputs, *, interpret, compiler_params, poison_output, name):
-    """pallas_call with optional NaN-poisoned output (aliased input) to catch unwritten tiles."""
+    """pallas_call with optional NaN-poisoned outputs (aliased inputs) to catch unwritten tiles.
+    out_shape: one ShapeDtypeStruct, or a tuple of them (one poison input each)."""
+    shapes = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+    aliases = {}
     if poison_output:
-        poison = jnp.full(out_shape.shape, jnp.nan, out_shape.dtype)
-        inputs = (*inputs, poison)
-        aliases = {len(inputs) - 1: 0}
-    else:
-        aliases = {}
+        first = len(inputs)
+        inputs = (*inputs, *(jnp.full(o.shape, jnp.nan, o.dtype) for o in shapes))
+        aliases = {first + i: i for i in range(len(shapes))}
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
         interpret=interpret, compiler_params=compiler_params, name=name)(*inputs)
@@ -605,6 +618,23 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
                              lora_scale=lora_scale)
 
 
+def _lora_epilogue_inputs(lora_down, lora_b, lead, n):
+    """(down [M, r'] bf16, B [r', N] bf16), r' = r zero-padded to a power of two >= 16 (Pallas
+    blocks are powers of two; tl.dot needs >= 16 along the contraction)."""
+    rank = lora_down.shape[-1]
+    if lora_b is None or lora_b.shape != (rank, n) or lora_down.shape[:-1] != tuple(lead):
+        raise ValueError(f"LoRA epilogue: lora_down {lora_down.shape} and lora_b "
+                         f"{None if lora_b is None else lora_b.shape} must be "
+                         f"[..., r] with x's leading dims {tuple(lead)} and [r, N={n}]")
+    down2 = lora_down.reshape(-1, rank).astype(jnp.bfloat16)
+    lora_b = lora_b.astype(jnp.bfloat16)
+    padded_rank = max(_MIN_LORA_RANK, _next_pow2(rank))
+    if padded_rank > rank:
+        down2 = jnp.pad(down2, ((0, 0), (0, padded_rank - rank)))
+        lora_b = jnp.pad(lora_b, ((0, padded_rank - rank), (0, 0)))
+    return down2, lora_b
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
                                              "lora_scale"))
 def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: MatmulConfig,
@@ -618,18 +648,7 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
     m = x2.shape[0]
     has_lora = lora_down is not None
     if has_lora:
-        rank = lora_down.shape[-1]
-        if lora_b is None or lora_b.shape != (rank, packed.n) or \
-                lora_down.shape[:-1] != tuple(lead):
-            raise ValueError(f"LoRA epilogue: lora_down {lora_down.shape} and lora_b "
-                             f"{None if lora_b is None else lora_b.shape} must be "
-                             f"[..., r] with x's leading dims {tuple(lead)} and [r, N={packed.n}]")
-        down2 = lora_down.reshape(m, rank).astype(jnp.bfloat16)
-        lora_b = lora_b.astype(jnp.bfloat16)
-        padded_rank = max(_MIN_LORA_RANK, _next_pow2(rank))  # Pallas blocks: powers of two
-        if padded_rank > rank:
-            down2 = jnp.pad(down2, ((0, 0), (0, padded_rank - rank)))
-            lora_b = jnp.pad(lora_b, ((0, padded_rank - rank), (0, 0)))
+        down2, lora_b = _lora_epilogue_inputs(lora_down, lora_b, lead, packed.n)
     if config.path == "dequantize":
         w = blockwise_dequantize(packed, spec=spec, config=DequantizeConfig(),
                                  interpret=interpret, poison_output=poison_output)
@@ -654,13 +673,9 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
         tile_k=packed.tile_k, tiles_per_split=tiles_per_split, k_tiles=k_tiles, split=split,
         weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
-        clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None,
-        prefetch=config.prefetch)
+        clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None)
     if config.group_dots and spec.decode_values is None:
         raise ValueError(f"{spec.name} has no group-scaled decoder")
-    if config.prefetch < 0 or (config.prefetch and config.group_dots):
-        raise ValueError(f"config {config}: prefetch must be >= 0 and is not implemented with "
-                         "group_dots")
     if split == 1:
         out_shape = jax.ShapeDtypeStruct((m, packed.n), jnp.bfloat16)
     else:
@@ -677,6 +692,119 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
     if split > 1:
         y = y.sum(axis=0).astype(jnp.bfloat16)
     return y.reshape(*lead, packed.n)
+
+
+def default_group_matmul_config(m: int, packed: tuple[PackedWeight, ...]) -> MatmulConfig:
+    """Tiling of a grouped launch: default_matmul_config of the weights stacked along N (the
+    programs of all members fill the GPU together, so split-K is chosen for their sum)."""
+    first = packed[0]
+    n_pad = sum(p.codes.shape[0] for p in packed)
+    stacked = PackedWeight(codes=jax.ShapeDtypeStruct((n_pad, first.codes.shape[1]), jnp.uint8),
+                           scales=first.scales, tensor_scale=first.tensor_scale, fmt=first.fmt,
+                           n=n_pad, k=first.k, tile_k=first.tile_k)
+    return default_matmul_config(m, stacked)
+
+
+def check_group(packed: tuple[PackedWeight, ...], spec: FormatSpec) -> None:
+    """Raises ValueError unless the weights can share one launch: >= 1 weight, all of `spec`'s
+    format, with the same K, K tile and padded K."""
+    if not packed:
+        raise ValueError("a grouped matmul needs at least one weight")
+    first = packed[0]
+    for i, p in enumerate(packed):
+        _check_packed(p, spec)
+        if (p.k, p.tile_k, p.codes.shape[1]) != (first.k, first.tile_k, first.codes.shape[1]):
+            raise ValueError(f"grouped matmul: weight {i} is [N={p.n}, K={p.k}] with tile_k "
+                             f"{p.tile_k}; weight 0 has K={first.k}, tile_k {first.tile_k} "
+                             "(all weights of a group need the same K and K tile)")
+
+
+def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, spec: FormatSpec,
+                           config: MatmulConfig | None = None, interpret: bool = False,
+                           poison_output: bool = False, lora_downs=None, lora_bs=None,
+                           lora_scales: tuple[float, ...] | None = None) -> tuple[jax.Array, ...]:
+    """(x @ W_i^T (+ lora_scales[i] * lora_downs[i] @ lora_bs[i]))_i, bf16 [..., N_i], for
+    weights that share x (a layer's q/k/v, or gate/up), in ONE fused-kernel launch: its N-tile
+    programs are dealt out to the weights in order. Each output equals blockwise_matmul's of
+    the same weight under the same config. Saves a launch and its fill/drain per extra weight,
+    and lets small weights (k/v) share the GPU with a large one, without concatenating the
+    weights in memory.
+
+    config None picks default_group_matmul_config (decided outside the jit). LoRA: all weights
+    or none (lora_downs[i] [..., r_i], lora_bs[i] [r_i, N_i]). The "dequantize" path runs the
+    weights one by one.
+    """
+    packed = tuple(packed)
+    if config is None:
+        config = default_group_matmul_config(math.prod(x.shape[:-1]), packed)
+    if lora_downs is not None:
+        lora_downs, lora_bs = tuple(lora_downs), tuple(lora_bs)
+        lora_scales = tuple(float(s) for s in lora_scales)
+        if not len(lora_downs) == len(lora_bs) == len(lora_scales) == len(packed):
+            raise ValueError(f"grouped matmul: {len(packed)} weights but {len(lora_downs)} "
+                             f"LoRA downs, {len(lora_bs)} B matrices, {len(lora_scales)} scales")
+    return _blockwise_matmul_group(x, packed, spec=spec, config=config, interpret=interpret,
+                                   poison_output=poison_output, lora_downs=lora_downs,
+                                   lora_bs=lora_bs, lora_scales=lora_scales)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
+                                             "lora_scales"))
+def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig,
+                            interpret: bool, poison_output: bool, lora_downs, lora_bs,
+                            lora_scales) -> tuple[jax.Array, ...]:
+    check_group(packed, spec)
+    has_lora = lora_downs is not None
+    if config.path == "dequantize":
+        return tuple(_blockwise_matmul(
+            x, p, spec=spec, config=config, interpret=interpret, poison_output=poison_output,
+            lora_down=lora_downs[i] if has_lora else None,
+            lora_b=lora_bs[i] if has_lora else None,
+            lora_scale=lora_scales[i] if has_lora else 0.0) for i, p in enumerate(packed))
+    if config.path != "fused":
+        raise ValueError(f"unknown matmul path {config.path!r}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != packed[0].k:
+        raise ValueError(f"x has K={k}, the grouped weights have K={packed[0].k}")
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    half_k = packed[0].codes.shape[1]
+    k_tiles = 2 * half_k // packed[0].tile_k
+    bm, bn, split = config.block_m, config.block_n, config.split_k
+    if any(p.codes.shape[0] % bn for p in packed) or bm < 16 or bn < 16 or \
+            not _valid_split(split, k_tiles):
+        raise ValueError(f"config {config} does not tile the grouped weights (N_pad "
+                         f"{[p.codes.shape[0] for p in packed]}, K tiles={k_tiles})")
+    if config.group_dots:
+        raise ValueError("grouped matmul: group_dots is not supported")
+    members, inputs, offset = [], [], 0
+    for i, p in enumerate(packed):
+        n_tiles = _cdiv(p.n, bn)
+        members.append((p.n, offset, n_tiles))
+        offset += n_tiles
+        inputs += [p.codes, p.scales, p.tensor_scale]
+        if has_lora:
+            inputs += list(_lora_epilogue_inputs(lora_downs[i], lora_bs[i], lead, p.n))
+    kernel = functools.partial(
+        _grouped_matmul_kernel, members=tuple(members),
+        lora_scales=lora_scales if has_lora else None, poisoned=bool(poison_output),
+        spec=spec, decoder=_resolve_decoder(spec, config.decoder, interpret), m=m, k=k, bm=bm,
+        bn=bn, tile_k=packed[0].tile_k, tiles_per_split=_cdiv(k_tiles, split),
+        k_tiles=k_tiles, split=split, weight_as_lhs=config.weight_as_lhs,
+        clamp_rows=config.clamp_rows)
+    if split == 1:
+        out_shape = tuple(jax.ShapeDtypeStruct((m, p.n), jnp.bfloat16) for p in packed)
+    else:
+        out_shape = tuple(jax.ShapeDtypeStruct((split, m, p.n), jnp.float32) for p in packed)
+    aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
+    ys = _launch(kernel, out_shape, (_cdiv(m, bm), offset, split), (x2, *inputs, *aux),
+                 interpret=interpret, poison_output=poison_output,
+                 compiler_params=_compiler_params(interpret, config.num_warps,
+                                                  config.num_stages),
+                 name=f"{spec.name}_matmul_group{len(packed)}" + ("_lora" if has_lora else ""))
+    if split > 1:
+        ys = [y.sum(axis=0).astype(jnp.bfloat16) for y in ys]
+    return tuple(y.reshape(*lead, p.n) for y, p in zip(ys, packed))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output"))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qerl_jax.models.config import RopeScaling
-from qerl_jax.quant import LoRAProduct, linear
+from qerl_jax.quant import LoRAProduct, linear, linear_group
 
 INIT_STD = 0.02  # HF initializer_range of Qwen2 / Llama
 
@@ -45,12 +45,27 @@ class Linear(nnx.Module):
         self.lora_b = nnx.data(None)
         self.lora_scale = 0.0
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def operands(self):
+        """(weight, bias or None, LoRAProduct or None): what the linear op needs."""
         bias = None if self.bias is None else self.bias.get_value()
         lora = None if self.lora_a is None else LoRAProduct(
             self.lora_a.get_value(), self.lora_b.get_value(), self.lora_scale)
-        return linear(x, self.weight.get_value(), bias, compute_dtype=self.compute_dtype,
-                      lora=lora)
+        return self.weight.get_value(), bias, lora
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight, bias, lora = self.operands()
+        return linear(x, weight, bias, compute_dtype=self.compute_dtype, lora=lora)
+
+
+def apply_linears(x: jax.Array, layers) -> list[jax.Array]:
+    """[layer(x) for layer in layers] for Linear layers that read the same x, through
+    qerl_jax.quant.linear_group: quantized layers share one kernel launch where the kernel
+    allows (decode), otherwise each runs as layer(x). All layers need one compute dtype."""
+    dtypes = {jnp.dtype(layer.compute_dtype) for layer in layers}
+    if len(dtypes) != 1:
+        raise ValueError(f"apply_linears: layers with compute dtypes {sorted(map(str, dtypes))}")
+    weights, biases, loras = zip(*(layer.operands() for layer in layers))
+    return linear_group(x, weights, biases, compute_dtype=layers[0].compute_dtype, loras=loras)
 
 
 class Embedding(nnx.Module):

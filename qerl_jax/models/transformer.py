@@ -18,7 +18,7 @@ from flax import nnx
 
 from qerl_jax.models.config import ModelConfig
 from qerl_jax.models.kv_cache import KVCache
-from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_rope,
+from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
                                     rope_cos_sin, rope_inverse_frequencies)
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so all-masked (padding) rows stay finite
@@ -55,9 +55,10 @@ class Attention(nnx.Module):
         pair is returned. Returns (out [B, T, H], new cached_kv or None).
         """
         batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        q, k, v = apply_linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.reshape(batch, length, self.num_heads, self.head_dim)
+        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = None
         if cached_kv is not None:
@@ -94,8 +95,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inner, hidden, **common)
 
     def __call__(self, x):
-        gate = self.gate_proj(x)
-        up = self.up_proj(x)
+        gate, up = apply_linears(x, (self.gate_proj, self.up_proj))
         activated = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32))
         return self.down_proj(activated.astype(gate.dtype))
 

@@ -14,7 +14,8 @@ beat the XLA "dequantize with jnp, then dot" path at every measured shape and M)
   forward, M <= 64   "<format>_fused": the fused decode+matmul kernel (NVFP4 1.23-2.19x, MXFP4
                      1.16-2.28x, NF4 0.74-1.48x of a bf16 dot at M <= 16 outside k/v; the
                      naive XLA path 0.24-0.69x). A layer's unmerged LoRA adds its second
-                     product (x @ A) @ B in this kernel's epilogue.
+                     product (x @ A) @ B in this kernel's epilogue. Layers sharing their
+                     input (q/k/v, gate/up) run in one launch (linear_op.linear_group).
   forward, M > 64    "<format>_dequantize_xla": the Pallas dequantize kernel writes W in bf16,
                      then one XLA (cuBLAS) dot (0.9-1.07x of bf16 at M >= 1024).
   backward dx=dy@W   dequantize kernel + XLA dot at every M: at M = 4096 it was 0.96-1.09x of
@@ -283,6 +284,30 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
                                lora_scale=scale).astype(jnp.float32)
 
 
+def _fused_forward_group(x, weights, downs, lora_bs, scales, *, compute_dtype, interpret):
+    """x [M, K] bf16 @ W_i^T (+ scales[i] * downs[i] @ lora_bs[i]) for weights sharing x, in
+    one fused-kernel launch -> tuple of [M, N_i] float32."""
+    del compute_dtype
+    packed = tuple(w.packed() for w in weights)
+    config = bw.default_group_matmul_config(x.shape[0], packed)
+    ys = bw.blockwise_matmul_group(x, packed, spec=weights[0].spec, config=config,
+                                   interpret=interpret, lora_downs=downs, lora_bs=lora_bs,
+                                   lora_scales=scales)
+    return tuple(y.astype(jnp.float32) for y in ys)
+
+
+def _group_supports(weights) -> str | None:
+    """Why these kernel-layout weights cannot share one launch (None: they can)."""
+    first = weights[0]
+    for weight in weights[1:]:
+        if (weight.format, weight.shape[1], weight.tile_k, weight.kernel_codes.shape[1]) != (
+                first.format, first.shape[1], first.tile_k, first.kernel_codes.shape[1]):
+            return (f"{weight.format} {weight.shape} tile_k {weight.tile_k} vs {first.format} "
+                    f"{first.shape} tile_k {first.tile_k} (a launch needs one format, K and "
+                    "K tile)")
+    return None
+
+
 def _fused_forward(x, weight, *, compute_dtype, interpret):
     """x [M, K] bf16 @ W^T -> [M, N] float32 (the fused kernel, no LoRA)."""
     return _fused_forward_lora(x, weight, None, None, 0.0, compute_dtype=compute_dtype,
@@ -328,7 +353,7 @@ _REGISTERED: dict[str, tuple] = {}  # platform -> the settings its kernels were 
 def register_kernels(platform: str = "gpu", *, interpret: bool = False,
                      small_m_backward: str = "dequantize",
                      fused_max_m: dict[str, int] | None = None,
-                     lora_epilogue: bool = True) -> None:
+                     lora_epilogue: bool = True, grouped: bool = True) -> None:
     """Registers the fused / dequantize+XLA kernels of every format with linear_op (idempotent;
     re-registering with other settings replaces them).
 
@@ -340,6 +365,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
       fused_max_m: per format, the largest M of the fused forward (1..64); default FUSED_MAX_M.
       lora_epilogue: the fused kernel adds an unmerged LoRA's (x @ A) @ B in its epilogue;
         False: separate XLA dots (for comparisons).
+      grouped: layers that share their input (q/k/v, gate/up; qerl_jax.quant.linear_group)
+        run in one fused-kernel launch at small M; False: one launch per layer (comparisons).
     """
     if small_m_backward not in ("dequantize", "transposed"):
         raise ValueError(f"small_m_backward={small_m_backward!r}; expected 'dequantize' or "
@@ -352,7 +379,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         if not 1 <= limit <= 64:
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
-    settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue)
+    settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
+                grouped)
     if _REGISTERED.get(platform) == settings:
         return
     unregister_kernels(platform)
@@ -366,7 +394,10 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             name=fused_name, min_m=1, max_m=limit,
             grad_fn=functools.partial(small_backward, interpret=interpret), supports=_supports,
             lora_fn=(functools.partial(_fused_forward_lora, interpret=interpret)
-                     if lora_epilogue else None))
+                     if lora_epilogue else None),
+            group_fn=(functools.partial(_fused_forward_group, interpret=interpret)
+                      if grouped else None),
+            group_supports=_group_supports)
         linear_op.register_matmul_kernel(
             format_name, platform, functools.partial(_dequantize_forward, interpret=interpret),
             name=dequantize_name, min_m=limit + 1, max_m=None,
@@ -374,8 +405,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             supports=_supports)
     _REGISTERED[platform] = settings
     logger.info("registered Pallas kernels for %s (interpret=%s, fused forward for M <= %s, "
-                "small-M backward: %s, LoRA epilogue: %s)", platform, interpret, limits,
-                small_m_backward, lora_epilogue)
+                "small-M backward: %s, LoRA epilogue: %s, grouped launches: %s)", platform,
+                interpret, limits, small_m_backward, lora_epilogue, grouped)
 
 
 def unregister_kernels(platform: str = "gpu") -> None:
@@ -388,7 +419,7 @@ def unregister_kernels(platform: str = "gpu") -> None:
 
 def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bool = False,
                    tile_k: int | None = None, small_m_backward: str = "dequantize",
-                   lora_epilogue: bool = True):
+                   lora_epilogue: bool = True, grouped: bool = True):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
     Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
@@ -400,7 +431,7 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
       platform: default jax.default_backend().
       interpret: Pallas interpret mode (CPU tests; slow).
       tile_k: K tile of the kernel layout (default: default_tile_k).
-      small_m_backward, lora_epilogue: see register_kernels.
+      small_m_backward, lora_epilogue, grouped: see register_kernels.
     """
     platform = platform or jax.default_backend()
     if platform not in KERNEL_PLATFORMS and not interpret:
@@ -408,7 +439,7 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
                     "keep the XLA path (dequantize + dot)", platform)
         return model_or_state
     register_kernels(platform, interpret=interpret, small_m_backward=small_m_backward,
-                     lora_epilogue=lora_epilogue)
+                     lora_epilogue=lora_epilogue, grouped=grouped)
     if not isinstance(model_or_state, nnx.Module):
         return prepare_for_kernels(model_or_state, tile_k=tile_k)
     count = 0

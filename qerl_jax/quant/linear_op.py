@@ -48,6 +48,11 @@ class MatmulKernel:
     product in the epilogue); without it LoRA runs as separate XLA dots.
     supports(weight, compute_dtype) -> None when the kernel can take this weight, else a short
     reason why not (then the XLA path runs and the reason is logged once).
+    Optionally group_fn(x, weights, downs, lora_bs, scales, *, compute_dtype) -> tuple of
+    [M, N_i] float32: several weights that share x (a layer's q/k/v, gate/up) in one launch,
+    each output the forward product (plus its LoRA product when downs is not None); with
+    group_supports(weights) -> None or the reason they cannot share a launch. Without it
+    `linear_group` runs the weights one by one.
     """
 
     name: str
@@ -59,6 +64,8 @@ class MatmulKernel:
     grad_fn: Callable[..., jax.Array] | None = None
     supports: Callable[..., str | None] | None = None
     lora_fn: Callable[..., jax.Array] | None = None
+    group_fn: Callable[..., tuple] | None = None
+    group_supports: Callable[..., str | None] | None = None
 
     def accepts(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
@@ -72,7 +79,10 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
                            name: str, min_m: int = 1, max_m: int | None = None,
                            grad_fn: Callable[..., jax.Array] | None = None,
                            supports: Callable[..., str | None] | None = None,
-                           lora_fn: Callable[..., jax.Array] | None = None) -> MatmulKernel:
+                           lora_fn: Callable[..., jax.Array] | None = None,
+                           group_fn: Callable[..., tuple] | None = None,
+                           group_supports: Callable[..., str | None] | None = None
+                           ) -> MatmulKernel:
     """Registers a kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
 
     Kernels registered first win when ranges overlap. Returns the registry entry.
@@ -81,7 +91,7 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
         raise ValueError(f"kernel {name}: max_m={max_m} < min_m={min_m}")
     kernel = MatmulKernel(name=name, format=format_name, platform=platform, fn=fn,
                           min_m=min_m, max_m=max_m, grad_fn=grad_fn, supports=supports,
-                          lora_fn=lora_fn)
+                          lora_fn=lora_fn, group_fn=group_fn, group_supports=group_supports)
     entries = _KERNELS.setdefault((format_name, platform), [])
     if any(entry.name == name for entry in entries):
         raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
@@ -219,6 +229,47 @@ def _quantized_matmul_lora_bwd(compute_dtype, scale, lora_forward, backward, res
 _quantized_matmul_lora.defvjp(_quantized_matmul_lora_fwd, _quantized_matmul_lora_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _grouped_quantized_matmul(x, downs, lora_bs, weights, compute_dtype, scales, group_forward,
+                              backward):
+    del backward
+    return group_forward(x, weights, downs, lora_bs, scales, compute_dtype=compute_dtype)
+
+
+def _grouped_quantized_matmul_fwd(x, downs, lora_bs, weights, compute_dtype, scales,
+                                  group_forward, backward):
+    del backward
+    ys = group_forward(x, weights, downs, lora_bs, scales, compute_dtype=compute_dtype)
+    return ys, (weights, downs, lora_bs)
+
+
+def _grouped_quantized_matmul_bwd(compute_dtype, scales, group_forward, backward, residuals,
+                                  grads):
+    """Per weight what the single ops' VJPs give (dx_i = dy_i @ W_i; the LoRA products'
+    gradients); dx = sum_i dx_i, summed in float32."""
+    del group_forward
+    weights, downs, lora_bs = residuals
+    grad_x = None
+    grad_downs, grad_bs, grad_weights = [], [], []
+    for i, (weight, grad_output) in enumerate(zip(weights, grads)):
+        if downs is not None:
+            grad32 = grad_output.astype(jnp.float32)
+            grad_downs.append((scales[i] * jnp.dot(grad32, lora_bs[i].astype(jnp.float32).T))
+                              .astype(downs[i].dtype))
+            grad_bs.append((scales[i] * jnp.dot(downs[i].astype(jnp.float32).T, grad32))
+                           .astype(lora_bs[i].dtype))
+        dx, grad_weight = _grad_x_and_weight_cotangent(grad_output, weight, compute_dtype,
+                                                       backward)
+        grad_weights.append(grad_weight)
+        grad_x = dx.astype(jnp.float32) if grad_x is None else grad_x + dx.astype(jnp.float32)
+    return (grad_x.astype(compute_dtype),
+            None if downs is None else tuple(grad_downs),
+            None if lora_bs is None else tuple(grad_bs), tuple(grad_weights))
+
+
+_grouped_quantized_matmul.defvjp(_grouped_quantized_matmul_fwd, _grouped_quantized_matmul_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAProduct:
     """An unmerged LoRA adapter for `linear`: y += scale * (x @ a) @ b.
@@ -325,3 +376,94 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
                      preferred_element_type=jnp.float32)
         y = (y.astype(jnp.float32) + lora.scale * up.reshape(y.shape)).astype(compute_dtype)
     return y
+
+
+def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
+                  platform: str) -> tuple[MatmulKernel | None, str]:
+    """The kernel that runs `weights` in one launch for x2d, or (None, why not)."""
+    if len(weights) < 2:
+        return None, "fewer than two weights"
+    if not all(isinstance(w, QuantizedWeight) for w in weights):
+        return None, "not every weight is quantized"
+    formats = {w.format for w in weights}
+    if len(formats) != 1:
+        return None, f"mixed formats {sorted(formats)}"
+    if len({lora is None for lora in loras}) != 1:
+        return None, "LoRA on some weights only"
+    kernel, reason = _select(weights[0].format, x2d.shape[0], platform)
+    if kernel is None or kernel.group_fn is None:
+        return None, reason if kernel is None else f"kernel {kernel.name} has no grouped launch"
+    if loras[0] is not None and kernel.lora_fn is None:
+        return None, f"kernel {kernel.name} has no LoRA epilogue"
+    for weight in weights:
+        refusal = None if kernel.supports is None else kernel.supports(weight,
+                                                                       jnp.dtype(compute_dtype))
+        if refusal is not None:
+            return None, f"kernel {kernel.name} cannot take it: {refusal}"
+    refusal = None if kernel.group_supports is None else kernel.group_supports(weights)
+    if refusal is not None:
+        return None, f"kernel {kernel.name} cannot group them: {refusal}"
+    return kernel, f"kernel {kernel.name} groups {len(weights)} weights at M={x2d.shape[0]}"
+
+
+def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
+                 loras=None) -> list[jax.Array]:
+    """`linear` of several layers that read the same x (a layer's q/k/v, or gate/up).
+
+    Where the selected quantized kernel can launch them together (group_fn: the fused small-M
+    kernels, e.g. at decode), it does, with each layer's LoRA product in the epilogue; each
+    output is what `linear` would give up to float32 summation order (the group's split-K may
+    differ). Otherwise each layer runs through `linear`, unchanged (dense weights, large M, CPU
+    without kernels: bit for bit the single calls).
+
+    Args:
+      x: activations [..., in], shared.
+      weights: sequence of weights (as for `linear`), all with `in` input features.
+      biases: sequence of optional biases [out_i] (same length).
+      loras: optional sequence of optional LoRAProducts (same length).
+    Returns:
+      list of [..., out_i] in compute_dtype.
+    """
+    weights = tuple(weights)
+    biases = tuple(biases)
+    loras = tuple(loras) if loras is not None else (None,) * len(weights)
+    if not len(weights) == len(biases) == len(loras):
+        raise ValueError(f"linear_group: {len(weights)} weights, {len(biases)} biases and "
+                         f"{len(loras)} LoRA entries must match")
+
+    def one_by_one():
+        return [linear(x, w, b, compute_dtype=compute_dtype, lora=lora)
+                for w, b, lora in zip(weights, biases, loras)]
+
+    if not all(isinstance(w, QuantizedWeight) for w in weights):
+        return one_by_one()
+    in_features = x.shape[-1]
+    for w, lora in zip(weights, loras):
+        if w.shape[1] != in_features:
+            raise ValueError(f"linear_group: x has {in_features} features but a {w.format} "
+                             f"weight is [out={w.shape[0]}, in={w.shape[1]}]")
+        if lora is not None:
+            _check_lora_shapes(lora, in_features, w.shape[0])
+    leading = x.shape[:-1]
+    x2d = x.reshape(-1, in_features).astype(compute_dtype)
+    platform = jax.default_backend()
+    kernel, reason = _group_kernel(x2d, weights, loras, compute_dtype, platform)
+    _log_path_once(weights[0].format, platform,
+                   "one by one" if kernel is None else f"{kernel.name} grouped", reason)
+    if kernel is None:
+        return one_by_one()
+    backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
+    downs = lora_bs = scales = None
+    if loras[0] is not None:
+        downs = tuple(_lora_down(x2d, lora, compute_dtype, out_dtype=compute_dtype)
+                      for lora in loras)
+        lora_bs = tuple(lora.b.astype(compute_dtype) for lora in loras)
+        scales = tuple(float(lora.scale) for lora in loras)
+    ys = _grouped_quantized_matmul(x2d, downs, lora_bs, weights, jnp.dtype(compute_dtype),
+                                   scales, kernel.group_fn, backward)
+    outputs = []
+    for y, w, bias in zip(ys, weights, biases):
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        outputs.append(y.astype(compute_dtype).reshape(*leading, w.shape[0]))
+    return outputs

@@ -99,7 +99,3 @@ def test_tile_512_split_k_and_dequantize():
                     k=960)  # 2 K tiles, the second ragged
     kc.check_dequantize(NF4, tile_k=512)
 
-
-def test_matmul_prefetch():
-    kc.check_matmul(NF4, 3, bw.MatmulConfig(block_m=16, block_n=32, split_k=2, prefetch=1),
-                    k=5 * 128 - 64)

@@ -184,38 +184,6 @@ def test_tile_512_split_k_and_dequantize():
     kc.check_dequantize(NVFP4, tile_k=512)
 
 
-@pytest.mark.parametrize("prefetch,split,lhs", [(1, 1, False), (2, 3, False), (1, 2, True)])
-def test_matmul_prefetch(prefetch, split, lhs):
-    """Tiles loaded `prefetch` iterations ahead (carried through the loop): 5 K tiles, the last
-    ragged, over even and uneven splits (the clamped look-ahead past a split's last tile)."""
-    config = bw.MatmulConfig(block_m=16, block_n=32, split_k=split, weight_as_lhs=lhs,
-                             prefetch=prefetch)
-    kc.check_matmul(NVFP4, 3, config, k=5 * 128 - 16)
-
-
-def test_matmul_prefetch_with_lora_epilogue():
-    seed = kc.fresh_seed()
-    rng = np.random.default_rng(seed)
-    ckpt, x, packed = kc.random_problem(NVFP4, seed, 5, 80, 3 * 128, 128)
-    down = jnp.asarray(rng.standard_normal((5, 8)), jnp.bfloat16)
-    lora_b = jnp.asarray(0.1 * rng.standard_normal((8, 80)), jnp.bfloat16)
-    config = bw.MatmulConfig(block_m=16, block_n=32, split_k=2, prefetch=1,
-                             weight_as_lhs=False)
-    y = bw.blockwise_matmul(x, packed, spec=nv.NVFP4, config=config, interpret=True,
-                            poison_output=True, lora_down=down, lora_b=lora_b, lora_scale=0.5)
-    w = np.asarray(nv.nvfp4_dequantize_reference(*ckpt), np.float64)
-    ref = (np.asarray(x, np.float64) @ w.T
-           + 0.5 * np.asarray(down, np.float64) @ np.asarray(lora_b, np.float64))
-    kc.assert_close(y, ref, f"prefetch + LoRA epilogue seed={seed}")
-
-
-def test_prefetch_with_group_dots_is_refused():
-    _, x, packed = kc.random_problem(NVFP4, 0, 3, 80, 256, 128)
-    with pytest.raises(ValueError, match="prefetch"):
-        NVFP4.matmul(x, packed, interpret=True,
-                     config=bw.MatmulConfig(group_dots=True, prefetch=1))
-
-
 def test_decode_tuning_drives_the_default_config():
     def packed(n, k):
         return bw.PackedWeight(codes=jnp.zeros((n, k // 2), jnp.uint8),
@@ -225,14 +193,12 @@ def test_decode_tuning_drives_the_default_config():
 
     gate = packed(18944, 3584)
     before = bw.default_matmul_config(8, gate)
-    previous = bw.set_decode_tuning(**bw.parse_tuning("block_n=128,prefetch=2,num_warps=8,"
-                                                      "weight_as_lhs=true"))
+    previous = bw.set_decode_tuning(**bw.parse_tuning("block_n=128,num_warps=8,weight_as_lhs=true"))
     try:
         tuned = bw.default_matmul_config(8, gate)
-        assert (tuned.block_n, tuned.prefetch, tuned.num_warps, tuned.weight_as_lhs) == (
-            128, 2, 8, True)
+        assert (tuned.block_n, tuned.num_warps, tuned.weight_as_lhs) == (128, 8, True)
         assert tuned.split_k == 3  # 148 N tiles < 264: ceil(320 / 148) splits
-        assert bw.default_matmul_config(32, gate).prefetch == 0  # only decode M is tuned
+        assert bw.default_matmul_config(32, gate).num_warps == 4  # only decode M is tuned
     finally:
         bw.set_decode_tuning(previous)
     assert bw.default_matmul_config(8, gate) == before
@@ -241,3 +207,58 @@ def test_decode_tuning_drives_the_default_config():
     with pytest.raises(ValueError, match="power of two"):
         bw.set_decode_tuning(block_n=48)
     assert bw.decode_tuning() == previous
+
+
+@pytest.mark.parametrize("m,split,lora", [(3, 1, False), (5, 2, True), (20, 3, True)])
+def test_grouped_matmul_equals_single_launches(m, split, lora):
+    """q/k/v-like weights of different N (one ragged) in one launch: each output equals the
+    single-weight kernel's under the same config, bit for bit (same tiles, same f32 order)."""
+    seed = kc.fresh_seed()
+    rng = np.random.default_rng(seed)
+    k = 3 * 128
+    problems = [kc.random_problem(NVFP4, seed + i, m, n, k, 128) for i, n in
+                enumerate((96, 32, 40))]
+    x = problems[0][1]
+    packed = tuple(p[2] for p in problems)
+    downs = bs = scales = None
+    if lora:
+        downs = [jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16) for r in (8, 8, 4)]
+        bs = [jnp.asarray(0.1 * rng.standard_normal((r, p.n)), jnp.bfloat16)
+              for r, p in zip((8, 8, 4), packed)]
+        scales = (0.5, 1.0, 2.0)
+    config = bw.MatmulConfig(block_m=max(16, bw._next_pow2(m)), block_n=32, split_k=split,
+                             weight_as_lhs=False)
+    ys = bw.blockwise_matmul_group(x, packed, spec=nv.NVFP4, config=config, interpret=True,
+                                   poison_output=True, lora_downs=downs, lora_bs=bs,
+                                   lora_scales=scales)
+    for i, (p, y) in enumerate(zip(packed, ys)):
+        single = bw.blockwise_matmul(x, p, spec=nv.NVFP4, config=config, interpret=True,
+                                     lora_down=None if downs is None else downs[i],
+                                     lora_b=None if bs is None else bs[i],
+                                     lora_scale=0.0 if scales is None else scales[i])
+        assert y.shape == (m, p.n) and y.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(single, np.float32),
+                                      err_msg=f"member {i} seed={seed}")
+        ref = np.asarray(x, np.float64) @ np.asarray(
+            nv.nvfp4_dequantize_reference(*problems[i][0]), np.float64).T
+        if downs is not None:
+            ref = ref + scales[i] * (np.asarray(downs[i], np.float64)
+                                     @ np.asarray(bs[i], np.float64))
+        kc.assert_close(y, ref, f"grouped member {i} seed={seed}")
+
+
+def test_grouped_matmul_default_config_and_errors():
+    problems = [kc.random_problem(NVFP4, i, 4, n, 256, 128) for i, n in enumerate((80, 40))]
+    packed = tuple(p[2] for p in problems)
+    config = bw.default_group_matmul_config(4, packed)
+    assert config.path == "fused" and config.block_m == 16
+    ys = bw.blockwise_matmul_group(problems[0][1], packed, spec=nv.NVFP4, interpret=True)
+    assert [y.shape for y in ys] == [(4, 80), (4, 40)]
+    other_k = kc.random_problem(NVFP4, 9, 4, 40, 384, 128)[2]
+    with pytest.raises(ValueError, match="same K"):
+        bw.blockwise_matmul_group(problems[0][1], (packed[0], other_k), spec=nv.NVFP4,
+                                  interpret=True)
+    with pytest.raises(ValueError, match="LoRA downs"):
+        bw.blockwise_matmul_group(problems[0][1], packed, spec=nv.NVFP4, interpret=True,
+                                  lora_downs=[jnp.zeros((4, 8), jnp.bfloat16)],
+                                  lora_bs=[jnp.zeros((8, 80), jnp.bfloat16)], lora_scales=(1.0,))

@@ -347,3 +347,67 @@ def test_lora_epilogue_matches_separate_lora_dots(interpret_kernels, format_name
     for label, got, want in zip(("y", "dx", "dA", "dB"), results["kernel"], results["xla"]):
         _assert_close(got, want, 2 * TOLERANCE, f"{format_name} M={m} r={rank} {label}")
 
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("m,with_lora", [(3, True), (16, False), (300, True)])
+def test_linear_group_matches_single_linears(interpret_kernels, format_name, m, with_lora):
+    """linear_group on q/k/v-like kernel-layout weights (different N, one K) runs them in one
+    fused launch at M <= 64 (one by one above): outputs and gradients w.r.t. x, A and B equal
+    the single XLA-path linears' (checkpoint layout) within the module's tolerance."""
+    from qerl_jax.quant.linear_op import LoRAProduct, linear_group
+    rng = np.random.default_rng(secrets.randbits(32))
+    sizes = (N, 72, 72)
+    quantized = [_weight(format_name, rng, n=n) for n in sizes]
+    prepared = [to_kernel_layout(w) for w in quantized]
+    x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
+    biases = [jnp.asarray(rng.standard_normal(n) * 0.1, jnp.float32) for n in sizes]
+    a = [jnp.asarray(rng.standard_normal((K, 8)) * 0.1, jnp.float32) for _ in sizes]
+    b = [jnp.asarray(rng.standard_normal((8, n)) * 0.1, jnp.float32) for n in sizes]
+    dys = [jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16) for n in sizes]
+
+    def grouped(x, a, b, weights):
+        loras = [LoRAProduct(ai, bi, 2.0) for ai, bi in zip(a, b)] if with_lora else None
+        return linear_group(x, weights, biases, compute_dtype=jnp.bfloat16, loras=loras)
+
+    def single(x, a, b, weights):
+        return [linear(x, w, bias, compute_dtype=jnp.bfloat16,
+                       lora=LoRAProduct(ai, bi, 2.0) if with_lora else None)
+                for w, bias, ai, bi in zip(weights, biases, a, b)]
+
+    ys, vjp = jax.vjp(functools.partial(grouped, weights=prepared), x, a, b)
+    grads = vjp(dys)
+    ys_ref, vjp_ref = jax.vjp(functools.partial(single, weights=quantized), x, a, b)
+    grads_ref = vjp_ref(dys)
+    jaxpr = str(jax.make_jaxpr(functools.partial(grouped, weights=prepared))(x, a, b))
+    assert (f"{format_name}_matmul_group3" in jaxpr) == (m <= 64)
+    context = f"{format_name} M={m} lora={with_lora}"
+    for i in range(3):
+        _assert_close(ys[i], ys_ref[i], 2 * TOLERANCE, f"{context} y{i}")
+    _assert_close(grads[0], grads_ref[0], 2 * TOLERANCE, f"{context} dx")
+    if with_lora:
+        for i in range(3):
+            _assert_close(grads[1][i], grads_ref[1][i], 2 * TOLERANCE, f"{context} dA{i}")
+            _assert_close(grads[2][i], grads_ref[2][i], 2 * TOLERANCE, f"{context} dB{i}")
+
+
+def test_linear_group_runs_one_by_one_where_it_cannot_group(interpret_kernels, caplog):
+    """Dense weights (bit for bit the single linears), mixed formats and mixed LoRA fall back to
+    one linear per weight, and the log says why."""
+    from qerl_jax.quant.linear_op import LoRAProduct, linear_group
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, K)), jnp.float32)
+    dense = [jnp.asarray(rng.standard_normal((K, n)) * 0.05, jnp.float32) for n in (N, 72)]
+    got = linear_group(x, dense, (None, None), compute_dtype=jnp.float32)
+    for g, w in zip(got, dense):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(linear(x, w, None,
+                                                                        compute_dtype=jnp.float32)))
+    mixed = [to_kernel_layout(_weight("nvfp4", rng)), to_kernel_layout(_weight("nf4", rng, n=72))]
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+        jax.make_jaxpr(lambda x: linear_group(x, mixed, (None, None)))(x)
+        one_lora = (LoRAProduct(jnp.zeros((K, 4)), jnp.zeros((4, N)), 1.0), None)
+        same = [to_kernel_layout(_weight("nvfp4", rng)), to_kernel_layout(_weight("nvfp4", rng))]
+        jax.make_jaxpr(lambda x: linear_group(x, same, (None, None), loras=one_lora))(x)
+    assert "mixed formats" in caplog.text and "LoRA on some weights only" in caplog.text
+    with pytest.raises(ValueError, match="must match"):
+        linear_group(x, dense, (None,))
