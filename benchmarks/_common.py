@@ -158,6 +158,8 @@ def add_worker_arguments(parser, script_name: str) -> None:
                         help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
     parser.add_argument("--no-grouped-launches", action="store_true",
                         help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
+    parser.add_argument("--no-decode-attention", action="store_true",
+                        help="decode steps attend over the whole cache on XLA (no Pallas kernel)")
     parser.add_argument("--kernels-interpret", action="store_true",
                         help="CPU check of the kernel path: enable_kernels(interpret=True)")
     parser.add_argument("--out", default=".")
@@ -177,6 +179,7 @@ def kernel_flags(args) -> list[str]:
     return [flag for flag, on in (("--no-kernels", args.no_kernels),
                                   ("--no-lora-epilogue", args.no_lora_epilogue),
                                   ("--no-grouped-launches", args.no_grouped_launches),
+                                  ("--no-decode-attention", args.no_decode_attention),
                                   ("--kernels-interpret", args.kernels_interpret)) if on]
 
 
@@ -184,7 +187,8 @@ def output_name(script_name: str, sizes: list[str], args) -> str:
     """'rollout_7b-32b' (+ '_no-kernels', '_no-lora-epilogue' when those switches are on)."""
     return (f"{script_name}_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
             + ("_no-lora-epilogue" if args.no_lora_epilogue else "")
-            + ("_no-grouped" if args.no_grouped_launches else ""))
+            + ("_no-grouped" if args.no_grouped_launches else "")
+            + ("_no-decode-attention" if args.no_decode_attention else ""))
 
 
 def run_script(args, worker_main, parent_main, merge_main) -> None:
@@ -275,7 +279,7 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0):
 def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed: int = 0,
                          use_kernels: bool = True, interpret: bool = False,
                          lora_epilogue: bool = True, tile_k: int | None = None,
-                         grouped: bool = True):
+                         grouped: bool = True, decode_attention: bool = True):
     """The rollout benchmarks' model: a random-weight `preset` (bf16 params and compute, no
     remat) in `format_name`, built tensor by tensor, with LoRA as the trainer attaches it (rank
     r, alpha r, all projections, trainable norms) and B drawn nonzero (1e-3 N(0, 1)) so the
@@ -303,7 +307,7 @@ def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed:
         layer.lora_b.set_value(1e-3 * jax.random.normal(
             jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
     model, info = _prepare_model(model, format_name, use_kernels, interpret, lora_epilogue,
-                                 tile_k, grouped)
+                                 tile_k, grouped, decode_attention)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     del model
     states = (trainable, frozen)
@@ -330,7 +334,8 @@ def _unregister_all_kernels(format_name: str) -> list[str]:
 
 def _prepare_model(model, format_name: str, use_kernels: bool = True,
                    interpret: bool = False, lora_epilogue: bool = True,
-                   tile_k: int | None = None, grouped: bool = True):
+                   tile_k: int | None = None, grouped: bool = True,
+                   decode_attention: bool = True):
     """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
     when qerl_jax.quant.kernel_dispatch.enable_kernels exists; otherwise the pure XLA path.
 
@@ -349,8 +354,17 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
         enable_kernels = None
         missing = str(error)
     info: dict = {}
+    if not (use_kernels and decode_attention) and enable_kernels is not None:
+        # the trainer's build_model may have registered it already
+        from qerl_jax.quant.kernel_dispatch import disable_decode_attention
+        disable_decode_attention("cpu" if interpret else None)
     if format_name == "bf16":
-        info["kernel_hook"] = "dense bf16 (no quantized matmul)"
+        attention = False
+        if use_kernels and decode_attention:
+            from qerl_jax.quant.kernel_dispatch import enable_decode_attention
+            attention = enable_decode_attention(interpret=interpret)
+        info["kernel_hook"] = "dense bf16 (no quantized matmul)" + (
+            ", Pallas decode attention" if attention else "")
     elif not use_kernels:
         removed = _unregister_all_kernels(format_name)
         info["kernel_hook"] = "off (--no-kernels): XLA" + (f"; unregistered {removed}"
@@ -360,13 +374,15 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     else:
         tuning = apply_decode_tuning_from_env()
         result = enable_kernels(model, interpret=interpret, lora_epilogue=lora_epilogue,
-                                tile_k=tile_k, grouped=grouped)
+                                tile_k=tile_k, grouped=grouped,
+                                decode_attention=decode_attention)
         if result is not None and hasattr(result, "config"):  # returned the (same) model
             model = result
         info["kernel_hook"] = (f"enable_kernels on {jax.default_backend()}"
                                + (" (Pallas interpret mode)" if interpret else "")
                                + ("" if lora_epilogue else ", no LoRA epilogue")
                                + ("" if grouped else ", no grouped launches")
+                               + ("" if decode_attention else ", no decode attention kernel")
                                + (f", tile_k {tile_k} for every weight" if tile_k else "")
                                + (f", decode tuning {tuning}" if tuning else ""))
     from flax import nnx

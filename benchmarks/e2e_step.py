@@ -103,7 +103,8 @@ def worker_main(args) -> None:
         model, hook = common._prepare_model(model, format_name, not args.no_kernels,
                                             args.kernels_interpret,
                                             not args.no_lora_epilogue,
-                                            grouped=not args.no_grouped_launches)
+                                            grouped=not args.no_grouped_launches,
+                                            decode_attention=not args.no_decode_attention)
         row.update(hook)
         row["params_B"] = model.config.num_parameters() / 1e9
         return model, tokenizer

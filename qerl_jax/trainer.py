@@ -106,12 +106,17 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
 
 def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
     """Repacks the 4-bit weights once into the Pallas kernels' layout and registers the kernels
-    (GPU only; a no-op on CPU and for bf16 weights). config.quant.kernels=False keeps the XLA
-    path. The kernels compute in bfloat16: with another compute dtype every matmul would take
-    the XLA path and unpack the kernel layout again on each call, so nothing is repacked."""
-    from qerl_jax.quant.kernel_dispatch import enable_kernels
+    (GPU only; a no-op on CPU). bf16 weights get the decode-attention kernel only.
+    config.quant.kernels=False keeps the XLA path. The kernels compute in bfloat16: with another
+    compute dtype every matmul would take the XLA path and unpack the kernel layout again on
+    each call, so nothing is repacked."""
+    from qerl_jax.quant.kernel_dispatch import enable_decode_attention, enable_kernels
 
-    if not config.quant.get("kernels", True) or config.quant.format == "bf16":
+    if not config.quant.get("kernels", True):
+        return
+    if config.quant.format == "bf16":
+        if config.model.compute_dtype == "bfloat16":
+            enable_decode_attention()
         return
     if config.model.compute_dtype != "bfloat16":
         logger.info("Pallas kernels not enabled: model.compute_dtype=%s (they compute in "

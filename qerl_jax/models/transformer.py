@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qerl_jax.models.attention_dispatch import decode_attention_kernel
 from qerl_jax.models.config import ModelConfig
 from qerl_jax.models.kv_cache import KVCache
 from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
@@ -72,6 +73,14 @@ class Attention(nnx.Module):
             keys, values = k, v
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
+        kernel = (decode_attention_kernel(q[:, 0], keys)
+                  if cached_kv is not None and length == 1 else None)
+        if kernel is not None:
+            # A decode step: the kernel reads only slots [0, cache_index] of the cache.
+            out = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
+                            scale=1.0 / math.sqrt(self.head_dim))
+            out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
+            return self.o_proj(out), new_kv
         scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
                             preferred_element_type=jnp.float32)
         scores = scores * (1.0 / math.sqrt(self.head_dim))

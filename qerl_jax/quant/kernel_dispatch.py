@@ -45,10 +45,12 @@ from flax import nnx
 from jax import lax
 
 from pallas_kernels import blockwise_matmul as bw
+from pallas_kernels import decode_attention as decode_attention_kernels
 from pallas_kernels.mxfp4_matmul import MAX_SCALE_CODE as MXFP4_MAX_SCALE_CODE
 from pallas_kernels.mxfp4_matmul import MXFP4
 from pallas_kernels.nf4_matmul import NF4
 from pallas_kernels.nvfp4_matmul import NVFP4
+from qerl_jax.models import attention_dispatch
 from qerl_jax.quant import linear_op
 from qerl_jax.quant.nf4 import dequantize_block_scales
 from qerl_jax.quant.qarray import QuantizedWeight
@@ -410,16 +412,52 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
 
 
 def unregister_kernels(platform: str = "gpu") -> None:
-    """Removes this module's kernels for `platform` (back to the XLA path)."""
+    """Removes this module's kernels for `platform`, decode attention included (back to the XLA
+    path)."""
     for format_name in SPECS:
         for name in kernel_names(format_name):
             linear_op.unregister_matmul_kernel(format_name, platform, name)
     _REGISTERED.pop(platform, None)
+    disable_decode_attention(platform)
+
+
+def _decode_attention_supports(q, keys) -> str | None:
+    head_dim = q.shape[-1]
+    if q.dtype != jnp.bfloat16 or keys.dtype != jnp.bfloat16:
+        return f"q {q.dtype} / cache {keys.dtype} (the kernel takes bfloat16)"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} (a power of two >= 16)"
+    return None
+
+
+def enable_decode_attention(platform: str | None = None, *, interpret: bool = False) -> bool:
+    """Registers the Pallas decode-attention kernel (pallas_kernels.decode_attention: reads only
+    the used part of the KV cache) for one-token decode steps on `platform`. Independent of the
+    weight format (bf16 models use it too). Returns whether it was registered (not on a platform
+    without compiled kernels unless interpret=True)."""
+    platform = platform or jax.default_backend()
+    if platform not in KERNEL_PLATFORMS and not interpret:
+        return False
+
+    def run(q, keys, values, mask, length, *, scale):
+        return decode_attention_kernels.decode_attention(q, keys, values, mask, length,
+                                                         scale=scale, interpret=interpret)
+
+    attention_dispatch.register_decode_attention(platform, attention_dispatch.DecodeAttentionKernel(
+        name="pallas_decode_attention", fn=run, supports=_decode_attention_supports))
+    logger.info("registered the Pallas decode attention for %s (interpret=%s)", platform,
+                interpret)
+    return True
+
+
+def disable_decode_attention(platform: str | None = None) -> None:
+    attention_dispatch.unregister_decode_attention(platform or jax.default_backend())
 
 
 def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bool = False,
                    tile_k: int | None = None, small_m_backward: str = "dequantize",
-                   lora_epilogue: bool = True, grouped: bool = True):
+                   lora_epilogue: bool = True, grouped: bool = True,
+                   decode_attention: bool = True):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
     Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
@@ -432,6 +470,7 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
       interpret: Pallas interpret mode (CPU tests; slow).
       tile_k: K tile of the kernel layout (default: default_tile_k).
       small_m_backward, lora_epilogue, grouped: see register_kernels.
+      decode_attention: also register the decode-attention kernel (enable_decode_attention).
     """
     platform = platform or jax.default_backend()
     if platform not in KERNEL_PLATFORMS and not interpret:
@@ -440,6 +479,10 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
         return model_or_state
     register_kernels(platform, interpret=interpret, small_m_backward=small_m_backward,
                      lora_epilogue=lora_epilogue, grouped=grouped)
+    if decode_attention:
+        enable_decode_attention(platform, interpret=interpret)
+    else:
+        disable_decode_attention(platform)
     if not isinstance(model_or_state, nnx.Module):
         return prepare_for_kernels(model_or_state, tile_k=tile_k)
     count = 0

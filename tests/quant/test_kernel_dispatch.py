@@ -411,3 +411,45 @@ def test_linear_group_runs_one_by_one_where_it_cannot_group(interpret_kernels, c
     assert "mixed formats" in caplog.text and "LoRA on some weights only" in caplog.text
     with pytest.raises(ValueError, match="must match"):
         linear_group(x, dense, (None,))
+
+
+def test_decode_steps_with_the_decode_attention_kernel():
+    """Prefill then decode steps of a tiny bf16 model (left-padded rows, one finished row) with
+    the Pallas decode attention (interpret mode) registered: every step's logits equal the XLA
+    path's within the module's model tolerance, and the kernel is in the decode program."""
+    from qerl_jax.models.config import preset
+    from qerl_jax.models.kv_cache import init_kv_cache
+    from qerl_jax.models.transformer import decode_step, init_model, prefill
+    model = init_model(preset("tiny_qwen2", compute_dtype="bfloat16", param_dtype="bfloat16",
+                              num_hidden_layers=1), seed=5)
+    rng = np.random.default_rng(secrets.randbits(32))
+    tokens = jnp.asarray(rng.integers(0, 128, (3, 6)), jnp.int32)
+    mask = jnp.asarray([[1] * 6, [0, 0, 1, 1, 1, 1], [1] * 6], jnp.bool_)
+    active = jnp.asarray([True, True, False])
+
+    def run():
+        cache = init_kv_cache(model.config, 3, 40)
+        logits, cache = prefill(model, tokens, mask, cache)
+        steps = [logits]
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        for _ in range(4):
+            logits, cache = decode_step(model, token, cache, active=active)
+            steps.append(logits)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return steps
+
+    reference = run()
+    try:
+        assert kernel_dispatch.enable_decode_attention("cpu", interpret=True)
+        with_kernel = run()
+        cache = init_kv_cache(model.config, 3, 40)
+        jaxpr = str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
+        assert "decode_attention" in jaxpr
+    finally:
+        kernel_dispatch.disable_decode_attention("cpu")
+    for step, (got, want) in enumerate(zip(with_kernel, reference)):
+        scale = float(np.abs(np.asarray(want[:2])).max())
+        diff = np.abs(np.asarray(got[:2]) - np.asarray(want[:2]))  # the finished row is unused
+        assert np.isfinite(np.asarray(got)).all()
+        assert diff.max() <= 2.0 ** -4 * scale and diff.mean() <= 2.0 ** -8 * scale, (step,
+                                                                                      diff.max())

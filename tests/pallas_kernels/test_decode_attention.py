@@ -1,0 +1,85 @@
+"""The decode-attention kernel (pallas_kernels/decode_attention.py) in interpret mode against a
+float64 numpy reference.
+
+Tolerance: scores and softmax run in float32; the probabilities are rounded to bf16 for the
+p @ v product (<= 2^-9 relative each), so |out - ref| <= 1e-2 * max |ref| (a few bf16 ulps of
+the largest output); q, k, v are bf16 inputs in both.
+"""
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
+                                             default_splits)
+
+TOLERANCE = 1e-2
+
+
+def _reference(q, k, v, mask, length, scale):
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    mask = np.asarray(mask) & (np.arange(k.shape[1]) < length)[None, :]
+    scores = np.einsum("bkgd,bskd->bkgs", q, k) * scale
+    scores = np.where(mask[:, None, None, :], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.einsum("bkgs,bskd->bkgd", probs, v)
+
+
+def _problem(seed, batch, slots, kv_heads, groups, head_dim):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((batch, kv_heads, groups, head_dim)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((batch, slots, kv_heads, head_dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((batch, slots, kv_heads, head_dim)), jnp.bfloat16)
+    return rng, q, k, v
+
+
+@pytest.mark.parametrize("slots,length,groups,block_s,splits", [
+    (200, 150, 7, 32, 3),     # ragged cache, length inside the last split's range
+    (200, 200, 7, 32, None),  # full cache, default splits
+    (96, 17, 2, 16, 4),       # early decode: the later splits read nothing
+    (64, 64, 16, 64, 1),      # one split, one block
+])
+def test_matches_reference(slots, length, groups, block_s, splits):
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng, q, k, v = _problem(seed, 3, slots, 2, groups, 32)
+    mask = rng.random((3, slots)) < 0.8
+    mask[:, 0] = True  # every row attends to something in range
+    mask[1, :5] = False  # a left-padded row
+    scale = 32 ** -0.5
+    out = decode_attention(q, k, v, jnp.asarray(mask), length, scale=scale,
+                           config=DecodeAttentionConfig(block_s=block_s, splits=splits),
+                           interpret=True)
+    ref = _reference(q, k, v, mask, length, scale)
+    assert out.shape == ref.shape and out.dtype == jnp.float32
+    err = np.abs(np.asarray(out) - ref).max() / np.abs(ref).max()
+    assert err <= TOLERANCE, f"seed={seed} relative error {err:.2e}"
+
+
+def test_slots_past_length_are_not_read():
+    """NaN keys/values beyond `length` do not reach the output (those slots are never loaded)."""
+    rng, q, k, v = _problem(0, 2, 128, 2, 4, 16)
+    k = k.at[:, 40:].set(jnp.nan)
+    v = v.at[:, 40:].set(jnp.nan)
+    mask = jnp.ones((2, 128), bool)
+    out = decode_attention(q, k, v, mask, 40, scale=0.25,
+                           config=DecodeAttentionConfig(block_s=16, splits=4), interpret=True)
+    ref = _reference(q[:, :, :, :], k[:, :40], v[:, :40], np.ones((2, 40), bool), 40, 0.25)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), ref, atol=TOLERANCE * np.abs(ref).max())
+
+
+def test_all_masked_row_stays_finite_and_errors():
+    _, q, k, v = _problem(1, 2, 64, 1, 2, 16)
+    mask = np.ones((2, 64), bool)
+    mask[0] = False  # e.g. a finished sequence's padding row
+    out = decode_attention(q, k, v, jnp.asarray(mask), 64, scale=0.25, interpret=True)
+    assert np.isfinite(np.asarray(out)).all()
+    with pytest.raises(ValueError, match="mask"):
+        decode_attention(q, k, v, jnp.ones((2, 63), bool), 64, scale=0.25, interpret=True)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_attention(q[..., :12], k[..., :12], v[..., :12], jnp.asarray(mask), 64,
+                         scale=0.25, interpret=True)
+    assert default_splits(8, 4, 2304, 64) == 9
+    assert default_splits(1, 1, 100, 64) == 2
