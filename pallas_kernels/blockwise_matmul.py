@@ -383,36 +383,45 @@ def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, poisoned: bool,
 
 
 def _grouped_matmul_kernel(x_ref, *refs, members: tuple[tuple[int, int, int], ...],
-                           lora_scales: tuple[float, ...] | None, poisoned: bool, **static):
-    """Several weights sharing x in one launch. refs: per member (codes, scales, tensor
-    scale[, down, lora_b]), then the aux refs, [one poison per member,] one output per member.
-    members[i] = (n_i, first N-tile program of member i, its N tiles): the programs of the N
-    grid axis are dealt out to the members in order, each running the single-weight program."""
+                           lora_scales: tuple[float, ...] | None,
+                           lora_columns: tuple[int, ...] | None, poisoned: bool, **static):
+    """Several weights sharing x in one launch. refs: [the LoRA down [M, R] of all members,]
+    per member (codes, scales, tensor scale[, lora_b]), then the aux refs, [one poison per
+    member,] one output per member. members[i] = (n_i, first N-tile program of member i, its N
+    tiles): the programs of the N grid axis are dealt out to the members in order, each running
+    the single-weight program; member i's LoRA down is columns [lora_columns[i], + r_i)."""
     count = len(members)
-    per_member = 3 if lora_scales is None else 5
+    shared_down = None
+    if lora_scales is not None:
+        shared_down, *refs = refs
+    per_member = 3 if lora_scales is None else 4
     outs = refs[len(refs) - count:]
     aux_refs = refs[count * per_member:len(refs) - count * (1 + int(poisoned))]
     # program ids are read here, outside the branches (interpret mode cannot read them inside)
     pid_m, pid_n, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     for i, (n, offset, n_tiles) in enumerate(members):
         weight_refs = refs[i * per_member:(i + 1) * per_member]
-        down_ref, lora_b_ref = (None, None) if lora_scales is None else weight_refs[3:]
+        lora_b_ref = None if lora_scales is None else weight_refs[3]
 
         @pl.when((pid_n >= offset) & (pid_n < offset + n_tiles))
-        def _(weight_refs=weight_refs, down_ref=down_ref, lora_b_ref=lora_b_ref, n=n,
-              offset=offset, out_ref=outs[i], i=i):
-            _matmul_program(x_ref, *weight_refs[:3], down_ref, lora_b_ref, aux_refs, out_ref,
+        def _(weight_refs=weight_refs, lora_b_ref=lora_b_ref, n=n, offset=offset,
+              out_ref=outs[i], i=i):
+            _matmul_program(x_ref, *weight_refs[:3], shared_down, lora_b_ref, aux_refs, out_ref,
                             (pid_m, pid_n - offset, pid_s), n=n,
-                            lora_scale=None if lora_scales is None else lora_scales[i], **static)
+                            lora_scale=None if lora_scales is None else lora_scales[i],
+                            down_column=0 if lora_columns is None else lora_columns[i],
+                            **static)
 
 
 def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, aux_refs,
                     out_ref, program_ids, *, spec: FormatSpec, decoder: str, m: int, n: int, k: int,
                     bm: int, bn: int, tile_k: int, tiles_per_split: int, k_tiles: int,
                     split: int, weight_as_lhs: bool, group_dots: bool = False,
-                    clamp_rows: bool = False, lora_scale: float | None = None):
+                    clamp_rows: bool = False, lora_scale: float | None = None,
+                    down_column: int = 0):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
-    program_ids = (pid_m, pid_n, pid_s)."""
+    program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
+    [down_column, down_column + r) with r = lora_b_ref's rows."""
     half = tile_k // 2
     g = half // spec.scale_block
     pid_m, pid_n, pid_s = program_ids
@@ -482,8 +491,8 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     if lora_scale is not None:
         # + lora_scale * down @ B on this [bm, bn] tile, in f32 before the output rounding;
         # with split-K only the first split adds it.
-        rank = down_ref.shape[1]
-        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(0, rank)],
+        rank = lora_b_ref.shape[0]
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
                      _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False))
         lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
                        _edge_masks(0, rank, rank, n0, bn, n, False, n % bn != 0))
@@ -721,49 +730,61 @@ def check_group(packed: tuple[PackedWeight, ...], spec: FormatSpec) -> None:
 
 def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, spec: FormatSpec,
                            config: MatmulConfig | None = None, interpret: bool = False,
-                           poison_output: bool = False, lora_downs=None, lora_bs=None,
+                           poison_output: bool = False, lora_down: jax.Array | None = None,
+                           lora_bs=None,
                            lora_scales: tuple[float, ...] | None = None) -> tuple[jax.Array, ...]:
-    """(x @ W_i^T (+ lora_scales[i] * lora_downs[i] @ lora_bs[i]))_i, bf16 [..., N_i], for
-    weights that share x (a layer's q/k/v, or gate/up), in ONE fused-kernel launch: its N-tile
-    programs are dealt out to the weights in order. Each output equals blockwise_matmul's of
-    the same weight under the same config. Saves a launch and its fill/drain per extra weight,
-    and lets small weights (k/v) share the GPU with a large one, without concatenating the
-    weights in memory.
+    """(x @ W_i^T (+ lora_scales[i] * down_i @ lora_bs[i]))_i, bf16 [..., N_i], for weights
+    that share x (a layer's q/k/v, or gate/up), in ONE fused-kernel launch: its N-tile programs
+    are dealt out to the weights in order. Each output equals blockwise_matmul's of the same
+    weight under the same config. Saves a launch and its fill/drain per extra weight, and lets
+    small weights (k/v) share the GPU with a large one, without concatenating the weights.
 
-    config None picks default_group_matmul_config (decided outside the jit). LoRA: all weights
-    or none (lora_downs[i] [..., r_i], lora_bs[i] [r_i, N_i]). The "dequantize" path runs the
+    LoRA (all weights or none): lora_down [..., R] = x @ [A_0 | A_1 | ...], the members' down
+    products side by side (one dot for the group), member i's at columns [sum_{j<i} r_j, + r_i)
+    with r_i = lora_bs[i].shape[0]; lora_bs[i] [r_i, N_i]. config None picks
+    default_group_matmul_config (decided outside the jit). The "dequantize" path runs the
     weights one by one.
     """
     packed = tuple(packed)
     if config is None:
         config = default_group_matmul_config(math.prod(x.shape[:-1]), packed)
-    if lora_downs is not None:
-        lora_downs, lora_bs = tuple(lora_downs), tuple(lora_bs)
+    if lora_down is not None:
+        lora_bs = tuple(lora_bs)
         lora_scales = tuple(float(s) for s in lora_scales)
-        if not len(lora_downs) == len(lora_bs) == len(lora_scales) == len(packed):
-            raise ValueError(f"grouped matmul: {len(packed)} weights but {len(lora_downs)} "
-                             f"LoRA downs, {len(lora_bs)} B matrices, {len(lora_scales)} scales")
+        if not len(lora_bs) == len(lora_scales) == len(packed):
+            raise ValueError(f"grouped matmul: {len(packed)} weights but {len(lora_bs)} LoRA B "
+                             f"matrices and {len(lora_scales)} scales")
+        ranks = sum(b.shape[0] for b in lora_bs)
+        if lora_down.shape[-1] != ranks:
+            raise ValueError(f"grouped matmul: lora_down has {lora_down.shape[-1]} columns; the "
+                             f"B matrices' ranks sum to {ranks}")
     return _blockwise_matmul_group(x, packed, spec=spec, config=config, interpret=interpret,
-                                   poison_output=poison_output, lora_downs=lora_downs,
+                                   poison_output=poison_output, lora_down=lora_down,
                                    lora_bs=lora_bs, lora_scales=lora_scales)
+
+
+def _kernel_rank(rank: int) -> int:
+    return max(_MIN_LORA_RANK, _next_pow2(rank))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
                                              "lora_scales"))
 def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig,
-                            interpret: bool, poison_output: bool, lora_downs, lora_bs,
+                            interpret: bool, poison_output: bool, lora_down, lora_bs,
                             lora_scales) -> tuple[jax.Array, ...]:
     check_group(packed, spec)
-    has_lora = lora_downs is not None
+    has_lora = lora_down is not None
+    lead, k = x.shape[:-1], x.shape[-1]
+    ranks = [b.shape[0] for b in lora_bs] if has_lora else []
+    starts = [sum(ranks[:i]) for i in range(len(ranks))]
     if config.path == "dequantize":
         return tuple(_blockwise_matmul(
             x, p, spec=spec, config=config, interpret=interpret, poison_output=poison_output,
-            lora_down=lora_downs[i] if has_lora else None,
+            lora_down=lora_down[..., starts[i]:starts[i] + ranks[i]] if has_lora else None,
             lora_b=lora_bs[i] if has_lora else None,
             lora_scale=lora_scales[i] if has_lora else 0.0) for i, p in enumerate(packed))
     if config.path != "fused":
         raise ValueError(f"unknown matmul path {config.path!r}")
-    lead, k = x.shape[:-1], x.shape[-1]
     if k != packed[0].k:
         raise ValueError(f"x has K={k}, the grouped weights have K={packed[0].k}")
     x2 = x.reshape(-1, k)
@@ -777,6 +798,18 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
                          f"{[p.codes.shape[0] for p in packed]}, K tiles={k_tiles})")
     if config.group_dots:
         raise ValueError("grouped matmul: group_dots is not supported")
+    shared, columns = [], None
+    if has_lora:
+        down2 = lora_down.reshape(m, -1).astype(jnp.bfloat16)
+        bs = [b.astype(jnp.bfloat16) for b in lora_bs]
+        if any(_kernel_rank(r) != r for r in ranks):  # zero-pad each member to a kernel rank
+            down2 = jnp.concatenate(
+                [jnp.pad(down2[:, s:s + r], ((0, 0), (0, _kernel_rank(r) - r)))
+                 for s, r in zip(starts, ranks)], axis=1)
+            bs = [jnp.pad(b, ((0, _kernel_rank(r) - r), (0, 0))) for b, r in zip(bs, ranks)]
+        kernel_ranks = [_kernel_rank(r) for r in ranks]
+        columns = tuple(sum(kernel_ranks[:i]) for i in range(len(kernel_ranks)))
+        shared = [down2]
     members, inputs, offset = [], [], 0
     for i, p in enumerate(packed):
         n_tiles = _cdiv(p.n, bn)
@@ -784,21 +817,25 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
         offset += n_tiles
         inputs += [p.codes, p.scales, p.tensor_scale]
         if has_lora:
-            inputs += list(_lora_epilogue_inputs(lora_downs[i], lora_bs[i], lead, p.n))
+            if bs[i].shape[1] != p.n:
+                raise ValueError(f"grouped matmul: lora_bs[{i}] {lora_bs[i].shape} must be "
+                                 f"[r, N={p.n}]")
+            inputs.append(bs[i])
     kernel = functools.partial(
         _grouped_matmul_kernel, members=tuple(members),
-        lora_scales=lora_scales if has_lora else None, poisoned=bool(poison_output),
-        spec=spec, decoder=_resolve_decoder(spec, config.decoder, interpret), m=m, k=k, bm=bm,
-        bn=bn, tile_k=packed[0].tile_k, tiles_per_split=_cdiv(k_tiles, split),
-        k_tiles=k_tiles, split=split, weight_as_lhs=config.weight_as_lhs,
-        clamp_rows=config.clamp_rows)
+        lora_scales=lora_scales if has_lora else None, lora_columns=columns,
+        poisoned=bool(poison_output), spec=spec,
+        decoder=_resolve_decoder(spec, config.decoder, interpret), m=m, k=k, bm=bm, bn=bn,
+        tile_k=packed[0].tile_k, tiles_per_split=_cdiv(k_tiles, split), k_tiles=k_tiles,
+        split=split, weight_as_lhs=config.weight_as_lhs, clamp_rows=config.clamp_rows)
     if split == 1:
         out_shape = tuple(jax.ShapeDtypeStruct((m, p.n), jnp.bfloat16) for p in packed)
     else:
         out_shape = tuple(jax.ShapeDtypeStruct((split, m, p.n), jnp.float32) for p in packed)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
-    ys = _launch(kernel, out_shape, (_cdiv(m, bm), offset, split), (x2, *inputs, *aux),
-                 interpret=interpret, poison_output=poison_output,
+    ys = _launch(kernel, out_shape, (_cdiv(m, bm), offset, split),
+                 (x2, *shared, *inputs, *aux), interpret=interpret,
+                 poison_output=poison_output,
                  compiler_params=_compiler_params(interpret, config.num_warps,
                                                   config.num_stages),
                  name=f"{spec.name}_matmul_group{len(packed)}" + ("_lora" if has_lora else ""))

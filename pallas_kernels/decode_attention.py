@@ -5,13 +5,15 @@ preallocated cache (masked), so a decode step reads the whole cache whatever the
 at Qwen2.5-7B, batch 8 and a 2304-slot cache that is 1.06 GB per step. This kernel reads slots
 [0, length) only (length = the cache index after the new token), with FlashAttention's online
 softmax, split over the sequence ("flash decoding") so that batch x kv heads x splits programs
-fill the GPU; the splits' partial results are combined in float32 by XLA.
+fill the GPU; a second small kernel combines the splits' partial results in float32 (one launch
+where XLA needed four or five small kernels) and writes q's dtype.
 
     out = decode_attention(q, keys, values, mask, length, scale=1 / sqrt(D))
 
 Shapes: q [B, KVH, G, D] (G = query heads per kv head), keys / values [B, S, KVH, D] (the cache
 layout), mask [B, S] bool (True = may attend; slots >= length are never read), length int32
-scalar. Returns float32 [B, KVH, G, D] = softmax(q k^T * scale, masked) v per (b, kv head).
+scalar. Returns [B, KVH, G, D] in q's dtype = softmax(q k^T * scale, masked) v per (b, kv
+head), computed in float32 and rounded once.
 
 Numerics: scores and the softmax in float32, the probabilities rounded to the inputs' dtype for
 the p @ v product (float32 accumulation), as the XLA path does. A row whose visited slots are all
@@ -100,6 +102,32 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
     plgpu.store(l_ref.at[split, b, h, pl.ds(0, groups_pad)], l, mask=row_mask)
 
 
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, groups: int, groups_pad: int,
+                    splits: int):
+    """out = sum_s w_s o_s / sum_s w_s l_s, w_s = exp(m_s - max_s m_s), one (b, kv head)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    rows = lax.broadcasted_iota(jnp.int32, (groups_pad,), 0) < groups
+
+    def body(split, carry):
+        top, total, acc = carry
+        m = plgpu.load(m_ref.at[split, b, h, pl.ds(0, groups_pad)], mask=rows, other=_MASKED)
+        l = plgpu.load(l_ref.at[split, b, h, pl.ds(0, groups_pad)], mask=rows, other=0.0)
+        o = plgpu.load(o_ref.at[split, b, h, pl.ds(0, groups_pad), :], mask=rows[:, None],
+                       other=0.0)
+        new_top = jnp.maximum(top, m)
+        old_weight, weight = jnp.exp(top - new_top), jnp.exp(m - new_top)
+        return (new_top, total * old_weight + l * weight,
+                acc * old_weight[:, None] + o * weight[:, None])
+
+    head_dim = o_ref.shape[-1]
+    init = (jnp.full((groups_pad,), _MASKED, jnp.float32), jnp.zeros((groups_pad,), jnp.float32),
+            jnp.zeros((groups_pad, head_dim), jnp.float32))
+    _, total, acc = lax.fori_loop(0, splits, body, init)
+    total = jnp.where(rows, total, 1.0)  # padding rows: never stored, no 0/0
+    plgpu.store(out_ref.at[b, h, pl.ds(0, groups_pad), :],
+                (acc / total[:, None]).astype(out_ref.dtype), mask=rows[:, None])
+
+
 def _cdiv_traced(a, b: int):
     return (a + (b - 1)) // b
 
@@ -108,7 +136,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
                      length: jax.Array, *, scale: float,
                      config: DecodeAttentionConfig = DecodeAttentionConfig(),
                      interpret: bool = False) -> jax.Array:
-    """See the module docstring. Returns float32 [B, KVH, G, D]."""
+    """See the module docstring. Returns [B, KVH, G, D] in q's dtype."""
     batch, kv_heads, groups, head_dim = q.shape
     if keys.shape != values.shape or keys.ndim != 4 or keys.shape[0] != batch or \
             keys.shape[2] != kv_heads or keys.shape[3] != head_dim:
@@ -150,11 +178,13 @@ def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
                              interpret=interpret, compiler_params=params,
                              name="decode_attention")(length, q, keys, values,
                                                       mask.astype(jnp.int32))
-    # Combine the splits (float32): each split's sums rescaled to the overall maximum.
-    top = jnp.max(m, axis=0)
-    weight = jnp.exp(m - top)
-    total = jnp.sum(weight * l, axis=0)
-    return jnp.sum(weight[..., None] * o, axis=0) / total[..., None]
+    combine = functools.partial(_combine_kernel, groups=groups, groups_pad=groups_pad,
+                                splits=splits)
+    return pl.pallas_call(combine, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                          grid=(batch, kv_heads), interpret=interpret,
+                          compiler_params=None if interpret else plgpu.CompilerParams(
+                              num_warps=4, num_stages=1),
+                          name="decode_attention_combine")(o, m, l)
 
 
 def decode_attention_reference(q, keys, values, mask, *, scale: float) -> jax.Array:

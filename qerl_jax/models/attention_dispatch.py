@@ -7,7 +7,7 @@ interpreted in CPU tests) replaces it for decode steps (T = 1 with a cache) whos
 supports; prefill and training keep the XLA path.
 
     fn(q [B, KVH, G, D], keys [B, S, KVH, D], values, mask [B, S] bool, length int32 scalar,
-       *, scale) -> float32 [B, KVH, G, D]
+       *, scale) -> [B, KVH, G, D] in q's dtype
     supports(q, keys) -> None, or why not (then the XLA path runs; logged once)
 """
 

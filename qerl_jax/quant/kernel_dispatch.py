@@ -286,14 +286,15 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
                                lora_scale=scale).astype(jnp.float32)
 
 
-def _fused_forward_group(x, weights, downs, lora_bs, scales, *, compute_dtype, interpret):
-    """x [M, K] bf16 @ W_i^T (+ scales[i] * downs[i] @ lora_bs[i]) for weights sharing x, in
-    one fused-kernel launch -> tuple of [M, N_i] float32."""
+def _fused_forward_group(x, weights, down, lora_bs, scales, *, compute_dtype, interpret):
+    """x [M, K] bf16 @ W_i^T (+ scales[i] * down_i @ lora_bs[i], down = the members' x @ A_i
+    side by side) for weights sharing x, in one fused-kernel launch -> tuple of [M, N_i]
+    float32."""
     del compute_dtype
     packed = tuple(w.packed() for w in weights)
     config = bw.default_group_matmul_config(x.shape[0], packed)
     ys = bw.blockwise_matmul_group(x, packed, spec=weights[0].spec, config=config,
-                                   interpret=interpret, lora_downs=downs, lora_bs=lora_bs,
+                                   interpret=interpret, lora_down=down, lora_bs=lora_bs,
                                    lora_scales=scales)
     return tuple(y.astype(jnp.float32) for y in ys)
 

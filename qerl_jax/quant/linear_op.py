@@ -48,9 +48,10 @@ class MatmulKernel:
     product in the epilogue); without it LoRA runs as separate XLA dots.
     supports(weight, compute_dtype) -> None when the kernel can take this weight, else a short
     reason why not (then the XLA path runs and the reason is logged once).
-    Optionally group_fn(x, weights, downs, lora_bs, scales, *, compute_dtype) -> tuple of
+    Optionally group_fn(x, weights, down, lora_bs, scales, *, compute_dtype) -> tuple of
     [M, N_i] float32: several weights that share x (a layer's q/k/v, gate/up) in one launch,
-    each output the forward product (plus its LoRA product when downs is not None); with
+    each output the forward product (plus its LoRA product when down, the members' x @ A_i side
+    by side [M, sum r_i], is not None); with
     group_supports(weights) -> None or the reason they cannot share a launch. Without it
     `linear_group` runs the weights one by one.
     """
@@ -230,40 +231,43 @@ _quantized_matmul_lora.defvjp(_quantized_matmul_lora_fwd, _quantized_matmul_lora
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _grouped_quantized_matmul(x, downs, lora_bs, weights, compute_dtype, scales, group_forward,
+def _grouped_quantized_matmul(x, down, lora_bs, weights, compute_dtype, scales, group_forward,
                               backward):
     del backward
-    return group_forward(x, weights, downs, lora_bs, scales, compute_dtype=compute_dtype)
+    return group_forward(x, weights, down, lora_bs, scales, compute_dtype=compute_dtype)
 
 
-def _grouped_quantized_matmul_fwd(x, downs, lora_bs, weights, compute_dtype, scales,
+def _grouped_quantized_matmul_fwd(x, down, lora_bs, weights, compute_dtype, scales,
                                   group_forward, backward):
     del backward
-    ys = group_forward(x, weights, downs, lora_bs, scales, compute_dtype=compute_dtype)
-    return ys, (weights, downs, lora_bs)
+    ys = group_forward(x, weights, down, lora_bs, scales, compute_dtype=compute_dtype)
+    return ys, (weights, down, lora_bs)
 
 
 def _grouped_quantized_matmul_bwd(compute_dtype, scales, group_forward, backward, residuals,
                                   grads):
     """Per weight what the single ops' VJPs give (dx_i = dy_i @ W_i; the LoRA products'
-    gradients); dx = sum_i dx_i, summed in float32."""
+    gradients, member i's down being columns [sum_{j<i} r_j, + r_i) of `down`); dx = sum_i
+    dx_i, summed in float32."""
     del group_forward
-    weights, downs, lora_bs = residuals
+    weights, down, lora_bs = residuals
     grad_x = None
-    grad_downs, grad_bs, grad_weights = [], [], []
+    grad_down, grad_bs, grad_weights = [], [], []
+    start = 0
     for i, (weight, grad_output) in enumerate(zip(weights, grads)):
-        if downs is not None:
+        if down is not None:
+            rank = lora_bs[i].shape[0]
+            member_down = down[:, start:start + rank].astype(jnp.float32)
+            start += rank
             grad32 = grad_output.astype(jnp.float32)
-            grad_downs.append((scales[i] * jnp.dot(grad32, lora_bs[i].astype(jnp.float32).T))
-                              .astype(downs[i].dtype))
-            grad_bs.append((scales[i] * jnp.dot(downs[i].astype(jnp.float32).T, grad32))
-                           .astype(lora_bs[i].dtype))
+            grad_down.append(scales[i] * jnp.dot(grad32, lora_bs[i].astype(jnp.float32).T))
+            grad_bs.append((scales[i] * jnp.dot(member_down.T, grad32)).astype(lora_bs[i].dtype))
         dx, grad_weight = _grad_x_and_weight_cotangent(grad_output, weight, compute_dtype,
                                                        backward)
         grad_weights.append(grad_weight)
         grad_x = dx.astype(jnp.float32) if grad_x is None else grad_x + dx.astype(jnp.float32)
     return (grad_x.astype(compute_dtype),
-            None if downs is None else tuple(grad_downs),
+            None if down is None else jnp.concatenate(grad_down, axis=1).astype(down.dtype),
             None if lora_bs is None else tuple(grad_bs), tuple(grad_weights))
 
 
@@ -453,13 +457,16 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
     if kernel is None:
         return one_by_one()
     backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
-    downs = lora_bs = scales = None
+    down = lora_bs = scales = None
     if loras[0] is not None:
-        downs = tuple(_lora_down(x2d, lora, compute_dtype, out_dtype=compute_dtype)
-                      for lora in loras)
+        # One x @ [A_0 | A_1 | ...] for the group. (Separate x @ A_i dots would be merged by
+        # XLA anyway, but then it concatenates the A_i inside the decode loop at every step and
+        # slices the product apart: 4-5 extra small kernels per layer and step.)
+        stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
+        down = jnp.dot(x2d, stacked_a, preferred_element_type=compute_dtype)
         lora_bs = tuple(lora.b.astype(compute_dtype) for lora in loras)
         scales = tuple(float(lora.scale) for lora in loras)
-    ys = _grouped_quantized_matmul(x2d, downs, lora_bs, weights, jnp.dtype(compute_dtype),
+    ys = _grouped_quantized_matmul(x2d, down, lora_bs, weights, jnp.dtype(compute_dtype),
                                    scales, kernel.group_fn, backward)
     outputs = []
     for y, w, bias in zip(ys, weights, biases):

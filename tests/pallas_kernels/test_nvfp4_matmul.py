@@ -220,16 +220,18 @@ def test_grouped_matmul_equals_single_launches(m, split, lora):
                 enumerate((96, 32, 40))]
     x = problems[0][1]
     packed = tuple(p[2] for p in problems)
-    downs = bs = scales = None
-    if lora:
-        downs = [jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16) for r in (8, 8, 4)]
+    downs = bs = scales = stacked = None
+    if lora:  # ranks 16 (a kernel rank) and 8, 4 (zero-padded to 16 by the wrapper)
+        ranks = (16, 8, 4) if m != 20 else (16, 16, 16)
+        downs = [jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16) for r in ranks]
         bs = [jnp.asarray(0.1 * rng.standard_normal((r, p.n)), jnp.bfloat16)
-              for r, p in zip((8, 8, 4), packed)]
+              for r, p in zip(ranks, packed)]
         scales = (0.5, 1.0, 2.0)
+        stacked = jnp.concatenate(downs, axis=1)
     config = bw.MatmulConfig(block_m=max(16, bw._next_pow2(m)), block_n=32, split_k=split,
                              weight_as_lhs=False)
     ys = bw.blockwise_matmul_group(x, packed, spec=nv.NVFP4, config=config, interpret=True,
-                                   poison_output=True, lora_downs=downs, lora_bs=bs,
+                                   poison_output=True, lora_down=stacked, lora_bs=bs,
                                    lora_scales=scales)
     for i, (p, y) in enumerate(zip(packed, ys)):
         single = bw.blockwise_matmul(x, p, spec=nv.NVFP4, config=config, interpret=True,
@@ -258,7 +260,13 @@ def test_grouped_matmul_default_config_and_errors():
     with pytest.raises(ValueError, match="same K"):
         bw.blockwise_matmul_group(problems[0][1], (packed[0], other_k), spec=nv.NVFP4,
                                   interpret=True)
-    with pytest.raises(ValueError, match="LoRA downs"):
+    with pytest.raises(ValueError, match="LoRA B"):
         bw.blockwise_matmul_group(problems[0][1], packed, spec=nv.NVFP4, interpret=True,
-                                  lora_downs=[jnp.zeros((4, 8), jnp.bfloat16)],
+                                  lora_down=jnp.zeros((4, 8), jnp.bfloat16),
                                   lora_bs=[jnp.zeros((8, 80), jnp.bfloat16)], lora_scales=(1.0,))
+    with pytest.raises(ValueError, match="sum to 16"):
+        bw.blockwise_matmul_group(problems[0][1], packed, spec=nv.NVFP4, interpret=True,
+                                  lora_down=jnp.zeros((4, 12), jnp.bfloat16),
+                                  lora_bs=[jnp.zeros((8, 80), jnp.bfloat16),
+                                           jnp.zeros((8, 40), jnp.bfloat16)],
+                                  lora_scales=(1.0, 1.0))
