@@ -112,3 +112,16 @@ def test_memory_breakdown_smoke(tmp_path):
             "trainer built", "rollout compiled", "rollout run", "train compiled",
             "train micro-batch run"]
     assert "| tiny | nvfp4 | rollout |" in open(tmp_path / "memory_breakdown_tiny.md").read()
+
+
+def test_kernel_profile_smoke(tmp_path):
+    """Two tiny shapes x two tunings in interpret mode: every row measured, each checked against
+    the format's reference (the error column), the table written."""
+    output = _finish(_start("kernel_profile.py", tmp_path, "--formats", "nvfp4",
+                            "--tunings", "base;block_n=32,num_warps=8"))
+    payload = json.load(open(tmp_path / "kernel_profile_smoke_m8.json"))
+    rows = [row for row in payload["rows"] if row["format"] == "nvfp4"]
+    assert len(rows) == 4 and all("error" not in row for row in rows), output[-2000:]
+    assert all(row["max_rel_err"] < 1e-2 and row["call_us"] > 0 for row in rows)
+    assert {row["config"].split()[1] for row in rows} == {"bn64", "bn32"}
+    assert "| a | 256 x 256 | nvfp4 |" in open(tmp_path / "kernel_profile_smoke_m8.md").read()
