@@ -54,6 +54,11 @@ class Attention(nnx.Module):
         Without a cache S == T. With `cached_kv` = (keys, values) each [B, S, kv_heads, D], the
         new keys/values are written at slots [cache_index, cache_index + T) and the updated
         pair is returned. Returns (out [B, T, H], new cached_kv or None).
+
+        q/k/v go through one `apply_linears` call (one kernel launch where the quantized kernel
+        can group them). A one-token step with a cache uses the decode-attention kernel
+        registered for the platform (qerl_jax.models.attention_dispatch), which reads only the
+        filled slots; otherwise the einsums below attend over all S slots, masked.
         """
         batch, length, _ = x.shape
         q, k, v = apply_linears(x, (self.q_proj, self.k_proj, self.v_proj))
