@@ -293,16 +293,22 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
     (cuBLAS) matmul.
     """
     n_pad, half_k = packed.codes.shape
-    k_tiles = 2 * half_k // packed.tile_k
+    return _default_config(m, (n_pad,), 2 * half_k // packed.tile_k, packed.fmt)
+
+
+def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str) -> MatmulConfig:
+    """default_matmul_config for one launch over weights of padded N `n_pads` (one weight, or
+    a group sharing the launch) and `k_tiles` K tiles: block_n divides every n_pad, and split-K
+    is chosen for the programs of all of them together."""
     if m > 64:
         return MatmulConfig(path="dequantize")
     block_m = max(16, _next_pow2(m))
     tuning = _DECODE_TUNING
     decode = block_m <= 16
-    block_n = min(tuning.block_n, n_pad) if decode else 64
-    while n_pad % block_n:
+    block_n = min(tuning.block_n, *n_pads) if decode else 64
+    while any(n_pad % block_n for n_pad in n_pads):
         block_n //= 2
-    n_tiles = n_pad // block_n
+    n_tiles = sum(n_pads) // block_n
     most = max(1, k_tiles // (tuning.min_tiles_per_split if decode else 4))
     if n_tiles >= (tuning.no_split_programs if decode else 264):
         split = 1
@@ -312,7 +318,7 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
         split = min(4 if n_tiles < 32 else 2, most)
     while not _valid_split(split, k_tiles):
         split -= 1
-    weight_as_lhs = packed.fmt == "nf4" or not decode
+    weight_as_lhs = fmt == "nf4" or not decode
     if decode and tuning.weight_as_lhs is not None:
         weight_as_lhs = tuning.weight_as_lhs
     return MatmulConfig(block_m=block_m, block_n=block_n, split_k=split,
@@ -704,14 +710,11 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
 
 
 def default_group_matmul_config(m: int, packed: tuple[PackedWeight, ...]) -> MatmulConfig:
-    """Tiling of a grouped launch: default_matmul_config of the weights stacked along N (the
+    """Tiling of a grouped launch: default_matmul_config's rules over all members' N tiles (the
     programs of all members fill the GPU together, so split-K is chosen for their sum)."""
     first = packed[0]
-    n_pad = sum(p.codes.shape[0] for p in packed)
-    stacked = PackedWeight(codes=jax.ShapeDtypeStruct((n_pad, first.codes.shape[1]), jnp.uint8),
-                           scales=first.scales, tensor_scale=first.tensor_scale, fmt=first.fmt,
-                           n=n_pad, k=first.k, tile_k=first.tile_k)
-    return default_matmul_config(m, stacked)
+    return _default_config(m, tuple(p.codes.shape[0] for p in packed),
+                           2 * first.codes.shape[1] // first.tile_k, first.fmt)
 
 
 def check_group(packed: tuple[PackedWeight, ...], spec: FormatSpec) -> None:

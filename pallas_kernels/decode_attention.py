@@ -54,6 +54,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _cdiv_traced(a, b: int):
+    """ceil(a / b) for a traced integer a."""
+    return (a + (b - 1)) // b
+
+
 def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
     """Sequence splits so that batch x kv_heads x splits is about 264 programs (at most one
     split per block of slots)."""
@@ -126,10 +131,6 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, groups: int, groups_pad: in
     total = jnp.where(rows, total, 1.0)  # padding rows: never stored, no 0/0
     plgpu.store(out_ref.at[b, h, pl.ds(0, groups_pad), :],
                 (acc / total[:, None]).astype(out_ref.dtype), mask=rows[:, None])
-
-
-def _cdiv_traced(a, b: int):
-    return (a + (b - 1)) // b
 
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
