@@ -384,11 +384,10 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
 
 def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
                   platform: str) -> tuple[MatmulKernel | None, str]:
-    """The kernel that runs `weights` in one launch for x2d, or (None, why not)."""
+    """The kernel that runs `weights` (all quantized) in one launch for x2d, or (None, why
+    not)."""
     if len(weights) < 2:
         return None, "fewer than two weights"
-    if not all(isinstance(w, QuantizedWeight) for w in weights):
-        return None, "not every weight is quantized"
     formats = {w.format for w in weights}
     if len(formats) != 1:
         return None, f"mixed formats {sorted(formats)}"
