@@ -32,7 +32,7 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     for plane, s in zip(planes, (s_lo, s_hi)):
         bits = (s.astype(jnp.int32) + _PRESCALE_EXPONENT[decoder]) << 23
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32).astype(out_dtype)
-        out.append(plane.astype(out_dtype) * bw.expand_block_scale(scale, SCALE_BLOCK))
+        out.append(plane.astype(out_dtype) * bw.expand_block_scale(scale, SCALE_BLOCK, c.shape[1]))
     return tuple(out)
 
 

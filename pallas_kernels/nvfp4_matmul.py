@@ -30,7 +30,7 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     out = []
     for plane, s in zip(planes, (s_lo, s_hi)):
         scale = (s.astype(jnp.float32) * factor).astype(out_dtype)
-        out.append(plane.astype(out_dtype) * bw.expand_block_scale(scale, SCALE_BLOCK))
+        out.append(plane.astype(out_dtype) * bw.expand_block_scale(scale, SCALE_BLOCK, c.shape[1]))
     return tuple(out)
 
 
