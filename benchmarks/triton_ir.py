@@ -1,27 +1,25 @@
-"""What Triton made of the fused 4-bit matmul: its IR after every compiler pass, per tuning.
+"""What Triton made of the fused 4-bit matmul: its PTX and shared-memory size, per tuning.
 
-For each decode tuning (pallas_kernels.blockwise_matmul.DecodeTuning fields, as in
-kernel_profile.py), a worker process compiles one call of the fused kernel on one layer shape
-with XLA's Triton pass dump switched on (XLA_FLAGS --xla_dump_to plus the flag that selects the
-Triton pass log; which flag this jaxlib knows is looked up in its libraries first, since XLA
-aborts on an unknown flag). From each "*.triton-passes.log" the script keeps:
+JAX >= 0.10.3 compiles a Pallas (Triton) kernel itself, through the CUDA plugin's Triton
+compilation handler (jax._src.lib.triton), not inside XLA, so XLA's dump flags never see it. A
+worker process per decode tuning (pallas_kernels.blockwise_matmul.DecodeTuning fields, as in
+kernel_profile.py) wraps that handler, compiles one call of the fused kernel on one layer shape
+and keeps what the handler returns:
 
-  <tuning>.ttgir   the module right before it is lowered to LLVM (layouts, shared-memory
-                   buffers, async copies, MMA ops: what the kernel really does per tile);
-  <tuning>.ttir    the module as Pallas handed it over;
-  summary.md       per tuning: counts of the ops that tell where the time goes
-                   (ttg.convert_layout, ttg.local_alloc / local_load / local_store,
-                   async copies, tt.dot / ttng.warp_group_dot, tt.load, inline asm).
+  <tuning>.ptx     the kernel's PTX (tile loop, shared-memory traffic, MMA instructions);
+  summary.md       per tuning: the kernel's shared memory and counts of the PTX instructions
+                   that tell where the time goes (async copies into shared memory, shared
+                   loads/stores and ldmatrix for layout conversions, mma.sync vs wgmma,
+                   barriers, global loads, the E2M1 decode's prmt).
 
 GPU only (interpret mode compiles no Triton):
-    python benchmarks/triton_ir.py --model 7b --shape gate/up --tunings "base;scale_gather=true" \
+    python benchmarks/triton_ir.py --model 7b --shape gate/up --tunings "base;weight_as_lhs=true" \
         --out $OUT/ir
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -30,15 +28,10 @@ import sys
 
 import _common as common
 
-# Ops counted in the final TTGIR (substring match on the op name).
-COUNTED_OPS = ("ttg.convert_layout", "ttg.local_alloc", "ttg.local_load", "ttg.local_store",
-               "ttg.async_copy_global_to_local", "ttg.async_wait", "ttng.warp_group_dot",
-               "tt.dot ", "tt.load", "tt.elementwise_inline_asm", "tt.reshape", "tt.broadcast",
-               "tt.trans", "ttg.memdesc_trans", "scf.for")
-# Candidate XLA flags that switch on the Triton pass log, newest first.
-DUMP_FLAGS = (("xla_dump_emitter_re", "triton-fusion"),
-              ("xla_dump_hlo_pass_re", "triton-fusion-emitter"))
-MARKER = re.compile(r"^// -----// IR Dump (Before|After) (\S+)")
+# PTX instruction prefixes counted (each line's first token is matched against these).
+COUNTED = ("cp.async.cg", "cp.async.ca", "cp.async.wait", "cp.async.bulk", "ld.global",
+           "ld.shared", "st.shared", "ldmatrix", "stmatrix", "mma.sync", "wgmma.mma_async",
+           "bar.sync", "prmt", "fma.rn.bf16x2", "mul.rn.bf16x2", "cvt")
 
 
 def parse_args(argv=None):
@@ -55,42 +48,35 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def known_dump_flags() -> list[str]:
-    """The DUMP_FLAGS this jaxlib's libraries mention (an unknown XLA flag is fatal)."""
-    import importlib.util
-    roots = []
-    for name in ("jaxlib", "jax_cuda13_plugin", "jax_cuda12_plugin"):
-        spec = importlib.util.find_spec(name)
-        if spec and spec.submodule_search_locations:
-            roots += list(spec.submodule_search_locations)
-    libraries = [path for root in roots for path in glob.glob(os.path.join(root, "**", "*.so*"),
-                                                             recursive=True)]
-    flags = []
-    for flag, value in DUMP_FLAGS:
-        needle = flag.encode()
-        for path in libraries:
-            with open(path, "rb") as handle:
-                if needle in handle.read():
-                    flags.append(f"--{flag}={value}")
-                    break
-    return flags
-
-
 def slug(tuning: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", tuning).strip("_") or "base"
 
 
 def run_worker(args) -> None:
-    """Compiles and runs one call of the kernel under the tuning in args.worker."""
+    """Compiles and runs one call of the kernel under the tuning in args.worker, writing every
+    PTX the Triton handler returns to args.out/<slug>[.i].ptx and a JSON line per kernel."""
     import jax
     import jax.numpy as jnp
+    from jax._src.lib import triton as triton_lib
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernel_profile
     import kernels as kernel_bench
     from pallas_kernels import blockwise_matmul as bw
 
-    [(name, n, k)] = [s for s in kernel_profile.SHAPES[args.model] if s[0] == args.shape]
+    jax.devices()  # the CUDA plugin registers its Triton handler when the backend starts
+    handler = triton_lib._compilation_handlers["CUDA"]
+    compiled = []
+
+    def keep_ptx(module, arch_name, num_warps, num_ctas, num_stages):
+        result = handler(module, arch_name, num_warps, num_ctas, num_stages)
+        asm = result.asm.decode() if isinstance(result.asm, bytes) else result.asm
+        compiled.append({"smem_bytes": int(result.smem_bytes), "num_warps": num_warps,
+                         "num_stages": num_stages, "ptx": asm})
+        return result
+
+    triton_lib._compilation_handlers["CUDA"] = keep_ptx
+    [(_, n, k)] = [s for s in kernel_profile.SHAPES[args.model] if s[0] == args.shape]
     key = jax.random.key(0)
     x = jax.random.normal(jax.random.fold_in(key, 1), (args.m, k), jnp.bfloat16)
     down = jax.random.normal(jax.random.fold_in(key, 2), (args.m, args.rank), jnp.bfloat16)
@@ -100,42 +86,33 @@ def run_worker(args) -> None:
     if args.worker != "base":
         bw.set_decode_tuning(**bw.parse_tuning(args.worker))
     config = bw.default_matmul_config(args.m, packed)
+    compiled.clear()  # only the matmul's kernels (repack may have compiled others)
     y = bw.blockwise_matmul(x, packed, spec=kernel_bench.SPECS[args.format], config=config,
                             lora_down=down, lora_b=lora_b, lora_scale=2.0)
     jax.block_until_ready(y)
+    for i, kernel in enumerate(compiled):
+        path = os.path.join(args.out, f"{slug(args.worker)}{'' if i == 0 else f'.{i}'}.ptx")
+        with open(path, "w") as handle:
+            handle.write(kernel.pop("ptx"))
+        print("kernel " + json.dumps({"ptx_file": os.path.basename(path), **kernel}),
+              flush=True)
     print(f"config {config}", flush=True)
     print(f"info {json.dumps(common.device_info())}", flush=True)
 
 
-def split_passes(text: str) -> list[tuple[str, str, str]]:
-    """A pass log -> [(Before|After, pass name, module text)] in order."""
-    sections, current, body = [], None, []
-    for line in text.splitlines():
-        found = MARKER.match(line)
-        if found:
-            if current:
-                sections.append((*current, "\n".join(body)))
-            current, body = found.groups(), []
-        elif current:
-            body.append(line)
-    if current:
-        sections.append((*current, "\n".join(body)))
-    return sections
-
-
-def final_ttgir(sections) -> str:
-    """The module just before the TritonGPU -> LLVM conversion (else the last TTGIR seen)."""
-    last = ""
-    for when, name, body in sections:
-        if when == "Before" and "ToLLVM" in name and "ttg." in body:
-            return body
-        if "ttg." in body:
-            last = body
-    return last
-
-
-def op_counts(ir: str) -> dict[str, int]:
-    return {op: ir.count(op) for op in COUNTED_OPS}
+def instruction_counts(ptx: str) -> dict[str, int]:
+    """How many PTX instructions start with each COUNTED prefix (predicates and labels
+    skipped)."""
+    counts = dict.fromkeys(COUNTED, 0)
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line.startswith("@"):
+            line = line.split(None, 1)[1] if " " in line else ""
+        for prefix in COUNTED:
+            if line.startswith(prefix):
+                counts[prefix] += 1
+                break
+    return counts
 
 
 def main(argv=None):
@@ -144,56 +121,42 @@ def main(argv=None):
         run_worker(args)
         return
     os.makedirs(args.out, exist_ok=True)
-    flags = known_dump_flags()
-    print(f"dump flags known to this jaxlib: {flags}", flush=True)
     rows = []
     for tuning in [t.strip() for t in args.tunings.split(";") if t.strip()]:
-        name = slug(tuning)
-        dump_dir = os.path.join(args.out, "dump_" + name)
-        env = common.worker_env()
-        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}",
-                                     *flags]).strip()
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", tuning,
                                "--model", args.model, "--shape", args.shape, "--format",
-                               args.format, "--m", str(args.m), "--rank", str(args.rank)],
-                              env=env, capture_output=True, text=True, timeout=600)
-        config = next((line for line in proc.stdout.splitlines() if line.startswith("config")),
-                      "")
-        row = {"tuning": tuning, "rc": proc.returncode, "config": config[7:]}
-        info = [line[5:] for line in proc.stdout.splitlines() if line.startswith("info ")]
+                               args.format, "--m", str(args.m), "--rank", str(args.rank),
+                               "--out", args.out],
+                              env=common.worker_env(), capture_output=True, text=True,
+                              timeout=600)
+        lines = proc.stdout.splitlines()
+        row = {"tuning": tuning, "rc": proc.returncode,
+               "config": next((l[7:] for l in lines if l.startswith("config ")), "")}
+        info = [l[5:] for l in lines if l.startswith("info ")]
         if info:
             row["info"] = json.loads(info[0])
-        logs = [path for path in glob.glob(os.path.join(dump_dir, "*.triton-passes.log"))
-                if f"{args.format}_matmul" in os.path.basename(path)]
-        if proc.returncode or not logs:
-            row["error"] = (proc.stderr[-2000:] if proc.returncode
-                            else f"no {args.format}_matmul pass log in {dump_dir}: "
-                                 f"{sorted(os.listdir(dump_dir))[:20] if os.path.isdir(dump_dir) else 'no dump'}")
-            rows.append(row)
-            print(row, flush=True)
-            continue
-        with open(logs[0]) as handle:
-            sections = split_passes(handle.read())
-        ttgir = final_ttgir(sections)
-        with open(os.path.join(args.out, name + ".ttgir"), "w") as handle:
-            handle.write(ttgir)
-        if sections:
-            with open(os.path.join(args.out, name + ".ttir"), "w") as handle:
-                handle.write(sections[0][2])
-        row.update(passes=len(sections), **op_counts(ttgir))
+        kernels = [json.loads(l[7:]) for l in lines if l.startswith("kernel ")]
+        if proc.returncode or not kernels:
+            row["error"] = proc.stderr[-2000:] if proc.returncode else "no Triton kernel compiled"
+        else:
+            first = kernels[0]
+            with open(os.path.join(args.out, first["ptx_file"])) as handle:
+                ptx = handle.read()
+            row.update(smem_bytes=first["smem_bytes"], ptx_lines=len(ptx.splitlines()),
+                       kernels=len(kernels), **instruction_counts(ptx))
         rows.append(row)
         print(row, flush=True)
-    lines = [common.header_line(f"Triton IR of the fused {args.format} matmul, {args.model} "
-                                f"{args.shape}, M={args.m}",
+    lines = [common.header_line(f"PTX of the fused {args.format} matmul, {args.model} "
+                                f"{args.shape}, M={args.m} (static instruction counts)",
                                 [r.get("info", {}) for r in rows]), "",
-             "| tuning | config | " + " | ".join(COUNTED_OPS) + " |",
-             "|---|---|" + "---|" * len(COUNTED_OPS)]
+             "| tuning | config | smem bytes | PTX lines | " + " | ".join(COUNTED) + " |",
+             "|---|---|---|---|" + "---|" * len(COUNTED)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['tuning']} | failed: {r['error'][-300:]!r} |")
             continue
-        lines.append(f"| {r['tuning']} | {r['config']} | "
-                     + " | ".join(str(r[op]) for op in COUNTED_OPS) + " |")
+        lines.append(f"| {r['tuning']} | {r['config']} | {r['smem_bytes']} | {r['ptx_lines']} | "
+                     + " | ".join(str(r[op]) for op in COUNTED) + " |")
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(args.out, "summary.md"), "w") as handle:
