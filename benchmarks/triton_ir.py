@@ -3,7 +3,7 @@
 JAX >= 0.10.3 compiles a Pallas (Triton) kernel itself, through the CUDA plugin's Triton
 compilation handler (jax._src.lib.triton), not inside XLA, so XLA's dump flags never see it. A
 worker process per decode tuning (pallas_kernels.blockwise_matmul.DecodeTuning fields, as in
-kernel_profile.py) wraps that handler, compiles one call of the fused kernel on one layer shape
+kernel_profile.py) wraps jax._src.lib.triton.compile, compiles one call of the fused kernel on one layer shape
 and keeps what the handler returns:
 
   <tuning>.ptx     the kernel's PTX (tile loop, shared-memory traffic, MMA instructions);
@@ -54,7 +54,7 @@ def slug(tuning: str) -> str:
 
 def run_worker(args) -> None:
     """Compiles and runs one call of the kernel under the tuning in args.worker, writing every
-    PTX the Triton handler returns to args.out/<slug>[.i].ptx and a JSON line per kernel."""
+    PTX that jax._src.lib.triton.compile returns to args.out/<slug>[.i].ptx and a JSON line per kernel."""
     import jax
     import jax.numpy as jnp
     from jax._src.lib import triton as triton_lib
@@ -65,17 +65,17 @@ def run_worker(args) -> None:
     from pallas_kernels import blockwise_matmul as bw
 
     jax.devices()  # the CUDA plugin registers its Triton handler when the backend starts
-    handler = triton_lib._compilation_handlers["CUDA"]
+    compile_triton = triton_lib.compile  # what pallas_call's lowering calls (JAX >= 0.10.3)
     compiled = []
 
-    def keep_ptx(module, arch_name, num_warps, num_ctas, num_stages):
-        result = handler(module, arch_name, num_warps, num_ctas, num_stages)
+    def keep_ptx(*args, **kwargs):
+        result = compile_triton(*args, **kwargs)
         asm = result.asm.decode() if isinstance(result.asm, bytes) else result.asm
-        compiled.append({"smem_bytes": int(result.smem_bytes), "num_warps": num_warps,
-                         "num_stages": num_stages, "ptx": asm})
+        compiled.append({"smem_bytes": int(result.smem_bytes), "ptx": asm,
+                         **{k: v for k, v in kwargs.items() if isinstance(v, int)}})
         return result
 
-    triton_lib._compilation_handlers["CUDA"] = keep_ptx
+    triton_lib.compile = keep_ptx
     [(_, n, k)] = [s for s in kernel_profile.SHAPES[args.model] if s[0] == args.shape]
     key = jax.random.key(0)
     x = jax.random.normal(jax.random.fold_in(key, 1), (args.m, k), jnp.bfloat16)
