@@ -1,16 +1,19 @@
-"""What Triton made of the fused 4-bit matmul: its PTX and shared-memory size, per tuning.
+"""What Triton made of the fused 4-bit matmul: its IR after every compiler pass, per tuning.
 
-JAX >= 0.10.3 compiles a Pallas (Triton) kernel itself, through the CUDA plugin's Triton
-compilation handler (jax._src.lib.triton), not inside XLA, so XLA's dump flags never see it. A
-worker process per decode tuning (pallas_kernels.blockwise_matmul.DecodeTuning fields, as in
-kernel_profile.py) wraps jax._src.lib.triton.compile, compiles one call of the fused kernel on one layer shape
-and keeps what the handler returns:
+Pallas hands XLA a Triton module (custom call __gpu$xla.gpu.triton) and XLA runs Triton's
+pipeline on it. For each decode tuning (pallas_kernels.blockwise_matmul.DecodeTuning fields, as
+in kernel_profile.py) a worker process compiles one call of the fused kernel on one layer shape
+with XLA's dumps on for that module only (--xla_dump_to, --xla_dump_hlo_module_re, and
+--xla_dump_emitter_re=.* so that whatever name this XLA gives the Triton pass log is matched).
+From the dump the script keeps:
 
-  <tuning>.ptx     the kernel's PTX (tile loop, shared-memory traffic, MMA instructions);
-  summary.md       per tuning: the kernel's shared memory and counts of the PTX instructions
-                   that tell where the time goes (async copies into shared memory, shared
-                   loads/stores and ldmatrix for layout conversions, mma.sync vs wgmma,
-                   barriers, global loads, the E2M1 decode's prmt).
+  <tuning>.ttgir   the module right before it is lowered to LLVM (layouts, shared-memory
+                   buffers, async copies, MMA ops: what the kernel does per tile);
+  <tuning>.ttir    the module as Pallas handed it over;
+  <tuning>.ptx     the PTX, where the dump has it;
+  summary.md       per tuning: counts of the TTGIR ops and PTX instructions that tell where the
+                   time goes (layout conversions and shared-memory traffic, async copies,
+                   mma.sync vs wgmma, barriers, the E2M1 decode's prmt).
 
 GPU only (interpret mode compiles no Triton):
     python benchmarks/triton_ir.py --model 7b --shape gate/up --tunings "base;weight_as_lhs=true" \
@@ -20,6 +23,7 @@ GPU only (interpret mode compiles no Triton):
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -28,6 +32,13 @@ import sys
 
 import _common as common
 
+# Ops counted in the final TTGIR (substring match).
+COUNTED_OPS = ("ttg.convert_layout", "ttg.local_alloc", "ttg.local_load", "ttg.local_store",
+               "ttg.async_copy_global_to_local", "ttg.async_wait", "ttng.warp_group_dot",
+               "tt.dot ", "tt.load", "tt.elementwise_inline_asm", "tt.reshape", "tt.broadcast",
+               "tt.trans", "ttg.memdesc_trans")
+MARKER = re.compile(r"^// -----// IR Dump (Before|After) (\S+)")
+DUMP_FLAGS = "--xla_dump_hlo_module_re=.*blockwise.* --xla_dump_emitter_re=.*"
 # PTX instruction prefixes counted (each line's first token is matched against these).
 COUNTED = ("cp.async.cg", "cp.async.ca", "cp.async.wait", "cp.async.bulk", "ld.global",
            "ld.shared", "st.shared", "ldmatrix", "stmatrix", "mma.sync", "wgmma.mma_async",
@@ -53,29 +64,15 @@ def slug(tuning: str) -> str:
 
 
 def run_worker(args) -> None:
-    """Compiles and runs one call of the kernel under the tuning in args.worker, writing every
-    PTX that jax._src.lib.triton.compile returns to args.out/<slug>[.i].ptx and a JSON line per kernel."""
+    """Compiles and runs one call of the kernel under the tuning in args.worker."""
     import jax
     import jax.numpy as jnp
-    from jax._src.lib import triton as triton_lib
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernel_profile
     import kernels as kernel_bench
     from pallas_kernels import blockwise_matmul as bw
 
-    jax.devices()  # the CUDA plugin registers its Triton handler when the backend starts
-    compile_triton = triton_lib.compile  # what pallas_call's lowering calls (JAX >= 0.10.3)
-    compiled = []
-
-    def keep_ptx(*args, **kwargs):
-        result = compile_triton(*args, **kwargs)
-        asm = result.asm.decode() if isinstance(result.asm, bytes) else result.asm
-        compiled.append({"smem_bytes": int(result.smem_bytes), "ptx": asm,
-                         **{k: v for k, v in kwargs.items() if isinstance(v, int)}})
-        return result
-
-    triton_lib.compile = keep_ptx
     [(_, n, k)] = [s for s in kernel_profile.SHAPES[args.model] if s[0] == args.shape]
     key = jax.random.key(0)
     x = jax.random.normal(jax.random.fold_in(key, 1), (args.m, k), jnp.bfloat16)
@@ -86,18 +83,42 @@ def run_worker(args) -> None:
     if args.worker != "base":
         bw.set_decode_tuning(**bw.parse_tuning(args.worker))
     config = bw.default_matmul_config(args.m, packed)
-    compiled.clear()  # only the matmul's kernels (repack may have compiled others)
     y = bw.blockwise_matmul(x, packed, spec=kernel_bench.SPECS[args.format], config=config,
                             lora_down=down, lora_b=lora_b, lora_scale=2.0)
     jax.block_until_ready(y)
-    for i, kernel in enumerate(compiled):
-        path = os.path.join(args.out, f"{slug(args.worker)}{'' if i == 0 else f'.{i}'}.ptx")
-        with open(path, "w") as handle:
-            handle.write(kernel.pop("ptx"))
-        print("kernel " + json.dumps({"ptx_file": os.path.basename(path), **kernel}),
-              flush=True)
     print(f"config {config}", flush=True)
     print(f"info {json.dumps(common.device_info())}", flush=True)
+
+
+def split_passes(text: str) -> list[tuple[str, str, str]]:
+    """A pass log -> [(Before|After, pass name, module text)] in order."""
+    sections, current, body = [], None, []
+    for line in text.splitlines():
+        found = MARKER.match(line)
+        if found:
+            if current:
+                sections.append((*current, "\n".join(body)))
+            current, body = found.groups(), []
+        elif current:
+            body.append(line)
+    if current:
+        sections.append((*current, "\n".join(body)))
+    return sections
+
+
+def final_ttgir(sections) -> str:
+    """The module just before the TritonGPU -> LLVM conversion (else the last TTGIR seen)."""
+    last = ""
+    for when, name, body in sections:
+        if when == "Before" and "ToLLVM" in name and "ttg." in body:
+            return body
+        if "ttg." in body:
+            last = body
+    return last
+
+
+def op_counts(ir: str) -> dict[str, int]:
+    return {op: ir.count(op) for op in COUNTED_OPS}
 
 
 def instruction_counts(ptx: str) -> dict[str, int]:
@@ -115,6 +136,30 @@ def instruction_counts(ptx: str) -> dict[str, int]:
     return counts
 
 
+def collect(dump_dir: str, out: str, name: str) -> dict:
+    """Keeps the Triton pass log's final TTGIR and first TTIR, and the PTX, of the kernel in
+    dump_dir; returns their op / instruction counts (and which files were found)."""
+    files = sorted(glob.glob(os.path.join(dump_dir, "*")))
+    logs = [f for f in files if f.endswith(".triton-passes.log")]
+    ptxs = [f for f in files if f.endswith(".ptx")]
+    row = {"dump_files": len(files), "pass_logs": [os.path.basename(f) for f in logs],
+           "ptx_files": [os.path.basename(f) for f in ptxs]}
+    if logs:
+        with open(logs[0]) as handle:
+            sections = split_passes(handle.read())
+        ttgir = final_ttgir(sections)
+        for suffix, text in ((".ttgir", ttgir), (".ttir", sections[0][2] if sections else "")):
+            with open(os.path.join(out, name + suffix), "w") as handle:
+                handle.write(text)
+        row.update(passes=len(sections), **op_counts(ttgir))
+    if ptxs:
+        ptx = "\n".join(open(f).read() for f in ptxs)
+        with open(os.path.join(out, name + ".ptx"), "w") as handle:
+            handle.write(ptx)
+        row.update(ptx_lines=len(ptx.splitlines()), **instruction_counts(ptx))
+    return row
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker is not None:
@@ -123,40 +168,42 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for tuning in [t.strip() for t in args.tunings.split(";") if t.strip()]:
+        name = slug(tuning)
+        dump_dir = os.path.join(args.out, "dump_" + name)
+        env = common.worker_env()
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}",
+                                     DUMP_FLAGS]).strip()
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", tuning,
                                "--model", args.model, "--shape", args.shape, "--format",
-                               args.format, "--m", str(args.m), "--rank", str(args.rank),
-                               "--out", args.out],
-                              env=common.worker_env(), capture_output=True, text=True,
-                              timeout=600)
+                               args.format, "--m", str(args.m), "--rank", str(args.rank)],
+                              env=env, capture_output=True, text=True, timeout=600)
         lines = proc.stdout.splitlines()
         row = {"tuning": tuning, "rc": proc.returncode,
                "config": next((l[7:] for l in lines if l.startswith("config ")), "")}
         info = [l[5:] for l in lines if l.startswith("info ")]
         if info:
             row["info"] = json.loads(info[0])
-        kernels = [json.loads(l[7:]) for l in lines if l.startswith("kernel ")]
-        if proc.returncode or not kernels:
-            row["error"] = proc.stderr[-2000:] if proc.returncode else "no Triton kernel compiled"
+        if proc.returncode:
+            row["error"] = proc.stderr[-2000:]
         else:
-            first = kernels[0]
-            with open(os.path.join(args.out, first["ptx_file"])) as handle:
-                ptx = handle.read()
-            row.update(smem_bytes=first["smem_bytes"], ptx_lines=len(ptx.splitlines()),
-                       kernels=len(kernels), **instruction_counts(ptx))
+            row.update(collect(dump_dir, args.out, name))
+            if not row["pass_logs"] and not row["ptx_files"]:
+                row["error"] = (f"no Triton pass log or PTX among the {row['dump_files']} "
+                                f"dumped files")
         rows.append(row)
         print(row, flush=True)
-    lines = [common.header_line(f"PTX of the fused {args.format} matmul, {args.model} "
-                                f"{args.shape}, M={args.m} (static instruction counts)",
+    counted = list(COUNTED_OPS) + list(COUNTED)
+    lines = [common.header_line(f"Triton IR and PTX of the fused {args.format} matmul, "
+                                f"{args.model} {args.shape}, M={args.m} (static counts)",
                                 [r.get("info", {}) for r in rows]), "",
-             "| tuning | config | smem bytes | PTX lines | " + " | ".join(COUNTED) + " |",
-             "|---|---|---|---|" + "---|" * len(COUNTED)]
+             "| tuning | config | " + " | ".join(counted) + " |",
+             "|---|---|" + "---|" * len(counted)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['tuning']} | failed: {r['error'][-300:]!r} |")
             continue
-        lines.append(f"| {r['tuning']} | {r['config']} | {r['smem_bytes']} | {r['ptx_lines']} | "
-                     + " | ".join(str(r[op]) for op in COUNTED) + " |")
+        lines.append(f"| {r['tuning']} | {r['config']} | "
+                     + " | ".join(str(r.get(op, "-")) for op in counted) + " |")
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(args.out, "summary.md"), "w") as handle:
