@@ -140,6 +140,7 @@ def main(argv=None):
                 if args.rank:
                     reference = reference + 2.0 * jnp.dot(down, lora_b,
                                                           preferred_element_type=jnp.float32)
+                first_output = None  # the first tuning's output: later ones are compared
                 for tuning in tunings:
                     previous = bw.set_decode_tuning(**parsed[tuning])
                     try:
@@ -151,9 +152,13 @@ def main(argv=None):
                         row = {"shape": name, "n": n, "k": k, "format": fmt, "tile_k": tile_k,
                                "tuning": tuning, "config": _short(config), "copies": count}
                         try:
-                            error = float(jnp.max(jnp.abs(fn(x, ws, down, lora_b)[0]
-                                                          .astype(jnp.float32) - reference))
+                            y = fn(x, ws, down, lora_b)[0].astype(jnp.float32)
+                            error = float(jnp.max(jnp.abs(y - reference))
                                           / jnp.max(jnp.abs(reference)))
+                            if first_output is None:
+                                first_output = y
+                            row["max_abs_diff_vs_first"] = float(
+                                jnp.max(jnp.abs(y - first_output)))
                             marker = f"{fmt}_matmul"
                             kernel_us, call_us, found = traced_device_us(
                                 fn, (x, ws, down, lora_b), args.repeats, count, marker)
@@ -179,7 +184,9 @@ def _short(config) -> str:
     if config.path != "fused":
         return config.path
     return (f"bm{config.block_m} bn{config.block_n} s{config.split_k} "
-            f"{'wL' if config.weight_as_lhs else 'xL'} w{config.num_warps} st{config.num_stages}")
+            f"{'wL' if config.weight_as_lhs else 'xL'} w{config.num_warps} st{config.num_stages}"
+            + (f" {config.decoder}" if config.decoder else "")
+            + (" gather" if config.scale_gather else ""))
 
 
 def report(rows, args, elapsed) -> str:
@@ -189,20 +196,21 @@ def report(rows, args, elapsed) -> str:
         f"{L2_DEFEAT_BYTES >> 20} MiB; {elapsed:.0f} s)", [common.device_info()])
     lines = [header, "",
              "| shape | N x K | format | tile_k | tuning | config | kernel us | call us | TB/s "
-             "| vs bf16 | max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs bf16 | max rel err | max abs diff vs first tuning |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     bf16 = {r["shape"]: r["call_us"] for r in rows if r["format"] == "bf16"}
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['format']} | {r['tile_k']} "
                          f"| {r['tuning']} | {r['config']} | failed: "
-                         f"{r['error'][:80].replace('|', '/')} | | | | |")
+                         f"{r['error'][:80].replace('|', '/')} | | | | | |")
             continue
         speedup = bf16.get(r["shape"], float("nan")) / r["call_us"]
         lines.append(
             f"| {r['shape']} | {r['n']} x {r['k']} | {r['format']} | {r['tile_k']} | "
             f"{r['tuning']} | {r['config']} | {r['kernel_us']:.2f} | {r['call_us']:.2f} | "
-            f"{r['TB_s']:.2f} | {speedup:.2f}x | {r.get('max_rel_err', float('nan')):.1e} |")
+            f"{r['TB_s']:.2f} | {speedup:.2f}x | {r.get('max_rel_err', float('nan')):.1e} | "
+            f"{r.get('max_abs_diff_vs_first', float('nan')):.1e} |")
     return "\n".join(lines)
 
 

@@ -329,7 +329,8 @@ def run_check(args):
              (300, 1000, 1616, 256, True)]
     if interpret:
         cases = [(3, 80, 448, 128, True), (300, 80, 192, 128, True)]
-    decoders = {"nvfp4": ("fp8", "bits", "asm", "asmn"), "mxfp4": ("fp8", "bits", "asm", "asmn"),
+    decoders = {"nvfp4": ("fp8", "bits", "asm", "asmn", "asms"),
+                "mxfp4": ("fp8", "bits", "asm", "asmn", "asms"),
                 "nf4": ("lut", "lut16", "select")}
 
     def record(name, fn, ref):
@@ -341,7 +342,7 @@ def run_check(args):
 
     for fmt in FORMATS:
         spec = SPECS[fmt]
-        decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm", "asmn"))]
+        decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm", "asmn", "asms"))]
         for i, (m, n, k, tile_k, transposed) in enumerate(cases):
             key, kw, kx, ky = jax.random.split(key, 4)
             k = k // spec.scale_block * spec.scale_block

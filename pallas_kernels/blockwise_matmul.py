@@ -37,6 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.e2m1_decode import E2M1_DECODERS
+
 N_MULTIPLE = 128
 
 
@@ -229,7 +231,8 @@ class DecodeTuning:
       program keeps (both from the decode-shape sweep: RESULTS.md, "Fused-kernel tiling at
       rollout M"). no_split_programs: N tiles alone at or above this many programs: no split.
     block_n, num_warps, num_stages, weight_as_lhs (None: per format, see
-      default_matmul_config), scale_gather: as in MatmulConfig.
+      default_matmul_config), scale_gather, decoder (None: the format's GPU default): as in
+      MatmulConfig.
     """
     target_programs: int = 320
     min_tiles_per_split: int = 4
@@ -240,6 +243,7 @@ class DecodeTuning:
     num_stages: int = 3
     weight_as_lhs: bool | None = None
     scale_gather: bool = False
+    decoder: str | None = None
 
 
 _DECODE_TUNING = DecodeTuning()
@@ -284,6 +288,8 @@ def parse_tuning(text: str) -> dict:
             if value.lower() not in allowed:
                 raise ValueError(f"decode tuning {item!r}: one of {', '.join(allowed)}")
             fields[name] = None if value.lower() == "none" else value.lower() == "true"
+        elif name == "decoder":
+            fields[name] = None if value.lower() == "none" else value
         else:
             fields[name] = int(value)
     return fields
@@ -304,6 +310,12 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
     """
     n_pad, half_k = packed.codes.shape
     return _default_config(m, (n_pad,), 2 * half_k // packed.tile_k, packed.fmt)
+
+
+def _decoder_fits(decoder: str | None, fmt: str) -> bool:
+    """A DecodeTuning decoder applies to the formats it decodes: the E2M1 decoders to NVFP4 and
+    MXFP4, the others (NF4's) to NF4."""
+    return decoder is not None and (decoder in E2M1_DECODERS) == (fmt in ("nvfp4", "mxfp4"))
 
 
 def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str) -> MatmulConfig:
@@ -335,7 +347,9 @@ def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str) -> 
                         weight_as_lhs=weight_as_lhs,
                         num_warps=tuning.num_warps if decode else 4,
                         num_stages=tuning.num_stages if decode else 3,
-                        scale_gather=tuning.scale_gather and decode)
+                        scale_gather=tuning.scale_gather and decode,
+                        decoder=tuning.decoder if decode and _decoder_fits(tuning.decoder, fmt)
+                        else None)
 
 
 def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:

@@ -15,6 +15,11 @@ power of two that the caller folds into the block scale:
           prmt, and, imad, and per pair of weights). GPU-only: inline asm cannot be interpreted.
 * "asmn": "asm" plus one packed bf16 fma by 2^126 in the same asm block: exact e2m1 values as
           normal bf16 (for kernels that feed decoded values straight into a dot). GPU-only.
+* "asms": "asm" with the block scale applied in the same asm block (`e2m1_scaled_planes`):
+          both planes of 4 code bytes from one byte spread (prmt), then one packed bf16 fma per
+          pair of weights with their scales, instead of a scalar bf16 multiply per weight (the
+          kernel's PTX showed Triton multiplying the "asm" planes by their scales one weight
+          at a time). Its unscaled planes (`e2m1_planes`) are "asm"'s. GPU-only.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = np.array(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=np.float32)
 
 # Power of two that each decoder's output carries (value = e2m1 * 2^DECODE_EXPONENT).
-DECODE_EXPONENT = {"fp8": -6, "bits": -126, "asm": -126, "asmn": 0}
+DECODE_EXPONENT = {"fp8": -6, "bits": -126, "asm": -126, "asmn": 0, "asms": -126}
 E2M1_DECODERS = tuple(DECODE_EXPONENT)
 
 
@@ -86,6 +91,53 @@ def _normalized(asm):
     return asm
 
 
+# 4 code bytes ($4) and the bf16 scales of their 4 low-plane ($5, $6) and 4 high-plane ($7, $8)
+# weights (2 per register, element 0 in the low half) -> the scaled low plane ($0, $1) and high
+# plane ($2, $3): each byte pair is spread once, each nibble becomes the "asm" bit pattern
+# (e2m1 * 2^-126) and one fma.rn.bf16x2 by the scales with a -0 addend (an exact product, also
+# for the subnormal patterns of +-0.5; sm_80+) scales two weights.
+_ASM_SCALED = """{
+.reg .b32 x, y, z, nz;
+mov.b32 z, 0;
+mov.b32 nz, 0x80008000;
+prmt.b32 x, $4, z, 0x4140;
+and.b32 y, x, 0x000F000F;
+mul.lo.u32 y, y, 0x1040;
+and.b32 y, y, 0x81C081C0;
+fma.rn.bf16x2 $0, y, $5, nz;
+and.b32 y, x, 0x00F000F0;
+mul.lo.u32 y, y, 0x104;
+and.b32 y, y, 0x81C081C0;
+fma.rn.bf16x2 $2, y, $7, nz;
+prmt.b32 x, $4, z, 0x4342;
+and.b32 y, x, 0x000F000F;
+mul.lo.u32 y, y, 0x1040;
+and.b32 y, y, 0x81C081C0;
+fma.rn.bf16x2 $1, y, $6, nz;
+and.b32 y, x, 0x00F000F0;
+mul.lo.u32 y, y, 0x104;
+and.b32 y, y, 0x81C081C0;
+fma.rn.bf16x2 $3, y, $8, nz;
+}"""
+
+
+def e2m1_scaled_planes(codes_tile: jax.Array, scale_lo: jax.Array, scale_hi: jax.Array):
+    """"asms": both planes of a kernel-layout byte tile uint8 [R, H], each multiplied by its
+    bf16 scale tile [R, H] (one scale per weight, e.g. block scales broadcast over their
+    blocks): (e2m1 * 2^-126 * scale_lo, e2m1 * 2^-126 * scale_hi), bf16 [R, H] each, rounded
+    once (exact when the product fits bf16, as e2m1 * e4m3 * 2^k does). GPU-only."""
+    from jax.experimental.pallas import triton as plgpu
+
+    if scale_lo.dtype != jnp.bfloat16 or scale_hi.dtype != jnp.bfloat16:
+        raise ValueError(f"e2m1_scaled_planes: bf16 scales, got {scale_lo.dtype}, "
+                         f"{scale_hi.dtype}")
+    shape = jax.ShapeDtypeStruct(codes_tile.shape, jnp.bfloat16)
+    lo, hi = plgpu.elementwise_inline_asm(
+        _ASM_SCALED, args=[codes_tile, scale_lo, scale_hi],
+        constraints="=r,=r,=r,=r,r,r,r,r,r", pack=4, result_shape_dtypes=[shape, shape])
+    return lo, hi
+
+
 def _planes_asm(c, normalize=False):
     from jax.experimental.pallas import triton as plgpu
 
@@ -109,7 +161,7 @@ def e2m1_planes(codes_tile: jax.Array, decoder: str):
         return _planes_fp8(codes_tile)
     if decoder == "bits":
         return _planes_bits(codes_tile)
-    if decoder == "asm":
+    if decoder in ("asm", "asms"):
         return _planes_asm(codes_tile)
     if decoder == "asmn":
         return _planes_asm(codes_tile, normalize=True)

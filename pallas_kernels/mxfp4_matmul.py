@@ -16,24 +16,26 @@ import jax.numpy as jnp
 
 from pallas_kernels import blockwise_matmul as bw
 from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference, e2m1_planes,
-                                        e2m1_values)
+                                        e2m1_scaled_planes, e2m1_values)
 
 SCALE_BLOCK = 32
 MAX_SCALE_CODE = 154
 # Power of two folded into the block scale per decoder: the multiplier 2^(s-127+a) is built from
 # its exponent bits, (s + a) must stay in [1, 254] (fp8: a=6 -> s <= 248; bits: a=100 -> s <= 154).
-_PRESCALE_EXPONENT = {"fp8": 6, "bits": 100, "asm": 100, "asmn": 0}
+_PRESCALE_EXPONENT = {"fp8": 6, "bits": 100, "asm": 100, "asmn": 0, "asms": 100}
 
 
 def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     del aux_refs
-    planes = e2m1_planes(c, decoder)
-    out = []
-    for plane, s in zip(planes, (s_lo, s_hi)):
+    scales = []
+    for s in (s_lo, s_hi):
         bits = (s.astype(jnp.int32) + _PRESCALE_EXPONENT[decoder]) << 23
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32).astype(out_dtype)
-        out.append(plane.astype(out_dtype) * bw.expand_block_scale(scale, SCALE_BLOCK, c.shape[1]))
-    return tuple(out)
+        scales.append(bw.expand_block_scale(scale, SCALE_BLOCK, c.shape[1]))
+    if decoder == "asms" and out_dtype == jnp.bfloat16:
+        return e2m1_scaled_planes(c, *scales)
+    planes = e2m1_planes(c, decoder)
+    return tuple(plane.astype(out_dtype) * scale for plane, scale in zip(planes, scales))
 
 
 def _scale_values(s):
@@ -42,7 +44,7 @@ def _scale_values(s):
 
 
 MXFP4 = bw.FormatSpec(
-    name="mxfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm", "asmn"),
+    name="mxfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm", "asmn", "asms"),
     interpret_decoder="fp8", gpu_decoder="asm", decode=_decode,
     epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]),
     decode_values=e2m1_values, value_exponent=lambda d: -6 if d == "fp8" else 0,

@@ -15,23 +15,23 @@ import jax.numpy as jnp
 
 from pallas_kernels import blockwise_matmul as bw
 from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference, e2m1_planes,
-                                        e2m1_values)
+                                        e2m1_scaled_planes, e2m1_values)
 
 SCALE_BLOCK = 16
 # Power of two folded into the block scale per decoder so that decoded weights are normal bf16
 # (fp8 decode is e2m1/64; the bf16-pattern decoders give e2m1 * 2^-126 and 448 * 2^118 < 2^127).
-_PRESCALE_EXPONENT = {"fp8": 6, "bits": 118, "asm": 118, "asmn": 0}
+_PRESCALE_EXPONENT = {"fp8": 6, "bits": 118, "asm": 118, "asmn": 0, "asms": 118}
 
 
 def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     del aux_refs
-    planes = e2m1_planes(c, decoder)
     factor = 2.0 ** _PRESCALE_EXPONENT[decoder]
-    out = []
-    for plane, s in zip(planes, (s_lo, s_hi)):
-        scale = (s.astype(jnp.float32) * factor).astype(out_dtype)
-        out.append(plane.astype(out_dtype) * bw.expand_block_scale(scale, SCALE_BLOCK, c.shape[1]))
-    return tuple(out)
+    scales = [bw.expand_block_scale((s.astype(jnp.float32) * factor).astype(out_dtype),
+                                    SCALE_BLOCK, c.shape[1]) for s in (s_lo, s_hi)]
+    if decoder == "asms" and out_dtype == jnp.bfloat16:
+        return e2m1_scaled_planes(c, *scales)
+    planes = e2m1_planes(c, decoder)
+    return tuple(plane.astype(out_dtype) * scale for plane, scale in zip(planes, scales))
 
 
 def _scale_values(s):
@@ -39,7 +39,7 @@ def _scale_values(s):
 
 
 NVFP4 = bw.FormatSpec(
-    name="nvfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm", "asmn"),
+    name="nvfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm", "asmn", "asms"),
     interpret_decoder="fp8", gpu_decoder="asm", decode=_decode,
     epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]),
     decode_values=e2m1_values, value_exponent=lambda d: -6 if d == "fp8" else 0,
