@@ -140,7 +140,8 @@ def collect(dump_dir: str, out: str, name: str) -> dict:
     """Keeps the Triton pass log's final TTGIR and first TTIR, and the PTX, of the kernel in
     dump_dir; returns their op / instruction counts (and which files were found)."""
     files = sorted(glob.glob(os.path.join(dump_dir, "*")))
-    logs = [f for f in files if f.endswith(".triton-passes.log")]
+    # the pass log's name differs between XLA versions (.triton-passes.log, .triton-to-llvm.txt)
+    logs = [f for f in files if "triton-passes" in f or "triton-to-llvm" in f]
     ptxs = [f for f in files if f.endswith(".ptx")]
     row = {"dump_files": len(files), "pass_logs": [os.path.basename(f) for f in logs],
            "ptx_files": [os.path.basename(f) for f in ptxs]}
