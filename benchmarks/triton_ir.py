@@ -35,7 +35,7 @@ import _common as common
 # Ops counted in the final TTGIR (substring match).
 COUNTED_OPS = ("ttg.convert_layout", "ttg.local_alloc", "ttg.local_load", "ttg.local_store",
                "ttg.async_copy_global_to_local", "ttg.async_wait", "ttng.warp_group_dot",
-               "tt.dot ", "tt.load", "tt.elementwise_inline_asm", "tt.reshape", "tt.broadcast",
+               "tt.dot", "tt.load", "tt.elementwise_inline_asm", "tt.reshape", "tt.broadcast",
                "tt.trans", "ttg.memdesc_trans")
 MARKER = re.compile(r"^// -----// IR Dump (Before|After) (\S+)")
 DUMP_FLAGS = "--xla_dump_hlo_module_re=.*blockwise.* --xla_dump_emitter_re=.*"
@@ -118,7 +118,8 @@ def final_ttgir(sections) -> str:
 
 
 def op_counts(ir: str) -> dict[str, int]:
-    return {op: ir.count(op) for op in COUNTED_OPS}
+    """Occurrences of each op, in generic ("tt.dot"(...)) or custom (= tt.dot ...) form."""
+    return {op: ir.count(f'"{op}"') + ir.count(f"= {op} ") for op in COUNTED_OPS}
 
 
 def instruction_counts(ptx: str) -> dict[str, int]:
