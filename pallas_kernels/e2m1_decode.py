@@ -16,10 +16,10 @@ power of two that the caller folds into the block scale:
 * "asmn": "asm" plus one packed bf16 fma by 2^126 in the same asm block: exact e2m1 values as
           normal bf16 (for kernels that feed decoded values straight into a dot). GPU-only.
 * "asms": "asm" with the block scale applied in the same asm block (`e2m1_scaled_planes`):
-          both planes of 4 code bytes from one byte spread (prmt), then one packed bf16 fma per
-          pair of weights with their scales, instead of a scalar bf16 multiply per weight (the
-          kernel's PTX showed Triton multiplying the "asm" planes by their scales one weight
-          at a time). Its unscaled planes (`e2m1_planes`) are "asm"'s. GPU-only.
+          one packed bf16 fma per pair of weights with their scales, instead of a scalar bf16
+          multiply per weight (the kernel's PTX showed Triton multiplying the "asm" planes by
+          their scales one weight at a time). Its unscaled planes (`e2m1_planes`) are "asm"'s.
+          GPU-only.
 """
 
 from __future__ import annotations
@@ -91,34 +91,27 @@ def _normalized(asm):
     return asm
 
 
-# 4 code bytes ($4) and the bf16 scales of their 4 low-plane ($5, $6) and 4 high-plane ($7, $8)
-# weights (2 per register, element 0 in the low half) -> the scaled low plane ($0, $1) and high
-# plane ($2, $3): each byte pair is spread once, each nibble becomes the "asm" bit pattern
-# (e2m1 * 2^-126) and one fma.rn.bf16x2 by the scales with a -0 addend (an exact product, also
-# for the subnormal patterns of +-0.5; sm_80+) scales two weights.
-_ASM_SCALED = """{
+# 4 code bytes ($2) and the bf16 scales of their 4 weights of one plane ($3, $4; 2 per register,
+# element 0 in the low half) -> the 4 scaled weights ($0, $1): each nibble becomes the "asm" bit
+# pattern (e2m1 * 2^-126), then one fma.rn.bf16x2 by the scales with a -0 addend (an exact
+# product, also for the subnormal patterns of +-0.5; sm_80+) scales two weights. One asm per
+# plane: Pallas lowers an inline asm with one result only.
+_ASM_SCALED_LO = """{
 .reg .b32 x, y, z, nz;
 mov.b32 z, 0;
 mov.b32 nz, 0x80008000;
-prmt.b32 x, $4, z, 0x4140;
+prmt.b32 x, $2, z, 0x4140;
 and.b32 y, x, 0x000F000F;
 mul.lo.u32 y, y, 0x1040;
 and.b32 y, y, 0x81C081C0;
-fma.rn.bf16x2 $0, y, $5, nz;
-and.b32 y, x, 0x00F000F0;
-mul.lo.u32 y, y, 0x104;
-and.b32 y, y, 0x81C081C0;
-fma.rn.bf16x2 $2, y, $7, nz;
-prmt.b32 x, $4, z, 0x4342;
+fma.rn.bf16x2 $0, y, $3, nz;
+prmt.b32 x, $2, z, 0x4342;
 and.b32 y, x, 0x000F000F;
 mul.lo.u32 y, y, 0x1040;
 and.b32 y, y, 0x81C081C0;
-fma.rn.bf16x2 $1, y, $6, nz;
-and.b32 y, x, 0x00F000F0;
-mul.lo.u32 y, y, 0x104;
-and.b32 y, y, 0x81C081C0;
-fma.rn.bf16x2 $3, y, $8, nz;
+fma.rn.bf16x2 $1, y, $4, nz;
 }"""
+_ASM_SCALED_HI = _ASM_SCALED_LO.replace("0x000F000F", "0x00F000F0").replace("0x1040", "0x104")
 
 
 def e2m1_scaled_planes(codes_tile: jax.Array, scale_lo: jax.Array, scale_hi: jax.Array):
@@ -132,10 +125,14 @@ def e2m1_scaled_planes(codes_tile: jax.Array, scale_lo: jax.Array, scale_hi: jax
         raise ValueError(f"e2m1_scaled_planes: bf16 scales, got {scale_lo.dtype}, "
                          f"{scale_hi.dtype}")
     shape = jax.ShapeDtypeStruct(codes_tile.shape, jnp.bfloat16)
-    lo, hi = plgpu.elementwise_inline_asm(
-        _ASM_SCALED, args=[codes_tile, scale_lo, scale_hi],
-        constraints="=r,=r,=r,=r,r,r,r,r,r", pack=4, result_shape_dtypes=[shape, shape])
-    return lo, hi
+
+    def run(asm, scale):
+        [out] = plgpu.elementwise_inline_asm(asm, args=[codes_tile, scale],
+                                             constraints="=r,=r,r,r,r", pack=4,
+                                             result_shape_dtypes=[shape])
+        return out
+
+    return run(_ASM_SCALED_LO, scale_lo), run(_ASM_SCALED_HI, scale_hi)
 
 
 def _planes_asm(c, normalize=False):
