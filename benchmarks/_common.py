@@ -162,9 +162,6 @@ def add_worker_arguments(parser, script_name: str) -> None:
                         help="decode steps attend over the whole cache on XLA (no Pallas kernel)")
     parser.add_argument("--kernels-interpret", action="store_true",
                         help="CPU check of the kernel path: enable_kernels(interpret=True)")
-    parser.add_argument("--no-sampler-autotune", action="store_true",
-                        help="compile the sampler without XLA's autotuner "
-                             "(SamplingConfig.xla_autotune=False)")
     parser.add_argument("--out", default=".")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help=f"merge the rows of these runs' {script_name}_*.json into one table "
@@ -183,8 +180,7 @@ def kernel_flags(args) -> list[str]:
                                   ("--no-lora-epilogue", args.no_lora_epilogue),
                                   ("--no-grouped-launches", args.no_grouped_launches),
                                   ("--no-decode-attention", args.no_decode_attention),
-                                  ("--kernels-interpret", args.kernels_interpret),
-                                  ("--no-sampler-autotune", args.no_sampler_autotune)) if on]
+                                  ("--kernels-interpret", args.kernels_interpret)) if on]
 
 
 def output_name(script_name: str, sizes: list[str], args) -> str:
@@ -192,8 +188,7 @@ def output_name(script_name: str, sizes: list[str], args) -> str:
     return (f"{script_name}_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
             + ("_no-lora-epilogue" if args.no_lora_epilogue else "")
             + ("_no-grouped" if args.no_grouped_launches else "")
-            + ("_no-decode-attention" if args.no_decode_attention else "")
-            + ("_no-sampler-autotune" if args.no_sampler_autotune else ""))
+            + ("_no-decode-attention" if args.no_decode_attention else ""))
 
 
 def run_script(args, worker_main, parent_main, merge_main) -> None:

@@ -140,7 +140,7 @@ def profile_case(graphdef, states, architecture, args, cache_length: int, label:
                                 jnp.int32)
     mask = jnp.ones((args.batch, args.prompt), jnp.bool_)
     begin = time.perf_counter()
-    compiled = sampling.generate_program(config).lower(graphdef, states, tokens, mask, key,
+    compiled = sampling._generate_program.lower(graphdef, states, tokens, mask, key,
                                                 config=config,
                                                 cache_length=cache_length).compile()
     compile_s = time.perf_counter() - begin

@@ -120,8 +120,6 @@ def worker_main(args) -> None:
             completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
             aqn=row["aqn"])
         config.quant.kernels = not args.no_kernels
-        config.rollout.xla_autotune = not args.no_sampler_autotune
-        row["sampler_autotune"] = config.rollout.xla_autotune
         if args.logits_chunk is not None:
             config.train.logits_chunk_size = args.logits_chunk
         row["logits_chunk"] = config.train.logits_chunk_size

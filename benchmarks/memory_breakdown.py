@@ -31,7 +31,7 @@ import time
 
 import _common as common
 
-PROGRAM_PATTERNS = {"rollout": "jit__generate", "train": "micro_batch_loss"}
+PROGRAM_PATTERNS = {"rollout": "_generate_program", "train": "micro_batch_loss"}
 
 
 def parse_args(argv=None):
@@ -129,7 +129,7 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
     tokens = jnp.ones((1, args.prompt), jnp.int32)
     mask = jnp.ones((1, args.prompt), jnp.bool_)
     begin = time.perf_counter()
-    lowered = sampling.generate_program(trainer.sampling).lower(
+    lowered = sampling._generate_program.lower(
         trainer.graphdef, tuple(trainer._rollout_states()), tokens, mask, jax.random.key(0),
         config=trainer.sampling, cache_length=args.prompt + args.completion)
     compiled = lowered.compile()

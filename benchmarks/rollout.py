@@ -136,8 +136,7 @@ def worker_main(args) -> None:
         try:
             config = sampling.SamplingConfig(
                 max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(),
-                num_generations=1, prompt_bucket=args.prompt,
-                xla_autotune=not args.no_sampler_autotune)
+                num_generations=1, prompt_bucket=args.prompt)
             tokens = jax.random.randint(jax.random.fold_in(key, batch), (batch, args.prompt), 0,
                                         architecture.vocab_size, jnp.int32)
             mask = jnp.ones((batch, args.prompt), jnp.bool_)
@@ -145,7 +144,7 @@ def worker_main(args) -> None:
             begin = time.perf_counter()
             # The same program generate_from_states runs (prompt already at its bucket length),
             # compiled ahead of time so compilation is timed apart from generation.
-            compiled = sampling.generate_program(config).lower(
+            compiled = sampling._generate_program.lower(
                 graphdef, states, tokens, mask, run_key, config=config,
                 cache_length=args.prompt + args.new_tokens).compile()
             row["compile_s"] = time.perf_counter() - begin

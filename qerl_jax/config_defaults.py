@@ -37,7 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
         prompt_style="paper", use_chat_template=True, max_prompt_length=256))
     config.rollout = ml_collections.ConfigDict(dict(
         num_generations=8, max_new_tokens=2048, temperature=1.0, top_p=1.0, top_k=0,
-        prompt_bucket=64, xla_autotune=True))
+        prompt_bucket=64))
     config.train = ml_collections.ConfigDict(dict(
         total_steps=100, prompts_per_step=16, micro_batch_size=8, num_iterations=1,
         learning_rate=1e-5, warmup_ratio=0.1, weight_decay=0.1, adam_b1=0.9, adam_b2=0.99,
@@ -128,8 +128,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            f"{model.param_dtype!r} not in ('bfloat16', 'float32')")
     _check(config.quant.format in FORMATS, "quant.format",
            f"{config.quant.format!r} not in {FORMATS}")
-    _check(isinstance(config.rollout.get("xla_autotune", True), bool), "rollout.xla_autotune",
-           "must be a bool (False: compile the sampler without XLA's autotuner)")
     _check(isinstance(config.quant.get("kernels", True), bool), "quant.kernels",
            f"{config.quant.get('kernels')!r} must be True or False")
     _check(config.lora.rank > 0, "lora.rank", "must be positive")

@@ -37,10 +37,6 @@ class SamplingConfig:
     num_generations: G samples per prompt. max_new_tokens: completion length limit.
     prompt_bucket: prompt lengths are left-padded up to a multiple of this (power-of-two
       buckets above it), so a run compiles a handful of programs.
-    xla_autotune: let XLA autotune the sampler program's dots on the GPU (its default). False
-      compiles it with xla_gpu_autotune_level=0: no autotuning, so no autotuner scratch copies
-      of the large operands (on 7B, +3.2 GiB for a moment at compile time, the peak of a GRPO
-      step); the 4-bit matmuls are Pallas kernels either way. Same numbers on the CPU.
     """
 
     max_new_tokens: int = 256
@@ -51,7 +47,6 @@ class SamplingConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_generations: int = 1
     prompt_bucket: int = 64
-    xla_autotune: bool = True
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:
@@ -134,8 +129,9 @@ def _repeat_rows(tree, times: int):
 
 
 # ------------------------------------------------------------------------------ the program
-def _generate(graphdef, states, prompt_tokens, prompt_mask, key, config: SamplingConfig,
-              cache_length: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "cache_length"))
+def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
+                      config: SamplingConfig, cache_length: int):
     model = nnx.merge(graphdef, *states)
     cast_adapters_for_compute(model)  # once here, not at every decode step
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
@@ -184,18 +180,6 @@ def _generate(graphdef, states, prompt_tokens, prompt_mask, key, config: Samplin
                    mask=mask, lengths=lengths, truncated=truncated)
 
 
-_STATIC = ("graphdef", "config", "cache_length")
-_generate_program = jax.jit(_generate, static_argnames=_STATIC)
-_generate_program_untuned = jax.jit(_generate, static_argnames=_STATIC,
-                                    compiler_options={"xla_gpu_autotune_level": 0})
-
-
-def generate_program(config: SamplingConfig):
-    """The jitted sampler program for `config` (see SamplingConfig.xla_autotune); called as
-    program(graphdef, states, prompt_tokens, prompt_mask, key, config=, cache_length=)."""
-    return _generate_program if config.xla_autotune else _generate_program_untuned
-
-
 def generate(model: CausalLM, prompt_tokens, prompt_mask, key: jax.Array,
              config: SamplingConfig) -> Rollout:
     """generate_from_states on nnx.split(model); see there."""
@@ -228,5 +212,5 @@ def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, ke
         prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (pad, 0)))
         prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad, 0)))
     total = padded + config.max_new_tokens
-    return generate_program(config)(graphdef, tuple(states), prompt_tokens, prompt_mask, key,
-                                    config=config, cache_length=total)
+    return _generate_program(graphdef, tuple(states), prompt_tokens, prompt_mask, key,
+                             config=config, cache_length=total)

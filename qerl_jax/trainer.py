@@ -189,7 +189,7 @@ class Trainer:
         self.sampling = SamplingConfig(
             max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
             top_p=rollout.top_p, top_k=rollout.top_k, num_generations=rollout.num_generations,
-            prompt_bucket=rollout.prompt_bucket, xla_autotune=bool(rollout.get("xla_autotune", True)),
+            prompt_bucket=rollout.prompt_bucket,
             eos_token_ids=eos_token_ids(self.tokenizer, self.model_config.eos_token_id))
         self.loss_config = LossConfig(
             loss_type=config.loss.loss_type, epsilon_low=config.loss.epsilon_low,

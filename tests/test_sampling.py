@@ -2,8 +2,6 @@
 tokens follow the intended distribution; top-k / top-p masks are exact; determinism; EOS
 handling; and a bounded number of compiled programs."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +9,8 @@ import pytest
 import torch
 
 from qerl_jax.models.hf_io import load_hf_model
-from qerl_jax.sampling import (SamplingConfig, _generate_program, bucket_length, filter_logits,
-                               generate, generate_program)
+from qerl_jax.sampling import (SamplingConfig, _generate_program, bucket_length,
+                               filter_logits, generate)
 from tests.hf_reference import left_padded_batch, make_hf_model, save_hf_model_dir
 
 
@@ -127,22 +125,6 @@ def test_bucketing_bounds_compiles(tiny):
     assert _generate_program._cache_size() - before == 1
     assert [bucket_length(n, 64) for n in (1, 64, 65, 256, 257, 600)] == [64, 64, 128, 256,
                                                                            512, 1024]
-
-
-def test_untuned_sampler_program_gives_the_same_tokens(tiny):
-    """xla_autotune=False compiles the sampler with xla_gpu_autotune_level=0 (its own jitted
-    program); on the CPU nothing is autotuned, so tokens and log-probs are identical."""
-    _, ours = tiny
-    rng = np.random.default_rng(7)
-    tokens, mask = _prompts(rng, [3, 5], 5)
-    tuned = SamplingConfig(max_new_tokens=6, temperature=1.0, num_generations=2,
-                           prompt_bucket=8)
-    untuned = dataclasses.replace(tuned, xla_autotune=False)
-    assert generate_program(untuned) is not generate_program(tuned)
-    a = generate(ours, tokens, mask, jax.random.key(3), tuned)
-    b = generate(ours, tokens, mask, jax.random.key(3), untuned)
-    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-    np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
 
 
 def test_bad_config_is_named():
