@@ -185,8 +185,7 @@ def _short(config) -> str:
         return config.path
     return (f"bm{config.block_m} bn{config.block_n} s{config.split_k} "
             f"{'wL' if config.weight_as_lhs else 'xL'} w{config.num_warps} st{config.num_stages}"
-            + (f" {config.decoder}" if config.decoder else "")
-            + (" gather" if config.scale_gather else ""))
+            + (f" {config.decoder}" if config.decoder else ""))
 
 
 def report(rows, args, elapsed) -> str:

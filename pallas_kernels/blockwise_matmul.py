@@ -153,12 +153,9 @@ class FormatSpec:
     scale_values: Callable | None = None
 
 
-def expand_block_scale(s: jax.Array, block: int, width: int | None = None) -> jax.Array:
-    """[R, G] -> [R, G*block]: each scale repeated over its block of k. A tile that already has
-    `width` columns (scales gathered per weight, MatmulConfig.scale_gather) is returned as is."""
+def expand_block_scale(s: jax.Array, block: int) -> jax.Array:
+    """[R, G] -> [R, G*block]: each scale repeated over its block of k."""
     r, g = s.shape
-    if width is not None and g == width:
-        return s
     return jnp.broadcast_to(s[:, :, None], (r, g, block)).reshape(r, g * block)
 
 
@@ -175,10 +172,6 @@ class MatmulConfig:
     clamp_rows: when M is not a multiple of block_m, read activation rows min(r, M-1) (a gather
     with no mask; the extra rows repeat the last one and are not stored) instead of masked
     loads. Off by default: masked rows were as fast or faster on most H100 layer shapes.
-    scale_gather: load each plane's block scales as a [block_n, tile_k/2] tile with one address
-    per weight (each scale byte read B times, from L1) instead of a [block_n, tile_k/2/B] tile
-    broadcast over its blocks in registers (a reshape that Triton cannot keep in the dot
-    operand's layout).
     """
     block_m: int = 16
     block_n: int = 64
@@ -190,7 +183,6 @@ class MatmulConfig:
     path: str = "fused"
     group_dots: bool = False
     clamp_rows: bool = False
-    scale_gather: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +223,7 @@ class DecodeTuning:
       program keeps (both from the decode-shape sweep: RESULTS.md, "Fused-kernel tiling at
       rollout M"). no_split_programs: N tiles alone at or above this many programs: no split.
     block_n, num_warps, num_stages, weight_as_lhs (None: per format, see
-      default_matmul_config), scale_gather, decoder (None: the format's GPU default): as in
-      MatmulConfig.
+      default_matmul_config), decoder (None: the format's GPU default): as in MatmulConfig.
     """
     target_programs: int = 320
     min_tiles_per_split: int = 4
@@ -242,7 +233,6 @@ class DecodeTuning:
     num_warps: int = 4
     num_stages: int = 3
     weight_as_lhs: bool | None = None
-    scale_gather: bool = False
     decoder: str | None = None
 
 
@@ -283,10 +273,9 @@ def parse_tuning(text: str) -> dict:
         if name not in names or not value:
             raise ValueError(f"decode tuning {item!r}: expected name=value with name in "
                              f"{sorted(names)}")
-        if name in ("weight_as_lhs", "scale_gather"):
-            allowed = ("true", "false", "none") if name == "weight_as_lhs" else ("true", "false")
-            if value.lower() not in allowed:
-                raise ValueError(f"decode tuning {item!r}: one of {', '.join(allowed)}")
+        if name == "weight_as_lhs":
+            if value.lower() not in ("true", "false", "none"):
+                raise ValueError(f"decode tuning {item!r}: true, false or none")
             fields[name] = None if value.lower() == "none" else value.lower() == "true"
         elif name == "decoder":
             fields[name] = None if value.lower() == "none" else value
@@ -347,7 +336,6 @@ def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str) -> 
                         weight_as_lhs=weight_as_lhs,
                         num_warps=tuning.num_warps if decode else 4,
                         num_stages=tuning.num_stages if decode else 3,
-                        scale_gather=tuning.scale_gather and decode,
                         decoder=tuning.decoder if decode and _decoder_fits(tuning.decoder, fmt)
                         else None)
 
@@ -448,8 +436,8 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     out_ref, program_ids, *, spec: FormatSpec, decoder: str, m: int, n: int, k: int,
                     bm: int, bn: int, tile_k: int, tiles_per_split: int, k_tiles: int,
                     split: int, weight_as_lhs: bool, group_dots: bool = False,
-                    clamp_rows: bool = False, scale_gather: bool = False,
-                    lora_scale: float | None = None, down_column: int = 0):
+                    clamp_rows: bool = False, lora_scale: float | None = None,
+                    down_column: int = 0):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
     [down_column, down_column + r) with r = lora_b_ref's rows."""
@@ -489,19 +477,11 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     acc = acc + _dot_nt(xg, values[p]) * sg[None, :]
         return acc
 
-    def load_scales(kt, p):
-        """Block scales of plane p of K tile kt: [bn, g], or [bn, half] with scale_gather."""
-        if not scale_gather:
-            return scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + p * g, g)]
-        rows = n0 + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)
-        cols = (kt * 2 * g + p * g
-                + lax.broadcasted_iota(jnp.int32, (1, half), 1) // spec.scale_block)
-        return scales_ref[rows, cols]
-
     def load_tile(kt):
         """Codes, the two planes' scales and activations of K tile kt (loads only)."""
         c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
-        s_lo, s_hi = load_scales(kt, 0), load_scales(kt, 1)
+        s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
+        s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
         xs = tuple(load_x(pl.multiple_of(kt * tile_k + p * half, half), half)
                    for p in range(2))
         return c, s_lo, s_hi, xs
@@ -721,8 +701,7 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
         tile_k=packed.tile_k, tiles_per_split=tiles_per_split, k_tiles=k_tiles, split=split,
         weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
-        clamp_rows=config.clamp_rows, scale_gather=config.scale_gather,
-        lora_scale=float(lora_scale) if has_lora else None)
+        clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None)
     if config.group_dots and spec.decode_values is None:
         raise ValueError(f"{spec.name} has no group-scaled decoder")
     if split == 1:
@@ -864,8 +843,7 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
         poisoned=bool(poison_output), spec=spec,
         decoder=_resolve_decoder(spec, config.decoder, interpret), m=m, k=k, bm=bm, bn=bn,
         tile_k=packed[0].tile_k, tiles_per_split=_cdiv(k_tiles, split), k_tiles=k_tiles,
-        split=split, weight_as_lhs=config.weight_as_lhs, clamp_rows=config.clamp_rows,
-        scale_gather=config.scale_gather)
+        split=split, weight_as_lhs=config.weight_as_lhs, clamp_rows=config.clamp_rows)
     if split == 1:
         out_shape = tuple(jax.ShapeDtypeStruct((m, p.n), jnp.bfloat16) for p in packed)
     else:

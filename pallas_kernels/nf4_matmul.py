@@ -48,7 +48,7 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
             level, scale = _select_tree(v), s
         else:
             raise ValueError(f"unknown NF4 decoder {decoder!r}")
-        w = level * bw.expand_block_scale(scale, SCALE_BLOCK, c.shape[1])
+        w = level * bw.expand_block_scale(scale, SCALE_BLOCK)
         out.append(w.astype(out_dtype))
     return tuple(out)
 

@@ -27,7 +27,7 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     del aux_refs
     factor = 2.0 ** _PRESCALE_EXPONENT[decoder]
     scales = [bw.expand_block_scale((s.astype(jnp.float32) * factor).astype(out_dtype),
-                                    SCALE_BLOCK, c.shape[1]) for s in (s_lo, s_hi)]
+                                    SCALE_BLOCK) for s in (s_lo, s_hi)]
     if decoder == "asms" and out_dtype == jnp.bfloat16:
         return e2m1_scaled_planes(c, *scales)
     planes = e2m1_planes(c, decoder)

@@ -56,8 +56,6 @@ def test_matmul_default_config(m):
                         clamp_rows=False)),
     (20, bw.MatmulConfig(block_m=32, block_n=64, split_k=1, weight_as_lhs=True,
                          group_dots=True)),
-    (3, bw.MatmulConfig(block_m=16, block_n=32, split_k=1, weight_as_lhs=False,
-                        scale_gather=True)),
 ])
 def test_matmul_variants(m, config):
     kc.check_matmul(MXFP4, m, config)

@@ -67,8 +67,6 @@ def test_matmul_default_config(m):
                         decoder="lut16")),
     (20, bw.MatmulConfig(block_m=32, block_n=64, split_k=1, weight_as_lhs=True,
                          group_dots=True)),
-    (3, bw.MatmulConfig(block_m=16, block_n=32, split_k=2, weight_as_lhs=True,
-                        decoder="lut16", scale_gather=True)),
 ])
 def test_matmul_variants(m, config):
     kc.check_matmul(NF4, m, config)
