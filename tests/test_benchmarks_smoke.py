@@ -123,5 +123,40 @@ def test_kernel_profile_smoke(tmp_path):
     rows = [row for row in payload["rows"] if row["format"] == "nvfp4"]
     assert len(rows) == 4 and all("error" not in row for row in rows), output[-2000:]
     assert all(row["max_rel_err"] < 1e-2 and row["call_us"] > 0 for row in rows)
+    # the same config in both tunings (block_n 32 vs 64 changes only the tiling): equal output
+    assert all(row["max_abs_diff_vs_first"] == 0.0 for row in rows)
     assert {row["config"].split()[1] for row in rows} == {"bn64", "bn32"}
     assert "| a | 256 x 256 | nvfp4 |" in open(tmp_path / "kernel_profile_smoke_m8.md").read()
+
+
+def test_triton_ir_parsing():
+    """triton_ir.py is GPU-only (interpret mode compiles no Triton); its parsing of XLA's Triton
+    pass log and of PTX is checked here on a synthetic log."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import triton_ir
+    log = "\n".join([
+        "// -----// IR Dump Before TritonGPUCoalesce (tritongpu-coalesce) ('builtin.module' "
+        "operation: @k) //----- //",
+        '  %0 = "tt.load"(%a) : (tensor<64x!tt.ptr<i8>>) -> tensor<64xi8>',
+        "// -----// IR Dump Before ConvertTritonGPUToLLVM (convert-triton-gpu-to-llvm) "
+        "('builtin.module' operation: @k) //----- //",
+        '  %1 = "ttg.local_load"(%m) : (!ttg.memdesc<64xi8>) -> tensor<64xi8>',
+        '  %2 = "tt.dot"(%x, %w, %c) : (...) -> tensor<16x64xf32>',
+        "  %3 = ttg.convert_layout %2 : tensor<16x64xf32>",
+        "// -----// IR Dump After ConvertTritonGPUToLLVM (convert-triton-gpu-to-llvm) "
+        "('builtin.module' operation: @k) //----- //",
+        "  llvm.return"])
+    sections = triton_ir.split_passes(log)
+    assert [(when, name) for when, name, _ in sections] == [
+        ("Before", "TritonGPUCoalesce"), ("Before", "ConvertTritonGPUToLLVM"),
+        ("After", "ConvertTritonGPUToLLVM")]
+    ttgir = triton_ir.final_ttgir(sections)
+    counts = triton_ir.op_counts(ttgir)
+    assert counts["ttg.local_load"] == 1 and counts["tt.dot"] == 1
+    assert counts["ttg.convert_layout"] == 1 and counts["tt.load"] == 0
+    ptx = "\n".join(["\tcp.async.cg.shared.global [%r1], [%rd1], 16;",
+                     "\t@%p1 bra $L__BB0_1;", "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16",
+                     "\tprmt.b32 x, %r2, z, 0x4140;", "\tprmt.b32 y, %r3, z, 0x4342;"])
+    ptx_counts = triton_ir.instruction_counts(ptx)
+    assert ptx_counts["cp.async.cg"] == 1 and ptx_counts["mma.sync"] == 1
+    assert ptx_counts["prmt"] == 2 and ptx_counts["ld.shared"] == 0
