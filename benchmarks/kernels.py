@@ -340,7 +340,7 @@ def run_check(args):
             rows.append((name, float("nan"), float("nan"), False))
             print("FAIL", name, repr(e)[:3000])
 
-    for fmt in FORMATS:
+    for fmt in [f for f in FORMATS if f in args.formats.split(",")]:
         spec = SPECS[fmt]
         decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm", "asmn", "asms"))]
         for i, (m, n, k, tile_k, transposed) in enumerate(cases):
@@ -672,6 +672,8 @@ def main():
     parser.add_argument("--out", default="")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="formats --check covers (comma list)")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="fused-kernel tilings at rollout M (see --decode-m)")
