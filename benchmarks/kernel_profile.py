@@ -71,6 +71,19 @@ def weight_bytes(fmt: str, n: int, k: int) -> int:
     return n * k // 2 + n * k // {"nvfp4": 16, "mxfp4": 32, "nf4": 16}[fmt]
 
 
+def layer_inputs(key, m: int, n: int, k: int, rank: int):
+    """The activations x [m, k] and the LoRA epilogue's down [m, rank] and B [rank, n] (None
+    at rank 0), bf16, drawn from `key` (shared with triton_ir.py)."""
+    import jax
+    import jax.numpy as jnp
+    x = jax.random.normal(jax.random.fold_in(key, 1), (m, k), jnp.bfloat16)
+    if not rank:
+        return x, None, None
+    down = jax.random.normal(jax.random.fold_in(key, 2), (m, rank), jnp.bfloat16)
+    lora_b = 0.01 * jax.random.normal(jax.random.fold_in(key, 3), (rank, n), jnp.bfloat16)
+    return x, down, lora_b
+
+
 def traced_device_us(fn, args, repeats: int, calls: int, kernel_marker: str | None):
     """(mean us per call of events whose name contains kernel_marker, mean us per call of all
     device events, number of marker events) over `repeats` traced runs of fn(*args)."""
@@ -110,11 +123,7 @@ def main(argv=None):
     key = jax.random.key(0)
     started = time.perf_counter()
     for name, n, k in shapes:
-        x = jax.random.normal(jax.random.fold_in(key, 1), (args.m, k), jnp.bfloat16)
-        down = (jax.random.normal(jax.random.fold_in(key, 2), (args.m, args.rank), jnp.bfloat16)
-                if args.rank else None)
-        lora_b = (0.01 * jax.random.normal(jax.random.fold_in(key, 3), (args.rank, n),
-                                           jnp.bfloat16) if args.rank else None)
+        x, down, lora_b = layer_inputs(key, args.m, n, k, args.rank)
         if not args.no_bf16:
             dense = 0.02 * jax.random.normal(jax.random.fold_in(key, 4), (k, n), jnp.bfloat16)
             count = 1 if interpret else max(2, math.ceil(L2_DEFEAT_BYTES / (2 * n * k)))

@@ -1,11 +1,11 @@
-"""What Triton made of the fused 4-bit matmul: its IR after every compiler pass, per tuning.
+"""What Triton made of the fused 4-bit matmul: its final IR and PTX, per tuning.
 
 Pallas hands XLA a Triton module (custom call __gpu$xla.gpu.triton) and XLA runs Triton's
 pipeline on it. For each decode tuning (pallas_kernels.blockwise_matmul.DecodeTuning fields, as
 in kernel_profile.py) a worker process compiles one call of the fused kernel on one layer shape
-with XLA's dumps on for that module only (--xla_dump_to, --xla_dump_hlo_module_re, and
---xla_dump_emitter_re=.* so that whatever name this XLA gives the Triton pass log is matched).
-From the dump the script keeps:
+with XLA's dumps on for that module only (--xla_dump_to a temporary folder,
+--xla_dump_hlo_module_re, and --xla_dump_emitter_re=.* so that whatever name this XLA gives the
+Triton pass log is matched; the log is ~16 MB). From the dump the script keeps:
 
   <tuning>.ttgir   the module right before it is lowered to LLVM (layouts, shared-memory
                    buffers, async copies, MMA ops: what the kernel does per tile);
@@ -27,8 +27,10 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import _common as common
 
@@ -66,7 +68,6 @@ def slug(tuning: str) -> str:
 def run_worker(args) -> None:
     """Compiles and runs one call of the kernel under the tuning in args.worker."""
     import jax
-    import jax.numpy as jnp
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernel_profile
@@ -75,16 +76,14 @@ def run_worker(args) -> None:
 
     [(_, n, k)] = [s for s in kernel_profile.SHAPES[args.model] if s[0] == args.shape]
     key = jax.random.key(0)
-    x = jax.random.normal(jax.random.fold_in(key, 1), (args.m, k), jnp.bfloat16)
-    down = jax.random.normal(jax.random.fold_in(key, 2), (args.m, args.rank), jnp.bfloat16)
-    lora_b = 0.01 * jax.random.normal(jax.random.fold_in(key, 3), (args.rank, n), jnp.bfloat16)
+    x, down, lora_b = kernel_profile.layer_inputs(key, args.m, n, k, args.rank)
     ckpt = kernel_bench.random_checkpoint(args.format, n, k, jax.random.fold_in(key, 5))
     packed = kernel_bench.repack(args.format, ckpt, tile_k=256)
     if args.worker != "base":
         bw.set_decode_tuning(**bw.parse_tuning(args.worker))
     config = bw.default_matmul_config(args.m, packed)
     y = bw.blockwise_matmul(x, packed, spec=kernel_bench.SPECS[args.format], config=config,
-                            lora_down=down, lora_b=lora_b, lora_scale=2.0)
+                            lora_down=down, lora_b=lora_b, lora_scale=2.0 if args.rank else 0.0)
     jax.block_until_ready(y)
     print(f"config {config}", flush=True)
     print(f"info {json.dumps(common.device_info())}", flush=True)
@@ -171,7 +170,7 @@ def main(argv=None):
     rows = []
     for tuning in [t.strip() for t in args.tunings.split(";") if t.strip()]:
         name = slug(tuning)
-        dump_dir = os.path.join(args.out, "dump_" + name)
+        dump_dir = tempfile.mkdtemp(prefix=f"triton_ir_{name}_")
         env = common.worker_env()
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}",
                                      DUMP_FLAGS]).strip()
@@ -192,6 +191,7 @@ def main(argv=None):
             if not row["pass_logs"] and not row["ptx_files"]:
                 row["error"] = (f"no Triton pass log or PTX among the {row['dump_files']} "
                                 f"dumped files")
+        shutil.rmtree(dump_dir, ignore_errors=True)
         rows.append(row)
         print(row, flush=True)
     counted = list(COUNTED_OPS) + list(COUNTED)
