@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from qerl_jax.lora import cast_adapters_for_compute
+from qerl_jax.lora import cast_adapters_for_compute, stack_grouped_adapters
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
 
@@ -134,6 +134,7 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
                       config: SamplingConfig, cache_length: int):
     model = nnx.merge(graphdef, *states)
     cast_adapters_for_compute(model)  # once here, not at every decode step
+    stack_grouped_adapters(model)  # the grouped launches' [A_q | A_k | A_v], [A_gate | A_up]
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
     cache = init_kv_cache(model.config, prompt_tokens.shape[0], cache_length)

@@ -57,15 +57,19 @@ class Linear(nnx.Module):
         return linear(x, weight, bias, compute_dtype=self.compute_dtype, lora=lora)
 
 
-def apply_linears(x: jax.Array, layers) -> list[jax.Array]:
+def apply_linears(x: jax.Array, layers, stacked_lora_a: jax.Array | None = None
+                  ) -> list[jax.Array]:
     """[layer(x) for layer in layers] for Linear layers that read the same x, through
     qerl_jax.quant.linear_group: quantized layers share one kernel launch where the kernel
-    allows (decode), otherwise each runs as layer(x). All layers need one compute dtype."""
+    allows (decode), otherwise each runs as layer(x). All layers need one compute dtype.
+    `stacked_lora_a` [in, sum r]: the layers' LoRA A matrices side by side, precomputed
+    (qerl_jax.lora.stack_grouped_adapters), or None to stack them here when needed."""
     dtypes = {jnp.dtype(layer.compute_dtype) for layer in layers}
     if len(dtypes) != 1:
         raise ValueError(f"apply_linears: layers with compute dtypes {sorted(map(str, dtypes))}")
     weights, biases, loras = zip(*(layer.operands() for layer in layers))
-    return linear_group(x, weights, biases, compute_dtype=layers[0].compute_dtype, loras=loras)
+    return linear_group(x, weights, biases, compute_dtype=layers[0].compute_dtype, loras=loras,
+                        stacked_lora_a=stacked_lora_a)
 
 
 class Embedding(nnx.Module):

@@ -47,6 +47,9 @@ class Attention(nnx.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden,
                              use_bias=config.attention_bias and config.model_type == "llama",
                              **common)
+        # [hidden, 3r]: the q/k/v adapters' A side by side, set only inside the sampler
+        # (qerl_jax.lora.stack_grouped_adapters), so the decode loop does not re-stack them
+        self.grouped_lora_a = nnx.data(None)
 
     def __call__(self, x, cos, sin, mask, cached_kv=None, cache_index=None):
         """x [B, T, H]; cos/sin [B, T, D]; mask [B, T, S] bool (True = may attend).
@@ -61,7 +64,8 @@ class Attention(nnx.Module):
         filled slots; otherwise the einsums below attend over all S slots, masked.
         """
         batch, length, _ = x.shape
-        q, k, v = apply_linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = apply_linears(x, (self.q_proj, self.k_proj, self.v_proj),
+                                self.grouped_lora_a)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -107,9 +111,10 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(hidden, inner, **common)
         self.up_proj = Linear(hidden, inner, **common)
         self.down_proj = Linear(inner, hidden, **common)
+        self.grouped_lora_a = nnx.data(None)  # [hidden, 2r], as Attention.grouped_lora_a
 
     def __call__(self, x):
-        gate, up = apply_linears(x, (self.gate_proj, self.up_proj))
+        gate, up = apply_linears(x, (self.gate_proj, self.up_proj), self.grouped_lora_a)
         activated = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32))
         return self.down_proj(activated.astype(gate.dtype))
 

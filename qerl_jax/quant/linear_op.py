@@ -410,7 +410,7 @@ def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
 
 
 def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
-                 loras=None) -> list[jax.Array]:
+                 loras=None, stacked_lora_a: jax.Array | None = None) -> list[jax.Array]:
     """`linear` of several layers that read the same x (a layer's q/k/v, or gate/up).
 
     Where the selected quantized kernel can launch them together (group_fn: the fused small-M
@@ -424,6 +424,10 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
       weights: sequence of weights (as for `linear`), all with `in` input features.
       biases: sequence of optional biases [out_i] (same length).
       loras: optional sequence of optional LoRAProducts (same length).
+      stacked_lora_a: optional [in, sum r_i], the loras' A matrices side by side in the compute
+        dtype, made once outside a loop (qerl_jax.lora.stack_grouped_adapters): the grouped
+        launch's x @ [A_0 | A_1 | ...] then reads it instead of concatenating the A_i at every
+        call. Ignored where the layers run one by one.
     Returns:
       list of [..., out_i] in compute_dtype.
     """
@@ -461,7 +465,14 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
         # One x @ [A_0 | A_1 | ...] for the group. (Separate x @ A_i dots would be merged by
         # XLA anyway, but then it concatenates the A_i inside the decode loop at every step and
         # slices the product apart: 4-5 extra small kernels per layer and step.)
-        stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
+        if stacked_lora_a is None:
+            stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
+        else:
+            expected = (in_features, sum(lora.a.shape[1] for lora in loras))
+            if tuple(stacked_lora_a.shape) != expected:
+                raise ValueError(f"linear_group: stacked_lora_a {tuple(stacked_lora_a.shape)} "
+                                 f"must be [in, sum of ranks] = {list(expected)}")
+            stacked_a = stacked_lora_a.astype(compute_dtype)
         down = jnp.dot(x2d, stacked_a, preferred_element_type=compute_dtype)
         lora_bs = tuple(lora.b.astype(compute_dtype) for lora in loras)
         scales = tuple(float(lora.scale) for lora in loras)

@@ -453,3 +453,69 @@ def test_decode_steps_with_the_decode_attention_kernel():
         assert np.isfinite(np.asarray(got)).all()
         assert diff.max() <= 2.0 ** -4 * scale and diff.mean() <= 2.0 ** -8 * scale, (step,
                                                                                       diff.max())
+
+
+def _while_body_concatenates(jaxpr) -> list[tuple[int, ...]]:
+    """Output shapes of the concatenate equations inside any while loop body of `jaxpr`."""
+    shapes = []
+
+    def visit(inner, in_loop):
+        for eqn in inner.eqns:
+            if eqn.primitive.name == "concatenate" and in_loop:
+                shapes.append(tuple(eqn.outvars[0].aval.shape))
+            for name, param in eqn.params.items():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        visit(sub, in_loop or (eqn.primitive.name == "while"
+                                               and name == "body_jaxpr"))
+
+    visit(jaxpr.jaxpr, False)
+    return shapes
+
+
+def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kernels, monkeypatch):
+    """The sampler stacks each layer's [A_q | A_k | A_v] and [A_gate | A_up] once, before its
+    while_loop (lora.stack_grouped_adapters): the loop body has no concatenate of adapter
+    shapes, and the sampled tokens and log-probs equal, bit for bit, those of the sampler that
+    stacks them inside every grouped launch."""
+    from qerl_jax import sampling
+    from qerl_jax.lora import LoRAConfig, add_lora, stack_grouped_adapters
+    from qerl_jax.models.layers import apply_linears
+    model = _tiny_quantized_model("nvfp4", layers=1)
+    add_lora(model, LoRAConfig(rank=4), jax.random.key(0))
+    for _, layer in nnx.iter_graph(model):
+        if getattr(layer, "lora_b", None) is not None:  # B = 0 would hide a wrong A
+            b = layer.lora_b.get_value()
+            layer.lora_b.set_value(0.1 * jax.random.normal(jax.random.key(b.shape[1]), b.shape))
+    enable_kernels(model, platform="cpu", interpret=True)
+    hidden = model.config.hidden_size
+    prompts = jnp.asarray(np.random.default_rng(7).integers(0, 128, (2, 5)), jnp.int32)
+    mask = jnp.asarray([[1] * 5, [0, 0, 1, 1, 1]], jnp.bool_)
+    config = sampling.SamplingConfig(max_new_tokens=3, num_generations=2, prompt_bucket=8)
+    key = jax.random.key(11)
+    graphdef, state = nnx.split(model)
+
+    def program_jaxpr():
+        return jax.make_jaxpr(
+            lambda s: sampling._generate_program(graphdef, (s,), prompts, mask, key,
+                                                 config=config, cache_length=11))(state)
+
+    stacked = sampling.generate(model, prompts, mask, key, config)
+    in_loop = _while_body_concatenates(program_jaxpr())
+    assert not [s for s in in_loop if s in ((hidden, 12), (hidden, 8))], in_loop
+
+    monkeypatch.setattr(sampling, "stack_grouped_adapters", lambda model: 0)
+    sampling._generate_program.clear_cache()  # retrace with the patched function
+    in_loop = _while_body_concatenates(program_jaxpr())
+    assert [s for s in in_loop if s in ((hidden, 12), (hidden, 8))]  # the check can see them
+    restacked = sampling.generate(model, prompts, mask, key, config)
+    np.testing.assert_array_equal(np.asarray(stacked.tokens), np.asarray(restacked.tokens))
+    np.testing.assert_array_equal(np.asarray(stacked.logprobs), np.asarray(restacked.logprobs))
+    merged = nnx.merge(graphdef, state)
+    assert stack_grouped_adapters(merged) == 2  # attention and MLP
+    attention = merged.layers[0].self_attn
+    x = jnp.ones((2, hidden), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"stacked_lora_a \(64, 8\)"):
+        apply_linears(x, (attention.q_proj, attention.k_proj, attention.v_proj),
+                      attention.grouped_lora_a[:, :8])
