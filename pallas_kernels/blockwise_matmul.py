@@ -218,14 +218,15 @@ class DecodeTuning:
     """What default_matmul_config picks at decode M (M <= 16), in one place so that benchmarks
     can try other settings in the model (set_decode_tuning) without new code.
 
-    target_programs: split-K is chosen so the launch has about this many programs (about 2.5
-      waves of an H100/H200's 132 SMs); min_tiles_per_split: the fewest K tiles a split-K
-      program keeps (both from the decode-shape sweep: RESULTS.md, "Fused-kernel tiling at
-      rollout M"). no_split_programs: N tiles alone at or above this many programs: no split.
+    target_programs: split-K is chosen so the launch has about this many programs (about 5
+      waves of an H100's 132 SMs; 640 against the earlier 320 measured on an H100 in session 7,
+      RESULTS.md: NVFP4 rollouts at batch 8 7B +1.6%, 14B +0.2%, 32B +1.0%, 7B batch 2 +2.5%);
+      min_tiles_per_split: the fewest K tiles a split-K program keeps (from the decode-shape
+      sweep: RESULTS.md, "Fused-kernel tiling at rollout M"). no_split_programs: N tiles alone at or above this many programs: no split.
     block_n, num_warps, num_stages, weight_as_lhs (None: per format, see
       default_matmul_config), decoder (None: the format's GPU default): as in MatmulConfig.
     """
-    target_programs: int = 320
+    target_programs: int = 640
     min_tiles_per_split: int = 4
     no_split_programs: int = 264
     max_split: int = 8
@@ -290,7 +291,7 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
 
     M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program (at M <= 16
     the DecodeTuning's block_n, warps and stages). Split-K: none when the N tiles
-    alone fill the GPU (>= 264 programs); else at M <= 16 enough splits for ~320 programs (at
+    alone fill the GPU (>= 264 programs); else at M <= 16 enough splits for ~640 programs (at
     most 8, each >= 4 K tiles; uneven splits allowed), and above 16 rows 2 (4 for narrow
     weights of < 32 N tiles, e.g. k/v projections). E2M1 formats: inline-asm decode,
     activations as the left dot operand at M <= 16 and the weights as the left one above. NF4:
