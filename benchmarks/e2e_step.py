@@ -57,6 +57,10 @@ def parse_args(argv=None):
                         help="config.train.logits_chunk_size (log-probs computed this many "
                              "completion positions at a time; 0 = all at once); default: the "
                              "config default")
+    parser.add_argument("--compilation-cache", default="",
+                        help="config.compilation_cache_dir of every case (JAX's persistent "
+                             "cache; a case whose programs are in it loads them: no compile, "
+                             "no XLA autotuner transient). The table says cold or warm.")
     parser.add_argument("--smoke", action="store_true")
     common.add_worker_arguments(parser, "e2e_step")
     args = parser.parse_args(argv)
@@ -120,6 +124,11 @@ def worker_main(args) -> None:
             completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
             aqn=row["aqn"])
         config.quant.kernels = not args.no_kernels
+        if args.compilation_cache:
+            from qerl_jax.compilation_cache import cache_entries
+            entries = cache_entries(args.compilation_cache)
+            row["compilation_cache"] = f"warm ({entries} files)" if entries else "cold"
+            config.compilation_cache_dir = args.compilation_cache
         if args.logits_chunk is not None:
             config.train.logits_chunk_size = args.logits_chunk
         row["logits_chunk"] = config.train.logits_chunk_size
@@ -200,6 +209,7 @@ COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "s
            ("completion_length", "completion length"), ("peak_GiB", "peak GiB"),
            ("peak_vs_bf16", "peak / bf16 peak"),
            ("peak_after_rollout0_GiB", "peak after step-0 rollout GiB"),
+           ("compilation_cache", "compilation cache"),
            ("logits_chunk", "log-prob chunk"),
            ("weights_GiB", "weights GiB"),
            ("trainer_init_s", "init s"), ("path_decode", "decode path"),
@@ -271,6 +281,8 @@ def parent_main(args) -> None:
                        "--rank", str(args.rank),
                        *(["--logits-chunk", str(args.logits_chunk)]
                          if args.logits_chunk is not None else []),
+                       *(["--compilation-cache", args.compilation_cache]
+                         if args.compilation_cache else []),
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)

@@ -19,6 +19,10 @@ FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")
 def base_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0
+    # JAX's persistent compilation cache ("" = off): runs of the same shapes (seeds and formats
+    # of an ablation, resumes) load the compiled programs instead of compiling them again
+    # (qerl_jax.compilation_cache).
+    config.compilation_cache_dir = ""
     config.model = ml_collections.ConfigDict(dict(
         preset="", hf_path="", tokenizer_path="", overrides={}, param_dtype="bfloat16",
         compute_dtype="bfloat16", remat=True))

@@ -29,6 +29,7 @@ from flax import nnx
 
 from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
 from qerl_jax.checkpointing import TrainingCheckpoints
+from qerl_jax.compilation_cache import enable_compilation_cache
 from qerl_jax.config_defaults import validate_config
 from qerl_jax.data import PromptIterator, encode_prompts, load_examples
 from qerl_jax.data.prompts import build_prompt_text
@@ -154,6 +155,7 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         validate_config(config)
         self.config = config
+        enable_compilation_cache(config.get("compilation_cache_dir", ""))
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
         base_key = jax.random.key(config.seed)

@@ -37,7 +37,8 @@ def test_rollout_and_e2e_smoke(tmp_path):
     rollout_out, e2e_out = tmp_path / "rollout", tmp_path / "e2e"
     rollout = _start("rollout.py", rollout_out, "--formats", "nvfp4", "--batches", "2,3",
                      "--kernels-interpret")
-    e2e = _start("e2e_step.py", e2e_out, "--formats", "nvfp4")
+    e2e = _start("e2e_step.py", e2e_out, "--formats", "nvfp4", "--compilation-cache",
+                 str(tmp_path / "xla_cache"))
     rollout_text, e2e_text = _finish(rollout), _finish(e2e)
 
     with open(rollout_out / "rollout_tiny.json") as handle:
@@ -59,6 +60,7 @@ def test_rollout_and_e2e_smoke(tmp_path):
     assert row["aqn"] is True
     assert "| tiny | nvfp4 |" in e2e_text
     assert row["peak_after_rollout0_GiB"] > 0
+    assert row["compilation_cache"] == "cold"  # the flag reached the trainer's config
 
     # --merge: one table from several runs' JSON; an ok row replaces another run's failed one
     failed = {"rows": [{**rows[0], "status": "killed at the budget deadline"}]}

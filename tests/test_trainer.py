@@ -203,3 +203,35 @@ def test_reference_adapters_are_kept_only_for_the_kl_term(tmp_path, warm_cache):
     without_kl = Trainer(config, _workdir(tmp_path, "no_kl", warm_cache))
     assert without_kl.reference_trainable is None
     without_kl.train(stop_after=1)
+
+
+def test_compilation_cache_is_written_then_read_with_the_same_numbers(tmp_path, warm_cache):
+    """config.compilation_cache_dir: the first run writes its compiled programs there, a second
+    run of the same config loads them (writes nothing new) and logs the same metrics; a path
+    that cannot be a directory is refused naming the field."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from qerl_jax.compilation_cache import cache_entries, enable_compilation_cache
+    cache = str(tmp_path / "xla_cache")
+    config = _config(total_steps=2)
+    config.compilation_cache_dir = cache
+    before = (jax.config.jax_compilation_cache_dir,
+              jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # tiny programs too
+    try:
+        cold_dir = _workdir(tmp_path, "cold", warm_cache)
+        Trainer(config, cold_dir).train()
+        written = cache_entries(cache)
+        assert written > 0
+        warm_dir = _workdir(tmp_path, "warm", warm_cache)
+        Trainer(config, warm_dir).train()
+        assert cache_entries(cache) == written
+        assert _comparable(read_metrics(warm_dir)) == _comparable(read_metrics(cold_dir))
+        blocker = tmp_path / "a_file"
+        blocker.write_text("")
+        with pytest.raises(ValueError, match="config.compilation_cache_dir"):
+            enable_compilation_cache(str(blocker / "cache"))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        compilation_cache.reset_cache()
