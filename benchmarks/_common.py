@@ -360,11 +360,14 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
         disable_decode_attention("cpu" if interpret else None)
     if format_name == "bf16":
         attention = False
+        tuning = ""
         if use_kernels and decode_attention:
             from qerl_jax.quant.kernel_dispatch import enable_decode_attention
             attention = enable_decode_attention(interpret=interpret)
+            tuning = apply_decode_tuning_from_env()
         info["kernel_hook"] = "dense bf16 (no quantized matmul)" + (
-            ", Pallas decode attention" if attention else "")
+            ", Pallas decode attention" if attention else "") + (
+            f", decode tuning {tuning}" if tuning else "")
     elif not use_kernels:
         removed = _unregister_all_kernels(format_name)
         info["kernel_hook"] = "off (--no-kernels): XLA" + (f"; unregistered {removed}"
@@ -396,18 +399,28 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
 
 
 DECODE_TUNING_ENV = "QERL_DECODE_TUNING"
+DECODE_ATTENTION_ENV = "QERL_DECODE_ATTENTION"
 
 
 def apply_decode_tuning_from_env() -> str:
     """Applies $QERL_DECODE_TUNING ('block_n=128,num_warps=8': DecodeTuning fields of
-    pallas_kernels.blockwise_matmul) before a benchmark builds its programs, so one job list can
-    try kernel settings in the model (it reaches worker processes too). Returns the setting
-    ('' when unset); the kernel hook records it in the result rows."""
+    pallas_kernels.blockwise_matmul) and $QERL_DECODE_ATTENTION ('splits=1': the
+    DecodeAttentionConfig fields of pallas_kernels.decode_attention) before a benchmark builds
+    its programs, so one job list can try kernel settings in the model (they reach worker
+    processes too). Returns the settings ('' when unset); the kernel hook records them in the
+    result rows."""
+    applied = []
     text = os.environ.get(DECODE_TUNING_ENV, "").strip()
     if text:
         from pallas_kernels import blockwise_matmul as bw
         bw.set_decode_tuning(**bw.parse_tuning(text))
-    return text
+        applied.append(text)
+    attention = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
+    if attention:
+        from pallas_kernels import decode_attention
+        decode_attention.set_default_config(**decode_attention.parse_config(attention))
+        applied.append(f"attention {attention}")
+    return "; ".join(applied)
 
 
 def matmul_path(format_name: str, rows: int, kernels_active: bool, platform=None) -> str:

@@ -46,6 +46,48 @@ class DecodeAttentionConfig:
     num_stages: int = 2
 
 
+_DEFAULT_CONFIG = DecodeAttentionConfig()
+
+
+def default_config() -> DecodeAttentionConfig:
+    """The DecodeAttentionConfig used when decode_attention gets none."""
+    return _DEFAULT_CONFIG
+
+
+def set_default_config(config: DecodeAttentionConfig | None = None,
+                       **fields) -> DecodeAttentionConfig:
+    """Replaces the default config (a DecodeAttentionConfig, or fields of the current one; no
+    arguments: back to DecodeAttentionConfig()), for programs traced afterwards, so that
+    benchmarks can try settings in the model. Returns the previous one."""
+    global _DEFAULT_CONFIG
+    previous = _DEFAULT_CONFIG
+    if config is None:
+        config = DecodeAttentionConfig() if not fields else dataclasses.replace(previous,
+                                                                                **fields)
+    elif fields:
+        config = dataclasses.replace(config, **fields)
+    if config.block_s < 16 or config.block_s & (config.block_s - 1):
+        raise ValueError(f"DecodeAttentionConfig.block_s={config.block_s}: a power of two >= 16")
+    if config.splits is not None and config.splits < 1:
+        raise ValueError(f"DecodeAttentionConfig.splits={config.splits}: None or >= 1")
+    _DEFAULT_CONFIG = config
+    return previous
+
+
+def parse_config(text: str) -> dict:
+    """'splits=1,block_s=128' -> fields for set_default_config (benchmark command lines);
+    names and values are checked ('splits=none' = automatic)."""
+    names = {f.name for f in dataclasses.fields(DecodeAttentionConfig)}
+    fields = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in names or not value:
+            raise ValueError(f"decode attention setting {item!r}: expected name=value with name "
+                             f"in {sorted(names)}")
+        fields[name] = None if name == "splits" and value.lower() == "none" else int(value)
+    return fields
+
+
 def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -101,6 +143,11 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
     init = (jnp.full((groups_pad,), _MASKED, jnp.float32), jnp.zeros((groups_pad,), jnp.float32),
             jnp.zeros((groups_pad, head_dim), jnp.float32))
     m, l, acc = lax.fori_loop(0, trips, body, init)
+    if m_ref is None:  # one split: normalize here and write q's dtype (no combine kernel)
+        l = jnp.where(l > 0, l, 1.0)  # padding rows: never stored, no 0/0
+        plgpu.store(o_ref.at[b, h, pl.ds(0, groups_pad), :],
+                    (acc / l[:, None]).astype(o_ref.dtype), mask=rows)
+        return
     plgpu.store(o_ref.at[split, b, h, pl.ds(0, groups_pad), :], acc, mask=rows)
     row_mask = lax.broadcasted_iota(jnp.int32, (groups_pad,), 0) < groups
     plgpu.store(m_ref.at[split, b, h, pl.ds(0, groups_pad)], m, mask=row_mask)
@@ -135,9 +182,11 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, groups: int, groups_pad: in
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      length: jax.Array, *, scale: float,
-                     config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                     config: DecodeAttentionConfig | None = None,
                      interpret: bool = False) -> jax.Array:
-    """See the module docstring. Returns [B, KVH, G, D] in q's dtype."""
+    """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None: the
+    default (set_default_config)."""
+    config = config or _DEFAULT_CONFIG
     batch, kv_heads, groups, head_dim = q.shape
     if keys.shape != values.shape or keys.ndim != 4 or keys.shape[0] != batch or \
             keys.shape[2] != kv_heads or keys.shape[3] != head_dim:
@@ -169,12 +218,20 @@ def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
     kernel = functools.partial(_kernel, groups=groups, groups_pad=groups_pad,
                                slots=keys.shape[1], block_s=block_s,
                                blocks_per_split=blocks_per_split, scale=scale)
+    params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
+                                                         num_stages=num_stages)
+    if splits == 1:
+        def single(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref):
+            kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, None, None)
+
+        return pl.pallas_call(single, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                              grid=(batch, kv_heads, 1), interpret=interpret,
+                              compiler_params=params, name="decode_attention_single")(
+            length, q, keys, values, mask.astype(jnp.int32))
     partial_shape = (splits, batch, kv_heads, groups)
     out_shape = (jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32))
-    params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
-                                                         num_stages=num_stages)
     o, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(batch, kv_heads, splits),
                              interpret=interpret, compiler_params=params,
                              name="decode_attention")(length, q, keys, values,

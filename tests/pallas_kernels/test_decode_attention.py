@@ -39,7 +39,8 @@ def _problem(seed, batch, slots, kv_heads, groups, head_dim):
     (200, 150, 7, 32, 3),     # ragged cache, length inside the last split's range
     (200, 200, 7, 32, None),  # full cache, default splits
     (96, 17, 2, 16, 4),       # early decode: the later splits read nothing
-    (64, 64, 16, 64, 1),      # one split, one block
+    (64, 64, 16, 64, 1),      # one split, one block (normalized in the kernel, no combine)
+    (200, 150, 7, 32, 1),     # one split over several blocks, ragged cache
 ])
 def test_matches_reference(slots, length, groups, block_s, splits):
     seed = int(np.random.default_rng().integers(1 << 31))
@@ -77,6 +78,9 @@ def test_all_masked_row_stays_finite_and_errors():
     mask[0] = False  # e.g. a finished sequence's padding row
     out = decode_attention(q, k, v, jnp.asarray(mask), 64, scale=0.25, interpret=True)
     assert np.isfinite(np.asarray(out, np.float32)).all()
+    single = decode_attention(q, k, v, jnp.asarray(mask), 64, scale=0.25, interpret=True,
+                              config=DecodeAttentionConfig(splits=1))
+    assert np.isfinite(np.asarray(single, np.float32)).all()
     with pytest.raises(ValueError, match="mask"):
         decode_attention(q, k, v, jnp.ones((2, 63), bool), 64, scale=0.25, interpret=True)
     with pytest.raises(ValueError, match="head_dim"):
@@ -84,3 +88,27 @@ def test_all_masked_row_stays_finite_and_errors():
                          scale=0.25, interpret=True)
     assert default_splits(8, 4, 2304, 64) == 9
     assert default_splits(1, 1, 100, 64) == 2
+
+
+def test_default_config_is_settable_and_parsed():
+    """set_default_config changes what decode_attention uses without a config (the benchmarks'
+    $QERL_DECODE_ATTENTION), and parse_config checks names and values."""
+    from pallas_kernels import decode_attention as module
+    assert module.parse_config("splits=1,block_s=128") == {"splits": 1, "block_s": 128}
+    assert module.parse_config("splits=none") == {"splits": None}
+    with pytest.raises(ValueError, match="expected name=value"):
+        module.parse_config("split=2")
+    _, q, k, v = _problem(2, 2, 96, 2, 4, 16)
+    mask = jnp.ones((2, 96), bool)
+    previous = module.set_default_config(splits=1)
+    try:
+        assert module.default_config().splits == 1
+        with pytest.raises(ValueError, match="block_s"):
+            module.set_default_config(block_s=48)
+        got = decode_attention(q, k, v, mask, 70, scale=0.25, interpret=True)
+    finally:
+        module.set_default_config(previous)
+    assert module.default_config() == previous
+    ref = _reference(q, k, v, np.ones((2, 96), bool), 70, 0.25)
+    np.testing.assert_allclose(np.asarray(got, np.float32), ref,
+                               atol=TOLERANCE * np.abs(ref).max())
