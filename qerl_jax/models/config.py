@@ -40,7 +40,10 @@ class ModelConfig:
     Attributes mirror the HF config names. `param_dtype` is the storage dtype of the
     parameters, `compute_dtype` the dtype of activations and matmuls; RMSNorm, softmax and the
     logits are always computed in float32. `remat` wraps each decoder layer in
-    jax.checkpoint for training (gradient checkpointing).
+    jax.checkpoint for training (gradient checkpointing). `attention_query_chunk`: the XLA
+    attention of sequences longer than this runs over blocks of this many queries, each under
+    jax.checkpoint, so at most one block's [chunk, S] float32 scores and probabilities live at
+    a time, in the forward and in the backward (0 = all T queries at once).
     """
 
     model_type: str = "qwen2"
@@ -63,6 +66,7 @@ class ModelConfig:
     param_dtype: str = "bfloat16"
     compute_dtype: str = "bfloat16"
     remat: bool = False
+    attention_query_chunk: int = 256
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -90,6 +94,9 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be in (0, 1)")
         dtype_from_name(self.param_dtype, "param_dtype")
         dtype_from_name(self.compute_dtype, "compute_dtype")
+        if not isinstance(self.attention_query_chunk, int) or self.attention_query_chunk < 0:
+            raise ValueError(f"attention_query_chunk={self.attention_query_chunk!r} must be an "
+                             "integer >= 0 (0 = no chunking)")
 
     @property
     def resolved_head_dim(self) -> int:

@@ -10,6 +10,7 @@ Compute runs in `config.compute_dtype`; RMSNorm, softmax and logits in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -29,6 +30,38 @@ def _module_list(modules):
     return nnx.List(modules) if hasattr(nnx, "List") else list(modules)
 
 
+def _attend(q, mask, *, keys, values, scale, compute_dtype):
+    """softmax(q k^T * scale, masked) v: q [B, T, KVH, G, D], mask [B, T, S] bool, keys /
+    values [B, S, KVH, D] -> [B, T, KVH, G, D] float32 (scores and softmax in float32, the
+    probabilities rounded to compute_dtype for the second product)."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
+                        preferred_element_type=jnp.float32)
+    scores = scores * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs.astype(compute_dtype),
+                      values.astype(compute_dtype), preferred_element_type=jnp.float32)
+
+
+def _attend_in_query_chunks(attend, q, mask, chunk: int):
+    """attend(q, mask) over blocks of `chunk` queries (lax.map, each block under
+    jax.checkpoint): the [B, heads, chunk, S] float32 scores of one block at a time, also in
+    the backward, which recomputes each block's. Every query row's softmax is its own, so the
+    result is the unchunked one's up to the dots' summation order. T is padded to a multiple
+    of `chunk` with fully masked rows, dropped at the end."""
+    batch, length = q.shape[:2]
+    blocks = -(-length // chunk)
+    pad = blocks * chunk - length
+    if pad:
+        q = jnp.pad(q, ((0, 0), (0, pad)) + ((0, 0),) * (q.ndim - 2))
+        mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
+    q_blocks = jnp.moveaxis(q.reshape(batch, blocks, chunk, *q.shape[2:]), 1, 0)
+    mask_blocks = jnp.moveaxis(mask.reshape(batch, blocks, chunk, mask.shape[-1]), 1, 0)
+    out = jax.lax.map(lambda block: jax.checkpoint(attend)(*block), (q_blocks, mask_blocks))
+    out = jnp.moveaxis(out, 0, 1).reshape(batch, blocks * chunk, *out.shape[3:])
+    return out[:, :length]
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE (q/k/v biases for Qwen2, none for Llama)."""
 
@@ -37,6 +70,7 @@ class Attention(nnx.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.resolved_head_dim
         self.compute_dtype = config.jnp_compute_dtype
+        self.query_chunk = config.attention_query_chunk
         hidden = config.hidden_size
         common = dict(param_dtype=config.jnp_param_dtype, compute_dtype=self.compute_dtype,
                       rngs=rngs)
@@ -90,13 +124,13 @@ class Attention(nnx.Module):
                             scale=1.0 / math.sqrt(self.head_dim))
             out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
             return self.o_proj(out), new_kv
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
-                            preferred_element_type=jnp.float32)
-        scores = scores * (1.0 / math.sqrt(self.head_dim))
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(self.compute_dtype),
-                         values.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+        attend = functools.partial(_attend, keys=keys, values=values,
+                                   scale=1.0 / math.sqrt(self.head_dim),
+                                   compute_dtype=self.compute_dtype)
+        if self.query_chunk and length > self.query_chunk:
+            out = _attend_in_query_chunks(attend, q, mask, self.query_chunk)
+        else:
+            out = attend(q, mask)
         out = out.astype(self.compute_dtype).reshape(batch, length, self.num_heads * self.head_dim)
         return self.o_proj(out), new_kv
 
