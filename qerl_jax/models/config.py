@@ -41,9 +41,11 @@ class ModelConfig:
     parameters, `compute_dtype` the dtype of activations and matmuls; RMSNorm, softmax and the
     logits are always computed in float32. `remat` wraps each decoder layer in
     jax.checkpoint for training (gradient checkpointing). `attention_query_chunk`: the XLA
-    attention of sequences longer than this runs over blocks of this many queries, each under
-    jax.checkpoint, so at most one block's [chunk, S] float32 scores and probabilities live at
-    a time, in the forward and in the backward (0 = all T queries at once).
+    attention of sequences longer than this runs over blocks of this many queries (lax.map,
+    each block under jax.checkpoint), so the program's [chunk, S] float32 scores replace the
+    [T, S] ones (0, the default: all T queries at once). Measured on an H100 (benchmarks/
+    RESULTS.md, session 7), chunks of 256 did not lower the 7B GRPO step's peak at T = 1280
+    (10.8 against 9.6 GiB): opt-in, for longer sequences.
     """
 
     model_type: str = "qwen2"
@@ -66,7 +68,7 @@ class ModelConfig:
     param_dtype: str = "bfloat16"
     compute_dtype: str = "bfloat16"
     remat: bool = False
-    attention_query_chunk: int = 256
+    attention_query_chunk: int = 0
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
