@@ -39,7 +39,7 @@ from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.config import preset
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids, load_tokenizer
-from qerl_jax.models.transformer import CausalLM, init_model
+from qerl_jax.models.transformer import CausalLM, init_model, set_attention_query_chunk
 from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.rl.advantages import group_advantages
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
@@ -72,11 +72,13 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
                                                     compute_dtype=model_cfg.compute_dtype,
                                                     remat=model_cfg.remat)
             logger.info(report.summary())
+        set_attention_query_chunk(model, model_cfg.get("attention_query_chunk", 0))
         _maybe_enable_kernels(model, config)
         return model, tokenizer
     architecture = preset(model_cfg.preset, param_dtype=model_cfg.param_dtype,
                           compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
-                          **dict(model_cfg.overrides))
+                          **{"attention_query_chunk": model_cfg.get("attention_query_chunk", 0),
+                             **dict(model_cfg.overrides)})
 
     def make_model():
         return init_model(architecture, seed=config.seed)
@@ -88,6 +90,7 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
             batch_size=config.warmup.batch_size, seed=config.seed,
             prompt_style=config.data.prompt_style,
             max_operand=config.data.arithmetic_max_operand)
+        set_attention_query_chunk(model, architecture.attention_query_chunk)  # not cached
         report = quantize_model(model, fmt)
         logger.info(report.summary())
     else:

@@ -235,3 +235,13 @@ def test_compilation_cache_is_written_then_read_with_the_same_numbers(tmp_path, 
         jax.config.update("jax_compilation_cache_dir", before[0])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
         compilation_cache.reset_cache()
+
+
+def test_attention_query_chunk_reaches_the_model(tmp_path, warm_cache):
+    """config.model.attention_query_chunk is set on the built model (its config and every
+    attention layer), also when the warm-up comes from the cache."""
+    config = _config()
+    config.model.attention_query_chunk = 8
+    model = Trainer(config, _workdir(tmp_path, "chunk", warm_cache)).model()
+    assert model.config.attention_query_chunk == 8
+    assert all(layer.self_attn.query_chunk == 8 for layer in model.layers)

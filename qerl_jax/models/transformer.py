@@ -385,6 +385,15 @@ def decode_step(model: CausalLM, token: jax.Array, cache: KVCache,
     return logits, cache
 
 
+def set_attention_query_chunk(model: CausalLM, chunk: int) -> None:
+    """Sets ModelConfig.attention_query_chunk of a built model, in place (its config and every
+    Attention; for programs traced afterwards): the XLA attention of longer sequences then runs
+    over blocks of `chunk` queries (0 = all at once)."""
+    model.config = model.config.replace(attention_query_chunk=chunk)  # validates it
+    for layer in model.layers:
+        layer.self_attn.query_chunk = chunk
+
+
 def init_model(config: ModelConfig, seed: int = 0) -> CausalLM:
     """A randomly initialized model (N(0, 0.02) weights, unit norms, zero biases)."""
     return CausalLM(config, rngs=nnx.Rngs(params=seed))

@@ -13,7 +13,7 @@ import pytest
 
 from qerl_jax.models import decode_step, init_kv_cache, prefill
 from qerl_jax.models.hf_io import load_hf_model
-from qerl_jax.models.transformer import head_logits
+from qerl_jax.models.transformer import head_logits, set_attention_query_chunk
 from tests.hf_reference import hf_logits, left_padded_batch, make_hf_model, save_hf_model_dir
 
 ARCHS = ["qwen2", "llama"]
@@ -211,8 +211,8 @@ def test_attention_in_query_chunks_matches_all_queries_at_once(checkpoint):
     _, _, directory = checkpoint
     whole = load_hf_model(directory, param_dtype="float32", remat=True)
     chunked = load_hf_model(directory, param_dtype="float32", remat=True)
-    for layer in chunked.layers:
-        layer.self_attn.query_chunk = 4
+    set_attention_query_chunk(chunked, 4)
+    assert chunked.config.attention_query_chunk == 4
     rng = np.random.default_rng(6)
     tokens, mask = _left_padded_batch(rng, whole.config.vocab_size, [11, 7], 11)
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
