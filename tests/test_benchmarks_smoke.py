@@ -162,3 +162,16 @@ def test_triton_ir_parsing():
     ptx_counts = triton_ir.instruction_counts(ptx)
     assert ptx_counts["cp.async.cg"] == 1 and ptx_counts["mma.sync"] == 1
     assert ptx_counts["prmt"] == 2 and ptx_counts["ld.shared"] == 0
+
+
+def test_attention_memory_smoke(tmp_path):
+    """attention_memory.py compiles the gradient program per chunk and reports XLA's
+    temporaries (CPU, a 64-token sequence)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "attention_memory.py")
+    subprocess.run([sys.executable, script, "--size", "tiny", "--layers", "1", "--length", "64",
+                    "--chunks", "0,16", "--out", str(tmp_path)], check=True, timeout=300)
+    with open(tmp_path / "attention_memory_tiny.json") as handle:
+        rows = json.load(handle)["rows"]
+    assert [row["chunk"] for row in rows] == [0, 16]
+    assert all(row["temp_MiB"] > 0 for row in rows)
+    assert rows[1]["one_scores_MiB"] == rows[0]["one_scores_MiB"] / 4  # [16, 64] vs [64, 64]
