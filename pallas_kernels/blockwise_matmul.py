@@ -222,7 +222,8 @@ class DecodeTuning:
       waves of an H100's 132 SMs; 640 against the earlier 320 measured on an H100 in session 7,
       RESULTS.md: NVFP4 rollouts at batch 8 7B +1.6%, 14B +0.2%, 32B +1.0%, 7B batch 2 +2.5%);
       min_tiles_per_split: the fewest K tiles a split-K program keeps (from the decode-shape
-      sweep: RESULTS.md, "Fused-kernel tiling at rollout M"). no_split_programs: N tiles alone at or above this many programs: no split.
+      sweep: RESULTS.md, "Fused-kernel tiling at rollout M"). no_split_programs: N tiles
+      alone at or above this many programs: no split.
     block_n, num_warps, num_stages, weight_as_lhs (None: per format, see
       default_matmul_config), decoder (None: the format's GPU default): as in MatmulConfig.
     """
