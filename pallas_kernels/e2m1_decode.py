@@ -165,6 +165,19 @@ def e2m1_planes(codes_tile: jax.Array, decoder: str):
     raise ValueError(f"unknown E2M1 decoder {decoder!r}; expected one of {E2M1_DECODERS}")
 
 
+def e2m1_planes_times_scales(codes_tile: jax.Array, scale_lo: jax.Array, scale_hi: jax.Array,
+                             decoder: str, out_dtype):
+    """Both planes of a kernel-layout byte tile uint8 [R, H], each multiplied by its scale tile
+    [R, H] (one scale per weight) in out_dtype: (e2m1 * 2^DECODE_EXPONENT[decoder] * scale_lo,
+    ... * scale_hi). "asms" at bf16 scales inside its decode asm (e2m1_scaled_planes); every
+    other decoder multiplies its planes after decoding."""
+    if decoder == "asms" and out_dtype == jnp.bfloat16:
+        return e2m1_scaled_planes(codes_tile, scale_lo, scale_hi)
+    planes = e2m1_planes(codes_tile, decoder)
+    return tuple(plane.astype(out_dtype) * scale
+                 for plane, scale in zip(planes, (scale_lo, scale_hi)))
+
+
 def e2m1_values(codes_tile: jax.Array, aux_refs, decoder: str):
     """Unscaled planes for the group-scaled matmul: e2m1 exactly (e2m1/64 for "fp8")."""
     del aux_refs

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference, e2m1_planes,
-                                        e2m1_scaled_planes, e2m1_values)
+from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference,
+                                        e2m1_planes_times_scales, e2m1_values)
 
 SCALE_BLOCK = 32
 MAX_SCALE_CODE = 154
@@ -32,10 +32,7 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
         bits = (s.astype(jnp.int32) + _PRESCALE_EXPONENT[decoder]) << 23
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32).astype(out_dtype)
         scales.append(bw.expand_block_scale(scale, SCALE_BLOCK))
-    if decoder == "asms" and out_dtype == jnp.bfloat16:
-        return e2m1_scaled_planes(c, *scales)
-    planes = e2m1_planes(c, decoder)
-    return tuple(plane.astype(out_dtype) * scale for plane, scale in zip(planes, scales))
+    return e2m1_planes_times_scales(c, *scales, decoder, out_dtype)
 
 
 def _scale_values(s):

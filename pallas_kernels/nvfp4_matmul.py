@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference, e2m1_planes,
-                                        e2m1_scaled_planes, e2m1_values)
+from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference,
+                                        e2m1_planes_times_scales, e2m1_values)
 
 SCALE_BLOCK = 16
 # Power of two folded into the block scale per decoder so that decoded weights are normal bf16
@@ -28,10 +28,7 @@ def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     factor = 2.0 ** _PRESCALE_EXPONENT[decoder]
     scales = [bw.expand_block_scale((s.astype(jnp.float32) * factor).astype(out_dtype),
                                     SCALE_BLOCK) for s in (s_lo, s_hi)]
-    if decoder == "asms" and out_dtype == jnp.bfloat16:
-        return e2m1_scaled_planes(c, *scales)
-    planes = e2m1_planes(c, decoder)
-    return tuple(plane.astype(out_dtype) * scale for plane, scale in zip(planes, scales))
+    return e2m1_planes_times_scales(c, *scales, decoder, out_dtype)
 
 
 def _scale_values(s):
