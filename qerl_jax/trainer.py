@@ -72,13 +72,10 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
                                                     compute_dtype=model_cfg.compute_dtype,
                                                     remat=model_cfg.remat)
             logger.info(report.summary())
-        set_attention_query_chunk(model, model_cfg.get("attention_query_chunk", 0))
-        _maybe_enable_kernels(model, config)
-        return model, tokenizer
+        return _finish_model(model, config), tokenizer
     architecture = preset(model_cfg.preset, param_dtype=model_cfg.param_dtype,
                           compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
-                          **{"attention_query_chunk": model_cfg.get("attention_query_chunk", 0),
-                             **dict(model_cfg.overrides)})
+                          **dict(model_cfg.overrides))
 
     def make_model():
         return init_model(architecture, seed=config.seed)
@@ -90,7 +87,6 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
             batch_size=config.warmup.batch_size, seed=config.seed,
             prompt_style=config.data.prompt_style,
             max_operand=config.data.arithmetic_max_operand)
-        set_attention_query_chunk(model, architecture.attention_query_chunk)  # not cached
         report = quantize_model(model, fmt)
         logger.info(report.summary())
     else:
@@ -104,8 +100,18 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
     if tokenizer.vocab_size > architecture.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                          f"{architecture.vocab_size}")
+    return _finish_model(model, config), tokenizer
+
+
+def _finish_model(model: CausalLM, config: ml_collections.ConfigDict) -> CausalLM:
+    """What every path of build_model ends with: config.model.attention_query_chunk (a preset's
+    model.overrides entry of that name wins; the HF loaders and the warm-up cache do not carry
+    it) and the kernels."""
+    chunk = dict(config.model.overrides).get("attention_query_chunk",
+                                             config.model.get("attention_query_chunk", 0))
+    set_attention_query_chunk(model, chunk)
     _maybe_enable_kernels(model, config)
-    return model, tokenizer
+    return model
 
 
 def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
