@@ -61,6 +61,9 @@ def parse_args(argv=None):
                         help="config.compilation_cache_dir of every case (JAX's persistent "
                              "cache; a case whose programs are in it loads them: no compile, "
                              "no XLA autotuner transient). The table says cold or warm.")
+    parser.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
+                        help="config.model.attention_implementation of the training attention "
+                             "(cudnn: cuDNN's fused flash attention, NVIDIA GPUs)")
     parser.add_argument("--smoke", action="store_true")
     common.add_worker_arguments(parser, "e2e_step")
     args = parser.parse_args(argv)
@@ -132,6 +135,8 @@ def worker_main(args) -> None:
         if args.logits_chunk is not None:
             config.train.logits_chunk_size = args.logits_chunk
         row["logits_chunk"] = config.train.logits_chunk_size
+        config.model.attention_implementation = args.attention
+        row["attention"] = args.attention
         begin = time.perf_counter()
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
         row["trainer_init_s"] = time.perf_counter() - begin
@@ -210,7 +215,7 @@ COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "s
            ("peak_vs_bf16", "peak / bf16 peak"),
            ("peak_after_rollout0_GiB", "peak after step-0 rollout GiB"),
            ("compilation_cache", "compilation cache"),
-           ("logits_chunk", "log-prob chunk"),
+           ("logits_chunk", "log-prob chunk"), ("attention", "training attention"),
            ("weights_GiB", "weights GiB"),
            ("trainer_init_s", "init s"), ("path_decode", "decode path"),
            ("path_train", "train path"), ("kernel_hook", "kernel hook"),
@@ -283,6 +288,7 @@ def parent_main(args) -> None:
                          if args.logits_chunk is not None else []),
                        *(["--compilation-cache", args.compilation_cache]
                          if args.compilation_cache else []),
+                       "--attention", args.attention,
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)

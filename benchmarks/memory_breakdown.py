@@ -50,6 +50,8 @@ def parse_args(argv=None):
     parser.add_argument("--run", action="store_true",
                         help="also run each program once and record the device allocator's "
                              "in-use / peak / largest allocation after each stage")
+    parser.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
+                        help="config.model.attention_implementation (cudnn: NVIDIA GPUs)")
     parser.add_argument("--smoke", action="store_true", help="tiny model (CPU test)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -119,8 +121,10 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
         preset=common.preset_name(size), format_name=format_name, tokenizer_dir=tokenizer_dir,
         rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
         completion=args.completion, micro_batch=args.micro_batch, steps=1)
+    config.model.attention_implementation = args.attention
     trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
-    base = {"size": size, "format": format_name, "weights_GiB": common.state_gib(trainer.frozen),
+    base = {"size": size, "format": format_name, "attention": args.attention,
+            "weights_GiB": common.state_gib(trainer.frozen),
             "trainable_GiB": common.state_gib(trainer.trainable),
             "opt_state_GiB": common.state_gib(trainer.opt_state), **common.device_info()}
     rows = []
@@ -171,7 +175,8 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
     return rows
 
 
-COLUMNS = [("size", "size"), ("format", "format"), ("program", "program"),
+COLUMNS = [("size", "size"), ("format", "format"), ("attention", "attention"),
+           ("program", "program"),
            ("weights_GiB", "weights GiB"), ("argument_GiB", "arguments GiB"),
            ("output_GiB", "outputs GiB"), ("alias_GiB", "aliased GiB"),
            ("temp_GiB", "temporaries GiB"), ("peak_memory_GiB", "XLA peak GiB"),

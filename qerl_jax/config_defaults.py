@@ -25,7 +25,8 @@ def base_config() -> ml_collections.ConfigDict:
     config.compilation_cache_dir = ""
     config.model = ml_collections.ConfigDict(dict(
         preset="", hf_path="", tokenizer_path="", overrides={}, param_dtype="bfloat16",
-        compute_dtype="bfloat16", remat=True, attention_query_chunk=0))
+        compute_dtype="bfloat16", remat=True, attention_query_chunk=0,
+        attention_implementation="xla"))
     # Supervised warm-up from scratch (only for the tiny CPU default; 0 steps = off).
     config.warmup = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-3, batch_size=64))
     config.quant = ml_collections.ConfigDict(dict(format="nvfp4", kernels=True))

@@ -39,7 +39,8 @@ from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.config import preset
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids, load_tokenizer
-from qerl_jax.models.transformer import CausalLM, init_model, set_attention_query_chunk
+from qerl_jax.models.transformer import (CausalLM, init_model, set_attention_implementation,
+                                         set_attention_query_chunk)
 from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.rl.advantages import group_advantages
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
@@ -104,11 +105,16 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
 
 
 def _finish_model(model: CausalLM, config: ml_collections.ConfigDict) -> CausalLM:
-    """What every path of build_model ends with: config.model.attention_query_chunk (a preset's
-    model.overrides entry of that name wins; the HF loaders and the warm-up cache do not carry
-    it) and the kernels."""
-    chunk = dict(config.model.overrides).get("attention_query_chunk",
-                                             config.model.get("attention_query_chunk", 0))
+    """What every path of build_model ends with: config.model.attention_query_chunk and
+    attention_implementation (a preset's model.overrides entry of that name wins; the HF
+    loaders and the warm-up cache do not carry them) and the kernels."""
+    overrides = dict(config.model.overrides)
+    chunk = overrides.get("attention_query_chunk",
+                          config.model.get("attention_query_chunk", 0))
+    implementation = overrides.get("attention_implementation",
+                                   config.model.get("attention_implementation", "xla"))
+    set_attention_query_chunk(model, 0)   # the two exclude each other: clear, then set both
+    set_attention_implementation(model, implementation)
     set_attention_query_chunk(model, chunk)
     _maybe_enable_kernels(model, config)
     return model

@@ -125,7 +125,8 @@ def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps:
                 "seed": seed, "prompt_style": prompt_style, "max_operand": max_operand,
                 "architecture": {name: value for name, value in
                                  dataclasses.asdict(model.config).items()
-                                 if name not in ("remat", "attention_query_chunk")}}
+                                 if name not in ("remat", "attention_query_chunk",
+                                                 "attention_implementation")}}
     settings = json.loads(json.dumps(settings))   # the form it takes after a round trip
     if os.path.isfile(marker):
         different = _settings_mismatch(marker, settings)

@@ -245,3 +245,16 @@ def test_attention_query_chunk_reaches_the_model(tmp_path, warm_cache):
     model = Trainer(config, _workdir(tmp_path, "chunk", warm_cache)).model()
     assert model.config.attention_query_chunk == 8
     assert all(layer.self_attn.query_chunk == 8 for layer in model.layers)
+
+
+def test_attention_implementation_reaches_the_model(tmp_path, warm_cache):
+    """config.model.attention_implementation goes through build_model's end point: 'xla' is set
+    on every attention layer; 'cudnn' on this CPU fails at build time with an error naming the
+    setting and the backend (on an NVIDIA GPU it selects cuDNN's fused attention)."""
+    config = _config()
+    model = Trainer(config, _workdir(tmp_path, "xla", warm_cache)).model()
+    assert model.config.attention_implementation == "xla"
+    assert all(layer.self_attn.implementation == "xla" for layer in model.layers)
+    config.model.attention_implementation = "cudnn"
+    with pytest.raises(ValueError, match="attention_implementation='cudnn'.*backend is 'cpu'"):
+        Trainer(config, _workdir(tmp_path, "cudnn", warm_cache)).model()

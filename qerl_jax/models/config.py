@@ -13,6 +13,9 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# How the full-sequence (training) attention is computed; the cached sampler paths always use
+# the XLA einsums (prefill) or the decode-attention kernel (qerl_jax.models.attention_dispatch).
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -46,6 +49,11 @@ class ModelConfig:
     [T, S] ones (0, the default: all T queries at once). Measured on an H100 (benchmarks/
     RESULTS.md, session 7), chunks of 256 did not lower the 7B GRPO step's peak at T = 1280
     (10.8 against 9.6 GiB): opt-in, for longer sequences.
+    `attention_implementation`: how the full-sequence attention (training and the log-prob
+    passes) is computed: 'xla' (default) materializes the float32 [T, S] scores per layer;
+    'cudnn' calls cuDNN's fused flash attention through jax.nn.dot_product_attention, which
+    keeps only [T] softmax statistics for the backward (NVIDIA GPU, bfloat16 / float16 compute
+    only; see transformer.set_attention_implementation). Not combinable with query chunks.
     """
 
     model_type: str = "qwen2"
@@ -69,6 +77,7 @@ class ModelConfig:
     compute_dtype: str = "bfloat16"
     remat: bool = False
     attention_query_chunk: int = 0
+    attention_implementation: str = "xla"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -99,6 +108,15 @@ class ModelConfig:
         if not isinstance(self.attention_query_chunk, int) or self.attention_query_chunk < 0:
             raise ValueError(f"attention_query_chunk={self.attention_query_chunk!r} must be an "
                              "integer >= 0 (0 = no chunking)")
+        if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention_implementation={self.attention_implementation!r} is "
+                             f"not one of {ATTENTION_IMPLEMENTATIONS}")
+        if self.attention_implementation != "xla" and self.attention_query_chunk:
+            raise ValueError(
+                f"attention_query_chunk={self.attention_query_chunk} applies to the 'xla' "
+                f"attention only; attention_implementation="
+                f"{self.attention_implementation!r} never materializes the [T, S] scores. "
+                "Set one of them.")
 
     @property
     def resolved_head_dim(self) -> int:

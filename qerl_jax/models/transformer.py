@@ -62,6 +62,33 @@ def _attend_in_query_chunks(attend, q, mask, chunk: int):
     return out[:, :length]
 
 
+def _attend_fused(q, mask, *, keys, values, scale, compute_dtype, implementation="cudnn"):
+    """The causal full-sequence attention through jax.nn.dot_product_attention: q [B, T, KVH,
+    G, D], mask [B, T, T] bool (causal & key padding, as CausalLM builds it), keys / values
+    [B, T, KVH, D] -> [B, T, KVH, G, D] in compute_dtype.
+
+    With implementation='cudnn' this is cuDNN's fused flash attention: the [T, T] scores and
+    probabilities live only in on-chip tiles (float32 accumulation, the probabilities rounded
+    to compute_dtype for the second product, as _attend does), and the backward keeps only the
+    [B, heads, T] log-sum-exp. The mask enters as an additive compute_dtype bias [B, 1, T, T]
+    (0 or a large negative number) on top of cuDNN's causal mask, which lets it skip the tiles
+    above the diagonal. Query head h reads key/value head h // G, the grouping of _attend.
+
+    Rows of real tokens equal _attend's up to rounding. A left-padding row (no real key at or
+    before it) averages the values of the padding keys up to it instead of all T keys; those
+    rows are masked out of every loss and no real row attends to them.
+    ('xla' runs JAX's reference implementation of the same call: the CPU tests use it.)
+    """
+    batch, length, kv_heads, groups, head_dim = q.shape
+    large_negative = jnp.asarray(-0.7 * float(jnp.finfo(compute_dtype).max), compute_dtype)
+    bias = jnp.where(mask, jnp.asarray(0, compute_dtype), large_negative)[:, None]
+    out = jax.nn.dot_product_attention(
+        q.reshape(batch, length, kv_heads * groups, head_dim).astype(compute_dtype),
+        keys.astype(compute_dtype), values.astype(compute_dtype), bias=bias, scale=scale,
+        is_causal=True, implementation=implementation)
+    return out.reshape(batch, length, kv_heads, groups, head_dim)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE (q/k/v biases for Qwen2, none for Llama)."""
 
@@ -71,6 +98,7 @@ class Attention(nnx.Module):
         self.head_dim = config.resolved_head_dim
         self.compute_dtype = config.jnp_compute_dtype
         self.query_chunk = config.attention_query_chunk
+        self.implementation = config.attention_implementation
         hidden = config.hidden_size
         common = dict(param_dtype=config.jnp_param_dtype, compute_dtype=self.compute_dtype,
                       rngs=rngs)
@@ -95,7 +123,9 @@ class Attention(nnx.Module):
         q/k/v go through one `apply_linears` call (one kernel launch where the quantized kernel
         can group them). A one-token step with a cache uses the decode-attention kernel
         registered for the platform (qerl_jax.models.attention_dispatch), which reads only the
-        filled slots; otherwise the einsums below attend over all S slots, masked.
+        filled slots. Without a cache, attention_implementation 'cudnn' takes cuDNN's flash
+        attention (_attend_fused); otherwise the einsums below attend over all S slots,
+        masked.
         """
         batch, length, _ = x.shape
         q, k, v = apply_linears(x, (self.q_proj, self.k_proj, self.v_proj),
@@ -127,7 +157,11 @@ class Attention(nnx.Module):
         attend = functools.partial(_attend, keys=keys, values=values,
                                    scale=1.0 / math.sqrt(self.head_dim),
                                    compute_dtype=self.compute_dtype)
-        if self.query_chunk and length > self.query_chunk:
+        if self.implementation == "cudnn" and cached_kv is None:
+            out = _attend_fused(q, mask, keys=keys, values=values,
+                                scale=1.0 / math.sqrt(self.head_dim),
+                                compute_dtype=self.compute_dtype, implementation="cudnn")
+        elif self.query_chunk and length > self.query_chunk:
             out = _attend_in_query_chunks(attend, q, mask, self.query_chunk)
         else:
             out = attend(q, mask)
@@ -392,6 +426,35 @@ def set_attention_query_chunk(model: CausalLM, chunk: int) -> None:
     model.config = model.config.replace(attention_query_chunk=chunk)  # validates it
     for layer in model.layers:
         layer.self_attn.query_chunk = chunk
+
+
+def set_attention_implementation(model: CausalLM, implementation: str) -> None:
+    """Sets ModelConfig.attention_implementation of a built model, in place (its config and
+    every Attention; for programs traced afterwards).
+
+    'cudnn' needs what cuDNN's fused attention needs, checked here so that a bad setting fails
+    when the model is built, not inside a traced program: JAX's default backend a CUDA GPU,
+    compute_dtype bfloat16 or float16, head_dim a multiple of 8 and at most 128.
+    """
+    config = model.config.replace(attention_implementation=implementation)  # validates it
+    if implementation == "cudnn":
+        backend, kind = jax.default_backend(), jax.devices()[0].device_kind
+        problems = []
+        if backend != "gpu" or "nvidia" not in kind.lower():
+            problems.append(f"JAX's default backend is {backend!r} ({kind}), not an NVIDIA GPU")
+        if config.compute_dtype not in ("bfloat16", "float16"):
+            problems.append(f"compute_dtype={config.compute_dtype!r} (needs bfloat16 or "
+                            "float16)")
+        head_dim = config.resolved_head_dim
+        if head_dim % 8 or head_dim > 128:
+            problems.append(f"head_dim={head_dim} (needs a multiple of 8, at most 128)")
+        if problems:
+            raise ValueError("attention_implementation='cudnn' (cuDNN fused attention) cannot "
+                             "run here: " + "; ".join(problems)
+                             + ". Use attention_implementation='xla'.")
+    model.config = config
+    for layer in model.layers:
+        layer.self_attn.implementation = implementation
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> CausalLM:

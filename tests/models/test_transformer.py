@@ -242,3 +242,113 @@ def test_attention_in_query_chunks_matches_all_queries_at_once(checkpoint):
     assert (11, 11) not in chunked_shapes and (4, 11) in chunked_shapes
     with pytest.raises(ValueError, match="attention_query_chunk"):
         whole.config.replace(attention_query_chunk=-1)
+
+
+def _causal_padded_mask(mask):
+    """The [B, T, T] mask CausalLM builds for a left-padded batch (mask [B, T])."""
+    length = mask.shape[1]
+    return jnp.tril(jnp.ones((length, length), jnp.bool_))[None] & mask[:, None, :].astype(bool)
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
+def test_fused_attention_call_matches_the_einsum_attention(dtype, atol):
+    """_attend_fused (the jax.nn.dot_product_attention call that attention_implementation
+    'cudnn' makes), run here with JAX's XLA reference implementation, equals _attend on every
+    real-token row, values and the gradients of q, k, v: same GQA head grouping (q head h reads
+    kv head h // G), scale, causal and padding mask. float32 <= 2e-6 (observed ~1e-7); bfloat16
+    <= 2e-2 (both round the probabilities to bf16; values ~N(0, 1)). Padding rows differ by
+    design (the docstring) and are left out."""
+    from qerl_jax.models.transformer import _attend, _attend_fused
+    rng = np.random.default_rng(8)
+    batch, length, kv_heads, groups, head_dim = 3, 13, 2, 3, 16
+    q = jnp.asarray(rng.standard_normal((batch, length, kv_heads, groups, head_dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((batch, length, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((batch, length, kv_heads, head_dim)), dtype)
+    _, padding = left_padded_batch(rng, [13, 8, 1], length, 50)
+    mask = _causal_padded_mask(jnp.asarray(padding))
+    real = np.asarray(padding, bool)
+    cotangent = jnp.asarray(rng.standard_normal(q.shape), jnp.float32) * real[:, :, None, None,
+                                                                               None]
+    common = dict(scale=0.3, compute_dtype=dtype)
+
+    def einsum(q, k, v):
+        return _attend(q, mask, keys=k, values=v, **common)
+
+    def fused(q, k, v):
+        return _attend_fused(q, mask, keys=k, values=v, implementation="xla", **common)
+
+    outputs = []
+    for attend in (einsum, fused):
+        out, vjp = jax.vjp(attend, q, k, v)
+        outputs.append((np.asarray(out, np.float32),
+                        [np.asarray(g, np.float32) for g in vjp(cotangent.astype(out.dtype))]))
+    (out_einsum, grads_einsum), (out_fused, grads_fused) = outputs
+    assert out_fused.shape == q.shape
+    np.testing.assert_allclose(out_fused[real], out_einsum[real], atol=atol)
+    for name, a, b in zip("qkv", grads_fused, grads_einsum):
+        np.testing.assert_allclose(a, b, atol=atol * 4, err_msg=f"d{name}")
+    assert np.isfinite(out_fused).all()
+
+
+def test_attention_implementation_reaches_the_attention_layers(checkpoint, monkeypatch):
+    """A model whose layers are set to the fused attention routes its full-sequence forward
+    through _attend_fused (here patched to JAX's XLA reference implementation, since cuDNN
+    needs a GPU): the same logits on real tokens, loss and gradients as the einsum attention
+    (fp32, <= 1e-5); the cached (sampler) paths keep the einsum/decode-kernel attention."""
+    from flax import nnx
+
+    from qerl_jax.models import transformer
+    calls = []
+    reference_call = transformer._attend_fused
+
+    def traced(*args, **kwargs):
+        calls.append(kwargs["implementation"])
+        return reference_call(*args, **{**kwargs, "implementation": "xla"})
+
+    monkeypatch.setattr(transformer, "_attend_fused", traced)
+    _, _, directory = checkpoint
+    einsum = load_hf_model(directory, param_dtype="float32", remat=True)
+    fused = load_hf_model(directory, param_dtype="float32", remat=True)
+    for layer in fused.layers:    # set_attention_implementation would refuse on a CPU
+        layer.self_attn.implementation = "cudnn"
+    rng = np.random.default_rng(9)
+    tokens, mask = _left_padded_batch(rng, einsum.config.vocab_size, [11, 6], 11)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+
+    def loss(model):
+        logits = model(tokens, attention_mask=mask)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0] * mask)
+
+    loss_einsum, grads_einsum = nnx.value_and_grad(loss)(einsum)
+    assert not calls
+    loss_fused, grads_fused = nnx.value_and_grad(loss)(fused)
+    assert calls and set(calls) == {"cudnn"}
+    np.testing.assert_allclose(float(loss_fused), float(loss_einsum), rtol=1e-5)
+    valid = np.asarray(mask, bool)
+    np.testing.assert_allclose(np.asarray(fused(tokens, attention_mask=mask))[valid],
+                               np.asarray(einsum(tokens, attention_mask=mask))[valid], atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(grads_fused)),
+                    jax.tree_util.tree_leaves(nnx.state(grads_einsum))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    calls.clear()
+    cache = init_kv_cache(fused.config, batch_size=2, max_length=16, dtype=jnp.float32)
+    logits, cache = prefill(fused, tokens, mask, cache)
+    decode_step(fused, jnp.argmax(logits, -1), cache)
+    assert not calls
+
+
+def test_attention_implementation_is_validated():
+    """attention_implementation: unknown names, the combination with query chunks, and 'cudnn'
+    where cuDNN cannot run (this CPU) raise errors naming the field and the reason."""
+    from qerl_jax.models.config import preset
+    from qerl_jax.models.transformer import init_model, set_attention_implementation
+    config = preset("tiny_qwen2")
+    with pytest.raises(ValueError, match="attention_implementation='flash'"):
+        config.replace(attention_implementation="flash")
+    with pytest.raises(ValueError, match="attention_query_chunk=64 applies to the 'xla'"):
+        config.replace(attention_implementation="cudnn", attention_query_chunk=64)
+    model = init_model(config.replace(num_hidden_layers=1))
+    with pytest.raises(ValueError, match="default backend is 'cpu'"):
+        set_attention_implementation(model, "cudnn")
+    assert model.config.attention_implementation == "xla"
+    assert all(layer.self_attn.implementation == "xla" for layer in model.layers)
