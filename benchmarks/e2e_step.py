@@ -61,9 +61,10 @@ def parse_args(argv=None):
                         help="config.compilation_cache_dir of every case (JAX's persistent "
                              "cache; a case whose programs are in it loads them: no compile, "
                              "no XLA autotuner transient). The table says cold or warm.")
-    parser.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
+    parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
                         help="config.model.attention_implementation of the training attention "
-                             "(cudnn: cuDNN's fused flash attention, NVIDIA GPUs)")
+                             "(auto, the default: cuDNN's fused flash attention on an NVIDIA "
+                             "GPU, XLA's elsewhere); the table shows what it resolved to")
     parser.add_argument("--smoke", action="store_true")
     common.add_worker_arguments(parser, "e2e_step")
     args = parser.parse_args(argv)
@@ -114,6 +115,7 @@ def worker_main(args) -> None:
                                             decode_attention=not args.no_decode_attention)
         row.update(hook)
         row["params_B"] = model.config.num_parameters() / 1e9
+        row["attention"] = model.config.attention_implementation
         return model, tokenizer
 
     trainer_module.build_model = build_model_for_benchmark
@@ -136,7 +138,6 @@ def worker_main(args) -> None:
             config.train.logits_chunk_size = args.logits_chunk
         row["logits_chunk"] = config.train.logits_chunk_size
         config.model.attention_implementation = args.attention
-        row["attention"] = args.attention
         begin = time.perf_counter()
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
         row["trainer_init_s"] = time.perf_counter() - begin

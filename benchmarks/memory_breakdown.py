@@ -50,8 +50,9 @@ def parse_args(argv=None):
     parser.add_argument("--run", action="store_true",
                         help="also run each program once and record the device allocator's "
                              "in-use / peak / largest allocation after each stage")
-    parser.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
-                        help="config.model.attention_implementation (cudnn: NVIDIA GPUs)")
+    parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
+                        help="config.model.attention_implementation (auto: cudnn on NVIDIA "
+                             "GPUs, xla elsewhere)")
     parser.add_argument("--smoke", action="store_true", help="tiny model (CPU test)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -123,7 +124,8 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
         completion=args.completion, micro_batch=args.micro_batch, steps=1)
     config.model.attention_implementation = args.attention
     trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
-    base = {"size": size, "format": format_name, "attention": args.attention,
+    base = {"size": size, "format": format_name,
+            "attention": trainer.model().config.attention_implementation,
             "weights_GiB": common.state_gib(trainer.frozen),
             "trainable_GiB": common.state_gib(trainer.trainable),
             "opt_state_GiB": common.state_gib(trainer.opt_state), **common.device_info()}

@@ -23,10 +23,12 @@ def base_config() -> ml_collections.ConfigDict:
     # of an ablation, resumes) load the compiled programs instead of compiling them again
     # (qerl_jax.compilation_cache).
     config.compilation_cache_dir = ""
+    # attention_implementation of the training attention: 'auto' (cuDNN's fused flash attention
+    # on an NVIDIA GPU with bf16/fp16 compute, XLA's einsums elsewhere), 'cudnn' or 'xla'.
     config.model = ml_collections.ConfigDict(dict(
         preset="", hf_path="", tokenizer_path="", overrides={}, param_dtype="bfloat16",
         compute_dtype="bfloat16", remat=True, attention_query_chunk=0,
-        attention_implementation="xla"))
+        attention_implementation="auto"))
     # Supervised warm-up from scratch (only for the tiny CPU default; 0 steps = off).
     config.warmup = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-3, batch_size=64))
     config.quant = ml_collections.ConfigDict(dict(format="nvfp4", kernels=True))

@@ -107,12 +107,15 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
 def _finish_model(model: CausalLM, config: ml_collections.ConfigDict) -> CausalLM:
     """What every path of build_model ends with: config.model.attention_query_chunk and
     attention_implementation (a preset's model.overrides entry of that name wins; the HF
-    loaders and the warm-up cache do not carry them) and the kernels."""
+    loaders and the warm-up cache do not carry them; 'auto' = cuDNN's fused attention on an
+    NVIDIA GPU, the XLA one elsewhere) and the kernels."""
     overrides = dict(config.model.overrides)
     chunk = overrides.get("attention_query_chunk",
                           config.model.get("attention_query_chunk", 0))
     implementation = overrides.get("attention_implementation",
-                                   config.model.get("attention_implementation", "xla"))
+                                   config.model.get("attention_implementation", "auto"))
+    if implementation == "auto" and chunk:
+        implementation = "xla"   # query blocks are an option of the XLA attention only
     set_attention_query_chunk(model, 0)   # the two exclude each other: clear, then set both
     set_attention_implementation(model, implementation)
     set_attention_query_chunk(model, chunk)

@@ -113,7 +113,7 @@ def test_memory_breakdown_smoke(tmp_path):
         assert [stage for stage, _ in row["allocator_stages"]] == [
             "trainer built", "rollout compiled", "rollout run", "train compiled",
             "train micro-batch run"]
-    assert "| tiny | nvfp4 | rollout |" in open(tmp_path / "memory_breakdown_tiny.md").read()
+    assert "| tiny | nvfp4 | xla | rollout |" in open(tmp_path / "memory_breakdown_tiny.md").read()
 
 
 def test_kernel_profile_smoke(tmp_path):

@@ -248,12 +248,14 @@ def test_attention_query_chunk_reaches_the_model(tmp_path, warm_cache):
 
 
 def test_attention_implementation_reaches_the_model(tmp_path, warm_cache):
-    """config.model.attention_implementation goes through build_model's end point: 'xla' is set
-    on every attention layer; 'cudnn' on this CPU fails at build time with an error naming the
-    setting and the backend (on an NVIDIA GPU it selects cuDNN's fused attention)."""
+    """config.model.attention_implementation goes through build_model's end point: the default
+    'auto' resolves to 'xla' on this CPU, set on every attention layer; 'cudnn' here fails at
+    build time with an error naming the setting and the backend (on an NVIDIA GPU both select
+    cuDNN's fused attention)."""
     config = _config()
-    model = Trainer(config, _workdir(tmp_path, "xla", warm_cache)).model()
-    assert model.config.attention_implementation == "xla"
+    assert config.model.attention_implementation == "auto"
+    model = Trainer(config, _workdir(tmp_path, "auto", warm_cache)).model()
+    assert model.config.attention_implementation == "xla"   # 'auto' on a CPU
     assert all(layer.self_attn.implementation == "xla" for layer in model.layers)
     config.model.attention_implementation = "cudnn"
     with pytest.raises(ValueError, match="attention_implementation='cudnn'.*backend is 'cpu'"):

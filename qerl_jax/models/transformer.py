@@ -22,6 +22,7 @@ from qerl_jax.models.config import ModelConfig
 from qerl_jax.models.kv_cache import KVCache
 from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
                                     rope_cos_sin, rope_inverse_frequencies)
+from qerl_jax.quant.linear_op import narrow_matmul
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so all-masked (padding) rows stay finite
 
@@ -237,8 +238,9 @@ def head_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     float32 accumulation).
 
     For a weight narrower than float32 (bf16) the backward pass stays in that dtype
-    (_head_logits_narrow): the float32 logits cotangent is rounded to the weight's dtype before
-    the two products (float32 accumulation). Plain autodiff would multiply the float32
+    (qerl_jax.quant.linear_op.narrow_matmul, which the dense linear layers use too): the
+    float32 logits cotangent is rounded to the weight's dtype before the two products (float32
+    accumulation). Plain autodiff would multiply the float32
     cotangent by the bf16 head, and XLA converts the whole head to float32 first: a [H, V]
     float32 copy (2 GB for Qwen2.5-7B) that lives through the training program. A float32
     weight takes the plain dot and its autodiff (there is no copy to avoid).
@@ -248,28 +250,7 @@ def head_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     return _head_logits_narrow(hidden, weight)
 
 
-@jax.custom_vjp
-def _head_logits_narrow(hidden: jax.Array, weight: jax.Array) -> jax.Array:
-    return jnp.dot(hidden, weight, preferred_element_type=jnp.float32)
-
-
-def _head_logits_fwd(hidden, weight):
-    return _head_logits_narrow(hidden, weight), (hidden, weight)
-
-
-def _head_logits_bwd(residuals, grad_logits):
-    hidden, weight = residuals
-    grad = grad_logits.astype(weight.dtype)
-    grad_hidden = jax.lax.dot_general(grad, weight, (((grad.ndim - 1,), (1,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    grad_weight = jax.lax.dot_general(flat_hidden, grad.reshape(-1, grad.shape[-1]),
-                                      (((0,), (0,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
-    return grad_hidden.astype(hidden.dtype), grad_weight.astype(weight.dtype)
-
-
-_head_logits_narrow.defvjp(_head_logits_fwd, _head_logits_bwd)
+_head_logits_narrow = narrow_matmul  # the head's [H, V] weight: see head_logits
 
 
 class CausalLM(nnx.Module):
@@ -428,33 +409,43 @@ def set_attention_query_chunk(model: CausalLM, chunk: int) -> None:
         layer.self_attn.query_chunk = chunk
 
 
-def set_attention_implementation(model: CausalLM, implementation: str) -> None:
-    """Sets ModelConfig.attention_implementation of a built model, in place (its config and
-    every Attention; for programs traced afterwards).
+def cudnn_attention_problems(config: ModelConfig) -> list[str]:
+    """Why cuDNN's fused attention cannot run this model here ([] when it can): JAX's default
+    backend must be an NVIDIA GPU, compute_dtype bfloat16 or float16, head_dim a multiple of 8
+    and at most 128."""
+    backend, kind = jax.default_backend(), jax.devices()[0].device_kind
+    problems = []
+    if backend != "gpu" or "nvidia" not in kind.lower():
+        problems.append(f"JAX's default backend is {backend!r} ({kind}), not an NVIDIA GPU")
+    if config.compute_dtype not in ("bfloat16", "float16"):
+        problems.append(f"compute_dtype={config.compute_dtype!r} (needs bfloat16 or float16)")
+    head_dim = config.resolved_head_dim
+    if head_dim % 8 or head_dim > 128:
+        problems.append(f"head_dim={head_dim} (needs a multiple of 8, at most 128)")
+    return problems
 
-    'cudnn' needs what cuDNN's fused attention needs, checked here so that a bad setting fails
-    when the model is built, not inside a traced program: JAX's default backend a CUDA GPU,
-    compute_dtype bfloat16 or float16, head_dim a multiple of 8 and at most 128.
+
+def set_attention_implementation(model: CausalLM, implementation: str) -> str:
+    """Sets ModelConfig.attention_implementation of a built model, in place (its config and
+    every Attention; for programs traced afterwards); returns the implementation set.
+
+    'auto' picks 'cudnn' where cuDNN's fused attention can run (cudnn_attention_problems is
+    empty: an NVIDIA GPU, bf16/fp16 compute) and 'xla' elsewhere. An explicit 'cudnn' that
+    cannot run raises here, when the model is built, not inside a traced program.
     """
+    if implementation == "auto":
+        implementation = "xla" if cudnn_attention_problems(model.config) else "cudnn"
     config = model.config.replace(attention_implementation=implementation)  # validates it
     if implementation == "cudnn":
-        backend, kind = jax.default_backend(), jax.devices()[0].device_kind
-        problems = []
-        if backend != "gpu" or "nvidia" not in kind.lower():
-            problems.append(f"JAX's default backend is {backend!r} ({kind}), not an NVIDIA GPU")
-        if config.compute_dtype not in ("bfloat16", "float16"):
-            problems.append(f"compute_dtype={config.compute_dtype!r} (needs bfloat16 or "
-                            "float16)")
-        head_dim = config.resolved_head_dim
-        if head_dim % 8 or head_dim > 128:
-            problems.append(f"head_dim={head_dim} (needs a multiple of 8, at most 128)")
+        problems = cudnn_attention_problems(config)
         if problems:
             raise ValueError("attention_implementation='cudnn' (cuDNN fused attention) cannot "
                              "run here: " + "; ".join(problems)
-                             + ". Use attention_implementation='xla'.")
+                             + ". Use attention_implementation='xla' or 'auto'.")
     model.config = config
     for layer in model.layers:
         layer.self_attn.implementation = implementation
+    return implementation
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> CausalLM:

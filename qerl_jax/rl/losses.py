@@ -18,6 +18,7 @@ micro-batches and dividing by the global denominator is exact; bnpo is defined p
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -145,17 +146,72 @@ def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array,
     return chosen, entropy
 
 
+def head_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax.Array,
+                              temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """token_logprobs_and_entropy(logits_fn(hidden), tokens, temperature) with a hand-written
+    backward pass that holds one float32 [..., V] array, not four.
+
+    hidden [..., H], tokens [...] -> (log p, entropy) [...] float32; logits_fn a pure function
+    [..., H] -> float32 [..., V] (it may close over arrays: jax.closure_convert hoists them).
+
+    The forward pass is token_logprobs_and_entropy's, bit for bit, and keeps no logits. The
+    backward recomputes logits = logits_fn(hidden), z = logits / T, p = softmax(z), and pulls
+    back the cotangent in one elementwise pass:
+        d/dz_i = g_logp (1[i = token] - p_i) - g_H p_i (log p_i + H),
+    (H = -sum_i p_i log p_i; d log p_token / dz_i = 1[i = token] - p_i), divided by T, then
+    through logits_fn's own VJP (CausalLM's head rounds it to the head's dtype). Autodiff of
+    log_softmax instead kept the logits, the log-probabilities, their cotangent and its sum
+    as separate float32 [..., V] values: at 2 x 256 positions and a 152k vocabulary, 297 MiB
+    each (benchmarks/RESULTS.md, session 8).
+    """
+    converted, consts = jax.closure_convert(logits_fn, hidden)
+    return _head_logprobs_and_entropy(converted, float(temperature), hidden, tokens, *consts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _head_logprobs_and_entropy(logits_fn, temperature, hidden, tokens, *consts):
+    return token_logprobs_and_entropy(logits_fn(hidden, *consts), tokens, temperature)
+
+
+def _head_logprobs_and_entropy_fwd(logits_fn, temperature, hidden, tokens, *consts):
+    values = token_logprobs_and_entropy(logits_fn(hidden, *consts), tokens, temperature)
+    return values, (hidden, tokens, consts)
+
+
+def _head_logprobs_and_entropy_bwd(logits_fn, temperature, residuals, cotangents):
+    hidden, tokens, consts = residuals
+    grad_logprob, grad_entropy = cotangents
+    logits, pullback = jax.vjp(logits_fn, hidden, *consts)
+    # Two reductions over the logits ([..., 1] results), then one elementwise pass: written
+    # so that XLA fuses log p and p into their consumers instead of storing them.
+    z = logits.astype(jnp.float32) / temperature
+    peak = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    log_normalizer = peak + jnp.log(jnp.sum(jnp.exp(z - peak), axis=-1, keepdims=True))
+    entropy = -jnp.sum(jnp.exp(z - log_normalizer) * (z - log_normalizer), axis=-1,
+                       keepdims=True)
+    log_probs = z - log_normalizer
+    probs = jnp.exp(log_probs)
+    is_token = jnp.arange(logits.shape[-1]) == tokens[..., None]
+    grad_z = (grad_logprob[..., None] * (is_token - probs)
+              - grad_entropy[..., None] * probs * (log_probs + entropy))
+    grads = pullback((grad_z / temperature).astype(logits.dtype))
+    return (grads[0], None, *grads[1:])
+
+
+_head_logprobs_and_entropy.defvjp(_head_logprobs_and_entropy_fwd, _head_logprobs_and_entropy_bwd)
+
+
 def chunked_token_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax.Array,
                                        temperature: float = 1.0,
                                        chunk_size: int = 0) -> tuple[jax.Array, jax.Array]:
     """token_logprobs_and_entropy(logits_fn(hidden), tokens), `chunk_size` positions at a time.
 
-    hidden [B, N, H], tokens [B, N] -> (log p [B, N], entropy [B, N]) float32. Each chunk's
-    logits [B, chunk, V] are computed under jax.checkpoint inside lax.map, so neither the
-    forward nor the backward pass holds the whole [B, N, V] float32 logits (with a 152k
-    vocabulary, 1024 completion tokens and 2 rows that is 1.2 GB per copy, and log_softmax and
-    its gradient hold several). Same values as the unchunked computation (each position's
-    logits are the same dot); chunk_size <= 0 or >= N computes it in one piece.
+    hidden [B, N, H], tokens [B, N] -> (log p [B, N], entropy [B, N]) float32. Each chunk goes
+    through head_logprobs_and_entropy inside lax.map, so neither the forward nor the backward
+    pass holds the whole [B, N, V] float32 logits (with a 152k vocabulary, 1024 completion
+    tokens and 2 rows that is 1.2 GB per copy), and each chunk's backward holds one float32
+    [B, chunk, V] array. Same values as the unchunked computation (each position's logits are
+    the same dot); chunk_size <= 0 or >= N computes it in one piece.
 
     logits_fn: a pure function [..., H] -> float32 [..., V] (CausalLM.logits_function()).
     """
@@ -164,7 +220,7 @@ def chunked_token_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax
                          "[B, N]")
     batch, length = tokens.shape
     if chunk_size <= 0 or chunk_size >= length:
-        return token_logprobs_and_entropy(logits_fn(hidden), tokens, temperature)
+        return head_logprobs_and_entropy(hidden, logits_fn, tokens, temperature)
     pad = (-length) % chunk_size
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
@@ -172,9 +228,8 @@ def chunked_token_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax
     hidden = hidden.reshape(batch, chunks, chunk_size, -1).swapaxes(0, 1)
     tokens = tokens.reshape(batch, chunks, chunk_size).swapaxes(0, 1)
 
-    @jax.checkpoint
     def one_chunk(hidden_chunk, token_chunk):
-        return token_logprobs_and_entropy(logits_fn(hidden_chunk), token_chunk, temperature)
+        return head_logprobs_and_entropy(hidden_chunk, logits_fn, token_chunk, temperature)
 
     logprobs, entropy = jax.lax.map(lambda pair: one_chunk(*pair), (hidden, tokens))
 

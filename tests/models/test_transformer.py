@@ -339,7 +339,8 @@ def test_attention_implementation_reaches_the_attention_layers(checkpoint, monke
 
 def test_attention_implementation_is_validated():
     """attention_implementation: unknown names, the combination with query chunks, and 'cudnn'
-    where cuDNN cannot run (this CPU) raise errors naming the field and the reason."""
+    where cuDNN cannot run (this CPU) raise errors naming the field and the reason; 'auto'
+    resolves to 'xla' here."""
     from qerl_jax.models.config import preset
     from qerl_jax.models.transformer import init_model, set_attention_implementation
     config = preset("tiny_qwen2")
@@ -350,5 +351,6 @@ def test_attention_implementation_is_validated():
     model = init_model(config.replace(num_hidden_layers=1))
     with pytest.raises(ValueError, match="default backend is 'cpu'"):
         set_attention_implementation(model, "cudnn")
+    assert set_attention_implementation(model, "auto") == "xla"
     assert model.config.attention_implementation == "xla"
     assert all(layer.self_attn.implementation == "xla" for layer in model.layers)
