@@ -65,6 +65,11 @@ def parse_args(argv=None):
                         help="config.model.attention_implementation of the training attention "
                              "(auto, the default: cuDNN's fused flash attention on an NVIDIA "
                              "GPU, XLA's elsewhere); the table shows what it resolved to")
+    parser.add_argument("--trace-peaks", action="store_true",
+                        help="wait for each of the trainer's jitted calls (rollout, gradient, "
+                             "accumulation, update) and record the ones that raised the "
+                             "allocator's peak (the peak_trace column of the JSON): which "
+                             "program sets the step's peak. Slows the step slightly.")
     parser.add_argument("--smoke", action="store_true")
     common.add_worker_arguments(parser, "e2e_step")
     args = parser.parse_args(argv)
@@ -170,6 +175,8 @@ def worker_main(args) -> None:
         return result
 
     trainer._collect_rollouts = collect_and_record_peak
+    if args.trace_peaks:
+        _trace_peaks(trainer, row)
     status = "ok"
     for step in range(args.steps):
         if step > 0:
@@ -207,6 +214,30 @@ def worker_main(args) -> None:
 
 
 # ============================================================================== parent
+def _trace_peaks(trainer, row) -> None:
+    """Wraps the trainer's jitted calls: after each (waited for), when the allocator's peak rose,
+    appends [step, call, peak GiB, in use GiB] to row["peak_trace"]."""
+    import jax
+    trace = row.setdefault("peak_trace", [])
+    last = [common.peak_memory_gib()[0]]
+
+    def wrap(name, fn):
+        def traced(*args, **kwargs):
+            result = jax.block_until_ready(fn(*args, **kwargs))
+            stats = jax.devices()[0].memory_stats() or {}
+            peak = stats.get("peak_bytes_in_use", 0) / 2**30
+            if peak > last[0] + 1e-3:
+                trace.append([trainer.step, name, round(peak, 3),
+                              round(stats.get("bytes_in_use", 0) / 2**30, 3)])
+                last[0] = peak
+            return result
+        return traced
+
+    for name in ("_collect_rollouts", "_grad_fn", "_add", "_scale", "_apply_update",
+                 "_logprobs_fn"):
+        setattr(trainer, name, wrap(name, getattr(trainer, name)))
+
+
 COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "status"),
            ("step0_rollout_s", "step 0 rollout s (compile+run)"),
            ("step0_train_s", "step 0 train s (compile+run)"),
@@ -290,6 +321,7 @@ def parent_main(args) -> None:
                        *(["--compilation-cache", args.compilation_cache]
                          if args.compilation_cache else []),
                        "--attention", args.attention,
+                       *(["--trace-peaks"] if args.trace_peaks else []),
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)
