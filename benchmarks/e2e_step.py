@@ -233,9 +233,21 @@ def _trace_peaks(trainer, row) -> None:
             return result
         return traced
 
-    for name in ("_collect_rollouts", "_grad_fn", "_add", "_scale", "_apply_update",
+    for name in ("_collect_rollouts", "_zero_grads", "_grad_fn", "_scale", "_apply_update",
                  "_logprobs_fn"):
         setattr(trainer, name, wrap(name, getattr(trainer, name)))
+    # what holds device memory besides the trainer's weights, adapters and optimizer state
+    owned = {id(leaf) for tree in (trainer.frozen, trainer.trainable, trainer.opt_state)
+             for leaf in jax.tree_util.tree_leaves(tree)}
+    others = {}
+    for array in jax.live_arrays():
+        if id(array) not in owned:
+            key = f"{array.dtype}{list(array.shape)}"
+            count, size = others.get(key, (0, 0))
+            others[key] = (count + 1, size + array.nbytes)
+    row["unowned_live_arrays"] = sorted(([key, count, round(size / 2**30, 4)]
+                                         for key, (count, size) in others.items()),
+                                        key=lambda item: -item[2])[:15]
 
 
 COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "status"),

@@ -8,7 +8,8 @@ e2e_step.py does (random weights, LoRA r32 + norms, remat on, kernels on GPU), t
 compiles, without running:
   * rollout: qerl_jax.sampling's generate program for 1 prompt x G samples (prompt + completion
     cache), on the AQN-noised states the trainer samples with;
-  * train: the jitted value-and-grad of one micro-batch (the trainer's own _grad_fn).
+  * train: the jitted value-and-grad of one micro-batch, added into the donated gradient sum
+    (the trainer's own _grad_fn).
 and reports compiled.memory_analysis() (arguments, outputs, aliased, temporaries) plus, with
 --dump, the largest values of each program's buffer assignment; with --run, each program also runs once and the
 device allocator's in-use, peak and largest allocation are recorded after every stage (the
@@ -160,12 +161,14 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
     begin = time.perf_counter()
     totals = (jnp.asarray(float(args.micro_batch * args.completion)),
               jnp.asarray(float(args.micro_batch)))
-    compiled = trainer._grad_fn.lower(trainer.trainable, frozen, micro, *totals).compile()
+    grad_sum = trainer._zero_grads(trainer.trainable)   # donated: the program adds into it
+    compiled = trainer._grad_fn.lower(trainer.trainable, frozen, micro, *totals,
+                                      grad_sum).compile()
     rows.append({**base, "program": "train micro-batch", "compile_s": time.perf_counter() - begin,
                  **analysis_row(compiled)})
     stages.append(("train compiled", allocator_stats()))
     if args.run:
-        jax.block_until_ready(compiled(trainer.trainable, frozen, micro, *totals))
+        jax.block_until_ready(compiled(trainer.trainable, frozen, micro, *totals, grad_sum))
         stages.append(("train micro-batch run", allocator_stats()))
     for row in rows:
         row["allocator_stages"] = stages

@@ -257,7 +257,20 @@ class Trainer:
             return terms.numerator / terms.denominator, (terms, entropy_sum)
 
         self._logprobs_fn = jax.jit(lambda t, f, b: completion_logprobs(t, f, b)[0])
-        self._grad_fn = jax.jit(jax.value_and_grad(micro_batch_loss, has_aux=True))
+        value_and_grad = jax.value_and_grad(micro_batch_loss, has_aux=True)
+
+        def accumulate_gradient(trainable, frozen, batch, global_valid_tokens, global_sequences,
+                                grad_sum):
+            """(loss, aux), grad_sum + this micro-batch's gradient. The sum is donated and
+            updated inside the program, so a step holds one gradient tree (plus the program's
+            own), not the sum, the last micro-batch's gradient and the new one."""
+            (loss, aux), grads = value_and_grad(trainable, frozen, batch, global_valid_tokens,
+                                                global_sequences)
+            return (loss, aux), jax.tree_util.tree_map(jnp.add, grad_sum, grads)
+
+        self._grad_fn = jax.jit(accumulate_gradient, donate_argnums=(5,))
+        self._zero_grads = jax.jit(
+            lambda t: jax.tree_util.tree_map(jnp.zeros_like, t))
 
         def apply_update(trainable, opt_state, grads):
             grad_norm = optax.tree.norm(grads)
@@ -270,7 +283,6 @@ class Trainer:
                     finite)
 
         self._apply_update = jax.jit(apply_update, donate_argnums=(0, 1))
-        self._add = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
         self._scale = jax.jit(lambda a, s: jax.tree_util.tree_map(lambda x: x * s, a))
 
     # -------------------------------------------------------------- rollout + rewards
@@ -404,11 +416,10 @@ class Trainer:
                  "entropy_sum": 0.0}
         grad_norm, updated = float("nan"), True
         for iteration in range(config.train.num_iterations):
-            grads = None
+            grads = self._zero_grads(self.trainable)
             for micro in self._micro_batches(batch):
-                (loss, (terms, entropy_sum)), micro_grads = self._grad_fn(
-                    self.trainable, frozen, micro, global_tokens, global_sequences)
-                grads = micro_grads if grads is None else self._add(grads, micro_grads)
+                (loss, (terms, entropy_sum)), grads = self._grad_fn(
+                    self.trainable, frozen, micro, global_tokens, global_sequences, grads)
                 if iteration == 0:
                     stats["loss"] += float(loss)
                     stats["valid_tokens"] += float(terms.valid_tokens)
