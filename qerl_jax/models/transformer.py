@@ -21,7 +21,7 @@ from qerl_jax.models.attention_dispatch import decode_attention_kernel
 from qerl_jax.models.config import ModelConfig
 from qerl_jax.models.kv_cache import KVCache
 from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
-                                    rope_cos_sin, rope_inverse_frequencies)
+                                    rope_cos_sin, rope_inverse_frequencies, swiglu)
 from qerl_jax.quant.linear_op import narrow_matmul
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so all-masked (padding) rows stay finite
@@ -184,8 +184,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         gate, up = apply_linears(x, (self.gate_proj, self.up_proj), self.grouped_lora_a)
-        activated = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32))
-        return self.down_proj(activated.astype(gate.dtype))
+        return self.down_proj(swiglu(gate, up))
 
 
 class DecoderLayer(nnx.Module):

@@ -354,3 +354,43 @@ def test_attention_implementation_is_validated():
     assert set_attention_implementation(model, "auto") == "xla"
     assert model.config.attention_implementation == "xla"
     assert all(layer.self_attn.implementation == "xla" for layer in model.layers)
+
+
+def test_swiglu_bf16_backward_against_float64_and_saves_only_its_inputs():
+    """layers.swiglu with bf16 gate/up: the hand-written backward equals the float64 derivative
+    of silu(gate) * up (inputs and cotangent as rounded to bf16; tolerance 1 bf16 ulp of each
+    gradient's scale), agrees with autodiff of the float32 expression within bf16 rounding, and
+    saves only gate and up for the backward (autodiff saves five float32 [.., I] arrays). float32
+    inputs give the plain expression, bit for bit."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from qerl_jax.models.layers import swiglu
+    rng = np.random.default_rng(10)
+    gate = jnp.asarray(rng.standard_normal((3, 7, 32)) * 2, jnp.bfloat16)
+    up = jnp.asarray(rng.standard_normal((3, 7, 32)), jnp.bfloat16)
+    cotangent = jnp.asarray(rng.standard_normal((3, 7, 32)), jnp.bfloat16)
+    out, pullback = jax.vjp(swiglu, gate, up)
+    grad_gate, grad_up = pullback(cotangent)
+    g, u, c = (np.asarray(a.astype(jnp.float32), np.float64) for a in (gate, up, cotangent))
+    sigmoid = 1 / (1 + np.exp(-g))
+    expected = {"out": g * sigmoid * u, "gate": c * u * sigmoid * (1 + g * (1 - sigmoid)),
+                "up": c * g * sigmoid}
+    for name, ours in (("out", out), ("gate", grad_gate), ("up", grad_up)):
+        assert ours.dtype == jnp.bfloat16
+        ours = np.asarray(ours.astype(jnp.float32), np.float64)
+        np.testing.assert_allclose(ours, expected[name], rtol=0,
+                                   atol=2.0 ** -8 * np.abs(expected[name]).max(), err_msg=name)
+
+    def plain(gate, up):
+        return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+    plain_grads = jax.vjp(plain, gate, up)[1](cotangent)
+    for ours, theirs in zip((grad_gate, grad_up), plain_grads):
+        ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=2.0 ** -7 * np.abs(theirs).max())
+    loss = lambda f: lambda gate, up: jnp.sum(f(gate, up).astype(jnp.float32))  # noqa: E731
+    assert [r[0].dtype for r in saved_residuals(loss(swiglu), gate, up)] == [jnp.bfloat16] * 2
+    assert sum(r[0].dtype == jnp.float32 for r in saved_residuals(loss(plain), gate, up)) >= 2
+    gate32, up32 = gate.astype(jnp.float32), up.astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(swiglu(gate32, up32)),
+                                  np.asarray(jax.nn.silu(gate32) * up32))
