@@ -93,8 +93,11 @@ def from_plane_layout(planes: jax.Array, *, n: int, k: int, tile_k: int,
 
 
 def pad_scales(scales: jax.Array, *, n_pad: int, k_pad: int, block: int) -> jax.Array:
-    """Zero-pads block scales [N, K/B] to [N_pad, K_pad/B] (padded weights decode to 0)."""
+    """Zero-pads block scales [N, K/B] to [N_pad, K_pad/B] (padded weights decode to 0); the
+    same array when no padding is needed (no copy)."""
     n, nb = scales.shape
+    if n_pad == n and k_pad // block == nb:
+        return scales
     return jnp.pad(scales, ((0, n_pad - n), (0, k_pad // block - nb)))
 
 

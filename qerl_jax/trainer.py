@@ -142,7 +142,7 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
                     "bfloat16); the quantized layers use the XLA path",
                     config.model.compute_dtype)
         return
-    enable_kernels(model)
+    enable_kernels(model, donate=True)   # the model was just built: nothing else holds it
 
 
 def make_optimizer(train: ml_collections.ConfigDict):

@@ -188,8 +188,7 @@ def default_tile_k(format_name: str, in_features: int) -> int:
     return max(min(DEFAULT_TILE_K, bw._next_pow2(in_features)), 2 * block, 32)
 
 
-@functools.partial(jax.jit, static_argnames=("tile_k",))
-def _repack(weight: QuantizedWeight, tile_k: int) -> KernelLayoutWeight:
+def _repack_arrays(weight: QuantizedWeight, tile_k: int) -> KernelLayoutWeight:
     n, k = weight.shape
     fmt = weight.format
     block = SPECS[fmt].scale_block
@@ -213,6 +212,13 @@ def _repack(weight: QuantizedWeight, tile_k: int) -> KernelLayoutWeight:
                               format=fmt, shape=weight.shape, dtype=weight.dtype, tile_k=tile_k)
 
 
+_repack = jax.jit(_repack_arrays, static_argnames=("tile_k",))
+# The same program with the checkpoint-layout arrays donated: where no padding is needed the
+# kernel codes are written into the codes' buffer and the scales keep theirs, so the repack
+# allocates nothing that stays.
+_repack_donating = jax.jit(_repack_arrays, static_argnames=("tile_k",), donate_argnums=(0,))
+
+
 def kernel_refusal(weight: QuantizedWeight) -> str | None:
     """Why the kernels cannot take this (checkpoint-layout) weight, or None. Needs concrete
     arrays (run at load time)."""
@@ -226,11 +232,15 @@ def kernel_refusal(weight: QuantizedWeight) -> str | None:
     return None
 
 
-def to_kernel_layout(weight: QuantizedWeight, *, tile_k: int | None = None) -> QuantizedWeight:
+def to_kernel_layout(weight: QuantizedWeight, *, tile_k: int | None = None,
+                     donate: bool = False) -> QuantizedWeight:
     """Repacks one checkpoint-layout QuantizedWeight into a KernelLayoutWeight (lossless).
 
     Already-repacked weights are returned as they are; a weight the kernels cannot take is
     returned unchanged (it keeps the XLA path) with a warning naming the reason.
+    donate=True consumes `weight` where the kernel layout needs no padding (its buffers become
+    the kernel layout's; `weight` must not be used afterwards): what enable_kernels does to a
+    Module, whose weights it replaces in place.
     """
     if isinstance(weight, KernelLayoutWeight):
         return weight
@@ -239,7 +249,9 @@ def to_kernel_layout(weight: QuantizedWeight, *, tile_k: int | None = None) -> Q
         logger.warning("kernel layout: keeping a %s weight %s in the checkpoint layout (XLA "
                        "path): %s", weight.format, weight.shape, refusal)
         return weight
-    return _repack(weight, tile_k or default_tile_k(weight.format, weight.shape[1]))
+    tile_k = tile_k or default_tile_k(weight.format, weight.shape[1])
+    unpadded = bw.padded_sizes(*weight.shape, tile_k) == tuple(weight.shape)
+    return (_repack_donating if donate and unpadded else _repack)(weight, tile_k)
 
 
 def _is_quantized(value) -> bool:
@@ -458,12 +470,12 @@ def disable_decode_attention(platform: str | None = None) -> None:
 def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bool = False,
                    tile_k: int | None = None, small_m_backward: str = "dequantize",
                    lora_epilogue: bool = True, grouped: bool = True,
-                   decode_attention: bool = True):
+                   decode_attention: bool = True, donate: bool = False):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
     Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
     is changed in place (and returned); any other pytree (an nnx.State, params) is returned
-    converted. Where there are no compiled kernels (platform other than "gpu") and interpret is
+    converted, its inputs untouched. Where there are no compiled kernels (platform other than "gpu") and interpret is
     False, nothing changes and the XLA path runs.
 
     Args:
@@ -472,6 +484,10 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
       tile_k: K tile of the kernel layout (default: default_tile_k).
       small_m_backward, lora_epilogue, grouped: see register_kernels.
       decode_attention: also register the decode-attention kernel (enable_decode_attention).
+      donate: (Module only) hand each checkpoint-layout weight's buffers to its kernel layout
+        (to_kernel_layout(donate=True)): no second copy of the scales and codes is allocated,
+        but arrays taken from the Module before the call are deleted. For a model nothing
+        else references (the trainer's, just built); the default keeps them valid.
     """
     platform = platform or jax.default_backend()
     if platform not in KERNEL_PLATFORMS and not interpret:
@@ -492,7 +508,7 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
             continue
         value = node.get_value()
         if _is_quantized(value) and not isinstance(value, KernelLayoutWeight):
-            node.set_value(to_kernel_layout(value, tile_k=tile_k))
+            node.set_value(to_kernel_layout(value, tile_k=tile_k, donate=donate))
             count += 1
     logger.info("enable_kernels: %d quantized weights in the kernel layout (%s, interpret=%s)",
                 count, platform, interpret)

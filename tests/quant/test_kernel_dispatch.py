@@ -519,3 +519,29 @@ def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kerne
     with pytest.raises(ValueError, match=r"stacked_lora_a \(64, 8\)"):
         apply_linears(x, (attention.q_proj, attention.k_proj, attention.v_proj),
                       attention.grouped_lora_a[:, :8])
+
+
+@pytest.mark.parametrize("format_name", ["nvfp4", "nf4"])
+def test_donating_repack_gives_the_same_layout_and_consumes_only_unpadded_weights(format_name):
+    """to_kernel_layout(donate=True) (what enable_kernels(donate=True) and the trainer use)
+    gives the kernel layout of the default call, bit for bit; it consumes the checkpoint-layout
+    weight where no padding is needed ([256, 512]: its buffers become the kernel layout's) and
+    leaves a padded one ([96, 192]) valid. enable_kernels without donate keeps earlier
+    references valid; with donate=True on a Module the model runs as before."""
+    rng = np.random.default_rng(11)
+    for shape, padded in (((256, 512), False), ((96, 192), True)):
+        dense = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
+        fmt = get_format(format_name)
+        expected = kernel_dispatch.to_kernel_layout(fmt.quantize(dense, name="w"))
+        weight = fmt.quantize(dense, name="w")
+        donated = kernel_dispatch.to_kernel_layout(weight, donate=True)
+        _leaves_equal(donated, expected)
+        assert weight.codes.is_deleted() is not padded, shape
+    model = _tiny_quantized_model("nvfp4", compute_dtype="float32", layers=1)
+    tokens = jnp.arange(12).reshape(2, 6) % 50
+    before = np.asarray(model(tokens))
+    try:
+        enable_kernels(model, platform="cpu", interpret=True, donate=True)
+        np.testing.assert_allclose(np.asarray(model(tokens)), before, rtol=1e-5, atol=1e-5)
+    finally:
+        kernel_dispatch.unregister_kernels("cpu")
