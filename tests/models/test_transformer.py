@@ -201,6 +201,30 @@ def _avals(jaxpr):
     return shapes
 
 
+def _token_loss(tokens, mask):
+    """A loss over the logits of the real tokens of a left-padded batch."""
+    def loss(model):
+        logits = model(tokens, attention_mask=mask)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0] * mask)
+    return loss
+
+
+def _assert_same_loss_logits_and_grads(model, reference, tokens, mask, atol=1e-5):
+    """Two variants of one model: loss (rtol atol), real-token logits and every gradient (atol)."""
+    from flax import nnx
+    loss = _token_loss(tokens, mask)
+    loss_ref, grads_ref = nnx.value_and_grad(loss)(reference)
+    loss_model, grads_model = nnx.value_and_grad(loss)(model)
+    np.testing.assert_allclose(float(loss_model), float(loss_ref), rtol=atol)
+    valid = np.asarray(mask, bool)
+    np.testing.assert_allclose(np.asarray(model(tokens, attention_mask=mask))[valid],
+                               np.asarray(reference(tokens, attention_mask=mask))[valid],
+                               atol=atol)
+    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(grads_model)),
+                    jax.tree_util.tree_leaves(nnx.state(grads_ref))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
+
+
 def test_attention_in_query_chunks_matches_all_queries_at_once(checkpoint):
     """ModelConfig.attention_query_chunk: the XLA attention over blocks of queries (lax.map,
     each block under jax.checkpoint) gives the all-at-once logits, loss and gradients (fp32,
@@ -216,20 +240,8 @@ def test_attention_in_query_chunks_matches_all_queries_at_once(checkpoint):
     rng = np.random.default_rng(6)
     tokens, mask = _left_padded_batch(rng, whole.config.vocab_size, [11, 7], 11)
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-
-    def loss(model):
-        logits = model(tokens, attention_mask=mask)
-        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0] * mask)
-
-    loss_whole, grads_whole = nnx.value_and_grad(loss)(whole)
-    loss_chunked, grads_chunked = nnx.value_and_grad(loss)(chunked)
-    np.testing.assert_allclose(float(loss_chunked), float(loss_whole), rtol=1e-5)
-    valid = np.asarray(mask, bool)
-    np.testing.assert_allclose(np.asarray(chunked(tokens, attention_mask=mask))[valid],
-                               np.asarray(whole(tokens, attention_mask=mask))[valid], atol=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(grads_chunked)),
-                    jax.tree_util.tree_leaves(nnx.state(grads_whole))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    _assert_same_loss_logits_and_grads(chunked, whole, tokens, mask)
+    loss = _token_loss(tokens, mask)
 
     def shapes(model):
         graphdef, state = nnx.split(model)
@@ -295,8 +307,6 @@ def test_attention_implementation_reaches_the_attention_layers(checkpoint, monke
     through _attend_fused (here patched to JAX's XLA reference implementation, since cuDNN
     needs a GPU): the same logits on real tokens, loss and gradients as the einsum attention
     (fp32, <= 1e-5); the cached (sampler) paths keep the einsum/decode-kernel attention."""
-    from flax import nnx
-
     from qerl_jax.models import transformer
     calls = []
     reference_call = transformer._attend_fused
@@ -314,22 +324,10 @@ def test_attention_implementation_reaches_the_attention_layers(checkpoint, monke
     rng = np.random.default_rng(9)
     tokens, mask = _left_padded_batch(rng, einsum.config.vocab_size, [11, 6], 11)
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-
-    def loss(model):
-        logits = model(tokens, attention_mask=mask)
-        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0] * mask)
-
-    loss_einsum, grads_einsum = nnx.value_and_grad(loss)(einsum)
+    einsum(tokens, attention_mask=mask)
     assert not calls
-    loss_fused, grads_fused = nnx.value_and_grad(loss)(fused)
+    _assert_same_loss_logits_and_grads(fused, einsum, tokens, mask)
     assert calls and set(calls) == {"cudnn"}
-    np.testing.assert_allclose(float(loss_fused), float(loss_einsum), rtol=1e-5)
-    valid = np.asarray(mask, bool)
-    np.testing.assert_allclose(np.asarray(fused(tokens, attention_mask=mask))[valid],
-                               np.asarray(einsum(tokens, attention_mask=mask))[valid], atol=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(grads_fused)),
-                    jax.tree_util.tree_leaves(nnx.state(grads_einsum))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     calls.clear()
     cache = init_kv_cache(fused.config, batch_size=2, max_length=16, dtype=jnp.float32)
     logits, cache = prefill(fused, tokens, mask, cache)
