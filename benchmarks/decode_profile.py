@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import re
 import sys
 import tempfile
 import time

@@ -32,7 +32,7 @@ import time
 
 import _common as common
 
-PROGRAM_PATTERNS = {"rollout": "_generate_program", "train": "micro_batch_loss"}
+PROGRAM_PATTERNS = {"rollout": "_generate_program", "train": "accumulate_gradient"}  # Trainer._grad_fn
 
 
 def parse_args(argv=None):

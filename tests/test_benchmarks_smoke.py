@@ -38,7 +38,7 @@ def test_rollout_and_e2e_smoke(tmp_path):
     rollout = _start("rollout.py", rollout_out, "--formats", "nvfp4", "--batches", "2,3",
                      "--kernels-interpret")
     e2e = _start("e2e_step.py", e2e_out, "--formats", "nvfp4", "--compilation-cache",
-                 str(tmp_path / "xla_cache"))
+                 str(tmp_path / "xla_cache"), "--trace-peaks")
     rollout_text, e2e_text = _finish(rollout), _finish(e2e)
 
     with open(rollout_out / "rollout_tiny.json") as handle:
@@ -61,6 +61,10 @@ def test_rollout_and_e2e_smoke(tmp_path):
     assert "| tiny | nvfp4 |" in e2e_text
     assert row["peak_after_rollout0_GiB"] > 0
     assert row["compilation_cache"] == "cold"  # the flag reached the trainer's config
+    assert row["attention"] == "xla"           # 'auto' on a CPU
+    # --trace-peaks ran: the CPU allocator reports no peak (an empty trace); the device arrays
+    # outside the trainer's state are listed
+    assert row["peak_trace"] == [] and isinstance(row["unowned_live_arrays"], list)
 
     # --merge: one table from several runs' JSON; an ok row replaces another run's failed one
     failed = {"rows": [{**rows[0], "status": "killed at the budget deadline"}]}

@@ -175,11 +175,17 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(tmp_path, warm_
 
 def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     """build_model repacks for the Pallas kernels only for 4-bit weights, bf16 compute and
-    quant.kernels=True (a float32-compute model would unpack the kernel layout on every call)."""
+    quant.kernels=True (a float32-compute model would unpack the kernel layout on every call),
+    donating the freshly built model's checkpoint-layout buffers."""
     from qerl_jax import trainer as trainer_module
     from qerl_jax.quant import kernel_dispatch
     calls = []
-    monkeypatch.setattr(kernel_dispatch, "enable_kernels", lambda model: calls.append(model))
+
+    def enable_kernels(model, **options):
+        assert options == {"donate": True}
+        calls.append(model)
+
+    monkeypatch.setattr(kernel_dispatch, "enable_kernels", enable_kernels)
     cases = [("nvfp4", "bfloat16", True, 1), ("nvfp4", "float32", True, 0),
              ("nvfp4", "bfloat16", False, 0), ("bf16", "bfloat16", True, 0)]
     for fmt, compute_dtype, kernels, expected in cases:

@@ -53,7 +53,8 @@ class ModelConfig:
     passes) is computed: 'xla' (default) materializes the float32 [T, S] scores per layer;
     'cudnn' calls cuDNN's fused flash attention through jax.nn.dot_product_attention, which
     keeps only [T] softmax statistics for the backward (NVIDIA GPU, bfloat16 / float16 compute
-    only; see transformer.set_attention_implementation). Not combinable with query chunks.
+    only; see transformer.set_attention_implementation, which also resolves the trainer
+    config's default 'auto' to one of the two). Not combinable with query chunks.
     """
 
     model_type: str = "qwen2"

@@ -149,7 +149,7 @@ def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array,
 def head_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax.Array,
                               temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """token_logprobs_and_entropy(logits_fn(hidden), tokens, temperature) with a hand-written
-    backward pass that holds one float32 [..., V] array, not four.
+    backward pass that holds fewer float32 [..., V] arrays than autodiff's.
 
     hidden [..., H], tokens [...] -> (log p, entropy) [...] float32; logits_fn a pure function
     [..., H] -> float32 [..., V] (it may close over arrays: jax.closure_convert hoists them).
@@ -159,10 +159,11 @@ def head_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax.Array,
     back the cotangent in one elementwise pass:
         d/dz_i = g_logp (1[i = token] - p_i) - g_H p_i (log p_i + H),
     (H = -sum_i p_i log p_i; d log p_token / dz_i = 1[i = token] - p_i), divided by T, then
-    through logits_fn's own VJP (CausalLM's head rounds it to the head's dtype). Autodiff of
-    log_softmax instead kept the logits, the log-probabilities, their cotangent and its sum
-    as separate float32 [..., V] values: at 2 x 256 positions and a 152k vocabulary, 297 MiB
-    each (benchmarks/RESULTS.md, session 8).
+    through logits_fn's own VJP (CausalLM's head rounds it to the head's dtype). In the 7B
+    training program (2 x 256 positions, 152k vocabulary) XLA's buffer assignment held four
+    float32 [..., V] values of 297 MiB with autodiff (the two head GEMM outputs, the
+    take_along_axis gradient's scatter, a broadcast) and the two GEMM outputs with this
+    backward (benchmarks/RESULTS.md, session 8).
     """
     converted, consts = jax.closure_convert(logits_fn, hidden)
     return _head_logprobs_and_entropy(converted, float(temperature), hidden, tokens, *consts)
