@@ -269,8 +269,7 @@ class Trainer:
             return (loss, aux), jax.tree_util.tree_map(jnp.add, grad_sum, grads)
 
         self._grad_fn = jax.jit(accumulate_gradient, donate_argnums=(5,))
-        self._zero_grads = jax.jit(
-            lambda t: jax.tree_util.tree_map(jnp.zeros_like, t))
+        self._zero_grads = jax.jit(lambda t: jax.tree_util.tree_map(jnp.zeros_like, t))
 
         def apply_update(trainable, opt_state, grads):
             grad_norm = optax.tree.norm(grads)

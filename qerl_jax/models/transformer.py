@@ -155,12 +155,11 @@ class Attention(nnx.Module):
                             scale=1.0 / math.sqrt(self.head_dim))
             out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
             return self.o_proj(out), new_kv
-        attend = functools.partial(_attend, keys=keys, values=values,
-                                   scale=1.0 / math.sqrt(self.head_dim),
+        scale = 1.0 / math.sqrt(self.head_dim)
+        attend = functools.partial(_attend, keys=keys, values=values, scale=scale,
                                    compute_dtype=self.compute_dtype)
         if self.implementation == "cudnn" and cached_kv is None:
-            out = _attend_fused(q, mask, keys=keys, values=values,
-                                scale=1.0 / math.sqrt(self.head_dim),
+            out = _attend_fused(q, mask, keys=keys, values=values, scale=scale,
                                 compute_dtype=self.compute_dtype, implementation="cudnn")
         elif self.query_chunk and length > self.query_chunk:
             out = _attend_in_query_chunks(attend, q, mask, self.query_chunk)
@@ -246,10 +245,7 @@ def head_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     """
     if weight.dtype == jnp.float32:
         return jnp.dot(hidden, weight, preferred_element_type=jnp.float32)
-    return _head_logits_narrow(hidden, weight)
-
-
-_head_logits_narrow = narrow_matmul  # the head's [H, V] weight: see head_logits
+    return narrow_matmul(hidden, weight)
 
 
 class CausalLM(nnx.Module):
@@ -432,16 +428,15 @@ def set_attention_implementation(model: CausalLM, implementation: str) -> str:
     empty: an NVIDIA GPU, bf16/fp16 compute) and 'xla' elsewhere. An explicit 'cudnn' that
     cannot run raises here, when the model is built, not inside a traced program.
     """
+    problems = (cudnn_attention_problems(model.config)
+                if implementation in ("auto", "cudnn") else [])
     if implementation == "auto":
-        implementation = "xla" if cudnn_attention_problems(model.config) else "cudnn"
-    config = model.config.replace(attention_implementation=implementation)  # validates it
-    if implementation == "cudnn":
-        problems = cudnn_attention_problems(config)
-        if problems:
-            raise ValueError("attention_implementation='cudnn' (cuDNN fused attention) cannot "
-                             "run here: " + "; ".join(problems)
-                             + ". Use attention_implementation='xla' or 'auto'.")
-    model.config = config
+        implementation = "xla" if problems else "cudnn"
+    elif implementation == "cudnn" and problems:
+        raise ValueError("attention_implementation='cudnn' (cuDNN fused attention) cannot run "
+                         "here: " + "; ".join(problems)
+                         + ". Use attention_implementation='xla' or 'auto'.")
+    model.config = model.config.replace(attention_implementation=implementation)  # validates
     for layer in model.layers:
         layer.self_attn.implementation = implementation
     return implementation

@@ -475,8 +475,8 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
 
     Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
     is changed in place (and returned); any other pytree (an nnx.State, params) is returned
-    converted, its inputs untouched. Where there are no compiled kernels (platform other than "gpu") and interpret is
-    False, nothing changes and the XLA path runs.
+    converted, its inputs untouched. Where there are no compiled kernels (platform other than
+    "gpu") and interpret is False, nothing changes and the XLA path runs.
 
     Args:
       platform: default jax.default_backend().

@@ -148,13 +148,13 @@ def _head_vjp(function, hidden, weight, cotangent):
 def test_head_logits_float32_is_the_plain_dot_and_the_custom_vjp_agrees_with_autodiff():
     """float32: the plain dot and its autodiff, bit for bit (CPU runs keep their numbers); the
     narrow-dtype VJP run on float32 inputs (no rounding) agrees with autodiff to 1e-6."""
-    from qerl_jax.models.transformer import _head_logits_narrow
+    from qerl_jax.quant.linear_op import narrow_matmul
     hidden, weight, cotangent = _head_problem(jnp.float32)
     plain = lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32)  # noqa: E731
     reference = _head_vjp(plain, hidden, weight, cotangent)
     for ours, expected in zip(_head_vjp(head_logits, hidden, weight, cotangent), reference):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(expected))
-    for ours, expected in zip(_head_vjp(_head_logits_narrow, hidden, weight, cotangent),
+    for ours, expected in zip(_head_vjp(narrow_matmul, hidden, weight, cotangent),
                               reference):
         np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), rtol=1e-6,
                                    atol=1e-6)
