@@ -65,6 +65,10 @@ def parse_args(argv=None):
                         help="config.model.attention_implementation of the training attention "
                              "(auto, the default: cuDNN's fused flash attention on an NVIDIA "
                              "GPU, XLA's elsewhere); the table shows what it resolved to")
+    parser.add_argument("--offload-for-compile", default="auto", choices=("auto", "on", "off"),
+                        help="config.rollout.offload_weights_for_compile (auto, the default: on "
+                             "a GPU each sampler program compiles while the frozen weights are "
+                             "in host memory, out of the way of XLA's autotuner)")
     parser.add_argument("--trace-peaks", action="store_true",
                         help="wait for each of the trainer's jitted calls (rollout, gradient, "
                              "accumulation, update) and record the ones that raised the "
@@ -143,6 +147,7 @@ def worker_main(args) -> None:
             config.train.logits_chunk_size = args.logits_chunk
         row["logits_chunk"] = config.train.logits_chunk_size
         config.model.attention_implementation = args.attention
+        config.rollout.offload_weights_for_compile = args.offload_for_compile
         begin = time.perf_counter()
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
         row["trainer_init_s"] = time.perf_counter() - begin
@@ -198,6 +203,7 @@ def worker_main(args) -> None:
         row[f"{prefix}_train_s"] = metrics["time/train_s"]
         row[f"{prefix}_s"] = metrics["time/rollout_s"] + metrics["time/train_s"]
         row[f"{prefix}_tokens_per_s"] = metrics["rollout_tokens_per_s"]
+        row[f"{prefix}_sampler_compile_s"] = metrics["time/sampler_compile_s"]
         row["completion_length"] = metrics["completion_length"]
         row["loss"] = metrics["loss"]
         row["steps_done"] = step + 1
@@ -333,6 +339,7 @@ def parent_main(args) -> None:
                        *(["--compilation-cache", args.compilation_cache]
                          if args.compilation_cache else []),
                        "--attention", args.attention,
+                       "--offload-for-compile", args.offload_for_compile,
                        *(["--trace-peaks"] if args.trace_peaks else []),
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]

@@ -188,8 +188,57 @@ def generate(model: CausalLM, prompt_tokens, prompt_mask, key: jax.Array,
     return generate_from_states(graphdef, (state,), prompt_tokens, prompt_mask, key, config)
 
 
+def pad_prompts(prompt_tokens, prompt_mask, config: SamplingConfig):
+    """[P, T] left-padded prompts -> (tokens int32, mask bool), both [P, bucket_length(T)]:
+    more left padding up to the length bucket the sampler compiles for. Raises ValueError
+    naming both shapes unless they are equal and two-dimensional."""
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    prompt_mask = jnp.asarray(prompt_mask, jnp.bool_)
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask "
+                         f"{prompt_mask.shape} must both be [P, T]")
+    length = prompt_tokens.shape[1]
+    pad = bucket_length(length, config.prompt_bucket) - length
+    if pad:
+        prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (pad, 0)))
+        prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad, 0)))
+    return prompt_tokens, prompt_mask
+
+
+def padded_prompt_shape(prompt_shape: tuple[int, int], config: SamplingConfig) -> tuple[int, int]:
+    """The [P, T_bucket] shape pad_prompts gives [P, T] prompts: the key of a sampler program."""
+    count, length = prompt_shape
+    return count, bucket_length(length, config.prompt_bucket)
+
+
+def compile_generate(graphdef, abstract_states: tuple, prompt_shape: tuple[int, int],
+                     key, config: SamplingConfig) -> jax.stages.Compiled:
+    """Compiles the sampler program ahead of time from shapes only.
+
+    Args:
+      graphdef: as for generate_from_states (static).
+      abstract_states: the states' shapes and dtypes (e.g. jax.eval_shape of the states): no
+        weights need to be on the device while XLA compiles and autotunes.
+      prompt_shape: (P, T_bucket), already bucketed (padded_prompt_shape).
+      key: the PRNG key the program will get, or its jax.ShapeDtypeStruct.
+    Returns the executable for generate_from_states(..., compiled=); it raises TypeError when
+    called with other shapes or dtypes (no silent recompilation).
+    """
+    count, length = prompt_shape
+    if length != bucket_length(length, config.prompt_bucket):
+        raise ValueError(f"prompt_shape {prompt_shape}: length {length} is not a bucket of "
+                         f"prompt_bucket={config.prompt_bucket} (use padded_prompt_shape)")
+    tokens = jax.ShapeDtypeStruct((count, length), jnp.int32)
+    mask = jax.ShapeDtypeStruct((count, length), jnp.bool_)
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype)
+    return _generate_program.lower(graphdef, tuple(abstract_states), tokens, mask, key,
+                                   config=config,
+                                   cache_length=length + config.max_new_tokens).compile()
+
+
 def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, key: jax.Array,
-                         config: SamplingConfig) -> Rollout:
+                         config: SamplingConfig,
+                         compiled: jax.stages.Compiled | None = None) -> Rollout:
     """Samples config.num_generations completions for each left-padded prompt.
 
     Args:
@@ -198,20 +247,14 @@ def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, ke
         scales, updated LoRA) do not recompile.
       prompt_tokens: [P, T] int, left-padded. prompt_mask: [P, T], 1 for real tokens.
       key: PRNG key for the whole batch (fold_in by step).
+      compiled: compile_generate's executable for these shapes and this config (None: the
+        jitted program, compiled on first use of each shape).
     Returns:
       Rollout with B = P * G rows, row p*G + g = generation g of prompt p.
     """
-    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
-    prompt_mask = jnp.asarray(prompt_mask, jnp.bool_)
-    if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
-        raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask "
-                         f"{prompt_mask.shape} must both be [P, T]")
-    length = prompt_tokens.shape[1]
-    padded = bucket_length(length, config.prompt_bucket)
-    if padded > length:
-        pad = padded - length
-        prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (pad, 0)))
-        prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad, 0)))
-    total = padded + config.max_new_tokens
+    prompt_tokens, prompt_mask = pad_prompts(prompt_tokens, prompt_mask, config)
+    if compiled is not None:
+        return compiled(tuple(states), prompt_tokens, prompt_mask, key)
+    total = prompt_tokens.shape[1] + config.max_new_tokens
     return _generate_program(graphdef, tuple(states), prompt_tokens, prompt_mask, key,
                              config=config, cache_length=total)

@@ -33,6 +33,7 @@ from qerl_jax.compilation_cache import enable_compilation_cache
 from qerl_jax.config_defaults import validate_config
 from qerl_jax.data import PromptIterator, encode_prompts, load_examples
 from qerl_jax.data.prompts import build_prompt_text
+from qerl_jax.device_offload import offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
 from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, plot_curves, run_metadata
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
@@ -45,7 +46,8 @@ from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.rl.advantages import group_advantages
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
                                  policy_loss_terms)
-from qerl_jax.sampling import SamplingConfig, bucket_length, generate_from_states
+from qerl_jax.sampling import (SamplingConfig, bucket_length, compile_generate,
+                               generate_from_states, padded_prompt_shape)
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +218,11 @@ class Trainer:
             epsilon_high=config.loss.epsilon_high, beta=config.loss.beta,
             top_entropy_quantile=config.loss.top_entropy_quantile,
             max_completion_length=rollout.max_new_tokens)
+        offload = config.rollout.get("offload_weights_for_compile", "auto")
+        self.offload_weights_for_compile = (jax.default_backend() == "gpu" if offload == "auto"
+                                            else offload == "on")
+        self._sampler_programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._sampler_compile_seconds = 0.0
         self.aqn_schedule = AQNSchedule(
             total_steps=config.train.total_steps, sigma_start=config.aqn.sigma_start,
             sigma_end=config.aqn.sigma_end, stages=config.aqn.stages,
@@ -292,6 +299,29 @@ class Trainer:
             frozen = aqn_noisy_state(frozen, self.aqn_key, self.step, self.aqn_schedule)
         return trainable, frozen
 
+    def _sampler_program(self, prompt_shape: tuple[int, int], key):
+        """With rollout.offload_weights_for_compile: the sampler's executable for [P, T] prompts,
+        compiled on first use of their length bucket while the frozen weights are held in host
+        memory (qerl_jax.device_offload). Otherwise None: generate_from_states' jitted program,
+        which compiles with the weights on the device. Same program, same numbers."""
+        if not self.offload_weights_for_compile:
+            return None
+        shape = padded_prompt_shape(prompt_shape, self.sampling)
+        if shape not in self._sampler_programs:
+            started = time.perf_counter()
+            abstract_states = jax.eval_shape(self._rollout_states)
+            host = offload_to_host(self.frozen)
+            try:
+                self._sampler_programs[shape] = compile_generate(
+                    self.graphdef, abstract_states, shape, key, self.sampling)
+            finally:
+                self.frozen = restore_to_device(host)
+            seconds = time.perf_counter() - started
+            self._sampler_compile_seconds += seconds
+            logger.info("sampler program for prompts %s compiled in %.1f s with %.2f GiB of "
+                        "frozen weights in host memory", shape, seconds, host.nbytes / 2**30)
+        return self._sampler_programs[shape]
+
     def _decode(self, tokens: np.ndarray, length: int) -> str:
         return decode_completion(self.tokenizer, tokens[:length].tolist())
 
@@ -302,8 +332,9 @@ class Trainer:
                  for example in examples]
         prompts = encode_prompts(self.tokenizer, texts, self.config.data.max_prompt_length)
         key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, self.step), attempt)
+        compiled = self._sampler_program(prompts.tokens.shape, key)
         rollout = generate_from_states(self.graphdef, self._rollout_states(), prompts.tokens,
-                                       prompts.mask, key, self.sampling)
+                                       prompts.mask, key, self.sampling, compiled=compiled)
         rollout = jax.device_get(rollout)
         group = self.sampling.num_generations
         completions = [self._decode(rollout.tokens[row], int(rollout.lengths[row]))
@@ -393,6 +424,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         config = self.config
+        self._sampler_compile_seconds = 0.0
         (batch, rewards, completion_mask, truncated), generated, rollout_seconds, dropped = (
             self._collect_rollouts())
         started = time.perf_counter()
@@ -463,6 +495,7 @@ class Trainer:
             "skipped_updates": self.skipped_updates,
             "time/rollout_s": rollout_seconds,
             "time/train_s": train_seconds,
+            "time/sampler_compile_s": self._sampler_compile_seconds,   # part of rollout_s
             "rollout_tokens_per_s": generated / max(rollout_seconds, 1e-9),
             "peak_memory_bytes": peak_memory_bytes(),
         }

@@ -38,7 +38,7 @@ def test_rollout_and_e2e_smoke(tmp_path):
     rollout = _start("rollout.py", rollout_out, "--formats", "nvfp4", "--batches", "2,3",
                      "--kernels-interpret")
     e2e = _start("e2e_step.py", e2e_out, "--formats", "nvfp4", "--compilation-cache",
-                 str(tmp_path / "xla_cache"), "--trace-peaks")
+                 str(tmp_path / "xla_cache"), "--trace-peaks", "--offload-for-compile", "on")
     rollout_text, e2e_text = _finish(rollout), _finish(e2e)
 
     with open(rollout_out / "rollout_tiny.json") as handle:
@@ -62,6 +62,8 @@ def test_rollout_and_e2e_smoke(tmp_path):
     assert row["peak_after_rollout0_GiB"] > 0
     assert row["compilation_cache"] == "cold"  # the flag reached the trainer's config
     assert row["attention"] == "xla"           # 'auto' on a CPU
+    assert row["step0_sampler_compile_s"] > 0  # --offload-for-compile on: compiled ahead
+    assert row["step_sampler_compile_s"] == 0  # once
     # --trace-peaks ran: the CPU allocator reports no peak (an empty trace); the device arrays
     # outside the trainer's state are listed
     assert row["peak_trace"] == [] and isinstance(row["unowned_live_arrays"], list)

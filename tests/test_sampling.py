@@ -132,3 +132,34 @@ def test_bad_config_is_named():
         SamplingConfig(top_p=1.5)
     with pytest.raises(ValueError, match="temperature=0"):
         SamplingConfig(temperature=0)
+
+
+def test_ahead_of_time_program_from_shapes_equals_the_jitted_one(tiny):
+    """compile_generate compiles from shapes only (nothing of the model needs to be on the
+    device): its executable gives the jitted program's tokens and log-probs exactly, refuses
+    other shapes with a TypeError instead of recompiling, and takes only bucket lengths."""
+    from flax import nnx
+
+    from qerl_jax.sampling import compile_generate, generate_from_states, padded_prompt_shape
+    _, ours = tiny
+    tokens, mask = _prompts(np.random.default_rng(4), [6, 3], 6)
+    config = SamplingConfig(max_new_tokens=9, num_generations=3, prompt_bucket=8)
+    graphdef, state = nnx.split(ours)
+    key = jax.random.fold_in(jax.random.key(3), 1)
+    shape = padded_prompt_shape(tokens.shape, config)
+    assert shape == (2, 8)
+    compiled = compile_generate(graphdef, jax.eval_shape(lambda: (state,)), shape,
+                                jax.ShapeDtypeStruct(key.shape, key.dtype), config)
+    ahead = generate_from_states(graphdef, (state,), tokens, mask, key, config,
+                                 compiled=compiled)
+    jitted = generate_from_states(graphdef, (state,), tokens, mask, key, config)
+    for name in ("tokens", "logprobs", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(ahead, name)),
+                                      np.asarray(getattr(jitted, name)))
+    longer, longer_mask = _prompts(np.random.default_rng(5), [10, 3], 10)
+    with pytest.raises(TypeError):
+        generate_from_states(graphdef, (state,), longer, longer_mask, key, config,
+                             compiled=compiled)
+    with pytest.raises(ValueError, match="not a bucket"):
+        compile_generate(graphdef, (state,), (2, 6), key, config)
+

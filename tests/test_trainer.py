@@ -12,7 +12,8 @@ from qerl_jax.config_defaults import validate_config
 from qerl_jax.metrics import read_metrics
 from qerl_jax.trainer import NonFiniteError, Trainer
 
-TIMING_KEYS = ("time/rollout_s", "time/train_s", "rollout_tokens_per_s", "peak_memory_bytes")
+TIMING_KEYS = ("time/rollout_s", "time/train_s", "time/sampler_compile_s", "rollout_tokens_per_s",
+               "peak_memory_bytes")
 
 
 def _config(**train_overrides):
@@ -266,3 +267,36 @@ def test_attention_implementation_reaches_the_model(tmp_path, warm_cache):
     config.model.attention_implementation = "cudnn"
     with pytest.raises(ValueError, match="attention_implementation='cudnn'.*backend is 'cpu'"):
         Trainer(config, _workdir(tmp_path, "cudnn", warm_cache)).model()
+
+
+def test_sampler_compiled_with_weights_offloaded_gives_the_same_run(tmp_path, warm_cache):
+    """rollout.offload_weights_for_compile='on' (the GPU's 'auto'; forced here on the CPU): each
+    prompt bucket's sampler program is compiled ahead of time while the frozen weights wait in
+    host memory, the jitted program is never compiled, the weights come back bit for bit, and
+    the run logs the same metrics as one that compiles with the weights on the device."""
+    from qerl_jax import sampling
+    config = _config(total_steps=2)
+    config.rollout.offload_weights_for_compile = "off"
+    plain_dir = _workdir(tmp_path, "plain", warm_cache)
+    plain = Trainer(config, plain_dir)
+    assert not plain.offload_weights_for_compile
+    plain.train()
+    assert not Trainer(_config(), _workdir(tmp_path, "auto", warm_cache)
+                       ).offload_weights_for_compile   # 'auto' on a CPU
+    config.rollout.offload_weights_for_compile = "on"
+    offload_dir = _workdir(tmp_path, "offload", warm_cache)
+    trainer = Trainer(config, offload_dir)
+    frozen_before = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(trainer.frozen)]
+    jit_programs = sampling._generate_program._cache_size()
+    trainer.train()
+    assert sampling._generate_program._cache_size() == jit_programs
+    assert len(trainer._sampler_programs) >= 1
+    for before, after in zip(frozen_before, jax.tree_util.tree_leaves(trainer.frozen)):
+        assert before.dtype == after.dtype
+        np.testing.assert_array_equal(before, np.asarray(after))
+    offloaded = read_metrics(offload_dir)
+    assert offloaded[0]["time/sampler_compile_s"] > 0
+    assert _comparable(offloaded) == _comparable(read_metrics(plain_dir))
+    config.rollout.offload_weights_for_compile = "yes"
+    with pytest.raises(ValueError, match="config.rollout.offload_weights_for_compile"):
+        validate_config(config)
