@@ -21,11 +21,14 @@ class HostCopy:
 
     treedef: the tree's structure. leaves: numpy arrays for the offloaded arrays, the original
     leaf otherwise. shardings: each offloaded leaf's sharding (None where the leaf was kept).
+    committed: whether each offloaded array was committed to its device (jit caches its programs
+    per committed / uncommitted argument: a changed flag would compile them again).
     """
 
     treedef: Any
     leaves: list
     shardings: list
+    committed: list
     nbytes: int
 
 
@@ -44,27 +47,39 @@ def offload_to_host(tree) -> HostCopy:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     arrays = [leaf for leaf in leaves if _offloadable(leaf)]
     host = iter(jax.device_get(arrays))   # all copies started before any is waited for
-    copied, shardings, nbytes = [], [], 0
+    copied, shardings, committed, nbytes = [], [], [], 0
     for leaf in leaves:
         if _offloadable(leaf):
             copied.append(next(host))
             shardings.append(leaf.sharding)
+            committed.append(leaf.committed)
             nbytes += leaf.nbytes
         else:
             copied.append(leaf)
             shardings.append(None)
+            committed.append(None)
     for array in arrays:
         array.delete()
-    return HostCopy(treedef=treedef, leaves=copied, shardings=shardings, nbytes=nbytes)
+    return HostCopy(treedef=treedef, leaves=copied, shardings=shardings, committed=committed,
+                    nbytes=nbytes)
 
 
 def restore_to_device(copy: HostCopy):
-    """The tree offload_to_host copied, each array back on its original sharding (bitwise the
-    same values, dtypes and shapes)."""
-    indices = [i for i, sharding in enumerate(copy.shardings) if sharding is not None]
-    placed = jax.device_put([copy.leaves[i] for i in indices],
-                            [copy.shardings[i] for i in indices])
+    """The tree offload_to_host copied, each array back where it was: same sharding, same
+    committed flag, bitwise the same values, dtypes and shapes."""
+    default = jax.device_put(0).sharding   # where uncommitted arrays are made
+    to_sharding, to_default = [], []
+    for index, (sharding, committed) in enumerate(zip(copy.shardings, copy.committed)):
+        if sharding is None:
+            continue
+        if committed or not sharding.is_equivalent_to(default, 1):
+            to_sharding.append(index)
+        else:
+            to_default.append(index)
     leaves = list(copy.leaves)
-    for index, array in zip(indices, placed):
+    placed = (jax.device_put([leaves[i] for i in to_sharding],
+                             [copy.shardings[i] for i in to_sharding])
+              + jax.device_put([leaves[i] for i in to_default]))
+    for index, array in zip(to_sharding + to_default, placed):
         leaves[index] = array
     return jax.tree_util.tree_unflatten(copy.treedef, leaves)

@@ -273,7 +273,8 @@ def test_sampler_compiled_with_weights_offloaded_gives_the_same_run(tmp_path, wa
     """rollout.offload_weights_for_compile='on' (the GPU's 'auto'; forced here on the CPU): each
     prompt bucket's sampler program is compiled ahead of time while the frozen weights wait in
     host memory, the jitted program is never compiled, the weights come back bit for bit, and
-    the run logs the same metrics as one that compiles with the weights on the device."""
+    the run logs the same metrics as one that compiles with the weights on the device, with no
+    training program compiled twice."""
     from qerl_jax import sampling
     config = _config(total_steps=2)
     config.rollout.offload_weights_for_compile = "off"
@@ -290,6 +291,8 @@ def test_sampler_compiled_with_weights_offloaded_gives_the_same_run(tmp_path, wa
     jit_programs = sampling._generate_program._cache_size()
     trainer.train()
     assert sampling._generate_program._cache_size() == jit_programs
+    # the weights came back as they were (committed or not): step 1 reuses step 0's programs
+    assert trainer._grad_fn._cache_size() == plain._grad_fn._cache_size() == 1
     assert len(trainer._sampler_programs) >= 1
     for before, after in zip(frozen_before, jax.tree_util.tree_leaves(trainer.frozen)):
         assert before.dtype == after.dtype
