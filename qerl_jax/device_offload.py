@@ -5,6 +5,14 @@ while it compiles a program: at Qwen2.5-7B, +3.1 GiB over what is in use while t
 compiles, the largest transient of a cold run (benchmarks/RESULTS.md, sessions 4 and 8). The
 frozen base weights are most of what is in use; copied to host memory for the compile, they no
 longer add to it.
+
+Two ways to hold them:
+  - "pinned_host": JAX arrays in the device's pinned host memory (jax.memory.Space.Host), copied
+    by DMA both ways. Only for committed arrays: an array put back from there is committed, and
+    jit caches its programs per committed / uncommitted argument.
+  - "numpy": host numpy arrays (pageable memory); an uncommitted array comes back uncommitted.
+offload_to_host picks pinned_host for committed arrays where the device has that memory, numpy
+otherwise.
 """
 
 from __future__ import annotations
@@ -14,15 +22,18 @@ from typing import Any
 
 import jax
 
+METHODS = ("auto", "pinned_host", "numpy")
+
 
 @dataclasses.dataclass
 class HostCopy:
     """A pytree with its device arrays in host memory (offload_to_host's result).
 
-    treedef: the tree's structure. leaves: numpy arrays for the offloaded arrays, the original
-    leaf otherwise. shardings: each offloaded leaf's sharding (None where the leaf was kept).
-    committed: whether each offloaded array was committed to its device (jit caches its programs
-    per committed / uncommitted argument: a changed flag would compile them again).
+    treedef: the tree's structure. leaves: the host copies (pinned-host JAX arrays or numpy
+    arrays) of the offloaded arrays, the original leaf otherwise. shardings: each offloaded
+    leaf's device sharding (None where the leaf was kept). committed: whether each offloaded
+    array was committed to its device. nbytes: bytes offloaded. pinned: how many of the
+    offloaded arrays are in pinned host memory (the rest are numpy).
     """
 
     treedef: Any
@@ -30,6 +41,7 @@ class HostCopy:
     shardings: list
     committed: list
     nbytes: int
+    pinned: int
 
 
 def _offloadable(leaf) -> bool:
@@ -37,31 +49,61 @@ def _offloadable(leaf) -> bool:
             and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
 
-def offload_to_host(tree) -> HostCopy:
+def _has_pinned_host(array: jax.Array) -> bool:
+    return all("pinned_host" in {memory.kind for memory in device.addressable_memories()}
+               for device in array.sharding.device_set)
+
+
+def commit_to_devices(tree):
+    """`tree` with every array committed to the device(s) it is on. The new arrays share the
+    old ones' buffers (no copy). jit compiles a program per committed / uncommitted argument, so
+    state that is committed from the start keeps one program per shape when arrays come back
+    from pinned host memory (committed) or out of jitted programs."""
+    def commit(leaf):
+        if isinstance(leaf, jax.Array) and not leaf.committed:
+            return jax.device_put(leaf, leaf.sharding)
+        return leaf
+    return jax.tree_util.tree_map(commit, tree)
+
+
+def offload_to_host(tree, method: str = "auto") -> HostCopy:
     """Copies every device array of `tree` to host memory and frees its device buffer.
 
+    method: "auto" (pinned host memory for committed arrays where the device has it, numpy
+    otherwise), "pinned_host" (committed arrays only; ValueError otherwise) or "numpy".
     The arrays are deleted: every other reference to them is invalid afterwards (using one
     raises "Array has been deleted"), so pass a tree that nothing else uses meanwhile. PRNG key
     arrays and non-array leaves are kept as they are.
     """
+    if method not in METHODS:
+        raise ValueError(f"offload method {method!r} not in {METHODS}")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    arrays = [leaf for leaf in leaves if _offloadable(leaf)]
-    host = iter(jax.device_get(arrays))   # all copies started before any is waited for
-    copied, shardings, committed, nbytes = [], [], [], 0
-    for leaf in leaves:
-        if _offloadable(leaf):
-            copied.append(next(host))
-            shardings.append(leaf.sharding)
-            committed.append(leaf.committed)
-            nbytes += leaf.nbytes
+    indices = [i for i, leaf in enumerate(leaves) if _offloadable(leaf)]
+    pinned, pageable = [], []
+    for index in indices:
+        array = leaves[index]
+        if method == "numpy" or (method == "auto" and not (array.committed
+                                                           and _has_pinned_host(array))):
+            pageable.append(index)
+        elif not array.committed:
+            raise ValueError(f"offload method 'pinned_host' needs committed arrays; leaf "
+                             f"{index} ({array.dtype}{list(array.shape)}) is not committed")
         else:
-            copied.append(leaf)
-            shardings.append(None)
-            committed.append(None)
-    for array in arrays:
-        array.delete()
+            pinned.append(index)
+    copies = dict(zip(pinned, jax.device_put([leaves[i] for i in pinned],
+                                             jax.memory.Space.Host)))
+    copies.update(zip(pageable, jax.device_get([leaves[i] for i in pageable])))
+    jax.block_until_ready([copies[i] for i in pinned])
+    copied, shardings, committed = list(leaves), [None] * len(leaves), [None] * len(leaves)
+    for index in indices:
+        copied[index] = copies[index]
+        shardings[index] = leaves[index].sharding
+        committed[index] = leaves[index].committed
+    nbytes = sum(leaves[i].nbytes for i in indices)
+    for index in indices:
+        leaves[index].delete()
     return HostCopy(treedef=treedef, leaves=copied, shardings=shardings, committed=committed,
-                    nbytes=nbytes)
+                    nbytes=nbytes, pinned=len(pinned))
 
 
 def restore_to_device(copy: HostCopy):

@@ -33,7 +33,7 @@ from qerl_jax.compilation_cache import enable_compilation_cache
 from qerl_jax.config_defaults import validate_config
 from qerl_jax.data import PromptIterator, encode_prompts, load_examples
 from qerl_jax.data.prompts import build_prompt_text
-from qerl_jax.device_offload import offload_to_host, restore_to_device
+from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
 from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, plot_curves, run_metadata
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
@@ -189,13 +189,14 @@ class Trainer:
                                       train_norms=config.lora.train_norms)
         add_lora(model, self.lora_config, self.lora_key)
         self.model_config = model.config
-        self.graphdef, self.trainable, self.frozen = nnx.split(model, TRAINABLE, ...)
+        self.graphdef, self.trainable, self.frozen = commit_to_devices(
+            nnx.split(model, TRAINABLE, ...))
         # LoRA B = 0 and the original norm scales: the reference (LoRA-disabled) policy, kept
         # only when the KL term needs it (a copy of every adapter: 0.3 GiB at 7B, rank 32).
         self.reference_trainable = (jax.tree_util.tree_map(jnp.copy, self.trainable)
                                     if config.loss.beta != 0.0 else None)
         self.optimizer, self.lr_schedule = make_optimizer(config.train)
-        self.opt_state = self.optimizer.init(self.trainable)
+        self.opt_state = commit_to_devices(self.optimizer.init(self.trainable))
 
         data = config.data
         examples = load_examples(data.task, data.path, split=data.split,
@@ -447,7 +448,9 @@ class Trainer:
                  "entropy_sum": 0.0}
         grad_norm, updated = float("nan"), True
         for iteration in range(config.train.num_iterations):
-            grads = self._zero_grads(self.trainable)
+            # committed like the sums _grad_fn returns (a program that reads no input returns
+            # uncommitted arrays): one gradient program, not one per flag
+            grads = commit_to_devices(self._zero_grads(self.trainable))
             for micro in self._micro_batches(batch):
                 (loss, (terms, entropy_sum)), grads = self._grad_fn(
                     self.trainable, frozen, micro, global_tokens, global_sequences, grads)
@@ -521,7 +524,8 @@ class Trainer:
         arrays, meta = self.checkpoints.restore(self._state_arrays())
         if meta["seed"] != self.config.seed:
             raise ValueError(f"checkpoint seed {meta['seed']} != config.seed {self.config.seed}")
-        self.trainable, self.opt_state = arrays["trainable"], arrays["opt_state"]
+        self.trainable, self.opt_state = commit_to_devices(
+            (arrays["trainable"], arrays["opt_state"]))
         self.step = meta["step"]
         self.iterator.epoch, self.iterator.index = meta["data_position"]
         self.skipped_updates = meta["skipped_updates"]

@@ -3,38 +3,65 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from qerl_jax.device_offload import offload_to_host, restore_to_device
+from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
 
 
-def test_offload_to_host_and_back_is_bitwise_and_frees_the_device_arrays():
-    """device_offload: every array (bf16, float8, uint8, float32, int32) comes back with the same
-    bits, shape, dtype, sharding and committed flag; the device arrays are deleted meanwhile;
-    PRNG keys and non-array leaves are kept as they are."""
+def _tree():
     rng = np.random.default_rng(0)
-    tree = {"w": jnp.asarray(rng.normal(size=(4, 6)), jnp.bfloat16),
+    return {"w": jnp.asarray(rng.normal(size=(4, 6)), jnp.bfloat16),
             "scales": jnp.asarray(rng.normal(size=(3,)), jnp.float8_e4m3fn),
             "codes": jnp.asarray(rng.integers(0, 256, (5, 2)), jnp.uint8),
             "norm": [jnp.asarray(rng.normal(size=(7,)), jnp.float32)],
             "placed": jax.device_put(np.arange(4, dtype=np.int32), jax.devices()[0]),
             "key": jax.random.key(1), "step": 3}
-    expected = {name: np.asarray(value) for name, value in
-                [("w", tree["w"]), ("scales", tree["scales"]), ("codes", tree["codes"]),
-                 ("norm", tree["norm"][0])]}
-    originals = [tree["w"], tree["scales"], tree["codes"], tree["norm"][0], tree["placed"]]
-    assert tree["placed"].committed and not tree["w"].committed
-    host = offload_to_host(tree)
+
+
+@pytest.mark.parametrize("method, committed_first", [("auto", False), ("numpy", False),
+                                                     ("auto", True), ("pinned_host", True)])
+def test_offload_to_host_and_back_is_bitwise_and_frees_the_device_arrays(method,
+                                                                         committed_first):
+    """Every array (bf16, float8, uint8, float32, int32) comes back with the same bits, shape,
+    dtype, sharding and committed flag, through numpy or pinned host memory; the device arrays
+    are deleted meanwhile; PRNG keys and non-array leaves are kept as they are. 'auto' uses
+    pinned host memory for the committed arrays (this CPU has one) and numpy for the others."""
+    tree = _tree()
+    if committed_first:
+        tree = commit_to_devices(tree)
+    arrays = ("w", "scales", "codes", "placed")
+    expected = {name: np.asarray(tree[name]) for name in arrays}
+    expected["norm"] = np.asarray(tree["norm"][0])
+    flags = {name: tree[name].committed for name in arrays}
+    assert flags["placed"] and flags["w"] == committed_first
+    originals = [tree[name] for name in arrays] + [tree["norm"][0]]
+    host = offload_to_host(tree, method=method)
     assert host.nbytes == sum(array.nbytes for array in originals)
+    assert host.pinned == {"numpy": 0, "pinned_host": 5, "auto": 5 if committed_first else 1
+                           }[method]
     assert all(array.is_deleted() for array in originals)
     assert not tree["key"].is_deleted()
     restored = restore_to_device(host)
     assert restored["key"] is tree["key"] and restored["step"] == 3
-    for name in ("w", "scales", "codes"):
+    for name in arrays:
         assert restored[name].dtype == expected[name].dtype
         assert restored[name].sharding == originals[0].sharding
+        # jit caches programs per committed flag: a change would compile them again
+        assert restored[name].committed == flags[name]
         np.testing.assert_array_equal(np.asarray(restored[name]).view(np.uint8),
                                       expected[name].view(np.uint8))
     np.testing.assert_array_equal(np.asarray(restored["norm"][0]), expected["norm"])
-    # the committed flag is kept: jit caches programs per flag (a change would recompile)
-    assert restored["placed"].committed and not restored["w"].committed
-    np.testing.assert_array_equal(np.asarray(restored["placed"]), np.arange(4))
+
+
+def test_pinned_host_needs_committed_arrays_and_methods_are_checked():
+    with pytest.raises(ValueError, match="needs committed arrays; leaf 0"):
+        offload_to_host([jnp.ones(3)], method="pinned_host")
+    with pytest.raises(ValueError, match="offload method 'disk'"):
+        offload_to_host([jnp.ones(3)], method="disk")
+
+
+def test_commit_to_devices_shares_the_buffers():
+    array = jnp.arange(6.0)
+    (committed,) = commit_to_devices([array])
+    assert committed.committed and not array.committed
+    assert committed.unsafe_buffer_pointer() == array.unsafe_buffer_pointer()

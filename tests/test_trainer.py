@@ -293,6 +293,7 @@ def test_sampler_compiled_with_weights_offloaded_gives_the_same_run(tmp_path, wa
     assert sampling._generate_program._cache_size() == jit_programs
     # the weights came back as they were (committed or not): step 1 reuses step 0's programs
     assert trainer._grad_fn._cache_size() == plain._grad_fn._cache_size() == 1
+    assert trainer._apply_update._cache_size() == plain._apply_update._cache_size() == 1
     assert len(trainer._sampler_programs) >= 1
     for before, after in zip(frozen_before, jax.tree_util.tree_leaves(trainer.frozen)):
         assert before.dtype == after.dtype
