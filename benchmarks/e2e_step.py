@@ -69,6 +69,9 @@ def parse_args(argv=None):
                         help="config.rollout.offload_weights_for_compile (auto, the default: on "
                              "a GPU each sampler program compiles while the frozen weights are "
                              "in host memory, out of the way of XLA's autotuner)")
+    parser.add_argument("--offload-method", default="auto",
+                        choices=("auto", "pinned_host", "numpy"),
+                        help="config.rollout.offload_method: where the weights wait meanwhile")
     parser.add_argument("--trace-peaks", action="store_true",
                         help="wait for each of the trainer's jitted calls (rollout, gradient, "
                              "accumulation, update) and record the ones that raised the "
@@ -148,9 +151,12 @@ def worker_main(args) -> None:
         row["logits_chunk"] = config.train.logits_chunk_size
         config.model.attention_implementation = args.attention
         config.rollout.offload_weights_for_compile = args.offload_for_compile
+        config.rollout.offload_method = args.offload_method
         begin = time.perf_counter()
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
         row["trainer_init_s"] = time.perf_counter() - begin
+        row["offload_for_compile"] = (args.offload_method if trainer.offload_weights_for_compile
+                                      else "off")
         if "build_model_s" not in row:
             raise RuntimeError("Trainer no longer calls qerl_jax.trainer.build_model: the "
                                "benchmark's model building (and kernel hook) did not run")
@@ -340,6 +346,7 @@ def parent_main(args) -> None:
                          if args.compilation_cache else []),
                        "--attention", args.attention,
                        "--offload-for-compile", args.offload_for_compile,
+                       "--offload-method", args.offload_method,
                        *(["--trace-peaks"] if args.trace_peaks else []),
                        "--results", results, "--deadline", str(budget.deadline),
                        "--spawned-at", str(time.time())]

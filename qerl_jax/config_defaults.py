@@ -8,6 +8,7 @@ import ml_collections
 
 from qerl_jax.aqn import SCHEDULES
 from qerl_jax.data.sources import TASKS
+from qerl_jax.device_offload import METHODS as OFFLOAD_METHODS
 from qerl_jax.lora import ALL_PROJECTIONS
 from qerl_jax.models.config import PRESETS
 from qerl_jax.rewards import REWARD_FUNCTIONS
@@ -45,9 +46,10 @@ def base_config() -> ml_collections.ConfigDict:
     # offload_weights_for_compile: each new sampler program (one per prompt-length bucket) is
     # compiled while the frozen weights wait in host memory, so XLA's GPU autotuner's scratch
     # buffers (+3.1 GiB at 7B) do not add to them. 'auto' (on a GPU, off elsewhere), 'on', 'off'.
+    # offload_method: where they wait (qerl_jax.device_offload): 'auto', 'pinned_host', 'numpy'.
     config.rollout = ml_collections.ConfigDict(dict(
         num_generations=8, max_new_tokens=2048, temperature=1.0, top_p=1.0, top_k=0,
-        prompt_bucket=64, offload_weights_for_compile="auto"))
+        prompt_bucket=64, offload_weights_for_compile="auto", offload_method="auto"))
     config.train = ml_collections.ConfigDict(dict(
         total_steps=100, prompts_per_step=16, micro_batch_size=8, num_iterations=1,
         learning_rate=1e-5, warmup_ratio=0.1, weight_decay=0.1, adam_b1=0.9, adam_b2=0.99,
@@ -156,6 +158,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     offload = config.rollout.get("offload_weights_for_compile", "auto")
     _check(offload in ("auto", "on", "off"), "rollout.offload_weights_for_compile",
            f"{offload!r} not in ('auto', 'on', 'off')")
+    method = config.rollout.get("offload_method", "auto")
+    _check(method in OFFLOAD_METHODS, "rollout.offload_method",
+           f"{method!r} not in {OFFLOAD_METHODS}")
     train = config.train
     _check(train.total_steps > 0, "train.total_steps", "must be positive")
     _check(train.prompts_per_step > 0, "train.prompts_per_step", "must be positive")

@@ -311,7 +311,8 @@ class Trainer:
         if shape not in self._sampler_programs:
             started = time.perf_counter()
             abstract_states = jax.eval_shape(self._rollout_states)
-            host = offload_to_host(self.frozen)
+            host = offload_to_host(self.frozen,
+                                   self.config.rollout.get("offload_method", "auto"))
             try:
                 self._sampler_programs[shape] = compile_generate(
                     self.graphdef, abstract_states, shape, key, self.sampling)

@@ -64,6 +64,7 @@ def test_rollout_and_e2e_smoke(tmp_path):
     assert row["attention"] == "xla"           # 'auto' on a CPU
     assert row["step0_sampler_compile_s"] > 0  # --offload-for-compile on: compiled ahead
     assert row["step_sampler_compile_s"] == 0  # once
+    assert row["offload_for_compile"] == "auto"
     # --trace-peaks ran: the CPU allocator reports no peak (an empty trace); the device arrays
     # outside the trainer's state are listed
     assert row["peak_trace"] == [] and isinstance(row["unowned_live_arrays"], list)

@@ -304,3 +304,7 @@ def test_sampler_compiled_with_weights_offloaded_gives_the_same_run(tmp_path, wa
     config.rollout.offload_weights_for_compile = "yes"
     with pytest.raises(ValueError, match="config.rollout.offload_weights_for_compile"):
         validate_config(config)
+    config.rollout.offload_weights_for_compile = "on"
+    config.rollout.offload_method = "disk"
+    with pytest.raises(ValueError, match="config.rollout.offload_method"):
+        validate_config(config)
