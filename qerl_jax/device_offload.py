@@ -18,6 +18,7 @@ otherwise.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -122,6 +123,11 @@ def restore_to_device(copy: HostCopy):
     placed = (jax.device_put([leaves[i] for i in to_sharding],
                              [copy.shardings[i] for i in to_sharding])
               + jax.device_put([leaves[i] for i in to_default]))
+    recopy = os.environ.get("QERL_OFFLOAD_DEVICE_COPY", "") == "1"   # experiment (session 9)
     for index, array in zip(to_sharding + to_default, placed):
+        if recopy:
+            fresh = jax.device_put(array, copy.shardings[index], may_alias=False)
+            array.delete()
+            array = fresh
         leaves[index] = array
     return jax.tree_util.tree_unflatten(copy.treedef, leaves)
