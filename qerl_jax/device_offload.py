@@ -125,7 +125,7 @@ def restore_to_device(copy: HostCopy):
               + jax.device_put([leaves[i] for i in to_default]))
     recopy = os.environ.get("QERL_OFFLOAD_DEVICE_COPY", "") == "1"   # experiment (session 9)
     for index, array in zip(to_sharding + to_default, placed):
-        if recopy:
+        if recopy and copy.committed[index]:
             fresh = jax.device_put(array, copy.shardings[index], may_alias=False)
             array.delete()
             array = fresh
