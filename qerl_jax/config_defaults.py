@@ -46,7 +46,7 @@ def base_config() -> ml_collections.ConfigDict:
     # offload_weights_for_compile: each new sampler program (one per prompt-length bucket) is
     # compiled while the frozen weights wait in host memory, so XLA's GPU autotuner's scratch
     # buffers (+3.1 GiB at 7B) do not add to them. 'auto' (on a GPU, off elsewhere), 'on', 'off'.
-    # offload_method: where they wait (qerl_jax.device_offload): 'auto', 'pinned_host', 'numpy'.
+    # offload_method: where they wait (qerl_jax.device_offload): 'auto' = 'numpy', 'pinned_host'.
     config.rollout = ml_collections.ConfigDict(dict(
         num_generations=8, max_new_tokens=2048, temperature=1.0, top_p=1.0, top_k=0,
         prompt_bucket=64, offload_weights_for_compile="auto", offload_method="auto"))

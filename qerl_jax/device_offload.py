@@ -7,23 +7,24 @@ frozen base weights are most of what is in use; copied to host memory for the co
 longer add to it.
 
 Two ways to hold them:
+  - "numpy" (the default, "auto"): host numpy arrays in pageable memory; each array comes back
+    with its sharding and committed flag (jit caches its programs per committed / uncommitted
+    argument).
   - "pinned_host": JAX arrays in the device's pinned host memory (jax.memory.Space.Host), copied
-    by DMA both ways. Only for committed arrays: an array put back from there is committed, and
-    jit caches its programs per committed / uncommitted argument.
-  - "numpy": host numpy arrays (pageable memory); an uncommitted array comes back uncommitted.
-offload_to_host picks pinned_host for committed arrays where the device has that memory, numpy
-otherwise.
+    by DMA; committed arrays only (an array put back from there is committed). On the H100 its
+    transfers are ~4x faster for 14 GiB (4.8 vs 18.3 s there and back), but the 7B bf16 training
+    phase after it was 0.5 s slower (1.62-1.79 s in three runs, 1.07-1.24 s in three without
+    it; cause not found; benchmarks/RESULTS.md, session 9), so it is not the default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
 
-METHODS = ("auto", "pinned_host", "numpy")
+METHODS = ("auto", "numpy", "pinned_host")
 
 
 @dataclasses.dataclass
@@ -70,8 +71,8 @@ def commit_to_devices(tree):
 def offload_to_host(tree, method: str = "auto") -> HostCopy:
     """Copies every device array of `tree` to host memory and frees its device buffer.
 
-    method: "auto" (pinned host memory for committed arrays where the device has it, numpy
-    otherwise), "pinned_host" (committed arrays only; ValueError otherwise) or "numpy".
+    method: "numpy" (or "auto", the same) or "pinned_host" (committed arrays on a device with
+    pinned host memory; ValueError otherwise).
     The arrays are deleted: every other reference to them is invalid afterwards (using one
     raises "Array has been deleted"), so pass a tree that nothing else uses meanwhile. PRNG key
     arrays and non-array leaves are kept as they are.
@@ -83,12 +84,14 @@ def offload_to_host(tree, method: str = "auto") -> HostCopy:
     pinned, pageable = [], []
     for index in indices:
         array = leaves[index]
-        if method == "numpy" or (method == "auto" and not (array.committed
-                                                           and _has_pinned_host(array))):
+        if method in ("auto", "numpy"):
             pageable.append(index)
         elif not array.committed:
             raise ValueError(f"offload method 'pinned_host' needs committed arrays; leaf "
                              f"{index} ({array.dtype}{list(array.shape)}) is not committed")
+        elif not _has_pinned_host(array):
+            raise ValueError(f"offload method 'pinned_host': the device of leaf {index} has no "
+                             f"pinned host memory")
         else:
             pinned.append(index)
     copies = dict(zip(pinned, jax.device_put([leaves[i] for i in pinned],
@@ -123,11 +126,6 @@ def restore_to_device(copy: HostCopy):
     placed = (jax.device_put([leaves[i] for i in to_sharding],
                              [copy.shardings[i] for i in to_sharding])
               + jax.device_put([leaves[i] for i in to_default]))
-    recopy = os.environ.get("QERL_OFFLOAD_DEVICE_COPY", "") == "1"   # experiment (session 9)
     for index, array in zip(to_sharding + to_default, placed):
-        if recopy and copy.committed[index]:
-            fresh = jax.device_put(array, copy.shardings[index], may_alias=False)
-            array.delete()
-            array = fresh
         leaves[index] = array
     return jax.tree_util.tree_unflatten(copy.treedef, leaves)
