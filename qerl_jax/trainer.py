@@ -189,6 +189,8 @@ class Trainer:
                                       train_norms=config.lora.train_norms)
         add_lora(model, self.lora_config, self.lora_key)
         self.model_config = model.config
+        # committed to the device from the start (same buffers): jit keys its programs on the
+        # committed flag, and arrays out of jitted programs or back from host memory carry it
         self.graphdef, self.trainable, self.frozen = commit_to_devices(
             nnx.split(model, TRAINABLE, ...))
         # LoRA B = 0 and the original norm scales: the reference (LoRA-disabled) policy, kept
