@@ -313,17 +313,25 @@ class Trainer:
         if shape not in self._sampler_programs:
             started = time.perf_counter()
             abstract_states = jax.eval_shape(self._rollout_states)
-            host = offload_to_host(self.frozen,
-                                   self.config.rollout.get("offload_method", "auto"))
+            try:   # the copies are made before any device buffer is freed
+                host = offload_to_host(self.frozen,
+                                       self.config.rollout.get("offload_method", "auto"))
+            except MemoryError:
+                host = None
+                logger.warning("not enough host memory to hold the frozen weights while the "
+                               "sampler compiles: compiling with them on the device (XLA's "
+                               "autotuner may raise the peak)")
             try:
                 self._sampler_programs[shape] = compile_generate(
                     self.graphdef, abstract_states, shape, key, self.sampling)
             finally:
-                self.frozen = restore_to_device(host)
+                if host is not None:
+                    self.frozen = restore_to_device(host)
             seconds = time.perf_counter() - started
             self._sampler_compile_seconds += seconds
             logger.info("sampler program for prompts %s compiled in %.1f s with %.2f GiB of "
-                        "frozen weights in host memory", shape, seconds, host.nbytes / 2**30)
+                        "frozen weights in host memory", shape, seconds,
+                        0.0 if host is None else host.nbytes / 2**30)
         return self._sampler_programs[shape]
 
     def _decode(self, tokens: np.ndarray, length: int) -> str:

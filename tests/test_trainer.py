@@ -308,3 +308,25 @@ def test_sampler_compiled_with_weights_offloaded_gives_the_same_run(tmp_path, wa
     config.rollout.offload_method = "disk"
     with pytest.raises(ValueError, match="config.rollout.offload_method"):
         validate_config(config)
+
+
+def test_sampler_compiles_in_place_when_host_memory_runs_out(tmp_path, warm_cache, monkeypatch,
+                                                            caplog):
+    """rollout.offload_weights_for_compile='on' with too little host memory for the weights:
+    the copy fails before any device buffer is freed, a warning says so, and the program is
+    compiled with the weights on the device; the weights and the step are unaffected."""
+    import qerl_jax.trainer as trainer_module
+
+    def no_host_memory(tree, method="auto"):
+        raise MemoryError("test: no host memory")
+
+    monkeypatch.setattr(trainer_module, "offload_to_host", no_host_memory)
+    config = _config(total_steps=1)
+    config.rollout.offload_weights_for_compile = "on"
+    trainer = Trainer(config, _workdir(tmp_path, "no_host_memory", warm_cache))
+    frozen = jax.tree_util.tree_leaves(trainer.frozen)
+    with caplog.at_level("WARNING", logger="qerl_jax.trainer"):
+        metrics = trainer.train_step()
+    assert "not enough host memory" in caplog.text
+    assert len(trainer._sampler_programs) == 1 and np.isfinite(metrics["loss"])
+    assert all(a is b for a, b in zip(frozen, jax.tree_util.tree_leaves(trainer.frozen)))
