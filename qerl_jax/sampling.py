@@ -198,7 +198,7 @@ def pad_prompts(prompt_tokens, prompt_mask, config: SamplingConfig):
         raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask "
                          f"{prompt_mask.shape} must both be [P, T]")
     length = prompt_tokens.shape[1]
-    pad = bucket_length(length, config.prompt_bucket) - length
+    pad = padded_prompt_shape(prompt_tokens.shape, config)[1] - length
     if pad:
         prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (pad, 0)))
         prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad, 0)))

@@ -279,7 +279,11 @@ class Trainer:
             return (loss, aux), jax.tree_util.tree_map(jnp.add, grad_sum, grads)
 
         self._grad_fn = jax.jit(accumulate_gradient, donate_argnums=(5,))
-        self._zero_grads = jax.jit(lambda t: jax.tree_util.tree_map(jnp.zeros_like, t))
+        # keep_unused: the (committed) input stays an argument, so the zeros come out committed
+        # like the sums _grad_fn returns (a program without inputs returns uncommitted arrays,
+        # and jit would compile _grad_fn once per committed flag)
+        self._zero_grads = jax.jit(lambda t: jax.tree_util.tree_map(jnp.zeros_like, t),
+                                   keep_unused=True)
 
         def apply_update(trainable, opt_state, grads):
             grad_norm = optax.tree.norm(grads)
@@ -459,9 +463,7 @@ class Trainer:
                  "entropy_sum": 0.0}
         grad_norm, updated = float("nan"), True
         for iteration in range(config.train.num_iterations):
-            # committed like the sums _grad_fn returns (a program that reads no input returns
-            # uncommitted arrays): one gradient program, not one per flag
-            grads = commit_to_devices(self._zero_grads(self.trainable))
+            grads = self._zero_grads(self.trainable)
             for micro in self._micro_batches(batch):
                 (loss, (terms, entropy_sum)), grads = self._grad_fn(
                     self.trainable, frozen, micro, global_tokens, global_sequences, grads)
