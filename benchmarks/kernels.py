@@ -61,8 +61,11 @@ def random_checkpoint(fmt, n, k, key):
     kc, ks, kt = jax.random.split(key, 3)
     codes = jax.random.bits(kc, (n, k // 2), jnp.uint8)
     if fmt == "nvfp4":
-        scales = (2.0 ** jax.random.uniform(ks, (n, k // 16), minval=-6, maxval=6)).astype(
-            jnp.float8_e4m3fn)
+        # the whole e4m3 range in use (subnormals below 2^-6 included) and ~1/64 zero scales
+        ks, kz = jax.random.split(ks)
+        scales = 2.0 ** jax.random.uniform(ks, (n, k // 16), minval=-9, maxval=8)
+        scales = jnp.where(jax.random.bernoulli(kz, 1 / 64, scales.shape), 0.0, scales)
+        scales = scales.astype(jnp.float8_e4m3fn)
         return codes, scales, jax.random.uniform(kt, (), minval=50, maxval=500)
     if fmt == "mxfp4":
         return codes, jax.random.randint(ks, (n, k // 32), 112, 132).astype(jnp.uint8)
@@ -329,7 +332,7 @@ def run_check(args):
              (300, 1000, 1616, 256, True)]
     if interpret:
         cases = [(3, 80, 448, 128, True), (300, 80, 192, 128, True)]
-    decoders = {"nvfp4": ("fp8", "bits", "asm", "asmn", "asms"),
+    decoders = {"nvfp4": ("fp8", "bits", "asm", "asmn", "asms", "asmq"),
                 "mxfp4": ("fp8", "bits", "asm", "asmn", "asms"),
                 "nf4": ("lut", "lut16", "select")}
 
@@ -342,7 +345,7 @@ def run_check(args):
 
     for fmt in [f for f in FORMATS if f in args.formats.split(",")]:
         spec = SPECS[fmt]
-        decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm", "asmn", "asms"))]
+        decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm", "asmn", "asms", "asmq"))]
         for i, (m, n, k, tile_k, transposed) in enumerate(cases):
             key, kw, kx, ky = jax.random.split(key, 4)
             k = k // spec.scale_block * spec.scale_block

@@ -142,6 +142,8 @@ class FormatSpec:
     decode_values(c, aux_refs, decoder) -> (v_lo, v_hi): unscaled values, bf16 [R, H], times
       2^value_exponent(decoder);
     scale_values(s) -> float32 [R]: one column of raw block scales as multipliers.
+    kernel_scale_dtype: the dtype of PackedWeight.scales the decoders read (checked at launch),
+      where the kernel layout stores scales in a form of its own (NVFP4: uint8 codes).
     """
     name: str
     scale_block: int
@@ -154,6 +156,7 @@ class FormatSpec:
     decode_values: Callable | None = None
     value_exponent: Callable[[str], int] = lambda d: 0
     scale_values: Callable | None = None
+    kernel_scale_dtype: str | None = None  # the kernel layout's scale dtype, if fixed
 
 
 def expand_block_scale(s: jax.Array, block: int) -> jax.Array:
@@ -308,7 +311,10 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
 
 def _decoder_fits(decoder: str | None, fmt: str) -> bool:
     """A DecodeTuning decoder applies to the formats it decodes: the E2M1 decoders to NVFP4 and
-    MXFP4, the others (NF4's) to NF4."""
+    MXFP4 ("asmq", which reads NVFP4's canonical scale codes, to NVFP4 only), the others
+    (NF4's) to NF4."""
+    if decoder == "asmq":
+        return fmt == "nvfp4"
     return decoder is not None and (decoder in E2M1_DECODERS) == (fmt in ("nvfp4", "mxfp4"))
 
 
@@ -607,6 +613,9 @@ def _compiler_params(interpret: bool, num_warps: int, num_stages: int):
 def _check_packed(packed: PackedWeight, spec: FormatSpec):
     if packed.fmt != spec.name:
         raise ValueError(f"weight is packed as {packed.fmt!r}, kernel expects {spec.name!r}")
+    if spec.kernel_scale_dtype is not None and packed.scales.dtype != spec.kernel_scale_dtype:
+        raise ValueError(f"{spec.name} kernel-layout scales must be {spec.kernel_scale_dtype} "
+                         f"(made by the format's repack), got {packed.scales.dtype}")
     half = packed.tile_k // 2
     if half % spec.scale_block or packed.tile_k & (packed.tile_k - 1) or half < 16:
         raise ValueError(f"tile_k={packed.tile_k} must be a power of two, >= 32 and a multiple "

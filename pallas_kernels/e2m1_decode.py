@@ -20,6 +20,14 @@ power of two that the caller folds into the block scale:
           multiply per weight (the kernel's PTX showed Triton multiplying the "asm" planes by
           their scales one weight at a time). Its unscaled planes (`e2m1_planes`) are "asm"'s.
           GPU-only.
+* "asmq": "asms" with the scales arriving as packed bf16x2 patterns (s, s), one 32-bit value
+          per weight (`e2m1_paired_scaled_planes`): the caller builds each pattern from an
+          integer scale code with one integer multiply-add on the compact scale tile (NVFP4's
+          canonical UE5M3 codes, pallas_kernels/nvfp4_matmul.py), so the kernel neither converts
+          scales through float32 nor packs scaled weights into pairs. The two weights of a pair
+          (consecutive k, one mma register) share the first one's scale, which holds where the
+          4 weights of one asm instance lie in one scale block (the fused decode kernel's
+          operand layout; checked on the GPU). GPU-only; emulated in jnp on a CPU backend.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = np.array(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=np.float32)
 
 # Power of two that each decoder's output carries (value = e2m1 * 2^DECODE_EXPONENT).
-DECODE_EXPONENT = {"fp8": -6, "bits": -126, "asm": -126, "asmn": 0, "asms": -126}
+DECODE_EXPONENT = {"fp8": -6, "bits": -126, "asm": -126, "asmn": 0, "asms": -126, "asmq": -126}
 E2M1_DECODERS = tuple(DECODE_EXPONENT)
 
 
@@ -135,6 +143,52 @@ def e2m1_scaled_planes(codes_tile: jax.Array, scale_lo: jax.Array, scale_hi: jax
     return run(_ASM_SCALED_LO, scale_lo), run(_ASM_SCALED_HI, scale_hi)
 
 
+# "asmq": as _ASM_SCALED_LO, but the scales come as one packed (s, s) bf16x2 register per weight
+# ($3..$6 for the 4 weights): weights 0 and 1 are scaled by $3, weights 2 and 3 by $5.
+_ASM_PAIRED_LO = _ASM_SCALED_LO.replace("fma.rn.bf16x2 $1, y, $4, nz;",
+                                        "fma.rn.bf16x2 $1, y, $5, nz;")
+_ASM_PAIRED_HI = _ASM_SCALED_HI.replace("fma.rn.bf16x2 $1, y, $4, nz;",
+                                        "fma.rn.bf16x2 $1, y, $5, nz;")
+
+
+def _paired_pattern_values(pairs: jax.Array) -> jax.Array:
+    """float32 value of the low bf16 half of packed (s, s) patterns (uint32)."""
+    return lax.bitcast_convert_type((pairs & 0xFFFF) << 16, jnp.float32)
+
+
+def e2m1_paired_scaled_planes(codes_tile: jax.Array, pairs_lo: jax.Array, pairs_hi: jax.Array):
+    """"asmq": both planes of a kernel-layout byte tile uint8 [R, H], each weight multiplied by
+    the bf16 scale in its packed (s, s) pattern (uint32 [R, H] per plane, one per weight):
+    (e2m1 * 2^-126 * s_lo, e2m1 * 2^-126 * s_hi), bf16 [R, H] each, rounded once by the fma
+    (exact when the product fits bf16; a product below bf16's subnormal range is 0).
+
+    On a GPU backend one inline-asm instance decodes 4 weights and scales each pair with the
+    pattern of its first weight. Elsewhere (Pallas interpret mode on a CPU) the same arithmetic
+    runs in jnp, in float32 (each product is exact there), each weight with its own pattern.
+    """
+    for pairs in (pairs_lo, pairs_hi):
+        if pairs.dtype != jnp.uint32 or pairs.shape != codes_tile.shape:
+            raise ValueError(f"e2m1_paired_scaled_planes: uint32 pairs of shape "
+                             f"{codes_tile.shape}, got {pairs.dtype} {pairs.shape}")
+    if jax.default_backend() != "gpu":
+        lo, hi = _planes_fp8(codes_tile)  # e2m1 / 64, exact
+        factor = 2.0 ** (6 - 126)  # applied last: e2m1 * 2^-126 alone can be subnormal
+        return tuple((plane.astype(jnp.float32) * _paired_pattern_values(pairs) * factor
+                      ).astype(jnp.bfloat16)
+                     for plane, pairs in ((lo, pairs_lo), (hi, pairs_hi)))
+    from jax.experimental.pallas import triton as plgpu
+
+    shape = jax.ShapeDtypeStruct(codes_tile.shape, jnp.bfloat16)
+
+    def run(asm, pairs):
+        [out] = plgpu.elementwise_inline_asm(asm, args=[codes_tile, pairs],
+                                             constraints="=r,=r,r,r,r,r,r", pack=4,
+                                             result_shape_dtypes=[shape])
+        return out
+
+    return run(_ASM_PAIRED_LO, pairs_lo), run(_ASM_PAIRED_HI, pairs_hi)
+
+
 def _planes_asm(c, normalize=False):
     from jax.experimental.pallas import triton as plgpu
 
@@ -158,7 +212,7 @@ def e2m1_planes(codes_tile: jax.Array, decoder: str):
         return _planes_fp8(codes_tile)
     if decoder == "bits":
         return _planes_bits(codes_tile)
-    if decoder in ("asm", "asms"):
+    if decoder in ("asm", "asms", "asmq"):
         return _planes_asm(codes_tile)
     if decoder == "asmn":
         return _planes_asm(codes_tile, normalize=True)

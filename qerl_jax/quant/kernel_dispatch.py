@@ -49,6 +49,7 @@ from pallas_kernels import decode_attention as decode_attention_kernels
 from pallas_kernels.mxfp4_matmul import MAX_SCALE_CODE as MXFP4_MAX_SCALE_CODE
 from pallas_kernels.mxfp4_matmul import MXFP4
 from pallas_kernels.nf4_matmul import NF4
+from pallas_kernels import nvfp4_matmul
 from pallas_kernels.nvfp4_matmul import NVFP4
 from qerl_jax.models import attention_dispatch
 from qerl_jax.quant import linear_op
@@ -75,7 +76,8 @@ class KernelLayoutWeight(QuantizedWeight):
     """A QuantizedWeight stored in the Pallas kernels' layout (made by `to_kernel_layout`).
 
     Pytree children (frozen arrays): kernel_codes uint8 [N_pad, K_pad/2] (nibble planes),
-    kernel_scales [N_pad, K_pad/B] (the format's scale dtype; NF4: float32 absmax),
+    kernel_scales [N_pad, K_pad/B] (the format's scale dtype; NVFP4: canonical uint8 scale
+    codes, pallas_kernels/nvfp4_matmul.py; NF4: float32 absmax),
     checkpoint_tensor_scale (the QuantizedWeight's tensor_scale, or None),
     nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None).
     Static: format, shape (logical N, K), dtype, tile_k.
@@ -155,7 +157,8 @@ class KernelLayoutWeight(QuantizedWeight):
         if self.nf4_scale_codes is not None:
             return self.nf4_scale_codes
         n, k = self.shape
-        return self.kernel_scales[:n, :k // self.spec.scale_block]
+        scales = self.kernel_scales[:n, :k // self.spec.scale_block]
+        return nvfp4_matmul.checkpoint_scales(scales) if self.format == "nvfp4" else scales
 
     @property
     def tensor_scale(self):
@@ -196,16 +199,19 @@ def _repack_arrays(weight: QuantizedWeight, tile_k: int) -> KernelLayoutWeight:
     codes = bw.to_plane_layout(weight.codes, k=k, tile_k=tile_k,
                                low_nibble_first=_LOW_NIBBLE_FIRST[fmt])
     scale_codes = run_absmax = None
-    if fmt == "nf4" and weight.double_quant_scales is not None:
-        # the format's own decode, so dequantize() of both layouts agrees bit for bit
-        scale_codes, run_absmax = weight.block_scales, weight.double_quant_scales
-        absmax = dequantize_block_scales(scale_codes.reshape(-1), run_absmax,
-                                         weight.tensor_scale).reshape(scale_codes.shape)
-    elif fmt == "nf4":
-        absmax = weight.block_scales.astype(jnp.float32)
+    if fmt == "nvfp4":  # canonical scale codes (pallas_kernels/nvfp4_matmul.py)
+        scales = nvfp4_matmul.kernel_layout_scales(weight.block_scales, n_pad=n_pad, k_pad=k_pad)
     else:
-        absmax = weight.block_scales
-    scales = bw.pad_scales(absmax, n_pad=n_pad, k_pad=k_pad, block=block)
+        if fmt == "nf4" and weight.double_quant_scales is not None:
+            # the format's own decode, so dequantize() of both layouts agrees bit for bit
+            scale_codes, run_absmax = weight.block_scales, weight.double_quant_scales
+            absmax = dequantize_block_scales(scale_codes.reshape(-1), run_absmax,
+                                             weight.tensor_scale).reshape(scale_codes.shape)
+        elif fmt == "nf4":
+            absmax = weight.block_scales.astype(jnp.float32)
+        else:
+            absmax = weight.block_scales
+        scales = bw.pad_scales(absmax, n_pad=n_pad, k_pad=k_pad, block=block)
     return KernelLayoutWeight(kernel_codes=codes, kernel_scales=scales,
                               checkpoint_tensor_scale=weight.tensor_scale,
                               nf4_scale_codes=scale_codes, nf4_double_quant_scales=run_absmax,
@@ -224,6 +230,11 @@ def kernel_refusal(weight: QuantizedWeight) -> str | None:
     arrays (run at load time)."""
     if weight.format not in SPECS:
         return f"no kernel for format {weight.format!r}"
+    if weight.format == "nvfp4":
+        bad = int(nvfp4_matmul.invalid_scale_count(weight.block_scales))
+        if bad:
+            return (f"{bad} NVFP4 block scales are negative or NaN (the format's scales are "
+                    "unsigned, UE4M3)")
     if weight.format == "mxfp4":
         top = int(jnp.max(weight.block_scales)) if weight.block_scales.size else 0
         if top > MXFP4_MAX_SCALE_CODE:

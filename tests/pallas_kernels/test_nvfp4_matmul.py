@@ -272,3 +272,97 @@ def test_grouped_matmul_default_config_and_errors():
                                   lora_bs=[jnp.zeros((8, 80), jnp.bfloat16),
                                            jnp.zeros((8, 40), jnp.bfloat16)],
                                   lora_scales=(1.0, 1.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Canonical scale codes of the kernel layout, and the "asmq" decoder's arithmetic
+
+
+def _all_finite_nonnegative_e4m3():
+    values = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    return values[np.isfinite(values.astype(np.float32))]
+
+
+def test_scale_codes_round_trip_every_e4m3_scale():
+    """Every finite nonnegative e4m3 value (subnormals and 0 included) -> code -> the same byte,
+    and the code's bf16 pattern times 2^-P is the scale's value exactly (float64), for the
+    prescale exponents the decoders use."""
+    scales = jnp.asarray(_all_finite_nonnegative_e4m3())
+    codes = nv.kernel_scale_codes(scales)
+    assert codes.dtype == jnp.uint8
+    assert len(np.unique(np.asarray(codes))) == scales.size  # injective
+    back = nv.checkpoint_scales(codes)
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8),
+                                  np.asarray(scales).view(np.uint8))
+    expected = np.asarray(scales).astype(np.float64)
+    for prescale in (0, 6, 118):
+        values = np.asarray(nv.scale_values_from_codes(codes, prescale)).astype(np.float64)
+        np.testing.assert_array_equal(values * 2.0 ** -prescale, expected, err_msg=str(prescale))
+
+
+def test_scale_codes_refuse_negative_and_nan_scales():
+    bad = jnp.asarray(np.array([1.0, -2.0, np.nan], np.float32).astype(ml_dtypes.float8_e4m3fn))
+    assert int(nv.invalid_scale_count(bad)) == 2
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        nv.kernel_scale_codes(bad)
+    # -0 is a zero scale
+    minus_zero = jnp.asarray(np.array([0x80], np.uint8).view(ml_dtypes.float8_e4m3fn))
+    assert int(nv.kernel_scale_codes(minus_zero)[0]) == nv.ZERO_SCALE_CODE
+
+
+def _bf16_pattern_value(pattern: np.ndarray) -> np.ndarray:
+    """float64 value of bf16 bit patterns (uint16), subnormals included (numpy, no flushing)."""
+    pattern = pattern.astype(np.int64)
+    sign = np.where(pattern & 0x8000, -1.0, 1.0)
+    exponent = (pattern >> 7) & 0xFF
+    mantissa = pattern & 0x7F
+    normal = (1 + mantissa / 128.0) * 2.0 ** (exponent.astype(np.float64) - 127)
+    subnormal = mantissa / 128.0 * 2.0 ** -126
+    assert (exponent < 255).all()
+    return sign * np.where(exponent == 0, subnormal, normal)
+
+
+def test_asmq_arithmetic_is_exact_for_every_code_and_scale():
+    """The "asmq" asm in numpy: the e2m1 bf16 pattern ((c&8)<<12 | (c&7)<<6, what its
+    prmt/and/mul/and yields per nibble) times the low half of the packed pair pattern, rounded
+    once to bf16, is e2m1 * scale * 2^-8 for every (code, finite nonnegative scale), and 0 for
+    zero scales; both halves of each pair pattern are equal."""
+    scales = _all_finite_nonnegative_e4m3()
+    pairs = np.asarray(nv.scale_pair_patterns(nv.kernel_scale_codes(jnp.asarray(scales))))
+    low, high = pairs & 0xFFFF, pairs >> 16
+    np.testing.assert_array_equal(low, high)
+    scale_pattern = _bf16_pattern_value(low)
+    codes = np.arange(16)
+    weight_pattern = _bf16_pattern_value(((codes & 8) << 12) | ((codes & 7) << 6))
+    np.testing.assert_array_equal(weight_pattern * 2.0 ** 126,
+                                  np.asarray(e2m1_decode_reference(jnp.asarray(codes))))
+    product = weight_pattern[:, None] * scale_pattern[None, :]
+    rounded = product.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    expected = (np.asarray(e2m1_decode_reference(jnp.asarray(codes)), np.float64)[:, None]
+                * scales.astype(np.float64)[None, :] * 2.0 ** -8)
+    np.testing.assert_array_equal(rounded, expected)
+    assert (np.abs(product[:, scales.astype(np.float32) == 0]) < 2.0 ** -200).all()
+
+
+def test_asmq_decoder_in_interpret_mode():
+    """The "asmq" data path (pair patterns expanded over the blocks, the paired decode, here
+    in its jnp form on the CPU) against the float32 reference, zero scales included."""
+    def with_zero_scales(rng, n, k):
+        codes, scales, ts = make_checkpoint(rng, n, k)
+        scales = np.array(scales)
+        scales[rng.random(scales.shape) < 0.1] = 0
+        return codes, jnp.asarray(scales), ts
+
+    fmt = dataclasses.replace(NVFP4, make_checkpoint=with_zero_scales)
+    for m, split in ((3, 1), (5, 2)):
+        kc.check_matmul(fmt, m, bw.MatmulConfig(block_m=16, block_n=32, split_k=split,
+                                                weight_as_lhs=False, decoder="asmq"))
+
+
+def test_old_layout_scales_are_refused():
+    codes, scales, ts = make_checkpoint(np.random.default_rng(0), 8, 64)
+    packed = nv.repack_nvfp4(codes, scales, ts, tile_k=64)
+    stale = dataclasses.replace(packed, scales=bw.pad_scales(
+        scales, n_pad=packed.codes.shape[0], k_pad=64, block=16))
+    with pytest.raises(ValueError, match="uint8"):
+        nv.nvfp4_matmul(jnp.zeros((2, 64), jnp.bfloat16), stale, interpret=True)
