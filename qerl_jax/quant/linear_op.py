@@ -310,10 +310,11 @@ LORA_DOWN_SPLITS = 4
 
 
 def lora_down_partials(x2d: jax.Array, a: jax.Array, compute_dtype,
-                       splits: int = LORA_DOWN_SPLITS) -> jax.Array:
-    """Partial sums of x @ A over `splits` equal slices of K (fewer where K does not divide):
-    float32 [S, M, r] with sum over S = x2d [M, K] @ a [K, r] (compute dtype operands,
-    float32 accumulation)."""
+                       splits: int | None = None) -> jax.Array:
+    """Partial sums of x @ A over `splits` (None: LORA_DOWN_SPLITS, read when traced) equal
+    slices of K (fewer where K does not divide): float32 [S, M, r] with sum over S =
+    x2d [M, K] @ a [K, r] (compute dtype operands, float32 accumulation)."""
+    splits = LORA_DOWN_SPLITS if splits is None else splits
     m, k = x2d.shape
     parts = max(d for d in range(1, max(1, splits) + 1) if k % d == 0)
     x3 = x2d.astype(compute_dtype).reshape(m, parts, k // parts)
