@@ -305,8 +305,10 @@ def _lora_down(x2d: jax.Array, lora: LoRAProduct, compute_dtype,
 
 # Slices of K that the LoRA down product x @ A is split into for the fused kernels' epilogue:
 # XLA computes the partial sums as one batched dot (float32 [S, M, r]) and the kernel adds them
-# up, where a plain x @ A at decode M became a split-K dot plus a separate reduction kernel.
-LORA_DOWN_SPLITS = 4
+# up. At 7B NVFP4 batch 8 on the H100 (RESULTS.md session 10, call c) S = 4 and 16 were slower
+# than 1 (1976 and 1793 vs 2003 tok/s): XLA still split the batched dots' K and added reduction
+# kernels, and each fused program loads S partials. So 1: one float32 x @ A, as XLA tiles it.
+LORA_DOWN_SPLITS = 1
 
 
 def lora_down_partials(x2d: jax.Array, a: jax.Array, compute_dtype,
