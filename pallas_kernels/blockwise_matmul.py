@@ -10,7 +10,8 @@ Kernel layout (made once by `to_plane_layout`, undone losslessly by `from_plane_
          tile holds element k = t*tile_k + j in its LOW nibble and k = t*tile_k + tile_k/2 + j in
          its HIGH nibble (two "planes" per tile, so the kernel needs no interleave: it does one dot
          per plane with the matching half of the activation tile).
-  scales [N_pad, K_pad/B], block order along k unchanged (zero padded, so padded weights are 0).
+  scales [N_pad, K_pad/B], block order along k unchanged (zero padded, so padded weights are 0;
+         NVFP4 stores canonical uint8 codes, its padding the zero code: nvfp4_matmul.py).
   tensor_scale float32 [1]: a divisor applied to the accumulator (NVFP4's global scale, else 1).
 N_pad is a multiple of `n_multiple` (128), K_pad a multiple of tile_k; activations and outputs are
 never padded in HBM: the kernels mask the edges.
