@@ -127,20 +127,26 @@ def e2m1_scaled_planes(codes_tile: jax.Array, scale_lo: jax.Array, scale_hi: jax
     bf16 scale tile [R, H] (one scale per weight, e.g. block scales broadcast over their
     blocks): (e2m1 * 2^-126 * scale_lo, e2m1 * 2^-126 * scale_hi), bf16 [R, H] each, rounded
     once (exact when the product fits bf16, as e2m1 * e4m3 * 2^k does). GPU-only."""
-    from jax.experimental.pallas import triton as plgpu
-
     if scale_lo.dtype != jnp.bfloat16 or scale_hi.dtype != jnp.bfloat16:
         raise ValueError(f"e2m1_scaled_planes: bf16 scales, got {scale_lo.dtype}, "
                          f"{scale_hi.dtype}")
+    return _scaled_planes_asm(codes_tile, (_ASM_SCALED_LO, _ASM_SCALED_HI),
+                              (scale_lo, scale_hi), "=r,=r,r,r,r")
+
+
+def _scaled_planes_asm(codes_tile, asms, scales, constraints):
+    """Runs one single-result asm per plane over (codes, that plane's scale operand), 4 codes
+    per instance: bf16 [R, H] per plane."""
+    from jax.experimental.pallas import triton as plgpu
+
     shape = jax.ShapeDtypeStruct(codes_tile.shape, jnp.bfloat16)
-
-    def run(asm, scale):
+    outs = []
+    for asm, scale in zip(asms, scales):
         [out] = plgpu.elementwise_inline_asm(asm, args=[codes_tile, scale],
-                                             constraints="=r,=r,r,r,r", pack=4,
+                                             constraints=constraints, pack=4,
                                              result_shape_dtypes=[shape])
-        return out
-
-    return run(_ASM_SCALED_LO, scale_lo), run(_ASM_SCALED_HI, scale_hi)
+        outs.append(out)
+    return tuple(outs)
 
 
 # "asmq": as _ASM_SCALED_LO, but the scales come as one packed (s, s) bf16x2 register per weight
@@ -176,17 +182,8 @@ def e2m1_paired_scaled_planes(codes_tile: jax.Array, pairs_lo: jax.Array, pairs_
         return tuple((plane.astype(jnp.float32) * _paired_pattern_values(pairs) * factor
                       ).astype(jnp.bfloat16)
                      for plane, pairs in ((lo, pairs_lo), (hi, pairs_hi)))
-    from jax.experimental.pallas import triton as plgpu
-
-    shape = jax.ShapeDtypeStruct(codes_tile.shape, jnp.bfloat16)
-
-    def run(asm, pairs):
-        [out] = plgpu.elementwise_inline_asm(asm, args=[codes_tile, pairs],
-                                             constraints="=r,=r,r,r,r,r,r", pack=4,
-                                             result_shape_dtypes=[shape])
-        return out
-
-    return run(_ASM_PAIRED_LO, pairs_lo), run(_ASM_PAIRED_HI, pairs_hi)
+    return _scaled_planes_asm(codes_tile, (_ASM_PAIRED_LO, _ASM_PAIRED_HI),
+                              (pairs_lo, pairs_hi), "=r,=r,r,r,r,r,r")
 
 
 def _planes_asm(c, normalize=False):
