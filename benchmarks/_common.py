@@ -400,14 +400,12 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
 
 DECODE_TUNING_ENV = "QERL_DECODE_TUNING"
 DECODE_ATTENTION_ENV = "QERL_DECODE_ATTENTION"
-LORA_DOWN_SPLITS_ENV = "QERL_LORA_DOWN_SPLITS"
 
 
 def apply_decode_tuning_from_env() -> str:
     """Applies $QERL_DECODE_TUNING ('block_n=128,num_warps=8': DecodeTuning fields of
     pallas_kernels.blockwise_matmul) and $QERL_DECODE_ATTENTION ('splits=1': the
-    DecodeAttentionConfig fields of pallas_kernels.decode_attention) and $QERL_LORA_DOWN_SPLITS
-    (qerl_jax.quant.linear_op.LORA_DOWN_SPLITS) before a benchmark builds
+    DecodeAttentionConfig fields of pallas_kernels.decode_attention) before a benchmark builds
     its programs, so one job list can try kernel settings in the model (they reach worker
     processes too). Returns the settings ('' when unset); the kernel hook records them in the
     result rows."""
@@ -417,11 +415,6 @@ def apply_decode_tuning_from_env() -> str:
         from pallas_kernels import blockwise_matmul as bw
         bw.set_decode_tuning(**bw.parse_tuning(text))
         applied.append(text)
-    splits = os.environ.get(LORA_DOWN_SPLITS_ENV, "").strip()
-    if splits:
-        from qerl_jax.quant import linear_op
-        linear_op.LORA_DOWN_SPLITS = int(splits)
-        applied.append(f"lora down splits {int(splits)}")
     attention = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
     if attention:
         from pallas_kernels import decode_attention

@@ -523,13 +523,8 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
         # + lora_scale * down @ B on this [bm, bn] tile, in f32 before the output rounding;
         # with split-K only the first split adds it.
         rank = lora_b_ref.shape[0]
-        down_mask = _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False)
-        down = None
-        for part in range(down_ref.shape[0]):  # f32 partial sums of x @ A, added here
-            value = _load(down_ref.at[jnp.int32(part), pl.ds(r0, bm),
-                                      pl.ds(down_column, rank)],
-                          down_mask)
-            down = value if down is None else down + value
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
+                     _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False))
         lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
                        _edge_masks(0, rank, rank, n0, bn, n, False, n % bn != 0))
         term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
@@ -649,8 +644,7 @@ _MIN_LORA_RANK = 16
 def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
                      config: MatmulConfig | None = None, interpret: bool = False,
                      poison_output: bool = False, lora_down: jax.Array | None = None,
-                     lora_b: jax.Array | None = None, lora_scale: float = 0.0,
-                     lora_down_partials: jax.Array | None = None) -> jax.Array:
+                     lora_b: jax.Array | None = None, lora_scale: float = 0.0) -> jax.Array:
     """y [..., N] bf16 = x [..., K] @ W^T (+ lora_scale * lora_down @ lora_b) for a packed
     4-bit W [N, K].
 
@@ -659,53 +653,29 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     lora_down [..., r] (= x @ A, rounded to bf16) and lora_b [r, N]: an unmerged LoRA
     adapter's second product, added in the fused kernel's f32 epilogue (one kernel instead of
     the matmul, the B dot and the add), or after the XLA dot on the dequantize path.
-    lora_down_partials [S, ..., r] float32 instead of lora_down: partial sums of x @ A (e.g.
-    over S slices of K), added up in the epilogue before the bf16 rounding (no separate
-    reduction kernel for a split dot).
     """
     if config is None:
         config = default_matmul_config(math.prod(x.shape[:-1]), packed)
-    partials = None
-    if lora_down is not None or lora_down_partials is not None or lora_b is not None:
-        partials = _down_partials(lora_down, lora_down_partials, x.shape[:-1], "LoRA epilogue")
     return _blockwise_matmul(x, packed, spec=spec, config=config, interpret=interpret,
-                             poison_output=poison_output, lora_down=partials, lora_b=lora_b,
+                             poison_output=poison_output, lora_down=lora_down, lora_b=lora_b,
                              lora_scale=lora_scale)
 
 
-def _down_partials(lora_down, lora_down_partials, lead, what: str):
-    """The LoRA down product as float32 partial sums [S, M, R]: lora_down [..., R] (S = 1) or
-    lora_down_partials [S, ..., R] (summed in the kernel's epilogue, then rounded to bf16)."""
-    if (lora_down is None) == (lora_down_partials is None):
-        raise ValueError(f"{what}: pass lora_down or lora_down_partials (one of them) with "
-                         "the LoRA B matrices")
-    if lora_down is not None:
-        if lora_down.shape[:-1] != tuple(lead):
-            raise ValueError(f"{what}: lora_down {lora_down.shape} must be [..., r] with x's "
-                             f"leading dims {tuple(lead)}")
-        return lora_down.reshape(1, -1, lora_down.shape[-1]).astype(jnp.float32)
-    if lora_down_partials.ndim < 2 or lora_down_partials.shape[1:-1] != tuple(lead):
-        raise ValueError(f"{what}: lora_down_partials {lora_down_partials.shape} must be "
-                         f"[S, ..., r] with x's leading dims {tuple(lead)}")
-    parts = lora_down_partials.shape[0]
-    return lora_down_partials.reshape(parts, -1, lora_down_partials.shape[-1]).astype(
-        jnp.float32)
-
-
-def _lora_epilogue_inputs(partials, lora_b, n):
-    """(down partials [S, M, r'] f32, B [r', N] bf16), r' = r zero-padded to a power of two
-    >= 16 (Pallas blocks are powers of two; tl.dot needs >= 16 along the contraction)."""
-    rank = partials.shape[-1]
-    if lora_b is None or lora_b.shape != (rank, n):
-        raise ValueError(f"LoRA epilogue: lora_down with {rank} columns and lora_b "
-                         f"{None if lora_b is None else lora_b.shape} must be [..., r] and "
-                         f"[r, N={n}]")
+def _lora_epilogue_inputs(lora_down, lora_b, lead, n):
+    """(down [M, r'] bf16, B [r', N] bf16), r' = r zero-padded to a power of two >= 16 (Pallas
+    blocks are powers of two; tl.dot needs >= 16 along the contraction)."""
+    rank = lora_down.shape[-1]
+    if lora_b is None or lora_b.shape != (rank, n) or lora_down.shape[:-1] != tuple(lead):
+        raise ValueError(f"LoRA epilogue: lora_down {lora_down.shape} and lora_b "
+                         f"{None if lora_b is None else lora_b.shape} must be "
+                         f"[..., r] with x's leading dims {tuple(lead)} and [r, N={n}]")
+    down2 = lora_down.reshape(-1, rank).astype(jnp.bfloat16)
     lora_b = lora_b.astype(jnp.bfloat16)
     padded_rank = max(_MIN_LORA_RANK, _next_pow2(rank))
     if padded_rank > rank:
-        partials = jnp.pad(partials, ((0, 0), (0, 0), (0, padded_rank - rank)))
+        down2 = jnp.pad(down2, ((0, 0), (0, padded_rank - rank)))
         lora_b = jnp.pad(lora_b, ((0, padded_rank - rank), (0, 0)))
-    return partials, lora_b
+    return down2, lora_b
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
@@ -719,17 +689,16 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         raise ValueError(f"x has K={k}, weight has K={packed.k}")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    has_lora = lora_down is not None  # float32 partials [S, M, r]
+    has_lora = lora_down is not None
     if has_lora:
-        down2, lora_b = _lora_epilogue_inputs(lora_down, lora_b, packed.n)
+        down2, lora_b = _lora_epilogue_inputs(lora_down, lora_b, lead, packed.n)
     if config.path == "dequantize":
         w = blockwise_dequantize(packed, spec=spec, config=DequantizeConfig(),
                                  interpret=interpret, poison_output=poison_output)
         y = lax.dot_general(x2.astype(jnp.bfloat16), w, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
         if has_lora:
-            down = down2.sum(axis=0).astype(jnp.bfloat16)
-            y = y + lora_scale * jnp.dot(down, lora_b, preferred_element_type=jnp.float32)
+            y = y + lora_scale * jnp.dot(down2, lora_b, preferred_element_type=jnp.float32)
         return y.astype(jnp.bfloat16).reshape(*lead, packed.n)
     if config.path != "fused":
         raise ValueError(f"unknown matmul path {config.path!r}")
@@ -793,9 +762,8 @@ def check_group(packed: tuple[PackedWeight, ...], spec: FormatSpec) -> None:
 def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, spec: FormatSpec,
                            config: MatmulConfig | None = None, interpret: bool = False,
                            poison_output: bool = False, lora_down: jax.Array | None = None,
-                           lora_bs=None, lora_scales: tuple[float, ...] | None = None,
-                           lora_down_partials: jax.Array | None = None
-                           ) -> tuple[jax.Array, ...]:
+                           lora_bs=None,
+                           lora_scales: tuple[float, ...] | None = None) -> tuple[jax.Array, ...]:
     """(x @ W_i^T (+ lora_scales[i] * down_i @ lora_bs[i]))_i, bf16 [..., N_i], for weights
     that share x (a layer's q/k/v, or gate/up), in ONE fused-kernel launch: its N-tile programs
     are dealt out to the weights in order. Each output equals blockwise_matmul's of the same
@@ -806,15 +774,12 @@ def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, sp
     products side by side (one dot for the group), member i's at columns [sum_{j<i} r_j, + r_i)
     with r_i = lora_bs[i].shape[0]; lora_bs[i] [r_i, N_i]. config None picks
     default_group_matmul_config (decided outside the jit). The "dequantize" path runs the
-    weights one by one. lora_down_partials [S, ..., R] float32 instead of lora_down: partial
-    sums, added up in the epilogue (as for blockwise_matmul).
+    weights one by one.
     """
     packed = tuple(packed)
     if config is None:
         config = default_group_matmul_config(math.prod(x.shape[:-1]), packed)
-    if lora_down is not None or lora_down_partials is not None or lora_bs is not None:
-        lora_down = _down_partials(lora_down, lora_down_partials, x.shape[:-1],
-                                   "grouped matmul")
+    if lora_down is not None:
         lora_bs = tuple(lora_bs)
         lora_scales = tuple(float(s) for s in lora_scales)
         if not len(lora_bs) == len(lora_scales) == len(packed):
@@ -843,7 +808,7 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
     lead, k = x.shape[:-1], x.shape[-1]
     ranks = [b.shape[0] for b in lora_bs] if has_lora else []
     starts = [sum(ranks[:i]) for i in range(len(ranks))]
-    if config.path == "dequantize":  # lora_down: float32 partials [S, M, R]
+    if config.path == "dequantize":
         return tuple(_blockwise_matmul(
             x, p, spec=spec, config=config, interpret=interpret, poison_output=poison_output,
             lora_down=lora_down[..., starts[i]:starts[i] + ranks[i]] if has_lora else None,
@@ -866,12 +831,12 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
         raise ValueError("grouped matmul: group_dots is not supported")
     shared, columns = [], None
     if has_lora:
-        down2 = lora_down  # float32 partials [S, M, R]
+        down2 = lora_down.reshape(m, -1).astype(jnp.bfloat16)
         bs = [b.astype(jnp.bfloat16) for b in lora_bs]
         if any(_kernel_rank(r) != r for r in ranks):  # zero-pad each member to a kernel rank
             down2 = jnp.concatenate(
-                [jnp.pad(down2[..., s:s + r], ((0, 0), (0, 0), (0, _kernel_rank(r) - r)))
-                 for s, r in zip(starts, ranks)], axis=2)
+                [jnp.pad(down2[:, s:s + r], ((0, 0), (0, _kernel_rank(r) - r)))
+                 for s, r in zip(starts, ranks)], axis=1)
             bs = [jnp.pad(b, ((0, _kernel_rank(r) - r), (0, 0))) for b, r in zip(bs, ranks)]
         kernel_ranks = [_kernel_rank(r) for r in ranks]
         columns = tuple(sum(kernel_ranks[:i]) for i in range(len(kernel_ranks)))

@@ -70,19 +70,23 @@ def kernel_scale_codes(block_scales: jax.Array) -> jax.Array:
     nonnegative scales. Negative or NaN scales, which NVFP4 does not produce, are refused here
     when the values are concrete; traced, they become the zero code: check concrete scales
     with `invalid_scale_count` first, as qerl_jax.quant.kernel_dispatch.kernel_refusal does)."""
-    if not isinstance(block_scales, jax.core.Tracer):
-        bad = int(invalid_scale_count(block_scales))
+    codes = _table_codes(block_scales)
+    if not isinstance(codes, jax.core.Tracer):
+        bad = int(jnp.sum(codes == _INVALID))
         if bad:
             raise ValueError(f"NVFP4 block scales must be finite and >= 0 (UE4M3); {bad} of "
                              f"{block_scales.size} are negative or NaN")
-    codes = jnp.asarray(_E4M3_TO_CODE)[_e4m3_bytes(block_scales).astype(jnp.int32)]
     return codes.astype(jnp.uint8)
 
 
 def invalid_scale_count(block_scales: jax.Array) -> jax.Array:
     """How many e4m3 block scales are negative or NaN (int32 scalar)."""
-    codes = jnp.asarray(_E4M3_TO_CODE)[_e4m3_bytes(block_scales).astype(jnp.int32)]
-    return jnp.sum(codes == _INVALID, dtype=jnp.int32)
+    return jnp.sum(_table_codes(block_scales) == _INVALID, dtype=jnp.int32)
+
+
+def _table_codes(block_scales: jax.Array) -> jax.Array:
+    """Canonical codes as int16 (_INVALID for negative or NaN scales), same shape."""
+    return jnp.asarray(_E4M3_TO_CODE)[_e4m3_bytes(block_scales).astype(jnp.int32)]
 
 
 def checkpoint_scales(scale_codes: jax.Array) -> jax.Array:

@@ -46,10 +46,10 @@ from jax import lax
 
 from pallas_kernels import blockwise_matmul as bw
 from pallas_kernels import decode_attention as decode_attention_kernels
+from pallas_kernels import nvfp4_matmul
 from pallas_kernels.mxfp4_matmul import MAX_SCALE_CODE as MXFP4_MAX_SCALE_CODE
 from pallas_kernels.mxfp4_matmul import MXFP4
 from pallas_kernels.nf4_matmul import NF4
-from pallas_kernels import nvfp4_matmul
 from pallas_kernels.nvfp4_matmul import NVFP4
 from qerl_jax.models import attention_dispatch
 from qerl_jax.quant import linear_op
@@ -298,27 +298,26 @@ def _supports(weight, compute_dtype) -> str | None:
 
 
 def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interpret):
-    """x [M, K] bf16 @ W^T (+ scale * down @ lora_b [r, N], the LoRA product in the kernel's
-    epilogue, down given as float32 partial sums [S, M, r] of x @ A) -> [M, N] float32 (fused
-    kernel, output rounded to bf16 inside)."""
+    """x [M, K] bf16 @ W^T (+ scale * down [M, r] @ lora_b [r, N], the LoRA product in the
+    kernel's epilogue, when down is given) -> [M, N] float32 (fused kernel, output rounded to
+    bf16 inside)."""
     del compute_dtype
     packed = weight.packed()
     config = bw.default_matmul_config(x.shape[0], packed)
     return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config, interpret=interpret,
-                               lora_down_partials=down, lora_b=lora_b,
+                               lora_down=down, lora_b=lora_b,
                                lora_scale=scale).astype(jnp.float32)
 
 
 def _fused_forward_group(x, weights, down, lora_bs, scales, *, compute_dtype, interpret):
-    """x [M, K] bf16 @ W_i^T (+ scales[i] * down_i @ lora_bs[i], down = float32 partial sums
-    [S, M, R] of the members' x @ A_i side by side) for weights sharing x, in one fused-kernel
-    launch -> tuple of [M, N_i] float32."""
+    """x [M, K] bf16 @ W_i^T (+ scales[i] * down_i @ lora_bs[i], down = the members' x @ A_i
+    side by side) for weights sharing x, in one fused-kernel launch -> tuple of [M, N_i]
+    float32."""
     del compute_dtype
     packed = tuple(w.packed() for w in weights)
     config = bw.default_group_matmul_config(x.shape[0], packed)
     ys = bw.blockwise_matmul_group(x, packed, spec=weights[0].spec, config=config,
-                                   interpret=interpret, lora_down_partials=down,
-                                   lora_bs=lora_bs,
+                                   interpret=interpret, lora_down=down, lora_bs=lora_bs,
                                    lora_scales=scales)
     return tuple(y.astype(jnp.float32) for y in ys)
 

@@ -215,17 +215,16 @@ def _quantized_matmul_lora_fwd(x, down, lora_b, weight, compute_dtype, scale, lo
 
 def _quantized_matmul_lora_bwd(compute_dtype, scale, lora_forward, backward, residuals,
                                grad_output):
-    """dx = dy @ W (as the plain op), d down = scale dy B^T (the same for each partial sum),
-    d B = scale down^T dy (float32 products, cast to the inputs' dtypes)."""
+    """dx = dy @ W (as the plain op), d down = scale dy B^T, d B = scale down^T dy (float32
+    products, cast to the inputs' dtypes)."""
     del lora_forward
-    weight, down, lora_b = residuals  # down: float32 partial sums [S, M, r]
+    weight, down, lora_b = residuals
     grad32 = grad_output.astype(jnp.float32)
     grad_down = scale * jnp.dot(grad32, lora_b.astype(jnp.float32).T)
-    grad_b = scale * jnp.dot(down.sum(axis=0).T, grad32)
+    grad_b = scale * jnp.dot(down.astype(jnp.float32).T, grad32)
     grad_x, grad_weight = _grad_x_and_weight_cotangent(grad_output, weight, compute_dtype,
                                                        backward)
-    return (grad_x, jnp.broadcast_to(grad_down, down.shape).astype(down.dtype),
-            grad_b.astype(lora_b.dtype), grad_weight)
+    return grad_x, grad_down.astype(down.dtype), grad_b.astype(lora_b.dtype), grad_weight
 
 
 _quantized_matmul_lora.defvjp(_quantized_matmul_lora_fwd, _quantized_matmul_lora_bwd)
@@ -258,7 +257,7 @@ def _grouped_quantized_matmul_bwd(compute_dtype, scales, group_forward, backward
     for i, (weight, grad_output) in enumerate(zip(weights, grads)):
         if down is not None:
             rank = lora_bs[i].shape[0]
-            member_down = down[..., start:start + rank].sum(axis=0)  # partials [S, M, r]
+            member_down = down[:, start:start + rank].astype(jnp.float32)
             start += rank
             grad32 = grad_output.astype(jnp.float32)
             grad_down.append(scales[i] * jnp.dot(grad32, lora_bs[i].astype(jnp.float32).T))
@@ -268,8 +267,7 @@ def _grouped_quantized_matmul_bwd(compute_dtype, scales, group_forward, backward
         grad_weights.append(grad_weight)
         grad_x = dx.astype(jnp.float32) if grad_x is None else grad_x + dx.astype(jnp.float32)
     return (grad_x.astype(compute_dtype),
-            None if down is None else jnp.broadcast_to(jnp.concatenate(grad_down, axis=1),
-                                                       down.shape).astype(down.dtype),
+            None if down is None else jnp.concatenate(grad_down, axis=1).astype(down.dtype),
             None if lora_bs is None else tuple(grad_bs), tuple(grad_weights))
 
 
@@ -301,27 +299,6 @@ def _lora_down(x2d: jax.Array, lora: LoRAProduct, compute_dtype,
     directly: no separate convert kernel)."""
     return jnp.dot(x2d.astype(compute_dtype), lora.a.astype(compute_dtype),
                    preferred_element_type=out_dtype)
-
-
-# Slices of K that the LoRA down product x @ A is split into for the fused kernels' epilogue:
-# XLA computes the partial sums as one batched dot (float32 [S, M, r]) and the kernel adds them
-# up. At 7B NVFP4 batch 8 on the H100 (RESULTS.md session 10, call c) S = 4 and 16 were slower
-# than 1 (1976 and 1793 vs 2003 tok/s): XLA still split the batched dots' K and added reduction
-# kernels, and each fused program loads S partials. So 1: one float32 x @ A, as XLA tiles it.
-LORA_DOWN_SPLITS = 1
-
-
-def lora_down_partials(x2d: jax.Array, a: jax.Array, compute_dtype,
-                       splits: int | None = None) -> jax.Array:
-    """Partial sums of x @ A over `splits` (None: LORA_DOWN_SPLITS, read when traced) equal
-    slices of K (fewer where K does not divide): float32 [S, M, r] with sum over S =
-    x2d [M, K] @ a [K, r] (compute dtype operands, float32 accumulation)."""
-    splits = LORA_DOWN_SPLITS if splits is None else splits
-    m, k = x2d.shape
-    parts = max(d for d in range(1, max(1, splits) + 1) if k % d == 0)
-    x3 = x2d.astype(compute_dtype).reshape(m, parts, k // parts)
-    a3 = a.astype(compute_dtype).reshape(parts, k // parts, a.shape[-1])
-    return jnp.einsum("msk,skr->smr", x3, a3, preferred_element_type=jnp.float32)
 
 
 def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp.bfloat16,
@@ -358,7 +335,7 @@ def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
     forward = _xla_forward if kernel is None else kernel.fn
     backward = _xla_backward if kernel is None or kernel.grad_fn is None else kernel.grad_fn
     if lora is not None and kernel is not None and kernel.lora_fn is not None:
-        down = lora_down_partials(x2d, lora.a, compute_dtype)
+        down = _lora_down(x2d, lora, compute_dtype, out_dtype=compute_dtype)
         y = _quantized_matmul_lora(x2d, down, lora.b.astype(compute_dtype), weight,
                                    jnp.dtype(compute_dtype), float(lora.scale), kernel.lora_fn,
                                    backward)
@@ -522,10 +499,9 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
     backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
     down = lora_bs = scales = None
     if loras[0] is not None:
-        # One x @ [A_0 | A_1 | ...] for the group (separate x @ A_i dots would be merged by
+        # One x @ [A_0 | A_1 | ...] for the group. (Separate x @ A_i dots would be merged by
         # XLA anyway, but then it concatenates the A_i inside the decode loop at every step and
-        # slices the product apart: 4-5 extra small kernels per layer and step), as partial
-        # sums over slices of K that the kernel's epilogue adds up.
+        # slices the product apart: 4-5 extra small kernels per layer and step.)
         if stacked_lora_a is None:
             stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
         else:
@@ -534,7 +510,7 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
                 raise ValueError(f"linear_group: stacked_lora_a {tuple(stacked_lora_a.shape)} "
                                  f"must be [in, sum of ranks] = {list(expected)}")
             stacked_a = stacked_lora_a.astype(compute_dtype)
-        down = lora_down_partials(x2d, stacked_a, compute_dtype)
+        down = jnp.dot(x2d, stacked_a, preferred_element_type=compute_dtype)
         lora_bs = tuple(lora.b.astype(compute_dtype) for lora in loras)
         scales = tuple(float(lora.scale) for lora in loras)
     ys = _grouped_quantized_matmul(x2d, down, lora_bs, weights, jnp.dtype(compute_dtype),

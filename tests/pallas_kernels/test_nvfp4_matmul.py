@@ -366,35 +366,3 @@ def test_old_layout_scales_are_refused():
         scales, n_pad=packed.codes.shape[0], k_pad=64, block=16))
     with pytest.raises(ValueError, match="uint8"):
         nv.nvfp4_matmul(jnp.zeros((2, 64), jnp.bfloat16), stale, interpret=True)
-
-
-@pytest.mark.parametrize("grouped", [False, True])
-def test_lora_epilogue_sums_down_partials(grouped):
-    """lora_down_partials [S, M, r] float32 (partial sums of x @ A) give what lora_down = their
-    sum gives, within the output's bf16 rounding: the epilogue adds the partials in float32
-    and rounds once, for one weight and for a grouped launch (split-K 2, ragged N and rank)."""
-    seed = kc.fresh_seed()
-    rng = np.random.default_rng(seed)
-    m, rank, n = 3, 24, 80
-    ckpt, x, packed = kc.random_problem(NVFP4, seed, m, n, 5 * 128 - 16, 128)
-    partials = jnp.asarray(rng.standard_normal((3, m, rank)), jnp.float32)
-    lora_b = jnp.asarray(rng.standard_normal((rank, n)), jnp.bfloat16)
-    config = bw.MatmulConfig(block_m=16, block_n=32, split_k=2, weight_as_lhs=False)
-    down = np.asarray(partials.sum(axis=0).astype(jnp.bfloat16), np.float32)
-    reference = (np.asarray(nv.nvfp4_matmul_reference(x, *ckpt), np.float32)
-                 + 0.5 * down @ np.asarray(lora_b, np.float32))
-    if grouped:
-        ys = bw.blockwise_matmul_group(x, (packed, packed), spec=nv.NVFP4, config=config,
-                                       interpret=True, poison_output=True,
-                                       lora_down_partials=jnp.concatenate([partials] * 2, -1),
-                                       lora_bs=(lora_b, lora_b), lora_scales=(0.5, 0.5))
-    else:
-        ys = [bw.blockwise_matmul(x, packed, spec=nv.NVFP4, config=config, interpret=True,
-                                  poison_output=True, lora_down_partials=partials,
-                                  lora_b=lora_b, lora_scale=0.5)]
-    for y in ys:
-        kc.assert_close(y, jnp.asarray(reference, jnp.bfloat16), f"seed={seed}")
-    with pytest.raises(ValueError, match="one of them"):
-        bw.blockwise_matmul(x, packed, spec=nv.NVFP4, config=config, interpret=True,
-                            lora_down=partials[0], lora_down_partials=partials, lora_b=lora_b,
-                            lora_scale=0.5)

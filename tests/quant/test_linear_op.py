@@ -234,17 +234,3 @@ def test_linear_lora_matches_float64_and_names_bad_shapes():
     with pytest.raises(ValueError, match=r"LoRA A \(32, 4\) and B \(5, 48\)"):
         linear(jnp.asarray(x, jnp.float32), jnp.asarray(dense, jnp.float32), lora=bad,
                compute_dtype=jnp.float32)
-
-
-@pytest.mark.parametrize("k,splits,parts", [(64, 4, 4), (96, 4, 4), (90, 4, 3), (7, 4, 1)])
-def test_lora_down_partials_sum_to_x_at_a(k, splits, parts):
-    """The partial sums of x @ A over slices of K add up to x @ A (float64 reference,
-    float32 accumulation of bf16-exact operands: 1e-5 relative)."""
-    rng = np.random.default_rng(k)
-    x = jnp.asarray(rng.standard_normal((5, k)), jnp.bfloat16)
-    a = jnp.asarray(rng.standard_normal((k, 6)), jnp.bfloat16)
-    partials = linear_op.lora_down_partials(x, a, jnp.bfloat16, splits)
-    assert partials.shape == (parts, 5, 6) and partials.dtype == jnp.float32
-    expected = np.asarray(x, np.float64) @ np.asarray(a, np.float64)
-    np.testing.assert_allclose(np.asarray(partials, np.float64).sum(0), expected, rtol=1e-5,
-                               atol=1e-5)
