@@ -8,6 +8,12 @@ softmax, split over the sequence ("flash decoding") so that batch x kv heads x s
 fill the GPU; a second small kernel combines the splits' partial results in float32 (one launch
 where XLA needed four or five small kernels) and writes q's dtype.
 
+Balanced splits (the default): the used slots [0, length) are divided evenly among the splits
+at run time, ceil(ceil(length / block_s) / splits) blocks each, so that early in a rollout every
+split reads a few blocks instead of the first ones reading all of them (the program's longest
+loop sets the kernel's time). `DecodeAttentionConfig(balanced=0)` gives each split a fixed
+range of the cache, ceil(S / block_s / splits) blocks (the layout before session 11).
+
     out = decode_attention(q, keys, values, mask, length, scale=1 / sqrt(D))
 
 Shapes: q [B, KVH, G, D] (G = query heads per kv head), keys / values [B, S, KVH, D] (the cache
@@ -39,9 +45,11 @@ _TARGET_PROGRAMS = 264  # about 2 waves of an H100/H200's 132 SMs
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
     """block_s: cache slots per loop step; splits: sequence splits (None: enough for ~264
-    programs); Triton num_warps / num_stages."""
+    programs); balanced: 1 = split the used slots evenly at run time, 0 = fixed ranges of the
+    cache; Triton num_warps / num_stages."""
     block_s: int = 64
     splits: int | None = None
+    balanced: int = 1
     num_warps: int = 4
     num_stages: int = 2
 
@@ -70,6 +78,8 @@ def set_default_config(config: DecodeAttentionConfig | None = None,
         raise ValueError(f"DecodeAttentionConfig.block_s={config.block_s}: a power of two >= 16")
     if config.splits is not None and config.splits < 1:
         raise ValueError(f"DecodeAttentionConfig.splits={config.splits}: None or >= 1")
+    if config.balanced not in (0, 1):
+        raise ValueError(f"DecodeAttentionConfig.balanced={config.balanced}: 0 or 1")
     _DEFAULT_CONFIG = config
     return previous
 
@@ -108,14 +118,21 @@ def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
 
 
 def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_ref, *,
-            groups: int, groups_pad: int, slots: int, block_s: int, blocks_per_split: int,
-            scale: float):
+            groups: int, groups_pad: int, slots: int, block_s: int, splits: int,
+            blocks_per_split: int, balanced: bool, scale: float):
+    """One (batch row, kv head, split): online softmax over the split's blocks of slots.
+    Writes the unnormalized float32 acc [G, D] and the row max m / sum l [G] of the split (or,
+    with one split, the normalized output)."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = lax.broadcasted_iota(jnp.int32, (groups_pad, 1), 0) < groups
     q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
-    begin = split * blocks_per_split * block_s
     visible = jnp.minimum(length_ref[0], slots)
-    trips = jnp.clip(_cdiv_traced(visible - begin, block_s), 0, blocks_per_split)
+    # Blocks per split: the used ones shared evenly (<= blocks_per_split, as visible <= slots),
+    # or a fixed range of the cache.
+    per_split = (_cdiv_traced(_cdiv_traced(visible, block_s), splits) if balanced
+                 else blocks_per_split)
+    begin = split * per_split * block_s
+    trips = jnp.clip(_cdiv_traced(visible - begin, block_s), 0, per_split)
     head_dim = q.shape[-1]
 
     def body(t, carry):
@@ -148,36 +165,26 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
         plgpu.store(o_ref.at[b, h, pl.ds(0, groups_pad), :],
                     (acc / l[:, None]).astype(o_ref.dtype), mask=rows)
         return
-    plgpu.store(o_ref.at[split, b, h, pl.ds(0, groups_pad), :], acc, mask=rows)
+    # Partials [B, KVH, G, splits, (D)]: one query head's splits are contiguous for the combine.
+    plgpu.store(o_ref.at[b, h, pl.ds(0, groups_pad), split, :], acc, mask=rows)
     row_mask = lax.broadcasted_iota(jnp.int32, (groups_pad,), 0) < groups
-    plgpu.store(m_ref.at[split, b, h, pl.ds(0, groups_pad)], m, mask=row_mask)
-    plgpu.store(l_ref.at[split, b, h, pl.ds(0, groups_pad)], l, mask=row_mask)
+    plgpu.store(m_ref.at[b, h, pl.ds(0, groups_pad), split], m, mask=row_mask)
+    plgpu.store(l_ref.at[b, h, pl.ds(0, groups_pad), split], l, mask=row_mask)
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, groups: int, groups_pad: int,
-                    splits: int):
-    """out = sum_s w_s o_s / sum_s w_s l_s, w_s = exp(m_s - max_s m_s), one (b, kv head)."""
-    b, h = pl.program_id(0), pl.program_id(1)
-    rows = lax.broadcasted_iota(jnp.int32, (groups_pad,), 0) < groups
-
-    def body(split, carry):
-        top, total, acc = carry
-        m = plgpu.load(m_ref.at[split, b, h, pl.ds(0, groups_pad)], mask=rows, other=_MASKED)
-        l = plgpu.load(l_ref.at[split, b, h, pl.ds(0, groups_pad)], mask=rows, other=0.0)
-        o = plgpu.load(o_ref.at[split, b, h, pl.ds(0, groups_pad), :], mask=rows[:, None],
-                       other=0.0)
-        new_top = jnp.maximum(top, m)
-        old_weight, weight = jnp.exp(top - new_top), jnp.exp(m - new_top)
-        return (new_top, total * old_weight + l * weight,
-                acc * old_weight[:, None] + o * weight[:, None])
-
-    head_dim = o_ref.shape[-1]
-    init = (jnp.full((groups_pad,), _MASKED, jnp.float32), jnp.zeros((groups_pad,), jnp.float32),
-            jnp.zeros((groups_pad, head_dim), jnp.float32))
-    _, total, acc = lax.fori_loop(0, splits, body, init)
-    total = jnp.where(rows, total, 1.0)  # padding rows: never stored, no 0/0
-    plgpu.store(out_ref.at[b, h, pl.ds(0, groups_pad), :],
-                (acc / total[:, None]).astype(out_ref.dtype), mask=rows[:, None])
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits: int, splits_pad: int):
+    """out = sum_s w_s o_s / sum_s w_s l_s, w_s = exp(m_s - max_s m_s), for one query head
+    (b, kv head, g): all its splits in one load (no loop of dependent loads)."""
+    b, h, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    valid = lax.broadcasted_iota(jnp.int32, (splits_pad,), 0) < splits
+    m = plgpu.load(m_ref.at[b, h, g, pl.ds(0, splits_pad)], mask=valid, other=_MASKED)
+    l = plgpu.load(l_ref.at[b, h, g, pl.ds(0, splits_pad)], mask=valid, other=0.0)
+    o = plgpu.load(o_ref.at[b, h, g, pl.ds(0, splits_pad), :], mask=valid[:, None], other=0.0)
+    weight = jnp.exp(m - jnp.max(m))
+    total = jnp.sum(weight * l)
+    total = jnp.where(total > 0, total, 1.0)  # no 0/0 (a row that read no slot)
+    out = jnp.sum(o * weight[:, None], axis=0) / total
+    plgpu.store(out_ref.at[b, h, g, :], out.astype(out_ref.dtype))
 
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
@@ -205,19 +212,21 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     splits = _cdiv(_cdiv(slots, block_s), blocks_per_split)  # no split without a block
     return _decode_attention(q, keys, values, mask, jnp.asarray(length, jnp.int32).reshape(1),
                              scale=float(scale), block_s=block_s, splits=splits,
-                             blocks_per_split=blocks_per_split, num_warps=config.num_warps,
+                             blocks_per_split=blocks_per_split,
+                             balanced=bool(config.balanced), num_warps=config.num_warps,
                              num_stages=config.num_stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "blocks_per_split",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "balanced", "num_warps", "num_stages", "interpret"))
 def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
-                      blocks_per_split, num_warps, num_stages, interpret):
+                      blocks_per_split, balanced, num_warps, num_stages, interpret):
     batch, kv_heads, groups, head_dim = q.shape
     groups_pad = max(16, _next_pow2(groups))
     kernel = functools.partial(_kernel, groups=groups, groups_pad=groups_pad,
-                               slots=keys.shape[1], block_s=block_s,
-                               blocks_per_split=blocks_per_split, scale=scale)
+                               slots=keys.shape[1], block_s=block_s, splits=splits,
+                               blocks_per_split=blocks_per_split, balanced=balanced,
+                               scale=scale)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
     if splits == 1:
@@ -228,7 +237,7 @@ def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
                               grid=(batch, kv_heads, 1), interpret=interpret,
                               compiler_params=params, name="decode_attention_single")(
             length, q, keys, values, mask.astype(jnp.int32))
-    partial_shape = (splits, batch, kv_heads, groups)
+    partial_shape = (batch, kv_heads, groups, splits)
     out_shape = (jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32))
@@ -236,12 +245,11 @@ def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
                              interpret=interpret, compiler_params=params,
                              name="decode_attention")(length, q, keys, values,
                                                       mask.astype(jnp.int32))
-    combine = functools.partial(_combine_kernel, groups=groups, groups_pad=groups_pad,
-                                splits=splits)
+    combine = functools.partial(_combine_kernel, splits=splits, splits_pad=_next_pow2(splits))
     return pl.pallas_call(combine, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                          grid=(batch, kv_heads), interpret=interpret,
+                          grid=(batch, kv_heads, groups), interpret=interpret,
                           compiler_params=None if interpret else plgpu.CompilerParams(
-                              num_warps=4, num_stages=1),
+                              num_warps=2, num_stages=1),
                           name="decode_attention_combine")(o, m, l)
 
 

@@ -41,8 +41,11 @@ def _problem(seed, batch, slots, kv_heads, groups, head_dim):
     (96, 17, 2, 16, 4),       # early decode: the later splits read nothing
     (64, 64, 16, 64, 1),      # one split, one block (normalized in the kernel, no combine)
     (200, 150, 7, 32, 1),     # one split over several blocks, ragged cache
+    (256, 100, 5, 16, 5),     # 4 splits (16 blocks / 4 each); balanced: 7 used -> 2, 2, 2, 1
+    (160, 150, 3, 16, 4),     # 10 blocks, 4 splits of 3: the last gets one block
 ])
-def test_matches_reference(slots, length, groups, block_s, splits):
+@pytest.mark.parametrize("balanced", [1, 0])
+def test_matches_reference(slots, length, groups, block_s, splits, balanced):
     seed = int(np.random.default_rng().integers(1 << 31))
     rng, q, k, v = _problem(seed, 3, slots, 2, groups, 32)
     mask = rng.random((3, slots)) < 0.8
@@ -50,7 +53,8 @@ def test_matches_reference(slots, length, groups, block_s, splits):
     mask[1, :5] = False  # a left-padded row
     scale = 32 ** -0.5
     out = decode_attention(q, k, v, jnp.asarray(mask), length, scale=scale,
-                           config=DecodeAttentionConfig(block_s=block_s, splits=splits),
+                           config=DecodeAttentionConfig(block_s=block_s, splits=splits,
+                                                        balanced=balanced),
                            interpret=True)
     ref = _reference(q, k, v, mask, length, scale)
     assert out.shape == ref.shape and out.dtype == jnp.bfloat16
@@ -58,14 +62,15 @@ def test_matches_reference(slots, length, groups, block_s, splits):
     assert err <= TOLERANCE, f"seed={seed} relative error {err:.2e}"
 
 
-def test_slots_past_length_are_not_read():
+@pytest.mark.parametrize("balanced", [1, 0])
+def test_slots_past_length_are_not_read(balanced):
     """NaN keys/values beyond `length` do not reach the output (those slots are never loaded)."""
     rng, q, k, v = _problem(0, 2, 128, 2, 4, 16)
     k = k.at[:, 40:].set(jnp.nan)
     v = v.at[:, 40:].set(jnp.nan)
     mask = jnp.ones((2, 128), bool)
-    out = decode_attention(q, k, v, mask, 40, scale=0.25,
-                           config=DecodeAttentionConfig(block_s=16, splits=4), interpret=True)
+    out = decode_attention(q, k, v, mask, 40, scale=0.25, interpret=True,
+                           config=DecodeAttentionConfig(block_s=16, splits=4, balanced=balanced))
     ref = _reference(q[:, :, :, :], k[:, :40], v[:, :40], np.ones((2, 40), bool), 40, 0.25)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     np.testing.assert_allclose(np.asarray(out, np.float32), ref,
@@ -105,6 +110,8 @@ def test_default_config_is_settable_and_parsed():
         assert module.default_config().splits == 1
         with pytest.raises(ValueError, match="block_s"):
             module.set_default_config(block_s=48)
+        with pytest.raises(ValueError, match="balanced"):
+            module.set_default_config(balanced=2)
         got = decode_attention(q, k, v, mask, 70, scale=0.25, interpret=True)
     finally:
         module.set_default_config(previous)
