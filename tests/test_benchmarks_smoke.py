@@ -138,6 +138,22 @@ def test_kernel_profile_smoke(tmp_path):
     assert "| a | 256 x 256 | nvfp4 |" in open(tmp_path / "kernel_profile_smoke_m8.md").read()
 
 
+def test_attention_and_lora_down_profile_smoke(tmp_path):
+    """attention_profile.py (two settings, interpret mode) and lora_down_profile.py (three ways
+    of x @ A) on tiny shapes: every row measured and within its stated error of the reference."""
+    attention = _start("attention_profile.py", tmp_path / "att", "--settings", "base;balanced=0")
+    lora = _start("lora_down_profile.py", tmp_path / "lora")
+    _finish(attention)
+    _finish(lora)
+    rows = json.load(open(tmp_path / "att" / "attention_profile_b2.json"))["rows"]
+    assert [row["setting"] for row in rows] == ["base", "balanced=0"]
+    assert all("error" not in row and row["max_rel_err"] < 1e-2 and row["mean_us"] > 0
+               for row in rows)
+    rows = json.load(open(tmp_path / "lora" / "lora_down_profile_m8.json"))["rows"]
+    assert [row["variant"] for row in rows] == ["dot", "dot_f32", "mul_reduce"]
+    assert all(row["max_rel_err"] < 1e-2 and row["call_us"] > 0 for row in rows)
+
+
 def test_triton_ir_parsing():
     """triton_ir.py is GPU-only (interpret mode compiles no Triton); its parsing of XLA's Triton
     pass log and of PTX is checked here on a synthetic log."""
