@@ -41,8 +41,6 @@ def parse_args(argv=None):
     parser.add_argument("--settings", default="base;balanced=0",
                         help="';'-separated DecodeAttentionConfig settings ('base' = defaults)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rope", action="store_true",
-                        help="pass q un-rotated with (cos, sin): the kernel rotates it")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
@@ -81,26 +79,20 @@ def main(argv=None):
                                      jnp.bfloat16)) for i in range(count)]
         mask = jnp.ones((args.batch, args.slots), bool)
         scale = head_dim ** -0.5
-        rope = None
-        if args.rope:
-            angles = (jnp.arange(args.batch, dtype=jnp.float32)[:, None] * 300.0
-                      * 10000.0 ** (-jnp.arange(0, head_dim, 2) / head_dim))
-            angles = jnp.concatenate([angles, angles], axis=-1)
-            rope = (jnp.cos(angles), jnp.sin(angles))
         for setting in settings:
             config = dataclasses.replace(da.default_config(), **parsed[setting])
             fn = jax.jit(lambda q, caches, length, config=config: [
                 da.decode_attention(q, k, v, mask, length, scale=scale, config=config,
-                                    rope=rope, interpret=interpret) for k, v in caches])
+                                    interpret=interpret) for k, v in caches])
             row = {"model": model, "batch": args.batch, "slots": args.slots,
-                   "setting": setting + (" +rope" if args.rope else ""), "copies": count, "us": {}}
+                   "setting": setting, "copies": count, "us": {}}
             try:
                 for length in lengths:
                     length_arr = jnp.asarray(length, jnp.int32)
                     got = fn(q, caches, length_arr)[0].astype(jnp.float32)
                     visible = jnp.arange(args.slots)[None, :] < length
                     ref = da.decode_attention_reference(q, *caches[0], mask & visible,
-                                                        scale=scale, rope=rope)
+                                                        scale=scale)
                     error = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
                     row["max_rel_err"] = max(row.get("max_rel_err", 0.0), error)
                     _, call_us, _ = traced_device_us(fn, (q, caches, length_arr),
@@ -115,8 +107,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - started
     text = report(rows, lengths, args, elapsed)
     print(text, flush=True)
-    common.write_outputs(args.out, f"attention_profile_b{args.batch}"
-                         + ("_rope" if args.rope else ""), text,
+    common.write_outputs(args.out, f"attention_profile_b{args.batch}", text,
                          {"argv": sys.argv, "rows": rows, "jax": jax.__version__,
                           **common.device_info()})
 

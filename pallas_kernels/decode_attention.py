@@ -14,15 +14,12 @@ split reads a few blocks instead of the first ones reading all of them (the prog
 loop sets the kernel's time). `DecodeAttentionConfig(balanced=0)` gives each split a fixed
 range of the cache, ceil(S / block_s / splits) blocks (the layout before session 11).
 
-    out = decode_attention(q, keys, values, mask, length, scale=1 / sqrt(D), rope=None)
+    out = decode_attention(q, keys, values, mask, length, scale=1 / sqrt(D))
 
 Shapes: q [B, KVH, G, D] (G = query heads per kv head), keys / values [B, S, KVH, D] (the cache
 layout), mask [B, S] bool (True = may attend; slots >= length are never read), length int32
 scalar. Returns [B, KVH, G, D] in q's dtype = softmax(q k^T * scale, masked) v per (b, kv
-head), computed in float32 and rounded once. With rope = (cos, sin), each [B, D] float32, q
-is the un-rotated query and the kernel applies the rotary embedding first (HF's rotate_half
-convention, in float32, rounded to q's dtype: qerl_jax.models.layers.apply_rope), which saves
-the decode step a separate XLA kernel for q's rotation.
+head), computed in float32 and rounded once.
 
 Numerics: scores and the softmax in float32, the probabilities rounded to the inputs' dtype for
 the p @ v product (float32 accumulation), as the XLA path does. A row whose visited slots are all
@@ -54,7 +51,7 @@ class DecodeAttentionConfig:
     splits: int | None = None
     balanced: int = 1
     num_warps: int = 4
-    num_stages: int = 3  # 3 vs 2: -0.3..0.5 us mean per call at 7B / 32B shapes (RESULTS session 11)
+    num_stages: int = 3  # vs 2: 0.15-0.5 us less per call, 7B / 32B (RESULTS.md session 11)
 
 
 _DEFAULT_CONFIG = DecodeAttentionConfig()
@@ -120,34 +117,15 @@ def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
     return max(1, min(_cdiv(slots, block_s), _cdiv(_TARGET_PROGRAMS, batch * kv_heads)))
 
 
-def _rotated_query_halves(q_ref, cos_ref, sin_ref, b, h, groups_pad: int, rows):
-    """q [G_pad, D] of (b, h) rotated by cos / sin [D] of row b, as its two halves along D
-    (Triton cannot slice a loaded block): lo = q_lo cos_lo - q_hi sin_lo, hi = q_hi cos_hi +
-    q_lo sin_hi in float32, each rounded to q's dtype (apply_rope)."""
-    half = q_ref.shape[-1] // 2
-    q_lo, q_hi = (plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), pl.ds(start, half)],
-                             mask=rows, other=0.0).astype(jnp.float32) for start in (0, half))
-    cos_lo, cos_hi = (cos_ref[b, pl.ds(start, half)][None, :] for start in (0, half))
-    sin_lo, sin_hi = (sin_ref[b, pl.ds(start, half)][None, :] for start in (0, half))
-    return ((q_lo * cos_lo - q_hi * sin_lo).astype(q_ref.dtype),
-            (q_hi * cos_hi + q_lo * sin_hi).astype(q_ref.dtype))
-
-
-def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, *refs,
+def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_ref, *,
             groups: int, groups_pad: int, slots: int, block_s: int, splits: int,
-            blocks_per_split: int, balanced: bool, rope: bool, scale: float):
+            blocks_per_split: int, balanced: bool, scale: float):
     """One (batch row, kv head, split): online softmax over the split's blocks of slots.
-    refs: [cos, sin (rope),] o[, m, l]. Writes the unnormalized float32 acc [G, D] and the row
-    max m / sum l [G] of the split (or, with one split, the normalized output)."""
-    if rope:
-        cos_ref, sin_ref, *refs = refs
-    o_ref, m_ref, l_ref = (*refs, None, None) if len(refs) == 1 else refs
+    Writes the unnormalized float32 acc [G, D] and the row max m / sum l [G] of the split (or,
+    with one split, the normalized output)."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = lax.broadcasted_iota(jnp.int32, (groups_pad, 1), 0) < groups
-    if rope:
-        q_halves = _rotated_query_halves(q_ref, cos_ref, sin_ref, b, h, groups_pad, rows)
-    else:
-        q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
+    q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
     visible = jnp.minimum(length_ref[0], slots)
     # Blocks per split: the used ones shared evenly (<= blocks_per_split, as visible <= slots),
     # or a fixed range of the cache.
@@ -155,36 +133,21 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, *refs,
                  else blocks_per_split)
     begin = split * per_split * block_s
     trips = jnp.clip(_cdiv_traced(visible - begin, block_s), 0, per_split)
-    head_dim = q_ref.shape[-1]
-    half = head_dim // 2
-
-    def scores_of(s0, in_range):
-        """q k^T [G_pad, block_s] float32 for the block at slot s0 (rotated q: one dot per
-        half of D)."""
-        if not rope:
-            k = plgpu.load(keys_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
-                           other=0.0)
-            return lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-        total = None
-        for q_half, start in zip(q_halves, (0, half)):
-            k = plgpu.load(keys_ref.at[b, pl.ds(s0, block_s), h, pl.ds(start, half)],
-                           mask=in_range[:, None], other=0.0)
-            part = lax.dot_general(q_half, k, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-            total = part if total is None else total + part
-        return total
+    head_dim = q.shape[-1]
 
     def body(t, carry):
         m, l, acc = carry
         s0 = begin + t * block_s
         slot = s0 + lax.broadcasted_iota(jnp.int32, (block_s,), 0)
         in_range = slot < visible  # visible <= slots: never past the cache either
+        k = plgpu.load(keys_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
+                       other=0.0)
         v = plgpu.load(values_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
                        other=0.0)
         allowed = plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=in_range, other=0)
         keep = allowed != 0
-        s = scores_of(s0, in_range) * scale
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale
         s = jnp.where(keep[None, :], s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -226,11 +189,10 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits: int, splits_pad: in
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      length: jax.Array, *, scale: float,
-                     rope: tuple[jax.Array, jax.Array] | None = None,
                      config: DecodeAttentionConfig | None = None,
                      interpret: bool = False) -> jax.Array:
-    """See the module docstring. Returns [B, KVH, G, D] in q's dtype. rope: (cos, sin) [B, D]
-    to rotate q with first. config None: the default (set_default_config)."""
+    """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None: the
+    default (set_default_config)."""
     config = config or _DEFAULT_CONFIG
     batch, kv_heads, groups, head_dim = q.shape
     if keys.shape != values.shape or keys.ndim != 4 or keys.shape[0] != batch or \
@@ -242,11 +204,6 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
         raise ValueError(f"decode_attention: mask {mask.shape} must be [B={batch}, S={slots}]")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"decode_attention: head_dim {head_dim} must be a power of two >= 16")
-    if rope is not None:
-        rope = tuple(jnp.asarray(t, jnp.float32) for t in rope)
-        if len(rope) != 2 or any(t.shape != (batch, head_dim) for t in rope):
-            raise ValueError(f"decode_attention: rope (cos, sin) {[t.shape for t in rope]} must "
-                             f"be two [B={batch}, D={head_dim}] arrays")
     block_s = config.block_s
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"decode_attention: block_s {block_s} must be a power of two >= 16")
@@ -254,7 +211,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     blocks_per_split = _cdiv(_cdiv(slots, block_s), splits)
     splits = _cdiv(_cdiv(slots, block_s), blocks_per_split)  # no split without a block
     return _decode_attention(q, keys, values, mask, jnp.asarray(length, jnp.int32).reshape(1),
-                             rope, scale=float(scale), block_s=block_s, splits=splits,
+                             scale=float(scale), block_s=block_s, splits=splits,
                              blocks_per_split=blocks_per_split,
                              balanced=bool(config.balanced), num_warps=config.num_warps,
                              num_stages=config.num_stages, interpret=interpret)
@@ -262,28 +219,32 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "blocks_per_split",
                                              "balanced", "num_warps", "num_stages", "interpret"))
-def _decode_attention(q, keys, values, mask, length, rope, *, scale, block_s, splits,
+def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
                       blocks_per_split, balanced, num_warps, num_stages, interpret):
     batch, kv_heads, groups, head_dim = q.shape
     groups_pad = max(16, _next_pow2(groups))
     kernel = functools.partial(_kernel, groups=groups, groups_pad=groups_pad,
                                slots=keys.shape[1], block_s=block_s, splits=splits,
                                blocks_per_split=blocks_per_split, balanced=balanced,
-                               rope=rope is not None, scale=scale)
+                               scale=scale)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
-    inputs = (length, q, keys, values, mask.astype(jnp.int32), *(rope or ()))
     if splits == 1:
-        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        def single(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref):
+            kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, None, None)
+
+        return pl.pallas_call(single, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
                               grid=(batch, kv_heads, 1), interpret=interpret,
-                              compiler_params=params, name="decode_attention_single")(*inputs)
+                              compiler_params=params, name="decode_attention_single")(
+            length, q, keys, values, mask.astype(jnp.int32))
     partial_shape = (batch, kv_heads, groups, splits)
     out_shape = (jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32))
     o, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(batch, kv_heads, splits),
                              interpret=interpret, compiler_params=params,
-                             name="decode_attention")(*inputs)
+                             name="decode_attention")(length, q, keys, values,
+                                                      mask.astype(jnp.int32))
     combine = functools.partial(_combine_kernel, splits=splits, splits_pad=_next_pow2(splits))
     return pl.pallas_call(combine, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
                           grid=(batch, kv_heads, groups), interpret=interpret,
@@ -292,16 +253,8 @@ def _decode_attention(q, keys, values, mask, length, rope, *, scale, block_s, sp
                           name="decode_attention_combine")(o, m, l)
 
 
-def decode_attention_reference(q, keys, values, mask, *, scale: float,
-                               rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """Plain jnp (float32) reference over all S slots: [B, KVH, G, D]; with rope, q rotated
-    first (float32, rounded to q's dtype, as the kernel and apply_rope do)."""
-    if rope is not None:
-        cos, sin = (t.astype(jnp.float32)[:, None, None, :] for t in rope)
-        q32 = q.astype(jnp.float32)
-        half = q.shape[-1] // 2
-        rotated = jnp.concatenate([-q32[..., half:], q32[..., :half]], axis=-1)
-        q = (q32 * cos + rotated * sin).astype(q.dtype)
+def decode_attention_reference(q, keys, values, mask, *, scale: float) -> jax.Array:
+    """Plain jnp (float32) reference over all S slots: [B, KVH, G, D]."""
     scores = jnp.einsum("bkgd,bskd->bkgs", q.astype(jnp.float32), keys.astype(jnp.float32))
     scores = jnp.where(mask[:, None, None, :], scores * scale, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)

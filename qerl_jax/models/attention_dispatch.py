@@ -7,10 +7,8 @@ interpreted in CPU tests) replaces it for decode steps (T = 1 with a cache) whos
 supports; prefill and training keep the XLA path.
 
     fn(q [B, KVH, G, D], keys [B, S, KVH, D], values, mask [B, S] bool, length int32 scalar,
-       *, scale[, rope]) -> [B, KVH, G, D] in q's dtype
+       *, scale) -> [B, KVH, G, D] in q's dtype
     supports(q, keys) -> None, or why not (then the XLA path runs; logged once)
-    rotates_query: fn takes rope=(cos, sin) [B, D] float32 and q before its rotary embedding
-       (the kernel rotates it, saving a kernel launch); False: q arrives rotated
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ class DecodeAttentionKernel:
     name: str
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None] | None = None
-    rotates_query: bool = False
 
 
 _KERNELS: dict[str, DecodeAttentionKernel] = {}

@@ -134,7 +134,7 @@ class Attention(nnx.Module):
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        k = apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = None
         if cached_kv is not None:
             keys_cache, values_cache = cached_kv
@@ -146,20 +146,15 @@ class Attention(nnx.Module):
         else:
             keys, values = k, v
         groups = self.num_heads // self.num_kv_heads
-        grouped = (batch, length, self.num_kv_heads, groups, self.head_dim)
-        kernel = (decode_attention_kernel(q.reshape(grouped)[:, 0], keys)
+        q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
+        kernel = (decode_attention_kernel(q[:, 0], keys)
                   if cached_kv is not None and length == 1 else None)
         if kernel is not None:
-            # A decode step: the kernel reads only slots [0, cache_index] of the cache (and
-            # applies q's rotary embedding itself if it can).
-            options = {"rope": (cos[:, 0], sin[:, 0])} if kernel.rotates_query else {}
-            if not kernel.rotates_query:
-                q = apply_rope(q, cos, sin)
-            out = kernel.fn(q.reshape(grouped)[:, 0], keys, values, mask[:, 0, :],
-                            cache_index + 1, scale=1.0 / math.sqrt(self.head_dim), **options)
+            # A decode step: the kernel reads only slots [0, cache_index] of the cache.
+            out = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
+                            scale=1.0 / math.sqrt(self.head_dim))
             out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
             return self.o_proj(out), new_kv
-        q = apply_rope(q, cos, sin).reshape(grouped)
         scale = 1.0 / math.sqrt(self.head_dim)
         attend = functools.partial(_attend, keys=keys, values=values, scale=scale,
                                    compute_dtype=self.compute_dtype)

@@ -463,14 +463,12 @@ def enable_decode_attention(platform: str | None = None, *, interpret: bool = Fa
     if platform not in KERNEL_PLATFORMS and not interpret:
         return False
 
-    def run(q, keys, values, mask, length, *, scale, rope=None):
+    def run(q, keys, values, mask, length, *, scale):
         return decode_attention_kernels.decode_attention(q, keys, values, mask, length,
-                                                         scale=scale, rope=rope,
-                                                         interpret=interpret)
+                                                         scale=scale, interpret=interpret)
 
     attention_dispatch.register_decode_attention(platform, attention_dispatch.DecodeAttentionKernel(
-        name="pallas_decode_attention", fn=run, supports=_decode_attention_supports,
-        rotates_query=True))
+        name="pallas_decode_attention", fn=run, supports=_decode_attention_supports))
     logger.info("registered the Pallas decode attention for %s (interpret=%s)", platform,
                 interpret)
     return True

@@ -77,43 +77,6 @@ def test_slots_past_length_are_not_read(balanced):
                                atol=TOLERANCE * np.abs(ref).max())
 
 
-def _rope_tables(rng, batch, head_dim):
-    """cos / sin [B, D] float32 of random positions (half-split layout, as rope_cos_sin)."""
-    positions = rng.integers(0, 4000, size=(batch,))
-    inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
-    angles = positions[:, None] * inv_freq[None, :]
-    angles = np.concatenate([angles, angles], axis=-1)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-@pytest.mark.parametrize("splits", [3, 1])
-def test_rope_of_q_in_the_kernel(splits):
-    """With rope=(cos, sin) the kernel rotates the raw q itself: the result equals attention with
-    q rotated by the model's apply_rope first (float32, rounded to bf16)."""
-    from qerl_jax.models.layers import apply_rope
-    rng, q, k, v = _problem(3, 3, 200, 2, 7, 32)
-    mask = rng.random((3, 200)) < 0.8
-    mask[:, 0] = True
-    cos, sin = _rope_tables(rng, 3, 32)
-    q_rotated = apply_rope(q.reshape(3, 1, 14, 32), jnp.asarray(cos)[:, None],
-                           jnp.asarray(sin)[:, None]).reshape(q.shape)
-    config = DecodeAttentionConfig(block_s=32, splits=splits)
-    got = decode_attention(q, k, v, jnp.asarray(mask), 150, scale=32 ** -0.5, config=config,
-                           rope=(jnp.asarray(cos), jnp.asarray(sin)), interpret=True)
-    ref = _reference(q_rotated, k, v, mask, 150, 32 ** -0.5)
-    err = np.abs(np.asarray(got, np.float32) - ref).max() / np.abs(ref).max()
-    assert err <= TOLERANCE, f"relative error {err:.2e}"
-    # and against the kernel fed the rotated q: the same bf16 q, scores summed over two halves
-    # of D instead of one dot, so at most about one bf16 ulp (2^-8 relative) apart
-    pre = decode_attention(q_rotated, k, v, jnp.asarray(mask), 150, scale=32 ** -0.5,
-                           config=config, interpret=True)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(pre, np.float32),
-                               atol=2 ** -8 * np.abs(ref).max())
-    with pytest.raises(ValueError, match="rope"):
-        decode_attention(q, k, v, jnp.asarray(mask), 150, scale=1.0, interpret=True,
-                         rope=(jnp.asarray(cos)[:, :16], jnp.asarray(sin)))
-
-
 def test_all_masked_row_stays_finite_and_errors():
     _, q, k, v = _problem(1, 2, 64, 1, 2, 16)
     mask = np.ones((2, 64), bool)
