@@ -24,11 +24,10 @@ import sys
 import time
 
 import _common as common
-from kernel_profile import traced_device_us
+from kernel_profile import L2_DEFEAT_BYTES, traced_device_us
 
 # (kv heads, query heads per kv head, head dim) of Qwen2.5 models.
 SHAPES = {"7b": (4, 7, 128), "14b": (8, 5, 128), "32b": (8, 5, 128), "smoke": (2, 3, 16)}
-L2_DEFEAT_BYTES = 200 << 20
 
 
 def parse_args(argv=None):

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 import _common as common
-from kernel_profile import traced_device_us
+from kernel_profile import L2_DEFEAT_BYTES, traced_device_us
 
 # (name, K, r) of a layer's x @ A products (rank 32 per adapter; q|k|v and gate|up stacked).
 SHAPES = {
@@ -35,7 +35,6 @@ SHAPES = {
     "smoke": [("a", 256, 32)],
 }
 VARIANTS = ("dot", "dot_f32", "mul_reduce")
-L2_DEFEAT_BYTES = 200 << 20
 
 
 def variant_fn(name: str):
