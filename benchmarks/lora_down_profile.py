@@ -10,6 +10,10 @@ as a decode step's 28-64 layers do), and checks each against float64 numpy:
   dot         jnp.dot(x, A, preferred_element_type=bf16)  (the model's code)
   dot_f32     the same dot with a float32 result, cast to bf16 after
   mul_reduce  sum over K of x[:, :, None] * A[None] in float32 (an XLA reduction fusion)
+  pallas_c16  a Pallas kernel over A^T [r, K] (made once, outside the product): one program per
+              16 columns of A reads all of K (no split-K, so no reduction kernel); _b256 / _s4
+              variants: K step 256 instead of 512 / 4 pipeline stages instead of 3; _a: the
+              same kernel reading A [K, r] as it is (32-byte rows of 16 columns)
 
     python benchmarks/lora_down_profile.py --models 7b,32b --out $OUT
     python benchmarks/lora_down_profile.py --smoke --out /tmp/lora_down_profile  # CPU
@@ -34,11 +38,66 @@ SHAPES = {
     "32b": [("qkv", 5120, 96), ("o", 5120, 32), ("gate|up", 5120, 64), ("down", 27648, 32)],
     "smoke": [("a", 256, 32)],
 }
-VARIANTS = ("dot", "dot_f32", "mul_reduce")
+VARIANTS = ("dot", "dot_f32", "mul_reduce", "pallas_c16", "pallas_c16_b256", "pallas_c16_s4",
+            "pallas_c16_a")
+# Pallas variants: (columns per program, K step, pipeline stages, A transposed).
+PALLAS_VARIANTS = {"pallas_c16": (16, 512, 3, True), "pallas_c16_b256": (16, 256, 3, True),
+                   "pallas_c16_s4": (16, 512, 4, True), "pallas_c16_a": (16, 512, 3, False)}
 
 
-def variant_fn(name: str):
+def pallas_columns_product(x, a_t, *, block_cols: int, block_k: int, num_stages: int,
+                           interpret: bool, transposed: bool = True):
+    """x [M <= 16, K] @ A where a_t = A^T [r, K] (transposed, else A [K, r] itself): bf16
+    [M, r], one program per block_cols columns, each looping over all of K (float32
+    accumulation)."""
+    import jax
     import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    m, k = x.shape
+    r = a_t.shape[0] if transposed else a_t.shape[1]
+    block_k = min(block_k, k)
+    if m > 16 or k % block_k or r % block_cols:
+        raise ValueError(f"pallas_columns_product: M={m} > 16, K={k} or r={r} not tiled")
+
+    def kernel(x_ref, a_ref, o_ref):
+        c0 = pl.multiple_of(pl.program_id(0) * block_cols, block_cols)
+        rows = lax.broadcasted_iota(jnp.int32, (16, block_k), 0) < m
+
+        def body(t, acc):
+            k0 = pl.multiple_of(t * block_k, block_k)
+            xs = plgpu.load(x_ref.at[pl.ds(0, 16), pl.ds(k0, block_k)], mask=rows, other=0.0)
+            if transposed:
+                a_tile = a_ref[pl.ds(c0, block_cols), pl.ds(k0, block_k)]
+                return acc + lax.dot_general(xs, a_tile, (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32)
+            a_tile = a_ref[pl.ds(k0, block_k), pl.ds(c0, block_cols)]
+            return acc + lax.dot_general(xs, a_tile, (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, k // block_k, body, jnp.zeros((16, block_cols), jnp.float32))
+        out_rows = lax.broadcasted_iota(jnp.int32, (16, block_cols), 0) < m
+        plgpu.store(o_ref.at[pl.ds(0, 16), pl.ds(c0, block_cols)], acc.astype(o_ref.dtype),
+                    mask=out_rows)
+
+    params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=num_stages)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, r), jnp.bfloat16),
+                          grid=(r // block_cols,), interpret=interpret,
+                          compiler_params=params, name="lora_down_columns")(x, a_t)
+
+
+def variant_fn(name: str, interpret: bool = False):
+    import functools
+
+    import jax.numpy as jnp
+
+    if name in PALLAS_VARIANTS:
+        block_cols, block_k, stages, transposed = PALLAS_VARIANTS[name]
+        return functools.partial(pallas_columns_product, block_cols=block_cols,
+                                 block_k=block_k, num_stages=stages, interpret=interpret,
+                                 transposed=transposed)
 
     def dot(x, a):
         return jnp.dot(x, a, preferred_element_type=jnp.bfloat16)
@@ -85,11 +144,16 @@ def main(argv=None):
             copies = [a0 + 0 * i for i in range(count)]  # distinct buffers, same values
             reference = np.asarray(x, np.float64) @ np.asarray(a0, np.float64)
             for variant in variants:
-                one = variant_fn(variant)
+                one = variant_fn(variant, interpret=jax.default_backend() != "gpu")
+                operands = copies
+                if variant in PALLAS_VARIANTS and PALLAS_VARIANTS[variant][3]:
+                    # A^T, made once like the stacked A
+                    operands = [jnp.asarray(a.T) for a in copies]
                 fn = jax.jit(lambda x, copies, one=one: [one(x, a) for a in copies])
-                got = np.asarray(fn(x, copies)[0], np.float64)
+                got = np.asarray(fn(x, operands)[0], np.float64)
                 error = float(np.abs(got - reference).max() / np.abs(reference).max())
-                _, call_us, _ = traced_device_us(fn, (x, copies), args.repeats, count, None)
+                _, call_us, _ = traced_device_us(fn, (x, operands), args.repeats, count, None)
+                del operands
                 rows.append({"model": model, "shape": name, "k": k, "r": r, "variant": variant,
                              "copies": count, "call_us": call_us, "max_rel_err": error})
                 print(rows[-1], flush=True)

@@ -274,6 +274,95 @@ def test_grouped_matmul_default_config_and_errors():
                                   lora_scales=(1.0, 1.0))
 
 
+def _swiglu_float32(gate, up):
+    """swiglu() of the model on bf16 gate/up: float32 silu(gate) * up, rounded to bf16."""
+    gate32, up32 = jnp.asarray(gate, jnp.float32), jnp.asarray(up, jnp.float32)
+    return (jax.nn.silu(gate32) * up32).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m,ranks,weight_as_lhs", [(3, None, False), (5, (8, 4), False),
+                                                   (16, (16, 16), True)])
+def test_fused_swiglu_equals_grouped_launch_then_swiglu(m, ranks, weight_as_lhs):
+    """gate|up with the SwiGLU in the epilogue (one launch, block_n rows of each weight per
+    program) against (1) the grouped launch's bf16 gate and up followed by the model's float32
+    SwiGLU: equal up to one bf16 ulp (only the exp of silu may differ), and (2) the float64
+    SwiGLU of the exact products (twice the kernel tolerance: a product of two products).
+    N = 80 leaves a ragged last tile."""
+    seed = kc.fresh_seed()
+    rng = np.random.default_rng(seed)
+    k, n = 3 * 128, 80
+    problems = [kc.random_problem(NVFP4, seed + i, m, n, k, 128) for i in range(2)]
+    x = problems[0][1]
+    packed = tuple(p[2] for p in problems)
+    stacked = bs = scales = None
+    if ranks is not None:
+        downs = [jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16) for r in ranks]
+        bs = [jnp.asarray(0.1 * rng.standard_normal((r, n)), jnp.bfloat16) for r in ranks]
+        scales = (0.5, 2.0)
+        stacked = jnp.concatenate(downs, axis=1)
+    pair = bw.MatmulConfig(block_m=16, block_n=32, split_k=1, weight_as_lhs=weight_as_lhs)
+    fused = bw.blockwise_matmul_swiglu(x, *packed, spec=nv.NVFP4, config=pair, interpret=True,
+                                       poison_output=True, lora_down=stacked, lora_bs=bs,
+                                       lora_scales=scales)
+    assert fused.shape == (m, n) and fused.dtype == jnp.bfloat16
+    group = dataclasses.replace(pair, block_n=64)
+    gate, up = bw.blockwise_matmul_group(x, packed, spec=nv.NVFP4, config=group, interpret=True,
+                                         lora_down=stacked, lora_bs=bs, lora_scales=scales)
+    unfused = np.asarray(_swiglu_float32(gate, up), np.float32)
+    got = np.asarray(fused, np.float32)
+    # One bf16 ulp, plus 2^-100 absolute: for gate < -87 silu(gate) is an f32 subnormal that
+    # XLA flushes to zero while gate / (1 + exp(-gate)) stays a normal ~1e-36.
+    ulp = np.abs(unfused) * 2.0 ** -7 + 2.0 ** -100
+    assert np.all(np.abs(got - unfused) <= ulp), f"seed={seed}"
+    assert np.mean(got == unfused) > 0.95, f"seed={seed}"
+    exact = []
+    for i, problem in enumerate(problems):
+        y = np.asarray(x, np.float64) @ np.asarray(
+            nv.nvfp4_dequantize_reference(*problem[0]), np.float64).T
+        if ranks is not None:
+            y = y + scales[i] * (np.asarray(downs[i], np.float64) @ np.asarray(bs[i], np.float64))
+        exact.append(y)
+    reference = exact[0] / (1.0 + np.exp(-exact[0])) * exact[1]
+    kc.assert_close(fused, reference, f"fused SwiGLU seed={seed}", factor=2.0)
+
+
+def test_fused_swiglu_default_config_and_errors():
+    problems = [kc.random_problem(NVFP4, i, 4, 80, 384, 128) for i in range(2)]
+    x, packed = problems[0][1], tuple(p[2] for p in problems)
+    config = bw.default_swiglu_matmul_config(4, *packed)
+    group = bw.default_group_matmul_config(4, packed)
+    assert config == dataclasses.replace(group, block_n=group.block_n // 2)
+    assert config.split_k == 1 and config.block_n == 32
+    y = bw.blockwise_matmul_swiglu(x, *packed, spec=nv.NVFP4, interpret=True)
+    gate, up = bw.blockwise_matmul_group(x, packed, spec=nv.NVFP4, interpret=True)
+    np.testing.assert_allclose(np.asarray(y, np.float32),
+                               np.asarray(_swiglu_float32(gate, up), np.float32), rtol=2 ** -7,
+                               atol=2.0 ** -100)  # atol: see the test above (subnormal silu)
+    # where the grouped launch splits K (few N tiles, many K tiles) or M > 64: no fused launch
+    deep = [kc.random_problem(NVFP4, 5 + i, 4, 80, 2048, 128)[2] for i in range(2)]
+    assert bw.default_group_matmul_config(4, tuple(deep)).split_k > 1
+    assert bw.default_swiglu_matmul_config(4, *deep) is None
+    assert bw.default_swiglu_matmul_config(65, *packed) is None
+    with pytest.raises(ValueError, match="no fused SwiGLU launch"):
+        bw.blockwise_matmul_swiglu(jnp.zeros((4, 2048), jnp.bfloat16), *deep, spec=nv.NVFP4,
+                                   interpret=True)
+    with pytest.raises(ValueError, match="split_k=1"):
+        bw.blockwise_matmul_swiglu(x, *packed, spec=nv.NVFP4, interpret=True,
+                                   config=dataclasses.replace(config, split_k=2))
+    other = kc.random_problem(NVFP4, 9, 4, 48, 384, 128)[2]
+    with pytest.raises(ValueError, match="same shape"):
+        bw.blockwise_matmul_swiglu(x, packed[0], other, spec=nv.NVFP4, interpret=True)
+    with pytest.raises(ValueError, match="2 B matrices"):
+        bw.blockwise_matmul_swiglu(x, *packed, spec=nv.NVFP4, interpret=True,
+                                   lora_down=jnp.zeros((4, 16), jnp.bfloat16),
+                                   lora_bs=[jnp.zeros((16, 80), jnp.bfloat16)], lora_scales=(1.0,))
+    with pytest.raises(ValueError, match="sum to 32"):
+        bw.blockwise_matmul_swiglu(x, *packed, spec=nv.NVFP4, interpret=True,
+                                   lora_down=jnp.zeros((4, 16), jnp.bfloat16),
+                                   lora_bs=[jnp.zeros((16, 80), jnp.bfloat16)] * 2,
+                                   lora_scales=(1.0, 1.0))
+
+
 # ----------------------------------------------------------------------------------------------
 # Canonical scale codes of the kernel layout, and the "asmq" decoder's arithmetic
 

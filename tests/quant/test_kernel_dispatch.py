@@ -391,6 +391,110 @@ def test_linear_group_matches_single_linears(interpret_kernels, format_name, m, 
             _assert_close(grads[2][i], grads_ref[2][i], 2 * TOLERANCE, f"{context} dB{i}")
 
 
+def _swiglu32(gate, up):
+    """The model's SwiGLU (layers.swiglu, float32, rounded to the inputs' dtype)."""
+    from qerl_jax.models.layers import swiglu
+    return swiglu(gate, up)
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("m,with_lora", [(3, True), (16, False), (64, True), (300, True)])
+def test_linear_swiglu_fuses_gate_up_at_small_m(interpret_kernels, format_name, m, with_lora):
+    """linear_swiglu on kernel-layout gate/up: one fused launch with the SwiGLU in its epilogue
+    at M <= 64 (the grouped launch has no split-K at these shapes), the unfused path above.
+    Outputs and gradients w.r.t. x, A and B against swiglu of the two single XLA-path linears
+    (checkpoint layout): within 4x the module's tolerance (the SwiGLU compounds the gate and up
+    errors), and against swiglu of the grouped launch on the same weights within one bf16
+    ulp (+ 2^-100 for silu's subnormals, see tests/pallas_kernels/test_nvfp4_matmul.py)."""
+    from qerl_jax.quant.linear_op import LoRAProduct, linear_group, linear_swiglu
+    rng = np.random.default_rng(secrets.randbits(32))
+    quantized = [_weight(format_name, rng) for _ in range(2)]
+    prepared = [to_kernel_layout(w) for w in quantized]
+    x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
+    a = [jnp.asarray(rng.standard_normal((K, 8)) * 0.1, jnp.float32) for _ in range(2)]
+    b = [jnp.asarray(rng.standard_normal((8, N)) * 0.1, jnp.float32) for _ in range(2)]
+    dy = jnp.asarray(rng.standard_normal((m, N)), jnp.bfloat16)
+
+    def loras(a, b):
+        return [LoRAProduct(ai, bi, 2.0) for ai, bi in zip(a, b)] if with_lora else None
+
+    def fused(x, a, b, weights):
+        return linear_swiglu(x, weights, (None, None), activation=_swiglu32,
+                             compute_dtype=jnp.bfloat16, loras=loras(a, b))
+
+    def grouped(x, a, b, weights):
+        return _swiglu32(*linear_group(x, weights, (None, None), compute_dtype=jnp.bfloat16,
+                                       loras=loras(a, b)))
+
+    def single(x, a, b, weights):
+        lora = loras(a, b) or (None, None)
+        return _swiglu32(*(linear(x, w, None, compute_dtype=jnp.bfloat16, lora=l)
+                           for w, l in zip(weights, lora)))
+
+    y, vjp = jax.vjp(functools.partial(fused, weights=prepared), x, a, b)
+    grads = vjp(dy)
+    y_ref, vjp_ref = jax.vjp(functools.partial(single, weights=quantized), x, a, b)
+    grads_ref = vjp_ref(dy)
+    jaxpr = str(jax.make_jaxpr(functools.partial(fused, weights=prepared))(x, a, b))
+    assert (f"{format_name}_matmul_swiglu" in jaxpr) == (m <= 64)
+    context = f"{format_name} M={m} lora={with_lora}"
+    assert y.shape == (m, N) and y.dtype == jnp.bfloat16
+    _assert_close(y, y_ref, 4 * TOLERANCE, f"{context} y")
+    _assert_close(grads[0], grads_ref[0], 4 * TOLERANCE, f"{context} dx")
+    if with_lora:
+        for i in range(2):
+            _assert_close(grads[1][i], grads_ref[1][i], 4 * TOLERANCE, f"{context} dA{i}")
+            _assert_close(grads[2][i], grads_ref[2][i], 4 * TOLERANCE, f"{context} dB{i}")
+    unfused = np.asarray(grouped(x, a, b, prepared), np.float32)
+    assert np.all(np.abs(np.asarray(y, np.float32) - unfused)
+                  <= np.abs(unfused) * 2.0 ** -7 + 2.0 ** -100), context
+
+
+def test_linear_swiglu_falls_back_and_says_why(caplog):
+    """Biases, dense weights, fused_swiglu=False and a split-K grouped launch take the grouped
+    launch + XLA SwiGLU path (the same values as linear_group then swiglu), and the log says
+    why where a kernel was considered."""
+    from qerl_jax.quant.linear_op import linear_group, linear_swiglu
+    rng = np.random.default_rng(1)
+    prepared = [to_kernel_layout(_weight("nvfp4", rng)) for _ in range(2)]
+    x = jnp.asarray(rng.standard_normal((4, K)), jnp.bfloat16)
+
+    def program(x, biases=(None, None), weights=prepared):
+        return str(jax.make_jaxpr(lambda x: linear_swiglu(x, weights, biases,
+                                                          activation=_swiglu32))(x))
+
+    register_kernels("cpu", interpret=True, fused_swiglu=False)
+    try:
+        assert "nvfp4_matmul_swiglu" not in program(x)
+        assert "nvfp4_matmul_group2" in program(x)
+        register_kernels("cpu", interpret=True)
+        assert "nvfp4_matmul_swiglu" in program(x)
+        bias = jnp.zeros((N,), jnp.float32)
+        with_bias = program(x, (bias, None))
+        assert "nvfp4_matmul_swiglu" not in with_bias and "nvfp4_matmul_group2" in with_bias
+        got = linear_swiglu(x, prepared, (bias, None), activation=_swiglu32)
+        want = _swiglu32(*linear_group(x, prepared, (bias, None)))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        dense = [jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.float32) for _ in range(2)]
+        got = linear_swiglu(x, dense, (None, None), activation=_swiglu32,
+                            compute_dtype=jnp.float32)
+        want = _swiglu32(*linear_group(x, dense, (None, None), compute_dtype=jnp.float32))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        # deep K, few N tiles: the grouped launch splits K, so the SwiGLU cannot be fused
+        deep = [to_kernel_layout(_weight("nvfp4", rng, n=64, k=4096)) for _ in range(2)]
+        with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+            text = program(jnp.zeros((4, 4096), jnp.bfloat16), weights=deep)
+        assert "nvfp4_matmul_swiglu" not in text and "nvfp4_matmul_group2" in text
+        assert "no fused SwiGLU" in caplog.text
+        with pytest.raises(ValueError, match=r"needs \(gate, up\)"):
+            linear_swiglu(x, prepared[:1], (None,), activation=_swiglu32)
+        with pytest.raises(ValueError, match="same shape"):
+            linear_swiglu(x, (prepared[0], to_kernel_layout(_weight("nvfp4", rng, n=72))),
+                          (None, None), activation=_swiglu32)
+    finally:
+        unregister_kernels("cpu")
+
+
 def test_linear_group_runs_one_by_one_where_it_cannot_group(interpret_kernels, caplog):
     """Dense weights (bit for bit the single linears), mixed formats and mixed LoRA fall back to
     one linear per weight, and the log says why."""
