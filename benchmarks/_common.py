@@ -406,11 +406,13 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
 
 DECODE_TUNING_ENV = "QERL_DECODE_TUNING"
 DECODE_ATTENTION_ENV = "QERL_DECODE_ATTENTION"
+SWIGLU_TUNING_ENV = "QERL_SWIGLU_TUNING"
 
 
 def apply_decode_tuning_from_env() -> str:
     """Applies $QERL_DECODE_TUNING ('block_n=128,num_warps=8': DecodeTuning fields of
-    pallas_kernels.blockwise_matmul) and $QERL_DECODE_ATTENTION ('splits=1': the
+    pallas_kernels.blockwise_matmul), $QERL_SWIGLU_TUNING (the fused SwiGLU launch's config
+    overrides, blockwise_matmul.set_swiglu_tuning) and $QERL_DECODE_ATTENTION ('splits=1': the
     DecodeAttentionConfig fields of pallas_kernels.decode_attention) before a benchmark builds
     its programs, so one job list can try kernel settings in the model (they reach worker
     processes too). Returns the settings ('' when unset); the kernel hook records them in the
@@ -421,6 +423,11 @@ def apply_decode_tuning_from_env() -> str:
         from pallas_kernels import blockwise_matmul as bw
         bw.set_decode_tuning(**bw.parse_tuning(text))
         applied.append(text)
+    swiglu = os.environ.get(SWIGLU_TUNING_ENV, "").strip()
+    if swiglu:
+        from pallas_kernels import blockwise_matmul as bw
+        bw.set_swiglu_tuning(**bw.parse_tuning(swiglu))
+        applied.append(f"SwiGLU {swiglu}")
     attention = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
     if attention:
         from pallas_kernels import decode_attention

@@ -931,18 +931,40 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
     return tuple(y.reshape(*lead, p.n) for y, p in zip(ys, packed))
 
 
+_SWIGLU_TUNING_FIELDS = ("block_n", "num_warps", "num_stages", "weight_as_lhs", "decoder")
+_SWIGLU_TUNING: dict = {}
+
+
+def set_swiglu_tuning(**fields) -> dict:
+    """Overrides fields of the fused SwiGLU launch's default config (block_n: rows of EACH of
+    gate and up per program, num_warps, num_stages, weight_as_lhs, decoder; parse_tuning's
+    syntax), for benchmarks trying settings in the model; no arguments: back to the defaults.
+    Takes effect for programs traced afterwards. Returns the previous overrides."""
+    global _SWIGLU_TUNING
+    unknown = set(fields) - set(_SWIGLU_TUNING_FIELDS)
+    if unknown:
+        raise ValueError(f"SwiGLU tuning: unknown fields {sorted(unknown)}; expected some of "
+                         f"{list(_SWIGLU_TUNING_FIELDS)}")
+    block_n = fields.get("block_n")
+    if block_n is not None and (block_n < 16 or block_n > N_MULTIPLE or block_n & (block_n - 1)):
+        raise ValueError(f"SwiGLU tuning block_n={block_n}: a power of two in [16, "
+                         f"{N_MULTIPLE}]")
+    previous, _SWIGLU_TUNING = _SWIGLU_TUNING, dict(fields)
+    return previous
+
+
 def default_swiglu_matmul_config(m: int, gate: PackedWeight,
                                  up: PackedWeight) -> MatmulConfig | None:
     """Tiling of blockwise_matmul_swiglu, or None where it does not apply: the grouped
     launch's config for (gate, up) (default_group_matmul_config) with half its block_n, so a
     program reads as many weight rows as a grouped program (block_n of each) and the launch has
-    as many programs. None when that config is not a one-split fused launch (M > 64 takes the
-    dequantize path; split-K would need the full sums before the SwiGLU) or block_n would drop
-    below 16."""
+    as many programs (then set_swiglu_tuning's overrides). None when that config is not a
+    one-split fused launch (M > 64 takes the dequantize path; split-K would need the full sums
+    before the SwiGLU) or block_n would drop below 16."""
     config = default_group_matmul_config(m, (gate, up))
     if config.path != "fused" or config.split_k != 1 or config.block_n < 32:
         return None
-    return dataclasses.replace(config, block_n=config.block_n // 2)
+    return dataclasses.replace(config, **{"block_n": config.block_n // 2, **_SWIGLU_TUNING})
 
 
 def blockwise_matmul_swiglu(x: jax.Array, gate: PackedWeight, up: PackedWeight, *,
