@@ -158,8 +158,6 @@ def add_worker_arguments(parser, script_name: str) -> None:
                         help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
     parser.add_argument("--no-grouped-launches", action="store_true",
                         help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
-    parser.add_argument("--no-fused-swiglu", action="store_true",
-                        help="the gate|up launch writes gate and up, XLA applies the SwiGLU")
     parser.add_argument("--no-decode-attention", action="store_true",
                         help="decode steps attend over the whole cache on XLA (no Pallas kernel)")
     parser.add_argument("--kernels-interpret", action="store_true",
@@ -181,7 +179,6 @@ def kernel_flags(args) -> list[str]:
     return [flag for flag, on in (("--no-kernels", args.no_kernels),
                                   ("--no-lora-epilogue", args.no_lora_epilogue),
                                   ("--no-grouped-launches", args.no_grouped_launches),
-                                  ("--no-fused-swiglu", args.no_fused_swiglu),
                                   ("--no-decode-attention", args.no_decode_attention),
                                   ("--kernels-interpret", args.kernels_interpret)) if on]
 
@@ -191,7 +188,6 @@ def output_name(script_name: str, sizes: list[str], args) -> str:
     return (f"{script_name}_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
             + ("_no-lora-epilogue" if args.no_lora_epilogue else "")
             + ("_no-grouped" if args.no_grouped_launches else "")
-            + ("_no-fused-swiglu" if args.no_fused_swiglu else "")
             + ("_no-decode-attention" if args.no_decode_attention else ""))
 
 
@@ -283,8 +279,7 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0):
 def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed: int = 0,
                          use_kernels: bool = True, interpret: bool = False,
                          lora_epilogue: bool = True, tile_k: int | None = None,
-                         grouped: bool = True, decode_attention: bool = True,
-                         fused_swiglu: bool = True):
+                         grouped: bool = True, decode_attention: bool = True):
     """The rollout benchmarks' model: a random-weight `preset` (bf16 params and compute, no
     remat) in `format_name`, built tensor by tensor, with LoRA as the trainer attaches it (rank
     r, alpha r, all projections, trainable norms) and B drawn nonzero (1e-3 N(0, 1)) so the
@@ -312,7 +307,7 @@ def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed:
         layer.lora_b.set_value(1e-3 * jax.random.normal(
             jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
     model, info = _prepare_model(model, format_name, use_kernels, interpret, lora_epilogue,
-                                 tile_k, grouped, decode_attention, fused_swiglu)
+                                 tile_k, grouped, decode_attention)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     del model
     states = (trainable, frozen)
@@ -340,7 +335,7 @@ def _unregister_all_kernels(format_name: str) -> list[str]:
 def _prepare_model(model, format_name: str, use_kernels: bool = True,
                    interpret: bool = False, lora_epilogue: bool = True,
                    tile_k: int | None = None, grouped: bool = True,
-                   decode_attention: bool = True, fused_swiglu: bool = True):
+                   decode_attention: bool = True):
     """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
     when qerl_jax.quant.kernel_dispatch.enable_kernels exists; otherwise the pure XLA path.
 
@@ -382,7 +377,7 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     else:
         tuning = apply_decode_tuning_from_env()
         result = enable_kernels(model, interpret=interpret, lora_epilogue=lora_epilogue,
-                                tile_k=tile_k, grouped=grouped, fused_swiglu=fused_swiglu,
+                                tile_k=tile_k, grouped=grouped,
                                 decode_attention=decode_attention)
         if result is not None and hasattr(result, "config"):  # returned the (same) model
             model = result
@@ -390,7 +385,6 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
                                + (" (Pallas interpret mode)" if interpret else "")
                                + ("" if lora_epilogue else ", no LoRA epilogue")
                                + ("" if grouped else ", no grouped launches")
-                               + ("" if fused_swiglu or not grouped else ", no fused SwiGLU")
                                + ("" if decode_attention else ", no decode attention kernel")
                                + (f", tile_k {tile_k} for every weight" if tile_k else "")
                                + (f", decode tuning {tuning}" if tuning else ""))
@@ -406,13 +400,11 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
 
 DECODE_TUNING_ENV = "QERL_DECODE_TUNING"
 DECODE_ATTENTION_ENV = "QERL_DECODE_ATTENTION"
-SWIGLU_TUNING_ENV = "QERL_SWIGLU_TUNING"
 
 
 def apply_decode_tuning_from_env() -> str:
     """Applies $QERL_DECODE_TUNING ('block_n=128,num_warps=8': DecodeTuning fields of
-    pallas_kernels.blockwise_matmul), $QERL_SWIGLU_TUNING (the fused SwiGLU launch's config
-    overrides, blockwise_matmul.set_swiglu_tuning) and $QERL_DECODE_ATTENTION ('splits=1': the
+    pallas_kernels.blockwise_matmul) and $QERL_DECODE_ATTENTION ('splits=1': the
     DecodeAttentionConfig fields of pallas_kernels.decode_attention) before a benchmark builds
     its programs, so one job list can try kernel settings in the model (they reach worker
     processes too). Returns the settings ('' when unset); the kernel hook records them in the
@@ -423,11 +415,6 @@ def apply_decode_tuning_from_env() -> str:
         from pallas_kernels import blockwise_matmul as bw
         bw.set_decode_tuning(**bw.parse_tuning(text))
         applied.append(text)
-    swiglu = os.environ.get(SWIGLU_TUNING_ENV, "").strip()
-    if swiglu:
-        from pallas_kernels import blockwise_matmul as bw
-        bw.set_swiglu_tuning(**bw.parse_tuning(swiglu))
-        applied.append(f"SwiGLU {swiglu}")
     attention = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
     if attention:
         from pallas_kernels import decode_attention

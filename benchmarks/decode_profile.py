@@ -42,8 +42,6 @@ def parse_args(argv=None):
                         help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
     parser.add_argument("--no-grouped-launches", action="store_true",
                         help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
-    parser.add_argument("--no-fused-swiglu", action="store_true",
-                        help="the gate|up launch writes gate and up, XLA applies the SwiGLU")
     parser.add_argument("--no-decode-attention", action="store_true",
                         help="decode steps attend over the whole cache on XLA (no Pallas kernel)")
     parser.add_argument("--short-cache", action="store_true",
@@ -189,7 +187,7 @@ def main(argv=None):
     architecture, graphdef, states, info = common.build_sampling_model(
         common.preset_name(args.size), args.format, rank=args.rank, seed=args.seed,
         use_kernels=not args.no_kernels, lora_epilogue=not args.no_lora_epilogue,
-        grouped=not args.no_grouped_launches, fused_swiglu=not args.no_fused_swiglu,
+        grouped=not args.no_grouped_launches,
         decode_attention=not args.no_decode_attention,
         tile_k=args.tile_k)
     init_s = time.perf_counter() - started
@@ -211,7 +209,6 @@ def main(argv=None):
         "_no-kernels" if args.no_kernels else "") + (
         "_no-lora-epilogue" if args.no_lora_epilogue else "") + (
         "_no-grouped" if args.no_grouped_launches else "") + (
-        "_no-fused-swiglu" if args.no_fused_swiglu else "") + (
         "_no-decode-attention" if args.no_decode_attention else "") + (
         f"_tile{args.tile_k}" if args.tile_k else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "info": info,

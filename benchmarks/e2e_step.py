@@ -124,7 +124,6 @@ def worker_main(args) -> None:
                                             args.kernels_interpret,
                                             not args.no_lora_epilogue,
                                             grouped=not args.no_grouped_launches,
-                                            fused_swiglu=not args.no_fused_swiglu,
                                             decode_attention=not args.no_decode_attention)
         row.update(hook)
         row["params_B"] = model.config.num_parameters() / 1e9

@@ -106,7 +106,7 @@ def worker_main(args) -> None:
             base["preset"], format_name, rank=args.rank, seed=args.seed,
             use_kernels=not args.no_kernels, interpret=args.kernels_interpret,
             lora_epilogue=not args.no_lora_epilogue, tile_k=args.tile_k,
-            grouped=not args.no_grouped_launches, fused_swiglu=not args.no_fused_swiglu,
+            grouped=not args.no_grouped_launches,
             decode_attention=not args.no_decode_attention)
         base.update(info)
         base["init_s"] = time.perf_counter() - started

@@ -444,17 +444,15 @@ def _grouped_matmul_kernel(x_ref, *refs, members: tuple[tuple[int, int, int], ..
                             **static)
 
 
-def _accumulate_tiles(x_ref, weight_refs, aux_refs, program_ids, *, spec: FormatSpec,
-                      decoder: str, m: int, k: int, bm: int, bn: int, tile_k: int,
-                      tiles_per_split: int, k_tiles: int, weight_as_lhs: bool,
-                      group_dots: bool = False, clamp_rows: bool = False) -> list:
-    """Split pid_s of x @ W_i^T on output tile (pid_m, pid_n) for weights sharing x and the K
-    loop: weight_refs = ((codes, scales, tensor scale) per weight), each weight's rows
-    [pid_n * bn, + bn). The activation tile of each K step is loaded once for all of them.
-    Returns one float32 [bm, bn] tile per weight, times 2^epilogue / tensor scale (the
-    weights' scaled product; no LoRA, not rounded)."""
-    if group_dots and len(weight_refs) != 1:
-        raise ValueError("group_dots takes one weight per program")
+def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, aux_refs,
+                    out_ref, program_ids, *, spec: FormatSpec, decoder: str, m: int, n: int, k: int,
+                    bm: int, bn: int, tile_k: int, tiles_per_split: int, k_tiles: int,
+                    split: int, weight_as_lhs: bool, group_dots: bool = False,
+                    clamp_rows: bool = False, lora_scale: float | None = None,
+                    down_column: int = 0):
+    """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
+    program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
+    [down_column, down_column + r) with r = lora_b_ref's rows."""
     half = tile_k // 2
     g = half // spec.scale_block
     pid_m, pid_n, pid_s = program_ids
@@ -474,9 +472,8 @@ def _accumulate_tiles(x_ref, weight_refs, aux_refs, program_ids, *, spec: Format
         mask = _edge_masks(r0, bm, m, c0, width, k, ragged_m, ragged_k)
         return _load(x_ref.at[pl.ds(r0, bm), pl.ds(c0, width)], mask)
 
-    def group_body(t, accs):
+    def group_body(t, acc):
         # One dot per scale block: codes of block gi of both planes share bytes [gi*B, gi*B+B).
-        (acc,), (codes_ref, scales_ref, _) = accs, weight_refs[0]
         kt = pid_s * tiles_per_split + t
         blk = spec.scale_block
         for gi in range(g):
@@ -490,108 +487,55 @@ def _accumulate_tiles(x_ref, weight_refs, aux_refs, program_ids, *, spec: Format
                     acc = acc + _dot_nt(values[p], xg) * sg[:, None]
                 else:
                     acc = acc + _dot_nt(xg, values[p]) * sg[None, :]
-        return (acc,)
+        return acc
 
-    def body(t, accs):
-        # Loads first (each weight's codes and both planes' scales, then the activations),
-        # then the decodes and dots.
-        kt = pid_s * tiles_per_split + t
-        tiles = [(codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)],
-                  scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)],
-                  scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)])
-                 for codes_ref, scales_ref, _ in weight_refs]
-        xs = [load_x(pl.multiple_of(kt * tile_k + p * half, half), half).astype(jnp.bfloat16)
-              for p in range(2)]
-        out = []
-        for acc, (c, s_lo, s_hi) in zip(accs, tiles):
-            w_lo, w_hi = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.bfloat16)
-            if weight_as_lhs:
-                out.append(acc + _dot_nt(w_lo, xs[0]) + _dot_nt(w_hi, xs[1]))
-            else:
-                out.append(acc + _dot_nt(xs[0], w_lo) + _dot_nt(xs[1], w_hi))
-        return tuple(out)
+    def load_tile(kt):
+        """Codes, the two planes' scales and activations of K tile kt (loads only)."""
+        c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
+        s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
+        s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
+        xs = tuple(load_x(pl.multiple_of(kt * tile_k + p * half, half), half)
+                   for p in range(2))
+        return c, s_lo, s_hi, xs
+
+    def multiply_tile(tile, acc):
+        c, s_lo, s_hi, xs = tile
+        xs = [x.astype(jnp.bfloat16) for x in xs]
+        w_lo, w_hi = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.bfloat16)
+        if weight_as_lhs:
+            return acc + _dot_nt(w_lo, xs[0]) + _dot_nt(w_hi, xs[1])
+        return acc + _dot_nt(xs[0], w_lo) + _dot_nt(xs[1], w_hi)
+
+    def body(t, acc):
+        return multiply_tile(load_tile(pid_s * tiles_per_split + t), acc)
 
     acc_shape = (bn, bm) if weight_as_lhs else (bm, bn)
     # K tiles of this split: tiles_per_split, except the last split of an uneven split-K
     # (k_tiles not a multiple of split), which gets the remainder (a dynamic trip count).
     trips = tiles_per_split if k_tiles % tiles_per_split == 0 else jnp.minimum(
         tiles_per_split, k_tiles - pid_s * tiles_per_split)
-    accs = lax.fori_loop(0, trips, group_body if group_dots else body,
-                         tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weight_refs))
+    acc = lax.fori_loop(0, trips, group_body if group_dots else body,
+                        jnp.zeros(acc_shape, jnp.float32))
+    y = acc.T if weight_as_lhs else acc
     exponent = -spec.value_exponent(decoder) if group_dots else spec.epilogue_exponent(decoder)
-    return [(acc.T if weight_as_lhs else acc) * ((2.0 ** exponent) / ts_ref[0])
-            for acc, (_, _, ts_ref) in zip(accs, weight_refs)]
-
-
-def _lora_epilogue_term(down_ref, lora_b_ref, *, down_column: int, lora_scale: float,
-                        r0, n0, m: int, n: int, bm: int, bn: int, split: int, pid_s):
-    """lora_scale * down[rows, down_column:+r] @ B[:, n0:n0+bn], float32 [bm, bn], r = B's
-    rows; with split-K only the first split adds it (0 in the others)."""
-    rank = lora_b_ref.shape[0]
-    down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
-                 _edge_masks(r0, bm, m, 0, rank, rank, m % bm != 0, False))
-    lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
-                   _edge_masks(0, rank, rank, n0, bn, n, False, n % bn != 0))
-    term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
-    if split > 1:  # 1 in the first split, 0 in the others (integer arithmetic: no i1)
-        term = term * (1 - jnp.minimum(pid_s, 1)).astype(jnp.float32)
-    return term
-
-
-def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, aux_refs,
-                    out_ref, program_ids, *, m: int, n: int, bm: int, bn: int, split: int,
-                    lora_scale: float | None = None, down_column: int = 0, **static):
-    """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
-    program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
-    [down_column, down_column + r) with r = lora_b_ref's rows."""
-    pid_m, pid_n, pid_s = program_ids
-    r0 = pid_m * bm
-    n0 = pl.multiple_of(pid_n * bn, bn)
-    (y,) = _accumulate_tiles(x_ref, ((codes_ref, scales_ref, ts_ref),), aux_refs, program_ids,
-                             m=m, bm=bm, bn=bn, **static)
+    y = y * ((2.0 ** exponent) / ts_ref[0])
     if lora_scale is not None:
-        # + lora_scale * down @ B on this [bm, bn] tile, in f32 before the output rounding.
-        y = y + _lora_epilogue_term(down_ref, lora_b_ref, down_column=down_column,
-                                    lora_scale=lora_scale, r0=r0, n0=n0, m=m, n=n, bm=bm,
-                                    bn=bn, split=split, pid_s=pid_s)
-    mask = _edge_masks(r0, bm, m, n0, bn, n, m % bm != 0, n % bn != 0)
+        # + lora_scale * down @ B on this [bm, bn] tile, in f32 before the output rounding;
+        # with split-K only the first split adds it.
+        rank = lora_b_ref.shape[0]
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
+                     _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False))
+        lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
+                       _edge_masks(0, rank, rank, n0, bn, n, False, n % bn != 0))
+        term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
+        if split > 1:  # 1 in the first split, 0 in the others (integer arithmetic: no i1)
+            term = term * (1 - jnp.minimum(pid_s, 1)).astype(jnp.float32)
+        y = y + term
+    mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, n % bn != 0)
     if split == 1:
         _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask)
     else:
         _store(out_ref.at[pid_s, pl.ds(r0, bm), pl.ds(n0, bn)], y, mask)
-
-
-def _swiglu_matmul_kernel(x_ref, *refs, n: int, m: int, bm: int, bn: int,
-                          lora_scales: tuple[float, float] | None,
-                          lora_columns: tuple[int, int] | None, poisoned: bool, **static):
-    """silu(x @ Wg^T + lg) * (x @ Wu^T + lu) on output tile (pid_m, pid_n) [bm, bn]: the gate
-    and up rows [pid_n * bn, + bn) in one K loop (bn rows of each: a program reads 2 * bn
-    weight rows). refs: [the LoRA down [M, R] of both,] (codes, scales, tensor scale[, lora_b])
-    of gate then up, the aux refs, [poison,] the output [M, n]. Gate and up are each rounded to
-    bf16 first, as the separate launch writes them (then the same float32 SwiGLU)."""
-    out_ref = refs[-1]
-    down_ref = None
-    if lora_scales is not None:
-        down_ref, *refs = refs
-    per_member = 3 if lora_scales is None else 4
-    members = (refs[:per_member], refs[per_member:2 * per_member])
-    aux_refs = refs[2 * per_member:len(refs) - 1 - int(poisoned)]
-    pid_m, pid_n, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    r0 = pid_m * bm
-    n0 = pl.multiple_of(pid_n * bn, bn)
-    ys = _accumulate_tiles(x_ref, tuple(tuple(refs_i[:3]) for refs_i in members), aux_refs,
-                           (pid_m, pid_n, pid_s), m=m, bm=bm, bn=bn, **static)
-    rounded = []
-    for i, y in enumerate(ys):
-        if lora_scales is not None:
-            y = y + _lora_epilogue_term(down_ref, members[i][3], down_column=lora_columns[i],
-                                        lora_scale=lora_scales[i], r0=r0, n0=n0, m=m, n=n,
-                                        bm=bm, bn=bn, split=1, pid_s=pid_s)
-        rounded.append(y.astype(jnp.bfloat16).astype(jnp.float32))
-    gate, up = rounded
-    y = gate / (1.0 + jnp.exp(-gate)) * up
-    _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype),
-           _edge_masks(r0, bm, m, n0, bn, n, m % bm != 0, n % bn != 0))
 
 
 def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec,
@@ -929,137 +873,6 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
     if split > 1:
         ys = [y.sum(axis=0).astype(jnp.bfloat16) for y in ys]
     return tuple(y.reshape(*lead, p.n) for y, p in zip(ys, packed))
-
-
-_SWIGLU_TUNING_FIELDS = ("block_n", "num_warps", "num_stages", "weight_as_lhs", "decoder")
-_SWIGLU_TUNING: dict = {}
-
-
-def set_swiglu_tuning(**fields) -> dict:
-    """Overrides fields of the fused SwiGLU launch's default config (block_n: rows of EACH of
-    gate and up per program, num_warps, num_stages, weight_as_lhs, decoder; parse_tuning's
-    syntax), for benchmarks trying settings in the model; no arguments: back to the defaults.
-    Takes effect for programs traced afterwards. Returns the previous overrides."""
-    global _SWIGLU_TUNING
-    unknown = set(fields) - set(_SWIGLU_TUNING_FIELDS)
-    if unknown:
-        raise ValueError(f"SwiGLU tuning: unknown fields {sorted(unknown)}; expected some of "
-                         f"{list(_SWIGLU_TUNING_FIELDS)}")
-    block_n = fields.get("block_n")
-    if block_n is not None and (block_n < 16 or block_n > N_MULTIPLE or block_n & (block_n - 1)):
-        raise ValueError(f"SwiGLU tuning block_n={block_n}: a power of two in [16, "
-                         f"{N_MULTIPLE}]")
-    previous, _SWIGLU_TUNING = _SWIGLU_TUNING, dict(fields)
-    return previous
-
-
-def default_swiglu_matmul_config(m: int, gate: PackedWeight,
-                                 up: PackedWeight) -> MatmulConfig | None:
-    """Tiling of blockwise_matmul_swiglu, or None where it does not apply: the grouped
-    launch's config for (gate, up) (default_group_matmul_config) with half its block_n, so a
-    program reads as many weight rows as a grouped program (block_n of each) and the launch has
-    as many programs (then set_swiglu_tuning's overrides). None when that config is not a
-    one-split fused launch (M > 64 takes the dequantize path; split-K would need the full sums
-    before the SwiGLU) or block_n would drop below 16."""
-    config = default_group_matmul_config(m, (gate, up))
-    if config.path != "fused" or config.split_k != 1 or config.block_n < 32:
-        return None
-    return dataclasses.replace(config, **{"block_n": config.block_n // 2, **_SWIGLU_TUNING})
-
-
-def blockwise_matmul_swiglu(x: jax.Array, gate: PackedWeight, up: PackedWeight, *,
-                            spec: FormatSpec, config: MatmulConfig | None = None,
-                            interpret: bool = False, poison_output: bool = False,
-                            lora_down: jax.Array | None = None, lora_bs=None,
-                            lora_scales: tuple[float, float] | None = None) -> jax.Array:
-    """silu(x @ Wg^T + lg) * (x @ Wu^T + lu), bf16 [..., I], for the gate and up weights
-    [I, K] of a SwiGLU MLP in ONE fused-kernel launch whose epilogue applies the SwiGLU
-    (QeRL's Qwen2.5 MLP input, before down_proj): no gate/up outputs in HBM and no separate
-    SwiGLU kernel. Each program decodes block_n rows of gate AND of up in one K loop.
-
-    Numerics: gate and up are each rounded to bf16 (as blockwise_matmul_group writes them),
-    then silu(gate) * up in float32, rounded to bf16: what swiglu() gives on the grouped
-    launch's outputs, up to the exp of silu.
-    LoRA (both or neither): lora_down [..., R] = x @ [A_gate | A_up] (R = r_g + r_u),
-    lora_bs = (B_gate [r_g, I], B_up [r_u, I]), lora_scales = (s_g, s_u): lg = s_g * down_g @
-    B_gate in the epilogue, as in the grouped launch.
-    config None picks default_swiglu_matmul_config (a ValueError where it gives None); the
-    config must be a fused one-split launch.
-    """
-    gate_up = (gate, up)
-    if config is None:
-        config = default_swiglu_matmul_config(math.prod(x.shape[:-1]), gate, up)
-        if config is None:
-            raise ValueError(f"no fused SwiGLU launch for M={math.prod(x.shape[:-1])} and "
-                             f"gate/up [N={gate.n}, K={gate.k}] (split-K or dequantize path)")
-    if config.path != "fused" or config.split_k != 1 or config.group_dots:
-        raise ValueError(f"fused SwiGLU: config {config} must be a fused launch with "
-                         "split_k=1 and no group_dots (the SwiGLU needs the whole sum)")
-    if gate.n != up.n or gate.codes.shape != up.codes.shape:
-        raise ValueError(f"fused SwiGLU: gate [N={gate.n}, K={gate.k}] and up [N={up.n}, "
-                         f"K={up.k}] must have the same shape")
-    if lora_down is not None:
-        lora_bs = tuple(lora_bs)
-        lora_scales = tuple(float(s) for s in lora_scales)
-        if len(lora_bs) != 2 or len(lora_scales) != 2:
-            raise ValueError(f"fused SwiGLU: LoRA needs 2 B matrices and 2 scales (gate, up), "
-                             f"got {len(lora_bs)} and {len(lora_scales)}")
-        ranks = sum(b.shape[0] for b in lora_bs)
-        if lora_down.shape[-1] != ranks:
-            raise ValueError(f"fused SwiGLU: lora_down has {lora_down.shape[-1]} columns; the "
-                             f"B matrices' ranks sum to {ranks}")
-    return _blockwise_matmul_swiglu(x, gate_up, spec=spec, config=config, interpret=interpret,
-                                    poison_output=poison_output, lora_down=lora_down,
-                                    lora_bs=lora_bs, lora_scales=lora_scales)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
-                                             "lora_scales"))
-def _blockwise_matmul_swiglu(x, gate_up, *, spec: FormatSpec, config: MatmulConfig,
-                             interpret: bool, poison_output: bool, lora_down, lora_bs,
-                             lora_scales) -> jax.Array:
-    check_group(gate_up, spec)
-    gate = gate_up[0]
-    lead, k = x.shape[:-1], x.shape[-1]
-    if k != gate.k:
-        raise ValueError(f"x has K={k}, the gate/up weights have K={gate.k}")
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    k_tiles = 2 * gate.codes.shape[1] // gate.tile_k
-    bm, bn = config.block_m, config.block_n
-    if gate.codes.shape[0] % bn or bm < 16 or bn < 16:
-        raise ValueError(f"config {config} does not tile gate/up (N_pad {gate.codes.shape[0]})")
-    has_lora = lora_down is not None
-    shared, columns, inputs = [], None, []
-    if has_lora:
-        ranks = [b.shape[0] for b in lora_bs]
-        down2 = lora_down.reshape(m, -1).astype(jnp.bfloat16)
-        bs = [b.astype(jnp.bfloat16) for b in lora_bs]
-        for b in bs:
-            if b.shape[1] != gate.n:
-                raise ValueError(f"fused SwiGLU: LoRA B {b.shape} must be [r, N={gate.n}]")
-        if any(_kernel_rank(r) != r for r in ranks):  # zero-pad each to a kernel rank
-            down2 = jnp.concatenate(
-                [jnp.pad(down2[:, s:s + r], ((0, 0), (0, _kernel_rank(r) - r)))
-                 for s, r in zip((0, ranks[0]), ranks)], axis=1)
-            bs = [jnp.pad(b, ((0, _kernel_rank(r) - r), (0, 0))) for b, r in zip(bs, ranks)]
-        columns = (0, _kernel_rank(ranks[0]))
-        shared = [down2]
-    for i, p in enumerate(gate_up):
-        inputs += [p.codes, p.scales, p.tensor_scale] + ([bs[i]] if has_lora else [])
-    kernel = functools.partial(
-        _swiglu_matmul_kernel, lora_scales=lora_scales if has_lora else None,
-        lora_columns=columns, poisoned=bool(poison_output), spec=spec,
-        decoder=_resolve_decoder(spec, config.decoder, interpret), m=m, n=gate.n, k=k, bm=bm,
-        bn=bn, tile_k=gate.tile_k, tiles_per_split=k_tiles, k_tiles=k_tiles,
-        weight_as_lhs=config.weight_as_lhs, clamp_rows=config.clamp_rows)
-    aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
-    y = _launch(kernel, jax.ShapeDtypeStruct((m, gate.n), jnp.bfloat16),
-                (_cdiv(m, bm), _cdiv(gate.n, bn), 1), (x2, *shared, *inputs, *aux),
-                interpret=interpret, poison_output=poison_output,
-                compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
-                name=f"{spec.name}_matmul_swiglu" + ("_lora" if has_lora else ""))
-    return y.reshape(*lead, gate.n)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output"))

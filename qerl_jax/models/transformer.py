@@ -21,8 +21,7 @@ from qerl_jax.models.attention_dispatch import decode_attention_kernel
 from qerl_jax.models.config import ModelConfig
 from qerl_jax.models.kv_cache import KVCache
 from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
-                                    apply_swiglu_linears, rope_cos_sin,
-                                    rope_inverse_frequencies)
+                                    rope_cos_sin, rope_inverse_frequencies, swiglu)
 from qerl_jax.quant.linear_op import narrow_matmul
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so all-masked (padding) rows stay finite
@@ -183,8 +182,8 @@ class MLP(nnx.Module):
         self.grouped_lora_a = nnx.data(None)  # [hidden, 2r], as Attention.grouped_lora_a
 
     def __call__(self, x):
-        return self.down_proj(apply_swiglu_linears(x, self.gate_proj, self.up_proj,
-                                                   self.grouped_lora_a))
+        gate, up = apply_linears(x, (self.gate_proj, self.up_proj), self.grouped_lora_a)
+        return self.down_proj(swiglu(gate, up))
 
 
 class DecoderLayer(nnx.Module):

@@ -15,9 +15,7 @@ beat the XLA "dequantize with jnp, then dot" path at every measured shape and M)
                      1.16-2.28x, NF4 0.74-1.48x of a bf16 dot at M <= 16 outside k/v; the
                      naive XLA path 0.24-0.69x). A layer's unmerged LoRA adds its second
                      product (x @ A) @ B in this kernel's epilogue. Layers sharing their
-                     input (q/k/v, gate/up) run in one launch (linear_op.linear_group);
-                     a SwiGLU MLP's gate/up launch applies the SwiGLU in its epilogue where
-                     it has no split-K (linear_op.linear_swiglu).
+                     input (q/k/v, gate/up) run in one launch (linear_op.linear_group).
   forward, M > 64    "<format>_dequantize_xla": the Pallas dequantize kernel writes W in bf16,
                      then one XLA (cuBLAS) dot (0.9-1.07x of bf16 at M >= 1024).
   backward dx=dy@W   dequantize kernel + XLA dot at every M: at M = 4096 it was 0.96-1.09x of
@@ -324,28 +322,6 @@ def _fused_forward_group(x, weights, down, lora_bs, scales, *, compute_dtype, in
     return tuple(y.astype(jnp.float32) for y in ys)
 
 
-def _fused_forward_swiglu(x, weights, down, lora_bs, scales, *, compute_dtype, interpret):
-    """silu(x @ Wg^T + lg) * (x @ Wu^T + lu) for weights = (gate, up) in one fused-kernel
-    launch with the SwiGLU in its epilogue -> [M, N] bf16 (down, lora_bs, scales as for
-    _fused_forward_group)."""
-    del compute_dtype
-    gate, up = (w.packed() for w in weights)
-    return bw.blockwise_matmul_swiglu(x, gate, up, spec=weights[0].spec,
-                                      config=bw.default_swiglu_matmul_config(x.shape[0], gate,
-                                                                             up),
-                                      interpret=interpret, lora_down=down, lora_bs=lora_bs,
-                                      lora_scales=scales)
-
-
-def _swiglu_supports(m: int, weights) -> str | None:
-    """Why gate/up at M rows get no fused SwiGLU launch (None: they do)."""
-    gate, up = (w.packed() for w in weights)
-    if bw.default_swiglu_matmul_config(m, gate, up) is None:
-        return (f"M={m}, [N={gate.n}, K={gate.k}]: the grouped launch splits K or takes the "
-                "dequantize path (the SwiGLU needs whole sums)")
-    return None
-
-
 def _group_supports(weights) -> str | None:
     """Why these kernel-layout weights cannot share one launch (None: they can)."""
     first = weights[0]
@@ -403,8 +379,7 @@ _REGISTERED: dict[str, tuple] = {}  # platform -> the settings its kernels were 
 def register_kernels(platform: str = "gpu", *, interpret: bool = False,
                      small_m_backward: str = "dequantize",
                      fused_max_m: dict[str, int] | None = None,
-                     lora_epilogue: bool = True, grouped: bool = True,
-                     fused_swiglu: bool = True) -> None:
+                     lora_epilogue: bool = True, grouped: bool = True) -> None:
     """Registers the fused / dequantize+XLA kernels of every format with linear_op (idempotent;
     re-registering with other settings replaces them).
 
@@ -418,9 +393,6 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         False: separate XLA dots (for comparisons).
       grouped: layers that share their input (q/k/v, gate/up; qerl_jax.quant.linear_group)
         run in one fused-kernel launch at small M; False: one launch per layer (comparisons).
-      fused_swiglu: a SwiGLU MLP's gate/up launch applies the SwiGLU in its epilogue where it
-        has no split-K (linear_op.linear_swiglu; needs `grouped`); False: the grouped launch
-        writes gate and up and XLA applies the SwiGLU (comparisons).
     """
     if small_m_backward not in ("dequantize", "transposed"):
         raise ValueError(f"small_m_backward={small_m_backward!r}; expected 'dequantize' or "
@@ -434,7 +406,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
-                grouped, fused_swiglu)
+                grouped)
     if _REGISTERED.get(platform) == settings:
         return
     unregister_kernels(platform)
@@ -451,10 +423,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
                      if lora_epilogue else None),
             group_fn=(functools.partial(_fused_forward_group, interpret=interpret)
                       if grouped else None),
-            group_supports=_group_supports,
-            swiglu_fn=(functools.partial(_fused_forward_swiglu, interpret=interpret)
-                       if grouped and fused_swiglu else None),
-            swiglu_supports=_swiglu_supports)
+            group_supports=_group_supports)
         linear_op.register_matmul_kernel(
             format_name, platform, functools.partial(_dequantize_forward, interpret=interpret),
             name=dequantize_name, min_m=limit + 1, max_m=None,
@@ -462,9 +431,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             supports=_supports)
     _REGISTERED[platform] = settings
     logger.info("registered Pallas kernels for %s (interpret=%s, fused forward for M <= %s, "
-                "small-M backward: %s, LoRA epilogue: %s, grouped launches: %s, fused SwiGLU: "
-                "%s)", platform, interpret, limits, small_m_backward, lora_epilogue, grouped,
-                grouped and fused_swiglu)
+                "small-M backward: %s, LoRA epilogue: %s, grouped launches: %s)", platform,
+                interpret, limits, small_m_backward, lora_epilogue, grouped)
 
 
 def unregister_kernels(platform: str = "gpu") -> None:
@@ -513,8 +481,7 @@ def disable_decode_attention(platform: str | None = None) -> None:
 def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bool = False,
                    tile_k: int | None = None, small_m_backward: str = "dequantize",
                    lora_epilogue: bool = True, grouped: bool = True,
-                   fused_swiglu: bool = True, decode_attention: bool = True,
-                   donate: bool = False):
+                   decode_attention: bool = True, donate: bool = False):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
     Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
@@ -526,7 +493,7 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
       platform: default jax.default_backend().
       interpret: Pallas interpret mode (CPU tests; slow).
       tile_k: K tile of the kernel layout (default: default_tile_k).
-      small_m_backward, lora_epilogue, grouped, fused_swiglu: see register_kernels.
+      small_m_backward, lora_epilogue, grouped: see register_kernels.
       decode_attention: also register the decode-attention kernel (enable_decode_attention).
       donate: (Module only) hand each checkpoint-layout weight's buffers to its kernel layout
         (to_kernel_layout(donate=True)): no second copy of the scales and codes is allocated,
@@ -539,7 +506,7 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
                     "keep the XLA path (dequantize + dot)", platform)
         return model_or_state
     register_kernels(platform, interpret=interpret, small_m_backward=small_m_backward,
-                     lora_epilogue=lora_epilogue, grouped=grouped, fused_swiglu=fused_swiglu)
+                     lora_epilogue=lora_epilogue, grouped=grouped)
     if decode_attention:
         enable_decode_attention(platform, interpret=interpret)
     else:

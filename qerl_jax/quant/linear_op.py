@@ -54,10 +54,6 @@ class MatmulKernel:
     by side [M, sum r_i], is not None); with
     group_supports(weights) -> None or the reason they cannot share a launch. Without it
     `linear_group` runs the weights one by one.
-    Optionally swiglu_fn(x, (gate, up), down, lora_bs, scales, *, compute_dtype) -> [M, N]
-    compute dtype: silu(gate product) * (up product) in one launch (the grouped launch with the
-    SwiGLU in its epilogue; `linear_swiglu`), with swiglu_supports(m, (gate, up)) -> None or
-    the reason it cannot run at M rows.
     """
 
     name: str
@@ -71,8 +67,6 @@ class MatmulKernel:
     lora_fn: Callable[..., jax.Array] | None = None
     group_fn: Callable[..., tuple] | None = None
     group_supports: Callable[..., str | None] | None = None
-    swiglu_fn: Callable[..., jax.Array] | None = None
-    swiglu_supports: Callable[..., str | None] | None = None
 
     def accepts(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
@@ -88,9 +82,7 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
                            supports: Callable[..., str | None] | None = None,
                            lora_fn: Callable[..., jax.Array] | None = None,
                            group_fn: Callable[..., tuple] | None = None,
-                           group_supports: Callable[..., str | None] | None = None,
-                           swiglu_fn: Callable[..., jax.Array] | None = None,
-                           swiglu_supports: Callable[..., str | None] | None = None
+                           group_supports: Callable[..., str | None] | None = None
                            ) -> MatmulKernel:
     """Registers a kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
 
@@ -100,8 +92,7 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
         raise ValueError(f"kernel {name}: max_m={max_m} < min_m={min_m}")
     kernel = MatmulKernel(name=name, format=format_name, platform=platform, fn=fn,
                           min_m=min_m, max_m=max_m, grad_fn=grad_fn, supports=supports,
-                          lora_fn=lora_fn, group_fn=group_fn, group_supports=group_supports,
-                          swiglu_fn=swiglu_fn, swiglu_supports=swiglu_supports)
+                          lora_fn=lora_fn, group_fn=group_fn, group_supports=group_supports)
     entries = _KERNELS.setdefault((format_name, platform), [])
     if any(entry.name == name for entry in entries):
         raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
@@ -283,44 +274,6 @@ def _grouped_quantized_matmul_bwd(compute_dtype, scales, group_forward, backward
 _grouped_quantized_matmul.defvjp(_grouped_quantized_matmul_fwd, _grouped_quantized_matmul_bwd)
 
 
-def _swiglu_of_group(x, down, lora_bs, weights, compute_dtype, scales, group_forward,
-                     backward):
-    """silu(gate) * up of the grouped launch's (gate, up), each rounded to compute_dtype
-    first, the SwiGLU in float32, rounded once: what the fused SwiGLU launch computes, and the
-    function whose VJP is its backward."""
-    gate, up = (y.astype(compute_dtype).astype(jnp.float32) for y in _grouped_quantized_matmul(
-        x, down, lora_bs, weights, compute_dtype, scales, group_forward, backward))
-    return (jax.nn.silu(gate) * up).astype(compute_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _fused_swiglu_matmul(x, down, lora_bs, weights, compute_dtype, scales, swiglu_forward,
-                         group_forward, backward):
-    del group_forward, backward
-    return swiglu_forward(x, weights, down, lora_bs, scales, compute_dtype=compute_dtype)
-
-
-def _fused_swiglu_matmul_fwd(x, down, lora_bs, weights, compute_dtype, scales, swiglu_forward,
-                             group_forward, backward):
-    y = _fused_swiglu_matmul(x, down, lora_bs, weights, compute_dtype, scales, swiglu_forward,
-                             group_forward, backward)
-    return y, (x, down, lora_bs, weights)
-
-
-def _fused_swiglu_matmul_bwd(compute_dtype, scales, swiglu_forward, group_forward, backward,
-                             residuals, grad_output):
-    """The VJP of _swiglu_of_group (the grouped launch recomputed, then SwiGLU's derivative
-    and the grouped launch's own backward): the fused launch keeps no gate/up for it."""
-    del swiglu_forward
-    _, pullback = jax.vjp(
-        lambda *primals: _swiglu_of_group(*primals, compute_dtype, scales, group_forward,
-                                          backward), *residuals)
-    return pullback(grad_output)
-
-
-_fused_swiglu_matmul.defvjp(_fused_swiglu_matmul_fwd, _fused_swiglu_matmul_bwd)
-
-
 @dataclasses.dataclass(frozen=True)
 class LoRAProduct:
     """An unmerged LoRA adapter for `linear`: y += scale * (x @ a) @ b.
@@ -493,27 +446,6 @@ def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
     return kernel, f"kernel {kernel.name} groups {len(weights)} weights at M={x2d.shape[0]}"
 
 
-def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype):
-    """(down = x @ [A_0 | A_1 | ...] [M, sum r_i] in compute dtype, (B_i), (scale_i)) for a
-    grouped launch, or (None, None, None) without LoRA. One x @ [A_0 | A_1 | ...] for the
-    group: separate x @ A_i dots would be merged by XLA anyway, but then it concatenates the
-    A_i inside the decode loop at every step and slices the product apart (4-5 extra small
-    kernels per layer and step)."""
-    if loras[0] is None:
-        return None, None, None
-    if stacked_lora_a is None:
-        stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
-    else:
-        expected = (x2d.shape[1], sum(lora.a.shape[1] for lora in loras))
-        if tuple(stacked_lora_a.shape) != expected:
-            raise ValueError(f"linear_group: stacked_lora_a {tuple(stacked_lora_a.shape)} "
-                             f"must be [in, sum of ranks] = {list(expected)}")
-        stacked_a = stacked_lora_a.astype(compute_dtype)
-    down = jnp.dot(x2d, stacked_a, preferred_element_type=compute_dtype)
-    return (down, tuple(lora.b.astype(compute_dtype) for lora in loras),
-            tuple(float(lora.scale) for lora in loras))
-
-
 def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
                  loras=None, stacked_lora_a: jax.Array | None = None) -> list[jax.Array]:
     """`linear` of several layers that read the same x (a layer's q/k/v, or gate/up).
@@ -565,7 +497,22 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
     if kernel is None:
         return one_by_one()
     backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
-    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
+    down = lora_bs = scales = None
+    if loras[0] is not None:
+        # One x @ [A_0 | A_1 | ...] for the group. (Separate x @ A_i dots would be merged by
+        # XLA anyway, but then it concatenates the A_i inside the decode loop at every step and
+        # slices the product apart: 4-5 extra small kernels per layer and step.)
+        if stacked_lora_a is None:
+            stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
+        else:
+            expected = (in_features, sum(lora.a.shape[1] for lora in loras))
+            if tuple(stacked_lora_a.shape) != expected:
+                raise ValueError(f"linear_group: stacked_lora_a {tuple(stacked_lora_a.shape)} "
+                                 f"must be [in, sum of ranks] = {list(expected)}")
+            stacked_a = stacked_lora_a.astype(compute_dtype)
+        down = jnp.dot(x2d, stacked_a, preferred_element_type=compute_dtype)
+        lora_bs = tuple(lora.b.astype(compute_dtype) for lora in loras)
+        scales = tuple(float(lora.scale) for lora in loras)
     ys = _grouped_quantized_matmul(x2d, down, lora_bs, weights, jnp.dtype(compute_dtype),
                                    scales, kernel.group_fn, backward)
     outputs = []
@@ -574,64 +521,3 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
             y = y + bias.astype(jnp.float32)
         outputs.append(y.astype(compute_dtype).reshape(*leading, w.shape[0]))
     return outputs
-
-
-def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
-                  compute_dtype=jnp.bfloat16, loras=None,
-                  stacked_lora_a: jax.Array | None = None) -> jax.Array:
-    """activation(*linear_group(x, (gate, up), ...)) for a SwiGLU MLP's gate and up layers,
-    [..., N] in compute_dtype, where `activation(gate, up)` is the model's SwiGLU: float32
-    silu(gate) * up, rounded to compute_dtype (QeRL's Qwen2.5 MLP, before down_proj).
-
-    Where the selected kernel can launch gate and up together with the SwiGLU in its epilogue
-    (swiglu_fn: the fused small-M kernels without split-K, e.g. at decode; both weights
-    quantized, no biases), one launch writes silu(gate) * up: gate and up never reach HBM and
-    no separate SwiGLU kernel runs. Its output is the unfused path's up to the exp of silu (one
-    bf16 ulp); its backward is the unfused path's VJP (recomputed). Elsewhere this is exactly
-    activation(*linear_group(...)).
-
-    Args:
-      x: activations [..., in], shared.
-      weights: (gate, up), as for `linear`.
-      biases: (gate bias, up bias), each optional [N].
-      activation: the SwiGLU applied where nothing is fused.
-      loras, stacked_lora_a: as for `linear_group` (the stacked A is [in, r_gate + r_up]).
-    """
-    weights, biases = tuple(weights), tuple(biases)
-    loras = tuple(loras) if loras is not None else (None, None)
-    if not len(weights) == len(biases) == len(loras) == 2:
-        raise ValueError(f"linear_swiglu: needs (gate, up): got {len(weights)} weights, "
-                         f"{len(biases)} biases and {len(loras)} LoRA entries")
-
-    def unfused():
-        return activation(*linear_group(x, weights, biases, compute_dtype=compute_dtype,
-                                         loras=loras, stacked_lora_a=stacked_lora_a))
-
-    if any(b is not None for b in biases) or not all(isinstance(w, QuantizedWeight)
-                                                     for w in weights):
-        return unfused()
-    if weights[0].shape != weights[1].shape:
-        raise ValueError(f"linear_swiglu: gate {weights[0].shape} and up {weights[1].shape} "
-                         "must have the same shape [out, in]")
-    in_features = x.shape[-1]
-    x2d = x.reshape(-1, in_features).astype(compute_dtype)
-    platform = jax.default_backend()
-    kernel, reason = _group_kernel(x2d, weights, loras, compute_dtype, platform)
-    if kernel is not None and kernel.swiglu_fn is None:
-        kernel, reason = None, f"kernel {kernel.name} has no fused SwiGLU launch"
-    if kernel is not None and kernel.swiglu_supports is not None:
-        refusal = kernel.swiglu_supports(x2d.shape[0], weights)
-        if refusal is not None:
-            kernel, reason = None, f"kernel {kernel.name}: no fused SwiGLU: {refusal}"
-    _log_path_once(weights[0].format, platform,
-                   "unfused SwiGLU" if kernel is None else f"{kernel.name} fused SwiGLU", reason)
-    if kernel is None:
-        return unfused()
-    for w, lora in zip(weights, loras):
-        if lora is not None:
-            _check_lora_shapes(lora, in_features, w.shape[0])
-    backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
-    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
-    y = _fused_swiglu_matmul(x2d, down, lora_bs, weights, jnp.dtype(compute_dtype), scales,
-                             kernel.swiglu_fn, kernel.group_fn, backward)
-    return y.astype(compute_dtype).reshape(*x.shape[:-1], weights[0].shape[0])
