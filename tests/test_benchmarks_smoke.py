@@ -139,8 +139,9 @@ def test_kernel_profile_smoke(tmp_path):
 
 
 def test_attention_and_lora_down_profile_smoke(tmp_path):
-    """attention_profile.py (two settings, interpret mode) and lora_down_profile.py (three ways
-    of x @ A) on tiny shapes: every row measured and within its stated error of the reference."""
+    """attention_profile.py (two settings, interpret mode) and lora_down_profile.py (every way
+    of x @ A, the Pallas ones interpreted) on tiny shapes: every row measured and within its
+    stated error of the reference."""
     attention = _start("attention_profile.py", tmp_path / "att", "--settings", "base;balanced=0")
     lora = _start("lora_down_profile.py", tmp_path / "lora")
     _finish(attention)
@@ -150,7 +151,9 @@ def test_attention_and_lora_down_profile_smoke(tmp_path):
     assert all("error" not in row and row["max_rel_err"] < 1e-2 and row["mean_us"] > 0
                for row in rows)
     rows = json.load(open(tmp_path / "lora" / "lora_down_profile_m8.json"))["rows"]
-    assert [row["variant"] for row in rows] == ["dot", "dot_f32", "mul_reduce"]
+    assert [row["variant"] for row in rows] == ["dot", "dot_f32", "mul_reduce", "pallas_c16",
+                                                "pallas_c16_b256", "pallas_c16_s4",
+                                                "pallas_c16_a"]
     assert all(row["max_rel_err"] < 1e-2 and row["call_us"] > 0 for row in rows)
 
 
