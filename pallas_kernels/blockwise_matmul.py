@@ -449,10 +449,15 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     bm: int, bn: int, tile_k: int, tiles_per_split: int, k_tiles: int,
                     split: int, weight_as_lhs: bool, group_dots: bool = False,
                     clamp_rows: bool = False, lora_scale: float | None = None,
-                    down_column: int = 0):
+                    down_column: int = 0, swiglu_n: int | None = None):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
-    [down_column, down_column + r) with r = lora_b_ref's rows."""
+    [down_column, down_column + r) with r = lora_b_ref's rows.
+
+    swiglu_n (one split only): W is a gate/up pair interleaved in blocks of bn / 2 rows
+    (interleave_gate_up) with tensor scales ts_ref[0] (gate) and ts_ref[1] (up); the tile's
+    halves are gate and up, each rounded to bf16, and silu(gate) * up is stored to columns
+    [pid_n * bn / 2, + bn / 2) of the [M, swiglu_n] output."""
     half = tile_k // 2
     g = half // spec.scale_block
     pid_m, pid_n, pid_s = program_ids
@@ -518,6 +523,11 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                         jnp.zeros(acc_shape, jnp.float32))
     y = acc.T if weight_as_lhs else acc
     exponent = -spec.value_exponent(decoder) if group_dots else spec.epilogue_exponent(decoder)
+    if swiglu_n is not None:
+        _swiglu_epilogue(y * (2.0 ** exponent), ts_ref, down_ref, lora_b_ref, out_ref,
+                         lora_scale=lora_scale, down_column=down_column, r0=r0, n0=n0, m=m,
+                         n=n, bm=bm, bn=bn, pid_n=pid_n, out_n=swiglu_n)
+        return
     y = y * ((2.0 ** exponent) / ts_ref[0])
     if lora_scale is not None:
         # + lora_scale * down @ B on this [bm, bn] tile, in f32 before the output rounding;
@@ -536,6 +546,133 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
         _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask)
     else:
         _store(out_ref.at[pid_s, pl.ds(r0, bm), pl.ds(n0, bn)], y, mask)
+
+
+def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, down_column, r0,
+                     n0, m, n, bm, bn, pid_n, out_n):
+    """silu(gate) * up of an interleaved gate/up tile y [bm, bn] (gate columns first; not yet
+    divided by the tensor scales), the LoRA term (block-diagonal B, interleave_lora_b) added to
+    each half; stored as bf16 to out [M, out_n] columns [pid_n * bn / 2, + bn / 2)."""
+    if lora_scale is not None:
+        rank = lora_b_ref.shape[0]
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
+                     _edge_masks(r0, bm, m, 0, rank, rank, m % bm != 0, False))
+        lora_b = lora_b_ref[pl.ds(0, rank), pl.ds(n0, bn)]
+        term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
+    gate, up = jnp.split(y, 2, axis=1)
+    gate, up = gate / ts_ref[0], up / ts_ref[1]
+    if lora_scale is not None:
+        term_gate, term_up = jnp.split(term, 2, axis=1)
+        gate, up = gate + term_gate, up + term_up
+    gate = gate.astype(jnp.bfloat16).astype(jnp.float32)
+    up = up.astype(jnp.bfloat16).astype(jnp.float32)
+    out = gate / (1.0 + jnp.exp(-gate)) * up
+    half = bn // 2
+    c0 = pl.multiple_of(pid_n * half, half)
+    _store(out_ref.at[pl.ds(r0, bm), pl.ds(c0, half)], out.astype(out_ref.dtype),
+           _edge_masks(r0, bm, m, c0, half, out_n, m % bm != 0,
+                       n // 2 > out_n or out_n % half != 0))
+
+
+def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) -> PackedWeight:
+    """One packed weight [2 N_pad, K] from a SwiGLU MLP's gate and up [N, K] (same format, shape
+    and layout): rows in blocks of half_block, gate block j then up block j, so that a launch
+    with block_n = 2 * half_block reads block j of both in one tile (blockwise_matmul_swiglu).
+    tensor_scale [2]: gate's, then up's. The padding rows (N..N_pad) of each are zero."""
+    if (gate.fmt, gate.n, gate.k, gate.tile_k, gate.codes.shape) != (
+            up.fmt, up.n, up.k, up.tile_k, up.codes.shape):
+        raise ValueError(f"interleave_gate_up: gate {gate.fmt} [{gate.n}, {gate.k}] and up "
+                         f"{up.fmt} [{up.n}, {up.k}] must match")
+    n_pad = gate.codes.shape[0]
+    if n_pad % half_block:
+        raise ValueError(f"interleave_gate_up: half_block {half_block} must divide N_pad {n_pad}")
+
+    def interleave(a, b):
+        blocks = [x.reshape(n_pad // half_block, half_block, x.shape[1]) for x in (a, b)]
+        return jnp.stack(blocks, axis=1).reshape(2 * n_pad, a.shape[1])
+
+    return PackedWeight(codes=interleave(gate.codes, up.codes),
+                        scales=interleave(gate.scales, up.scales),
+                        tensor_scale=jnp.concatenate([gate.tensor_scale.reshape(1),
+                                                      up.tensor_scale.reshape(1)]),
+                        fmt=gate.fmt, n=2 * n_pad, k=gate.k, tile_k=gate.tile_k)
+
+
+def interleave_lora_b(gate_b: jax.Array, up_b: jax.Array, n_pad: int,
+                      half_block: int) -> jax.Array:
+    """Block-diagonal LoRA B [r_g' + r_u', 2 N_pad] (bf16) for an interleave_gate_up weight:
+    rows [0, r_g) hold B_gate [r_g, N] in the gate blocks' columns, rows [r_g', r_g' + r_u)
+    B_up in the up blocks' (zeros elsewhere; each rank zero-padded to a kernel rank r'), so
+    down @ B over [x @ A_gate | x @ A_up] (each padded to r') gives each half its own term."""
+    blocks = []
+    for b, first in ((gate_b, True), (up_b, False)):
+        rank, n = b.shape
+        b = jnp.pad(b.astype(jnp.bfloat16), ((0, _kernel_rank(rank) - rank), (0, n_pad - n)))
+        b = b.reshape(b.shape[0], n_pad // half_block, 1, half_block)
+        zeros = jnp.zeros_like(b)
+        pair = (b, zeros) if first else (zeros, b)
+        blocks.append(jnp.concatenate(pair, axis=2).reshape(b.shape[0], 2 * n_pad))
+    return jnp.concatenate(blocks, axis=0)
+
+
+def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: FormatSpec,
+                            out_n: int, config: MatmulConfig | None = None,
+                            interpret: bool = False, poison_output: bool = False,
+                            lora_down: jax.Array | None = None,
+                            lora_b: jax.Array | None = None,
+                            lora_scale: float = 0.0) -> jax.Array:
+    """silu(x @ Wg^T + lg) * (x @ Wu^T + lu), bf16 [..., out_n], from an interleave_gate_up
+    weight in ONE single-weight launch (one dot per K step over block_n rows: block_n / 2 of
+    gate and of up) whose epilogue splits the tile and applies the SwiGLU. config None:
+    default_matmul_config (it must be fused with one split; block_n = 2 * the interleave's
+    half_block). lora_down [..., r_g' + r_u'] = [x @ A_gate | x @ A_up] (each zero-padded to
+    a kernel rank), lora_b = interleave_lora_b(...), lora_scale (the same for both).
+    Experimental (session 12): measured by benchmarks/swiglu_profile.py, not used by the model.
+    """
+    if config is None:
+        config = default_matmul_config(math.prod(x.shape[:-1]), gate_up)
+    if config.path != "fused" or config.split_k != 1 or config.group_dots:
+        raise ValueError(f"fused SwiGLU: config {config} must be fused with split_k=1")
+    return _blockwise_matmul_swiglu(x, gate_up, spec=spec, out_n=out_n, config=config,
+                                    interpret=interpret, poison_output=poison_output,
+                                    lora_down=lora_down, lora_b=lora_b,
+                                    lora_scale=float(lora_scale))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "out_n", "config", "interpret",
+                                             "poison_output", "lora_scale"))
+def _blockwise_matmul_swiglu(x, packed, *, spec, out_n, config, interpret, poison_output,
+                             lora_down, lora_b, lora_scale):
+    _check_packed(packed, spec)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    k_tiles = 2 * packed.codes.shape[1] // packed.tile_k
+    bm, bn = config.block_m, config.block_n
+    if packed.n % bn or bm < 16 or bn < 32 or packed.tensor_scale.shape != (2,):
+        raise ValueError(f"fused SwiGLU: config {config} / weight [{packed.n}, {packed.k}] with "
+                         f"tensor scales {packed.tensor_scale.shape}: not an interleaved pair")
+    has_lora = lora_down is not None
+    extra = ()
+    if has_lora:
+        if lora_b.shape != (lora_down.shape[-1], packed.n):
+            raise ValueError(f"fused SwiGLU: lora_down {lora_down.shape} and lora_b "
+                             f"{lora_b.shape} must be [..., R] and [R, {packed.n}]")
+        extra = (lora_down.reshape(m, -1).astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
+    kernel = functools.partial(
+        _matmul_kernel, spec=spec, decoder=_resolve_decoder(spec, config.decoder, interpret),
+        m=m, n=packed.n, k=k, bm=bm, bn=bn, tile_k=packed.tile_k, tiles_per_split=k_tiles,
+        k_tiles=k_tiles, split=1, weight_as_lhs=config.weight_as_lhs,
+        poisoned=bool(poison_output), clamp_rows=config.clamp_rows,
+        lora_scale=lora_scale if has_lora else None, swiglu_n=out_n)
+    aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
+    y = _launch(kernel, jax.ShapeDtypeStruct((m, out_n), jnp.bfloat16),
+                (_cdiv(m, bm), packed.n // bn, 1),
+                (x2, packed.codes, packed.scales, packed.tensor_scale, *extra, *aux),
+                interpret=interpret, poison_output=poison_output,
+                compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
+                name=f"{spec.name}_matmul_swiglu" + ("_lora" if has_lora else ""))
+    return y.reshape(*lead, out_n)
 
 
 def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec,

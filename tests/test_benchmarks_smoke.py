@@ -157,6 +157,20 @@ def test_attention_and_lora_down_profile_smoke(tmp_path):
     assert all(row["max_rel_err"] < 1e-2 and row["call_us"] > 0 for row in rows)
 
 
+def test_swiglu_profile_smoke(tmp_path):
+    """swiglu_profile.py on a tiny gate/up pair (interpret mode): every variant measured, and
+    the interleaved launch's SwiGLU epilogue within one bf16 ulp of the grouped launch + XLA
+    SwiGLU (2^-100 absolute for silu's subnormals)."""
+    _finish(_start("swiglu_profile.py", tmp_path / "sp"))
+    rows = json.load(open(tmp_path / "sp" / "swiglu_profile_nvfp4_m8.json"))["rows"]
+    assert [row["variant"] for row in rows] == [
+        "grouped + XLA SwiGLU", "interleaved, SwiGLU epilogue",
+        "interleaved, product only (no SwiGLU)"]
+    assert all("error" not in row and row["call_us"] > 0 for row in rows)
+    fused = rows[1]
+    assert fused["max_abs_diff_vs_unfused"] <= fused["max_abs_unfused"] * 2.0 ** -7 + 2.0 ** -100
+
+
 def test_triton_ir_parsing():
     """triton_ir.py is GPU-only (interpret mode compiles no Triton); its parsing of XLA's Triton
     pass log and of PTX is checked here on a synthetic log."""

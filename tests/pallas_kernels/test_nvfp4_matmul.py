@@ -274,6 +274,56 @@ def test_grouped_matmul_default_config_and_errors():
                                   lora_scales=(1.0, 1.0))
 
 
+@pytest.mark.parametrize("m,ranks,weight_as_lhs,n", [(3, None, False, 80), (5, (8, 4), False, 96),
+                                                     (16, (16, 16), True, 80)])
+def test_interleaved_gate_up_swiglu_epilogue(m, ranks, weight_as_lhs, n):
+    """blockwise_matmul_swiglu on interleave_gate_up(gate, up) (the experimental single-launch
+    SwiGLU) against (1) the grouped launch's bf16 gate and up, then float32 silu(gate) * up:
+    within one bf16 ulp (+ 2^-100: XLA flushes silu's f32 subnormals, gate < -87, to zero), and
+    (2) the float64 SwiGLU of the exact products, within twice the kernel tolerance (a product
+    of two products). N = 80 / 96 leave padding tiles that must not be stored."""
+    seed = kc.fresh_seed()
+    rng = np.random.default_rng(seed)
+    k = 3 * 128
+    problems = [kc.random_problem(NVFP4, seed + i, m, n, k, 128) for i in range(2)]
+    x = problems[0][1]
+    gate, up = (p[2] for p in problems)
+    pair = bw.interleave_gate_up(gate, up, 32)
+    assert pair.n == 2 * gate.codes.shape[0] and pair.tensor_scale.shape == (2,)
+    downs = bs = None
+    stacked = b_pair = None
+    if ranks is not None:
+        downs = [jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16) for r in ranks]
+        bs = [jnp.asarray(0.1 * rng.standard_normal((r, n)), jnp.bfloat16) for r in ranks]
+        stacked = jnp.concatenate(downs, axis=1)
+        padded = jnp.concatenate([jnp.pad(d, ((0, 0), (0, 16 - d.shape[1]))) for d in downs],
+                                 axis=1)
+        b_pair = bw.interleave_lora_b(bs[0], bs[1], gate.codes.shape[0], 32)
+    config = bw.MatmulConfig(block_m=16, block_n=64, split_k=1, weight_as_lhs=weight_as_lhs)
+    fused = bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, config=config,
+                                       interpret=True, poison_output=True,
+                                       lora_down=None if ranks is None else padded,
+                                       lora_b=b_pair, lora_scale=2.0)
+    assert fused.shape == (m, n) and fused.dtype == jnp.bfloat16
+    g, u = bw.blockwise_matmul_group(x, (gate, up), spec=nv.NVFP4, config=config, interpret=True,
+                                     lora_down=stacked, lora_bs=bs,
+                                     lora_scales=None if ranks is None else (2.0, 2.0))
+    unfused = np.asarray((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32))
+                         .astype(jnp.bfloat16), np.float32)
+    got = np.asarray(fused, np.float32)
+    assert np.all(np.abs(got - unfused) <= np.abs(unfused) * 2.0 ** -7 + 2.0 ** -100), (
+        f"seed={seed}")
+    exact = []
+    for i, problem in enumerate(problems):
+        y = np.asarray(x, np.float64) @ np.asarray(
+            nv.nvfp4_dequantize_reference(*problem[0]), np.float64).T
+        if ranks is not None:
+            y = y + 2.0 * (np.asarray(downs[i], np.float64) @ np.asarray(bs[i], np.float64))
+        exact.append(y)
+    kc.assert_close(fused, exact[0] / (1.0 + np.exp(-exact[0])) * exact[1],
+                    f"interleaved SwiGLU seed={seed}", factor=2.0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Canonical scale codes of the kernel layout, and the "asmq" decoder's arithmetic
 
