@@ -22,6 +22,9 @@ Kernels (all f32 accumulation):
                tiny activation tile is the right one; split-K writes f32 partials summed by XLA.
   transposed   dx[M, K] = dy[M, N] @ W, W decoded tile by tile (never stored as bf16 in HBM).
   dequantize   W as bf16 [N, K] (for an XLA matmul at large M).
+  swiglu       (experimental, not used by the model yet) silu(x @ Wg^T) * (x @ Wu^T) from gate
+               and up interleaved into one weight (interleave_gate_up): the matmul kernel with
+               a SwiGLU epilogue (blockwise_matmul_swiglu).
 """
 
 from __future__ import annotations
