@@ -82,18 +82,16 @@ def main(argv=None):
 
         half_block = bw.default_matmul_config(args.m, pair[0]).block_n // 2
         interleaved = [bw.interleave_gate_up(*gate_up, half_block) for gate_up in copies]
-        n_pad = pair[0].codes.shape[0]
-        rank_pad = bw._kernel_rank(args.rank)
-        down_padded = jnp.concatenate(
-            [jnp.pad(down[:, i * args.rank:(i + 1) * args.rank],
-                     ((0, 0), (0, rank_pad - args.rank))) for i in range(2)], axis=1)
-        lora_b_pair = bw.interleave_lora_b(*lora_bs, n_pad, half_block)
+        lora_b_pair = bw.interleave_lora_b(*lora_bs, pair[0].codes.shape[0], half_block)
 
         def fused(x, weights):
             return [bw.blockwise_matmul_swiglu(x, w, spec=spec, out_n=inner,
-                                               interpret=interpret, lora_down=down_padded,
+                                               half_block=half_block, interpret=interpret,
+                                               lora_down=down, lora_ranks=(args.rank,) * 2,
                                                lora_b=lora_b_pair, lora_scale=2.0)
                     for w in weights]
+
+        down_padded = bw.pad_lora_down(down, (args.rank,) * 2)  # the product-only launch's
 
         def product_only(x, weights):
             return [bw.blockwise_matmul(x, w, spec=spec, interpret=interpret,

@@ -619,23 +619,36 @@ def interleave_lora_b(gate_b: jax.Array, up_b: jax.Array, n_pad: int,
 
 
 def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: FormatSpec,
-                            out_n: int, config: MatmulConfig | None = None,
+                            out_n: int, half_block: int, config: MatmulConfig | None = None,
                             interpret: bool = False, poison_output: bool = False,
                             lora_down: jax.Array | None = None,
+                            lora_ranks: tuple[int, int] | None = None,
                             lora_b: jax.Array | None = None,
                             lora_scale: float = 0.0) -> jax.Array:
     """silu(x @ Wg^T + lg) * (x @ Wu^T + lu), bf16 [..., out_n], from an interleave_gate_up
-    weight in ONE single-weight launch (one dot per K step over block_n rows: block_n / 2 of
-    gate and of up) whose epilogue splits the tile and applies the SwiGLU. config None:
-    default_matmul_config (it must be fused with one split; block_n = 2 * the interleave's
-    half_block). lora_down [..., r_g' + r_u'] = [x @ A_gate | x @ A_up] (each zero-padded to
-    a kernel rank), lora_b = interleave_lora_b(...), lora_scale (the same for both).
-    Experimental (session 12): measured by benchmarks/swiglu_profile.py, not used by the model.
+    weight (made with `half_block`) in ONE single-weight launch (one dot per K step over
+    block_n = 2 * half_block rows: half_block of gate and of up) whose epilogue splits the tile
+    and applies the SwiGLU. config None: default_matmul_config with that block_n (it must be
+    fused with one split). LoRA: lora_down [..., r_g + r_u] = x @ [A_gate | A_up], lora_ranks
+    = (r_g, r_u), lora_b = interleave_lora_b(B_gate, B_up, ...), lora_scale (the same for
+    both). Experimental (session 12): measured by benchmarks/swiglu_profile.py, not used by
+    the model.
     """
     if config is None:
-        config = default_matmul_config(math.prod(x.shape[:-1]), gate_up)
+        config = dataclasses.replace(default_matmul_config(math.prod(x.shape[:-1]), gate_up),
+                                     block_n=2 * half_block)
     if config.path != "fused" or config.split_k != 1 or config.group_dots:
         raise ValueError(f"fused SwiGLU: config {config} must be fused with split_k=1")
+    if config.block_n != 2 * half_block:
+        raise ValueError(f"fused SwiGLU: block_n {config.block_n} must be 2 * half_block "
+                         f"{half_block} (the interleave's row blocks)")
+    if lora_down is not None:
+        if lora_ranks is None or len(lora_ranks) != 2 or lora_down.shape[-1] != sum(lora_ranks):
+            raise ValueError(f"fused SwiGLU: lora_down {lora_down.shape} needs lora_ranks "
+                             f"(r_gate, r_up) summing to its last dim, got {lora_ranks}")
+        lead = lora_down.shape[:-1]
+        lora_down = pad_lora_down(lora_down.reshape(-1, lora_down.shape[-1]), lora_ranks)
+        lora_down = lora_down.reshape(*lead, lora_down.shape[-1])
     return _blockwise_matmul_swiglu(x, gate_up, spec=spec, out_n=out_n, config=config,
                                     interpret=interpret, poison_output=poison_output,
                                     lora_down=lora_down, lora_b=lora_b,
@@ -938,6 +951,16 @@ def _kernel_rank(rank: int) -> int:
     return max(_MIN_LORA_RANK, _next_pow2(rank))
 
 
+def pad_lora_down(down: jax.Array, ranks) -> jax.Array:
+    """LoRA down products side by side [M, sum r_i] -> [M, sum r_i'], each zero-padded to a
+    kernel rank r_i' (a power of two >= 16); the same array when every r_i already is one."""
+    if all(_kernel_rank(r) == r for r in ranks):
+        return down
+    starts = [sum(ranks[:i]) for i in range(len(ranks))]
+    return jnp.concatenate([jnp.pad(down[:, s:s + r], ((0, 0), (0, _kernel_rank(r) - r)))
+                            for s, r in zip(starts, ranks)], axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
                                              "lora_scales"))
 def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig,
@@ -973,10 +996,8 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
     if has_lora:
         down2 = lora_down.reshape(m, -1).astype(jnp.bfloat16)
         bs = [b.astype(jnp.bfloat16) for b in lora_bs]
-        if any(_kernel_rank(r) != r for r in ranks):  # zero-pad each member to a kernel rank
-            down2 = jnp.concatenate(
-                [jnp.pad(down2[:, s:s + r], ((0, 0), (0, _kernel_rank(r) - r)))
-                 for s, r in zip(starts, ranks)], axis=1)
+        down2 = pad_lora_down(down2, ranks)  # each member zero-padded to a kernel rank
+        if any(_kernel_rank(r) != r for r in ranks):
             bs = [jnp.pad(b, ((0, _kernel_rank(r) - r), (0, 0))) for b, r in zip(bs, ranks)]
         kernel_ranks = [_kernel_rank(r) for r in ranks]
         columns = tuple(sum(kernel_ranks[:i]) for i in range(len(kernel_ranks)))

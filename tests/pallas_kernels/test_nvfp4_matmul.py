@@ -296,14 +296,12 @@ def test_interleaved_gate_up_swiglu_epilogue(m, ranks, weight_as_lhs, n):
         downs = [jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16) for r in ranks]
         bs = [jnp.asarray(0.1 * rng.standard_normal((r, n)), jnp.bfloat16) for r in ranks]
         stacked = jnp.concatenate(downs, axis=1)
-        padded = jnp.concatenate([jnp.pad(d, ((0, 0), (0, 16 - d.shape[1]))) for d in downs],
-                                 axis=1)
         b_pair = bw.interleave_lora_b(bs[0], bs[1], gate.codes.shape[0], 32)
     config = bw.MatmulConfig(block_m=16, block_n=64, split_k=1, weight_as_lhs=weight_as_lhs)
-    fused = bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, config=config,
-                                       interpret=True, poison_output=True,
-                                       lora_down=None if ranks is None else padded,
-                                       lora_b=b_pair, lora_scale=2.0)
+    fused = bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=32,
+                                       config=config, interpret=True, poison_output=True,
+                                       lora_down=stacked, lora_ranks=ranks, lora_b=b_pair,
+                                       lora_scale=2.0)
     assert fused.shape == (m, n) and fused.dtype == jnp.bfloat16
     g, u = bw.blockwise_matmul_group(x, (gate, up), spec=nv.NVFP4, config=config, interpret=True,
                                      lora_down=stacked, lora_bs=bs,
@@ -322,6 +320,13 @@ def test_interleaved_gate_up_swiglu_epilogue(m, ranks, weight_as_lhs, n):
         exact.append(y)
     kc.assert_close(fused, exact[0] / (1.0 + np.exp(-exact[0])) * exact[1],
                     f"interleaved SwiGLU seed={seed}", factor=2.0)
+    with pytest.raises(ValueError, match="2 \\* half_block"):
+        bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=16,
+                                   config=config, interpret=True)
+    if ranks is not None:
+        with pytest.raises(ValueError, match="lora_ranks"):
+            bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=32,
+                                       interpret=True, lora_down=stacked, lora_b=b_pair)
 
 
 # ----------------------------------------------------------------------------------------------
