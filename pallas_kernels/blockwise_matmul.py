@@ -107,7 +107,7 @@ def pad_scales(scales: jax.Array, *, n_pad: int, k_pad: int, block: int) -> jax.
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["codes", "scales", "tensor_scale"],
-                   meta_fields=["fmt", "n", "k", "tile_k"])
+                   meta_fields=["fmt", "n", "k", "tile_k", "pair_view"])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A 4-bit weight W [n, k] in kernel layout (see module docstring).
@@ -115,6 +115,13 @@ class PackedWeight:
     codes uint8 [N_pad, K_pad/2]; scales [N_pad, K_pad/B] (format's scale dtype);
     tensor_scale float32 [1] (w = decoded / tensor_scale); fmt in {"nvfp4", "mxfp4", "nf4"};
     n, k logical; tile_k the K tile.
+
+    pair_view (half_block, half) or None: codes and scales are those of a gate/up pair
+    interleaved in blocks of half_block rows (interleave_gate_up, [2 N_pad, ...]) and this
+    weight is its `half` (0: gate, 1: up): logical row r is the pair's row
+    (r // half_block) * 2 half_block + half * half_block + r % half_block. The kernels read
+    such a view in place (row tiles of at most half_block rows), so the pair is the only copy
+    of gate and up in memory.
     """
     codes: jax.Array
     scales: jax.Array
@@ -123,10 +130,31 @@ class PackedWeight:
     n: int
     k: int
     tile_k: int
+    pair_view: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
+
+    @property
+    def n_pad(self) -> int:
+        """Padded N of this weight (half the pair's rows for a pair view)."""
+        rows = self.codes.shape[0]
+        return rows // 2 if self.pair_view is not None else rows
+
+    @property
+    def max_block_n(self) -> int | None:
+        """The largest row tile the kernels may use on it (a pair view's half_block)."""
+        return None if self.pair_view is None else self.pair_view[0]
+
+
+def pair_row(n0, pair_view: tuple[int, int] | None):
+    """Row of the codes / scales arrays holding logical row n0 of a weight (n0 itself unless
+    the weight is a pair view; n0 and a tile of rows from it must lie in one half_block)."""
+    if pair_view is None:
+        return n0
+    half_block, half = pair_view
+    return (n0 // half_block) * (2 * half_block) + half * half_block + n0 % half_block
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,8 +337,8 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
     bf16 table lookup, weights as the left operand. M > 64: Pallas dequantize kernel + XLA
     (cuBLAS) matmul.
     """
-    n_pad, half_k = packed.codes.shape
-    return _default_config(m, (n_pad,), 2 * half_k // packed.tile_k, packed.fmt)
+    return _default_config(m, (packed.n_pad,), 2 * packed.codes.shape[1] // packed.tile_k,
+                           packed.fmt, max_block_n=packed.max_block_n)
 
 
 def _decoder_fits(decoder: str | None, fmt: str) -> bool:
@@ -322,16 +350,20 @@ def _decoder_fits(decoder: str | None, fmt: str) -> bool:
     return decoder is not None and (decoder in E2M1_DECODERS) == (fmt in ("nvfp4", "mxfp4"))
 
 
-def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str) -> MatmulConfig:
+def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str,
+                    max_block_n: int | None = None) -> MatmulConfig:
     """default_matmul_config for one launch over weights of padded N `n_pads` (one weight, or
-    a group sharing the launch) and `k_tiles` K tiles: block_n divides every n_pad, and split-K
-    is chosen for the programs of all of them together."""
+    a group sharing the launch) and `k_tiles` K tiles: block_n divides every n_pad (and is at
+    most max_block_n: a pair view's half_block), and split-K is chosen for the programs of
+    all of them together."""
     if m > 64:
         return MatmulConfig(path="dequantize")
     block_m = max(16, _next_pow2(m))
     tuning = _DECODE_TUNING
     decode = block_m <= 16
     block_n = min(tuning.block_n, *n_pads) if decode else 64
+    if max_block_n is not None:
+        block_n = min(block_n, max_block_n)
     while any(n_pad % block_n for n_pad in n_pads):
         block_n //= 2
     n_tiles = sum(n_pads) // block_n
@@ -357,7 +389,8 @@ def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str) -> 
 
 def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:
     if m <= 64:
-        return TransposedConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+        return TransposedConfig(block_m=64, block_n=min(64, packed.max_block_n or 64),
+                                num_warps=4, num_stages=3)
     return TransposedConfig(path="dequantize")
 
 
@@ -452,7 +485,8 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     bm: int, bn: int, tile_k: int, tiles_per_split: int, k_tiles: int,
                     split: int, weight_as_lhs: bool, group_dots: bool = False,
                     clamp_rows: bool = False, lora_scale: float | None = None,
-                    down_column: int = 0, swiglu_n: int | None = None):
+                    down_column: int = 0, swiglu_n: int | None = None,
+                    pair_view: tuple[int, int] | None = None):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
     [down_column, down_column + r) with r = lora_b_ref's rows.
@@ -460,12 +494,16 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     swiglu_n (one split only): W is a gate/up pair interleaved in blocks of bn / 2 rows
     (interleave_gate_up) with tensor scales ts_ref[0] (gate) and ts_ref[1] (up); the tile's
     halves are gate and up, each rounded to bf16, and silu(gate) * up is stored to columns
-    [pid_n * bn / 2, + bn / 2) of the [M, swiglu_n] output."""
+    [pid_n * bn / 2, + bn / 2) of the [M, swiglu_n] output.
+
+    pair_view: W is one half of such a pair, read in place (PackedWeight.pair_view; bn must
+    divide its half_block)."""
     half = tile_k // 2
     g = half // spec.scale_block
     pid_m, pid_n, pid_s = program_ids
     r0 = pid_m * bm
     n0 = pl.multiple_of(pid_n * bn, bn)
+    w0 = pl.multiple_of(pair_row(n0, pair_view), bn)  # the tile's first row in codes / scales
     ragged_m, ragged_k = m % bm != 0, k % tile_k != 0
 
     def load_x(c0, width):
@@ -485,12 +523,12 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
         kt = pid_s * tiles_per_split + t
         blk = spec.scale_block
         for gi in range(g):
-            c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half + gi * blk, blk), blk)]
+            c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half + gi * blk, blk), blk)]
             values = spec.decode_values(c, aux_refs, decoder)
             for p in range(2):
                 c0 = pl.multiple_of(kt * tile_k + p * half + gi * blk, blk)
                 xg = load_x(c0, blk).astype(jnp.bfloat16)
-                sg = spec.scale_values(scales_ref[pl.ds(n0, bn), kt * 2 * g + p * g + gi])
+                sg = spec.scale_values(scales_ref[pl.ds(w0, bn), kt * 2 * g + p * g + gi])
                 if weight_as_lhs:
                     acc = acc + _dot_nt(values[p], xg) * sg[:, None]
                 else:
@@ -499,9 +537,9 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
 
     def load_tile(kt):
         """Codes, the two planes' scales and activations of K tile kt (loads only)."""
-        c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
-        s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
-        s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
+        c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
+        s_lo = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g, g)]
+        s_hi = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g + g, g)]
         xs = tuple(load_x(pl.multiple_of(kt * tile_k + p * half, half), half)
                    for p in range(2))
         return c, s_lo, s_hi, xs
@@ -581,7 +619,10 @@ def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) ->
     """One packed weight [2 N_pad, K] from a SwiGLU MLP's gate and up [N, K] (same format, shape
     and layout): rows in blocks of half_block, gate block j then up block j, so that a launch
     with block_n = 2 * half_block reads block j of both in one tile (blockwise_matmul_swiglu).
-    tensor_scale [2]: gate's, then up's. The padding rows (N..N_pad) of each are zero."""
+    tensor_scale [2]: gate's, then up's. The padding rows (N..N_pad) of each are zero.
+    pair_view_of(pair, half, ...) reads gate or up back out of it in place."""
+    if gate.pair_view is not None or up.pair_view is not None:
+        raise ValueError("interleave_gate_up: gate and up must be plain weights, not pair views")
     if (gate.fmt, gate.n, gate.k, gate.tile_k, gate.codes.shape) != (
             up.fmt, up.n, up.k, up.tile_k, up.codes.shape):
         raise ValueError(f"interleave_gate_up: gate {gate.fmt} [{gate.n}, {gate.k}] and up "
@@ -599,6 +640,16 @@ def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) ->
                         tensor_scale=jnp.concatenate([gate.tensor_scale.reshape(1),
                                                       up.tensor_scale.reshape(1)]),
                         fmt=gate.fmt, n=2 * n_pad, k=gate.k, tile_k=gate.tile_k)
+
+
+def pair_view_of(pair: PackedWeight, half: int, *, n: int, tensor_scale: jax.Array,
+                 half_block: int) -> PackedWeight:
+    """Gate (half 0) or up (half 1) of an interleave_gate_up pair as a PackedWeight read in
+    place (pair_view; no copy): logical N `n`, its own tensor_scale [1]."""
+    return PackedWeight(codes=pair.codes, scales=pair.scales,
+                        tensor_scale=jnp.asarray(tensor_scale, jnp.float32).reshape(1),
+                        fmt=pair.fmt, n=n, k=pair.k, tile_k=pair.tile_k,
+                        pair_view=(half_block, half))
 
 
 def interleave_lora_b(gate_b: jax.Array, up_b: jax.Array, n_pad: int,
@@ -634,9 +685,11 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     both). Experimental (session 12): measured by benchmarks/swiglu_profile.py, not used by
     the model.
     """
-    if config is None:
+    if gate_up.pair_view is not None:
+        raise ValueError("fused SwiGLU: pass the interleaved pair itself, not a view of it")
+    if config is None:  # the pair's tiling, with its row blocks and one split
         config = dataclasses.replace(default_matmul_config(math.prod(x.shape[:-1]), gate_up),
-                                     block_n=2 * half_block)
+                                     block_n=2 * half_block, split_k=1)
     if config.path != "fused" or config.split_k != 1 or config.group_dots:
         raise ValueError(f"fused SwiGLU: config {config} must be fused with split_k=1")
     if config.block_n != 2 * half_block:
@@ -693,7 +746,7 @@ def _blockwise_matmul_swiglu(x, packed, *, spec, out_n, config, interpret, poiso
 
 def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec,
                        decoder: str, m: int, n: int, k: int, bm: int, bn: int, tile_k: int,
-                       n_steps: int, poisoned: bool):
+                       n_steps: int, poisoned: bool, pair_view: tuple[int, int] | None = None):
     out_ref = rest[-1]
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
     half = tile_k // 2
@@ -705,9 +758,10 @@ def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: Forma
     def body(i, carry):
         acc_lo, acc_hi = carry
         n0 = pl.multiple_of(i * bn, bn)
-        c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
-        s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
-        s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
+        w0 = pl.multiple_of(pair_row(n0, pair_view), bn)
+        c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
+        s_lo = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g, g)]
+        s_hi = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g + g, g)]
         mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, ragged_n)
         dy = _load(dy_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], mask).astype(jnp.bfloat16)
         w_lo, w_hi = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.bfloat16)
@@ -725,19 +779,20 @@ def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: Forma
 
 def _dequantize_kernel(codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
                        n: int, k: int, bn: int, tile_k: int, tiles_per_program: int,
-                       poisoned: bool):
+                       poisoned: bool, pair_view: tuple[int, int] | None = None):
     out_ref = rest[-1]
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
     half = tile_k // 2
     g = half // spec.scale_block
     pid_n, pid_k = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(pid_n * bn, bn)
+    w0 = pl.multiple_of(pair_row(n0, pair_view), bn)
     factor = (2.0 ** spec.epilogue_exponent(decoder)) / ts_ref[0]
     for j in range(tiles_per_program):
         kt = pid_k * tiles_per_program + j
-        c = codes_ref[pl.ds(n0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
-        s_lo = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g, g)]
-        s_hi = scales_ref[pl.ds(n0, bn), pl.ds(kt * 2 * g + g, g)]
+        c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
+        s_lo = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g, g)]
+        s_hi = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g + g, g)]
         planes = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.float32)
         for p, w in enumerate(planes):
             c0 = kt * tile_k + p * half
@@ -774,6 +829,21 @@ def _check_packed(packed: PackedWeight, spec: FormatSpec):
     if half % spec.scale_block or packed.tile_k & (packed.tile_k - 1) or half < 16:
         raise ValueError(f"tile_k={packed.tile_k} must be a power of two, >= 32 and a multiple "
                          f"of 2 * {spec.scale_block}")
+    if packed.pair_view is not None:
+        half_block, which = packed.pair_view
+        rows = packed.codes.shape[0]
+        if (which not in (0, 1) or half_block < 16 or half_block & (half_block - 1)
+                or rows % (2 * half_block) or rows // 2 < packed.n):
+            raise ValueError(f"pair view {packed.pair_view} of a [{rows}, ...] pair for N="
+                             f"{packed.n}: expected (half_block a power of two >= 16, half 0 "
+                             "or 1) over 2 * half_block-row blocks holding N rows per half")
+
+
+def _check_row_tile(packed: PackedWeight, bn: int) -> None:
+    """A pair view is read in row tiles within one half_block: bn must divide it."""
+    if packed.max_block_n is not None and packed.max_block_n % bn:
+        raise ValueError(f"block_n={bn} must divide the pair view's half_block "
+                         f"{packed.max_block_n}")
 
 
 def _launch(kernel, out_shape, grid, inputs, *, interpret, compiler_params, poison_output, name):
@@ -855,9 +925,10 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         return y.astype(jnp.bfloat16).reshape(*lead, packed.n)
     if config.path != "fused":
         raise ValueError(f"unknown matmul path {config.path!r}")
-    n_pad, half_k = packed.codes.shape
+    n_pad, half_k = packed.n_pad, packed.codes.shape[1]
     k_tiles = 2 * half_k // packed.tile_k
     bm, bn, split = config.block_m, config.block_n, config.split_k
+    _check_row_tile(packed, bn)
     tiles_per_split = _cdiv(k_tiles, split)
     if n_pad % bn or bm < 16 or bn < 16 or not _valid_split(split, k_tiles):
         raise ValueError(f"config {config} does not tile N_pad={n_pad}, K tiles={k_tiles} (every "
@@ -869,7 +940,8 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         _matmul_kernel, spec=spec, decoder=decoder, m=m, n=packed.n, k=k, bm=bm, bn=bn,
         tile_k=packed.tile_k, tiles_per_split=tiles_per_split, k_tiles=k_tiles, split=split,
         weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
-        clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None)
+        clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None,
+        pair_view=packed.pair_view)
     if config.group_dots and spec.decode_values is None:
         raise ValueError(f"{spec.name} has no group-scaled decoder")
     if split == 1:
@@ -906,6 +978,9 @@ def check_group(packed: tuple[PackedWeight, ...], spec: FormatSpec) -> None:
     first = packed[0]
     for i, p in enumerate(packed):
         _check_packed(p, spec)
+        if p.pair_view is not None:
+            raise ValueError(f"grouped matmul: weight {i} is a gate/up pair view (its launch is "
+                             "blockwise_matmul_swiglu over the pair, or blockwise_matmul)")
         if (p.k, p.tile_k, p.codes.shape[1]) != (first.k, first.tile_k, first.codes.shape[1]):
             raise ValueError(f"grouped matmul: weight {i} is [N={p.n}, K={p.k}] with tile_k "
                              f"{p.tile_k}; weight 0 has K={first.k}, tile_k {first.tile_k} "
@@ -1057,15 +1132,17 @@ def blockwise_matmul_transposed(dy: jax.Array, packed: PackedWeight, *, spec: Fo
                                  interpret=interpret, poison_output=poison_output)
         dx = jnp.dot(dy2.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
         return dx.astype(jnp.bfloat16).reshape(*lead, packed.k)
-    n_pad, half_k = packed.codes.shape
+    n_pad, half_k = packed.n_pad, packed.codes.shape[1]
     bm, bn = config.block_m, config.block_n
     if n_pad % bn or bm < 16 or bn < 16:
         raise ValueError(f"config {config} does not tile N_pad={n_pad}")
+    _check_row_tile(packed, bn)
     decoder = _resolve_decoder(spec, config.decoder, interpret)
     poisoned = bool(poison_output)
     kernel = functools.partial(
         _transposed_kernel, spec=spec, decoder=decoder, m=m, n=n, k=packed.k, bm=bm, bn=bn,
-        tile_k=packed.tile_k, n_steps=_cdiv(n, bn), poisoned=poisoned)
+        tile_k=packed.tile_k, n_steps=_cdiv(n, bn), poisoned=poisoned,
+        pair_view=packed.pair_view)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     dx = _launch(kernel, jax.ShapeDtypeStruct((m, packed.k), jnp.bfloat16),
                  (_cdiv(m, bm), 2 * half_k // packed.tile_k),
@@ -1082,16 +1159,18 @@ def blockwise_dequantize(packed: PackedWeight, *, spec: FormatSpec,
                          poison_output: bool = False) -> jax.Array:
     """W as bf16 [N, K] (f32 decode and scale, one rounding), written tile by tile."""
     _check_packed(packed, spec)
-    n_pad, half_k = packed.codes.shape
+    n_pad, half_k = packed.n_pad, packed.codes.shape[1]
     k_tiles = 2 * half_k // packed.tile_k
     tpp = math.gcd(config.tiles_per_program, k_tiles)
-    bn = min(config.block_n, n_pad)
+    bn = min(config.block_n, n_pad, packed.max_block_n or n_pad)
+    _check_row_tile(packed, bn)
     poisoned = bool(poison_output)
     # The exact decoder: its cost is hidden behind the 2-byte-per-weight write.
     decoder = spec.interpret_decoder
     kernel = functools.partial(
         _dequantize_kernel, spec=spec, decoder=decoder, n=packed.n, k=packed.k, bn=bn,
-        tile_k=packed.tile_k, tiles_per_program=tpp, poisoned=poisoned)
+        tile_k=packed.tile_k, tiles_per_program=tpp, poisoned=poisoned,
+        pair_view=packed.pair_view)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     return _launch(kernel, jax.ShapeDtypeStruct((packed.n, packed.k), jnp.bfloat16),
                    (_cdiv(packed.n, bn), k_tiles // tpp),

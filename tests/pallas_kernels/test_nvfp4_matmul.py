@@ -329,6 +329,64 @@ def test_interleaved_gate_up_swiglu_epilogue(m, ranks, weight_as_lhs, n):
                                        interpret=True, lora_down=stacked, lora_b=b_pair)
 
 
+@pytest.mark.parametrize("m,n", [(5, 80), (70, 96)])
+def test_pair_views_read_gate_and_up_in_place(m, n):
+    """pair_view_of(interleave_gate_up(gate, up)) read in place by every kernel gives gate's and
+    up's results bit for bit: the fused kernel (at M=5, with a LoRA epilogue and split-K), the
+    dequantize path (M=70), the transposed kernel and the dequantize kernel. N = 80 / 96 end
+    inside a half_block (padding rows of the pair are not read into the output)."""
+    seed = kc.fresh_seed()
+    rng = np.random.default_rng(seed)
+    k = 3 * 128
+    problems = [kc.random_problem(NVFP4, seed + i, m, n, k, 128) for i in range(2)]
+    x = problems[0][1]
+    plain = [p[2] for p in problems]
+    pair = bw.interleave_gate_up(*plain, 32)
+    views = [bw.pair_view_of(pair, half, n=n, tensor_scale=w.tensor_scale, half_block=32)
+             for half, w in enumerate(plain)]
+    down = jnp.asarray(rng.standard_normal((m, 8)), jnp.bfloat16)
+    lora_b = jnp.asarray(0.1 * rng.standard_normal((8, n)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    fused = bw.MatmulConfig(block_m=16, block_n=32, split_k=2)
+    for half, (view, weight) in enumerate(zip(views, plain)):
+        context = f"half {half} seed={seed}"
+        assert view.n_pad == weight.codes.shape[0] and view.max_block_n == 32
+        for config in (None, fused):
+            got = bw.blockwise_matmul(x, view, spec=nv.NVFP4, config=config, interpret=True,
+                                      poison_output=True, lora_down=down, lora_b=lora_b,
+                                      lora_scale=0.5)
+            want = bw.blockwise_matmul(x, weight, spec=nv.NVFP4,
+                                       config=config or bw.default_matmul_config(m, view),
+                                       interpret=True, lora_down=down, lora_b=lora_b,
+                                       lora_scale=0.5)
+            np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                          np.asarray(want, np.float32), err_msg=context)
+        transposed = bw.TransposedConfig(block_m=16, block_n=32)
+        np.testing.assert_array_equal(
+            np.asarray(bw.blockwise_matmul_transposed(dy, view, spec=nv.NVFP4, config=transposed,
+                                                      interpret=True, poison_output=True)),
+            np.asarray(bw.blockwise_matmul_transposed(dy, weight, spec=nv.NVFP4,
+                                                      config=transposed, interpret=True)),
+            err_msg=context)
+        np.testing.assert_array_equal(
+            np.asarray(bw.blockwise_dequantize(view, spec=nv.NVFP4, interpret=True,
+                                               poison_output=True)),
+            np.asarray(bw.blockwise_dequantize(weight, spec=nv.NVFP4, interpret=True)),
+            err_msg=context)
+    if m <= 64:
+        assert bw.default_matmul_config(m, views[0]).block_n <= 32
+        with pytest.raises(ValueError, match="half_block 32"):
+            bw.blockwise_matmul(x, views[0], spec=nv.NVFP4, interpret=True,
+                                config=bw.MatmulConfig(block_m=16, block_n=64))
+        with pytest.raises(ValueError, match="pair view"):
+            bw.blockwise_matmul_group(x, tuple(views), spec=nv.NVFP4, interpret=True)
+    with pytest.raises(ValueError, match="not a view"):
+        bw.blockwise_matmul_swiglu(x, views[0], spec=nv.NVFP4, out_n=n, half_block=32,
+                                   interpret=True)
+    with pytest.raises(ValueError, match="plain weights"):
+        bw.interleave_gate_up(views[0], views[1], 32)
+
+
 # ----------------------------------------------------------------------------------------------
 # Canonical scale codes of the kernel layout, and the "asmq" decoder's arithmetic
 
