@@ -158,6 +158,9 @@ def add_worker_arguments(parser, script_name: str) -> None:
                         help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
     parser.add_argument("--no-grouped-launches", action="store_true",
                         help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
+    parser.add_argument("--no-gate-up-pairs", action="store_true",
+                        help="keep each MLP's gate and up as separate weights (grouped launch "
+                             "+ XLA SwiGLU), not one interleaved pair with the SwiGLU fused")
     parser.add_argument("--no-decode-attention", action="store_true",
                         help="decode steps attend over the whole cache on XLA (no Pallas kernel)")
     parser.add_argument("--kernels-interpret", action="store_true",
@@ -179,6 +182,7 @@ def kernel_flags(args) -> list[str]:
     return [flag for flag, on in (("--no-kernels", args.no_kernels),
                                   ("--no-lora-epilogue", args.no_lora_epilogue),
                                   ("--no-grouped-launches", args.no_grouped_launches),
+                                  ("--no-gate-up-pairs", args.no_gate_up_pairs),
                                   ("--no-decode-attention", args.no_decode_attention),
                                   ("--kernels-interpret", args.kernels_interpret)) if on]
 
@@ -188,6 +192,7 @@ def output_name(script_name: str, sizes: list[str], args) -> str:
     return (f"{script_name}_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
             + ("_no-lora-epilogue" if args.no_lora_epilogue else "")
             + ("_no-grouped" if args.no_grouped_launches else "")
+            + ("_no-pairs" if args.no_gate_up_pairs else "")
             + ("_no-decode-attention" if args.no_decode_attention else ""))
 
 
@@ -279,7 +284,8 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0):
 def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed: int = 0,
                          use_kernels: bool = True, interpret: bool = False,
                          lora_epilogue: bool = True, tile_k: int | None = None,
-                         grouped: bool = True, decode_attention: bool = True):
+                         grouped: bool = True, decode_attention: bool = True,
+                         pair_mlp: bool = True):
     """The rollout benchmarks' model: a random-weight `preset` (bf16 params and compute, no
     remat) in `format_name`, built tensor by tensor, with LoRA as the trainer attaches it (rank
     r, alpha r, all projections, trainable norms) and B drawn nonzero (1e-3 N(0, 1)) so the
@@ -307,7 +313,7 @@ def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed:
         layer.lora_b.set_value(1e-3 * jax.random.normal(
             jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
     model, info = _prepare_model(model, format_name, use_kernels, interpret, lora_epilogue,
-                                 tile_k, grouped, decode_attention)
+                                 tile_k, grouped, decode_attention, pair_mlp)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     del model
     states = (trainable, frozen)
@@ -335,7 +341,7 @@ def _unregister_all_kernels(format_name: str) -> list[str]:
 def _prepare_model(model, format_name: str, use_kernels: bool = True,
                    interpret: bool = False, lora_epilogue: bool = True,
                    tile_k: int | None = None, grouped: bool = True,
-                   decode_attention: bool = True):
+                   decode_attention: bool = True, pair_mlp: bool = True):
     """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
     when qerl_jax.quant.kernel_dispatch.enable_kernels exists; otherwise the pure XLA path.
 
@@ -378,13 +384,14 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
         tuning = apply_decode_tuning_from_env()
         result = enable_kernels(model, interpret=interpret, lora_epilogue=lora_epilogue,
                                 tile_k=tile_k, grouped=grouped,
-                                decode_attention=decode_attention)
+                                decode_attention=decode_attention, pair_mlp=pair_mlp)
         if result is not None and hasattr(result, "config"):  # returned the (same) model
             model = result
         info["kernel_hook"] = (f"enable_kernels on {jax.default_backend()}"
                                + (" (Pallas interpret mode)" if interpret else "")
                                + ("" if lora_epilogue else ", no LoRA epilogue")
                                + ("" if grouped else ", no grouped launches")
+                               + ("" if pair_mlp else ", no gate/up pairs")
                                + ("" if decode_attention else ", no decode attention kernel")
                                + (f", tile_k {tile_k} for every weight" if tile_k else "")
                                + (f", decode tuning {tuning}" if tuning else ""))

@@ -42,6 +42,9 @@ def parse_args(argv=None):
                         help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
     parser.add_argument("--no-grouped-launches", action="store_true",
                         help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
+    parser.add_argument("--no-gate-up-pairs", action="store_true",
+                        help="keep each MLP's gate and up as separate weights (grouped launch "
+                             "+ XLA SwiGLU), not one interleaved pair with the SwiGLU fused")
     parser.add_argument("--no-decode-attention", action="store_true",
                         help="decode steps attend over the whole cache on XLA (no Pallas kernel)")
     parser.add_argument("--short-cache", action="store_true",
@@ -189,7 +192,7 @@ def main(argv=None):
         use_kernels=not args.no_kernels, lora_epilogue=not args.no_lora_epilogue,
         grouped=not args.no_grouped_launches,
         decode_attention=not args.no_decode_attention,
-        tile_k=args.tile_k)
+        tile_k=args.tile_k, pair_mlp=not args.no_gate_up_pairs)
     init_s = time.perf_counter() - started
     cases = [profile_case(graphdef, states, architecture, args,
                           args.prompt + args.cache_new_tokens, "full cache", args.out)]
@@ -209,6 +212,7 @@ def main(argv=None):
         "_no-kernels" if args.no_kernels else "") + (
         "_no-lora-epilogue" if args.no_lora_epilogue else "") + (
         "_no-grouped" if args.no_grouped_launches else "") + (
+        "_no-pairs" if args.no_gate_up_pairs else "") + (
         "_no-decode-attention" if args.no_decode_attention else "") + (
         f"_tile{args.tile_k}" if args.tile_k else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "info": info,

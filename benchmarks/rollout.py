@@ -107,7 +107,7 @@ def worker_main(args) -> None:
             use_kernels=not args.no_kernels, interpret=args.kernels_interpret,
             lora_epilogue=not args.no_lora_epilogue, tile_k=args.tile_k,
             grouped=not args.no_grouped_launches,
-            decode_attention=not args.no_decode_attention)
+            decode_attention=not args.no_decode_attention, pair_mlp=not args.no_gate_up_pairs)
         base.update(info)
         base["init_s"] = time.perf_counter() - started
         base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()

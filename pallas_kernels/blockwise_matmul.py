@@ -615,6 +615,16 @@ def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, do
                        n // 2 > out_n or out_n % half != 0))
 
 
+def interleave_rows(a: jax.Array, b: jax.Array, half_block: int) -> jax.Array:
+    """[R, W] and [R, W] -> [2R, W]: blocks of half_block rows, a's block j then b's block j."""
+    if a.shape != b.shape or a.ndim != 2 or a.shape[0] % half_block:
+        raise ValueError(f"interleave_rows: {a.shape} and {b.shape} must be equal [R, W] with "
+                         f"R a multiple of {half_block}")
+    rows, width = a.shape
+    blocks = [x.reshape(rows // half_block, half_block, width) for x in (a, b)]
+    return jnp.stack(blocks, axis=1).reshape(2 * rows, width)
+
+
 def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) -> PackedWeight:
     """One packed weight [2 N_pad, K] from a SwiGLU MLP's gate and up [N, K] (same format, shape
     and layout): rows in blocks of half_block, gate block j then up block j, so that a launch
@@ -630,13 +640,8 @@ def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) ->
     n_pad = gate.codes.shape[0]
     if n_pad % half_block:
         raise ValueError(f"interleave_gate_up: half_block {half_block} must divide N_pad {n_pad}")
-
-    def interleave(a, b):
-        blocks = [x.reshape(n_pad // half_block, half_block, x.shape[1]) for x in (a, b)]
-        return jnp.stack(blocks, axis=1).reshape(2 * n_pad, a.shape[1])
-
-    return PackedWeight(codes=interleave(gate.codes, up.codes),
-                        scales=interleave(gate.scales, up.scales),
+    return PackedWeight(codes=interleave_rows(gate.codes, up.codes, half_block),
+                        scales=interleave_rows(gate.scales, up.scales, half_block),
                         tensor_scale=jnp.concatenate([gate.tensor_scale.reshape(1),
                                                       up.tensor_scale.reshape(1)]),
                         fmt=gate.fmt, n=2 * n_pad, k=gate.k, tile_k=gate.tile_k)

@@ -35,7 +35,9 @@ class HostCopy:
     arrays) of the offloaded arrays, the original leaf otherwise. shardings: each offloaded
     leaf's device sharding (None where the leaf was kept). committed: whether each offloaded
     array was committed to its device. nbytes: bytes offloaded. pinned: how many of the
-    offloaded arrays are in pinned host memory (the rest are numpy).
+    offloaded arrays are in pinned host memory (the rest are numpy). aliases: leaf index ->
+    the index of the leaf holding the same array (one array in several places of the tree,
+    e.g. an MLP's gate/up pair views): copied once, and restored as one array again.
     """
 
     treedef: Any
@@ -44,6 +46,7 @@ class HostCopy:
     committed: list
     nbytes: int
     pinned: int
+    aliases: dict = dataclasses.field(default_factory=dict)
 
 
 def _offloadable(leaf) -> bool:
@@ -60,10 +63,15 @@ def commit_to_devices(tree):
     """`tree` with every array committed to the device(s) it is on. The new arrays share the
     old ones' buffers (no copy). jit compiles a program per committed / uncommitted argument, so
     state that is committed from the start keeps one program per shape when arrays come back
-    from pinned host memory (committed) or out of jitted programs."""
+    from pinned host memory (committed) or out of jitted programs. An array in several leaves
+    stays one array (the same object in each)."""
+    committed = {}
+
     def commit(leaf):
         if isinstance(leaf, jax.Array) and not leaf.committed:
-            return jax.device_put(leaf, leaf.sharding)
+            if id(leaf) not in committed:   # (the leaf is kept alive so that its id stays unique)
+                committed[id(leaf)] = (leaf, jax.device_put(leaf, leaf.sharding))
+            return committed[id(leaf)][1]
         return leaf
     return jax.tree_util.tree_map(commit, tree)
 
@@ -75,12 +83,21 @@ def offload_to_host(tree, method: str = "auto") -> HostCopy:
     pinned host memory; ValueError otherwise).
     The arrays are deleted: every other reference to them is invalid afterwards (using one
     raises "Array has been deleted"), so pass a tree that nothing else uses meanwhile. PRNG key
-    arrays and non-array leaves are kept as they are.
+    arrays and non-array leaves are kept as they are. An array that appears in several leaves
+    is copied once (restore_to_device puts one array back in all of them).
     """
     if method not in METHODS:
         raise ValueError(f"offload method {method!r} not in {METHODS}")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    indices = [i for i, leaf in enumerate(leaves) if _offloadable(leaf)]
+    first_index, aliases, indices = {}, {}, []
+    for i, leaf in enumerate(leaves):
+        if not _offloadable(leaf):
+            continue
+        if id(leaf) in first_index:
+            aliases[i] = first_index[id(leaf)]
+        else:
+            first_index[id(leaf)] = i
+            indices.append(i)
     pinned, pageable = [], []
     for index in indices:
         array = leaves[index]
@@ -106,8 +123,10 @@ def offload_to_host(tree, method: str = "auto") -> HostCopy:
     nbytes = sum(leaves[i].nbytes for i in indices)
     for index in indices:
         leaves[index].delete()
+    for index in aliases:
+        copied[index] = None
     return HostCopy(treedef=treedef, leaves=copied, shardings=shardings, committed=committed,
-                    nbytes=nbytes, pinned=len(pinned))
+                    nbytes=nbytes, pinned=len(pinned), aliases=aliases)
 
 
 def restore_to_device(copy: HostCopy):
@@ -128,4 +147,6 @@ def restore_to_device(copy: HostCopy):
               + jax.device_put([leaves[i] for i in to_default]))
     for index, array in zip(to_sharding + to_default, placed):
         leaves[index] = array
+    for index, original in copy.aliases.items():
+        leaves[index] = leaves[original]
     return jax.tree_util.tree_unflatten(copy.treedef, leaves)

@@ -19,6 +19,7 @@ from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.models.layers import Linear, LoRAParam, RMSNorm
 from qerl_jax.models.safetensors_io import save_safetensors
 from qerl_jax.models.transformer import MLP, Attention, CausalLM
+from qerl_jax.quant import prepare_swiglu_lora_b
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -118,6 +119,11 @@ def stack_grouped_adapters(model: CausalLM) -> int:
     every token (measured on the GPU: two concatenate kernels per layer and step, ~4 us). Stacked
     once before the loop, the product reads the same values. Like cast_adapters_for_compute, use
     it on a merged copy inside a jitted function, never on the trained state.
+
+    An MLP whose gate/up weights are pair views (qerl_jax.quant.kernel_dispatch.pair_mlp_weights)
+    also gets `pair_lora_b`, its fused SwiGLU launch's LoRA B (linear_op.prepare_swiglu_lora_b:
+    B_gate and B_up in the pair's column order, 4.6 MiB per 7B layer at rank 32), which the
+    launch would otherwise rebuild at every token.
     """
     count = 0
     for _, module in _named_modules(model, (Attention, MLP)):
@@ -127,6 +133,10 @@ def stack_grouped_adapters(model: CausalLM) -> int:
         dtype = projections[0].compute_dtype
         module.grouped_lora_a = jnp.concatenate(
             [layer.lora_a.get_value().astype(dtype) for layer in projections], axis=1)
+        if isinstance(module, MLP):
+            weights, loras = zip(*((layer.operands()[0], layer.operands()[2])
+                                   for layer in projections))
+            module.pair_lora_b = prepare_swiglu_lora_b(weights, loras, compute_dtype=dtype)
         count += 1
     return count
 

@@ -64,3 +64,22 @@ def test_commit_to_devices_shares_the_buffers():
     (committed,) = commit_to_devices([array])
     assert committed.committed and not array.committed
     assert committed.unsafe_buffer_pointer() == array.unsafe_buffer_pointer()
+
+
+@pytest.mark.parametrize("method", ["auto", "pinned_host"])
+def test_an_array_in_several_leaves_stays_one_array(method):
+    """One array in two leaves (an MLP's gate/up pair views hold the same interleaved arrays)
+    is committed once, offloaded once (counted once) and comes back as one array in both
+    leaves: the round trip does not double its memory."""
+    shared = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    other = jnp.ones((5,), jnp.bfloat16)
+    expected = np.asarray(shared), np.asarray(other)
+    tree = commit_to_devices({"gate": [shared, other], "up": [shared]})
+    assert tree["gate"][0] is tree["up"][0] and tree["gate"][0].committed
+    host = offload_to_host(tree, method=method)
+    assert host.nbytes == shared.nbytes + other.nbytes and host.aliases
+    assert host.pinned == (2 if method == "pinned_host" else 0)
+    restored = restore_to_device(host)
+    assert restored["gate"][0] is restored["up"][0]
+    np.testing.assert_array_equal(np.asarray(restored["up"][0]), expected[0])
+    np.testing.assert_array_equal(np.asarray(restored["gate"][1]), expected[1])

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qerl_jax.models.config import RopeScaling
-from qerl_jax.quant import LoRAProduct, linear, linear_group
+from qerl_jax.quant import LoRAProduct, linear, linear_group, linear_swiglu
 
 INIT_STD = 0.02  # HF initializer_range of Qwen2 / Llama
 
@@ -70,6 +70,24 @@ def apply_linears(x: jax.Array, layers, stacked_lora_a: jax.Array | None = None
     weights, biases, loras = zip(*(layer.operands() for layer in layers))
     return linear_group(x, weights, biases, compute_dtype=layers[0].compute_dtype, loras=loras,
                         stacked_lora_a=stacked_lora_a)
+
+
+def apply_swiglu_linears(x: jax.Array, gate_layer: Linear, up_layer: Linear,
+                         stacked_lora_a: jax.Array | None = None,
+                         pair_lora_b: jax.Array | None = None) -> jax.Array:
+    """swiglu(gate_layer(x), up_layer(x)) [..., out] through qerl_jax.quant.linear_swiglu:
+    where the quantized kernel can (gate/up pair views at decode), one launch computes both
+    projections and applies the SwiGLU in its epilogue; otherwise apply_linears then swiglu,
+    unchanged. `stacked_lora_a` [in, r_gate + r_up] as for apply_linears; `pair_lora_b` the
+    fused launch's LoRA B made once (qerl_jax.lora.stack_grouped_adapters) or None."""
+    if jnp.dtype(gate_layer.compute_dtype) != jnp.dtype(up_layer.compute_dtype):
+        raise ValueError(f"apply_swiglu_linears: gate computes in {gate_layer.compute_dtype}, "
+                         f"up in {up_layer.compute_dtype}")
+    (gate_w, gate_b, gate_lora), (up_w, up_b, up_lora) = (gate_layer.operands(),
+                                                          up_layer.operands())
+    return linear_swiglu(x, (gate_w, up_w), (gate_b, up_b), activation=swiglu,
+                         compute_dtype=gate_layer.compute_dtype, loras=(gate_lora, up_lora),
+                         stacked_lora_a=stacked_lora_a, pair_lora_b=pair_lora_b)
 
 
 class Embedding(nnx.Module):

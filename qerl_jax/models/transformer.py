@@ -21,7 +21,8 @@ from qerl_jax.models.attention_dispatch import decode_attention_kernel
 from qerl_jax.models.config import ModelConfig
 from qerl_jax.models.kv_cache import KVCache
 from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
-                                    rope_cos_sin, rope_inverse_frequencies, swiglu)
+                                    apply_swiglu_linears, rope_cos_sin,
+                                    rope_inverse_frequencies)
 from qerl_jax.quant.linear_op import narrow_matmul
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so all-masked (padding) rows stay finite
@@ -180,10 +181,13 @@ class MLP(nnx.Module):
         self.up_proj = Linear(hidden, inner, **common)
         self.down_proj = Linear(inner, hidden, **common)
         self.grouped_lora_a = nnx.data(None)  # [hidden, 2r], as Attention.grouped_lora_a
+        # the fused SwiGLU launch's LoRA B of gate/up pair views, made once per rollout
+        # (qerl_jax.lora.stack_grouped_adapters), or None
+        self.pair_lora_b = nnx.data(None)
 
     def __call__(self, x):
-        gate, up = apply_linears(x, (self.gate_proj, self.up_proj), self.grouped_lora_a)
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(apply_swiglu_linears(x, self.gate_proj, self.up_proj,
+                                                   self.grouped_lora_a, self.pair_lora_b))
 
 
 class DecoderLayer(nnx.Module):

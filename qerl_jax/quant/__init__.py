@@ -6,13 +6,14 @@ from qerl_jax.quant.formats import (Format, bytes_per_parameter, get_format, kno
 from qerl_jax.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from qerl_jax.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from qerl_jax.quant.nf4 import nf4_dequantize, nf4_quantize
-from qerl_jax.quant.linear_op import (LoRAProduct, linear, linear_group, quantized_matmul,
+from qerl_jax.quant.linear_op import (LoRAProduct, linear, linear_group, linear_swiglu,
+                                      prepare_swiglu_lora_b, quantized_matmul,
                                       register_matmul_kernel, select_matmul_path,
                                       unregister_matmul_kernel)
 
 __all__ = ["QuantizedWeight", "Format", "bytes_per_parameter", "get_format", "known_formats",
            "quantized_nbytes", "register_format", "nvfp4_dequantize", "nvfp4_quantize",
            "mxfp4_dequantize", "mxfp4_quantize", "nf4_dequantize", "nf4_quantize", "LoRAProduct", "linear",
-           "linear_group",
+           "linear_group", "linear_swiglu", "prepare_swiglu_lora_b",
            "quantized_matmul", "register_matmul_kernel", "select_matmul_path",
            "unregister_matmul_kernel"]

@@ -80,16 +80,24 @@ class KernelLayoutWeight(QuantizedWeight):
     codes, pallas_kernels/nvfp4_matmul.py; NF4: float32 absmax),
     checkpoint_tensor_scale (the QuantizedWeight's tensor_scale, or None),
     nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None).
-    Static: format, shape (logical N, K), dtype, tile_k.
+    Static: format, shape (logical N, K), dtype, tile_k, pair_view.
+
+    pair_view (half_block, half) or None: kernel_codes / kernel_scales are an MLP's gate and up
+    interleaved in blocks of half_block rows ([2 N_pad, ...], `pair_gate_up`), and this weight
+    is its half 0 (gate) or 1 (up). The gate and up weights hold the SAME two arrays, so the
+    pair is the only copy in memory; the kernels read a half in place
+    (pallas_kernels.blockwise_matmul.PackedWeight.pair_view), and the decode launch reads
+    both with the SwiGLU in its epilogue (linear_op.linear_swiglu).
 
     The checkpoint-layout attributes (codes, block_scales, tensor_scale, double_quant_scales)
-    are computed from these on access, losslessly.
+    are computed from these on access, losslessly (a pair view's from its own rows).
     """
 
     # Not dataclass fields: the base class's generated __init__/__eq__/__hash__ are bypassed.
     def __init__(self, *, kernel_codes, kernel_scales, checkpoint_tensor_scale=None,
                  nf4_scale_codes=None, nf4_double_quant_scales=None, format: str,
-                 shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int):
+                 shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int,
+                 pair_view: tuple[int, int] | None = None):
         # No value checks: JAX rebuilds this object with tracers or placeholders as leaves.
         set_attr = object.__setattr__
         set_attr(self, "kernel_codes", kernel_codes)
@@ -101,6 +109,7 @@ class KernelLayoutWeight(QuantizedWeight):
         set_attr(self, "shape", tuple(int(d) for d in shape))
         set_attr(self, "dtype", jnp.dtype(dtype).name)
         set_attr(self, "tile_k", int(tile_k))
+        set_attr(self, "pair_view", None if pair_view is None else tuple(int(v) for v in pair_view))
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -108,7 +117,8 @@ class KernelLayoutWeight(QuantizedWeight):
     def __repr__(self) -> str:
         return (f"KernelLayoutWeight(format={self.format!r}, shape={self.shape}, "
                 f"dtype={self.dtype!r}, tile_k={self.tile_k}, "
-                f"kernel_codes={getattr(self.kernel_codes, 'shape', None)})")
+                f"kernel_codes={getattr(self.kernel_codes, 'shape', None)}"
+                + ("" if self.pair_view is None else f", pair_view={self.pair_view}") + ")")
 
     # pytree protocol
     _CHILDREN = ("kernel_codes", "kernel_scales", "checkpoint_tensor_scale", "nf4_scale_codes",
@@ -117,17 +127,17 @@ class KernelLayoutWeight(QuantizedWeight):
     def tree_flatten_with_keys(self):
         children = tuple((jax.tree_util.GetAttrKey(name), getattr(self, name))
                          for name in self._CHILDREN)
-        return children, (self.format, self.shape, self.dtype, self.tile_k)
+        return children, (self.format, self.shape, self.dtype, self.tile_k, self.pair_view)
 
     def tree_flatten(self):
         return tuple(getattr(self, name) for name in self._CHILDREN), (
-            self.format, self.shape, self.dtype, self.tile_k)
+            self.format, self.shape, self.dtype, self.tile_k, self.pair_view)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        format_name, shape, dtype, tile_k = aux
+        format_name, shape, dtype, tile_k, pair_view = aux
         return cls(**dict(zip(cls._CHILDREN, children)), format=format_name, shape=shape,
-                   dtype=dtype, tile_k=tile_k)
+                   dtype=dtype, tile_k=tile_k, pair_view=pair_view)
 
     # the kernels' view
     @property
@@ -143,13 +153,27 @@ class KernelLayoutWeight(QuantizedWeight):
             divisor = jnp.ones((1,), jnp.float32)
         return bw.PackedWeight(codes=self.kernel_codes, scales=self.kernel_scales,
                                tensor_scale=divisor, fmt=self.format, n=self.shape[0],
-                               k=self.shape[1], tile_k=self.tile_k)
+                               k=self.shape[1], tile_k=self.tile_k, pair_view=self.pair_view)
+
+    def kernel_divisor(self) -> jax.Array:
+        """The kernels' divisor [1] (NVFP4's tensor scale, else 1), as packed() holds it."""
+        return self.packed().tensor_scale
+
+    def _own_rows(self, array: jax.Array) -> jax.Array:
+        """This weight's rows [N_pad, ...] of a kernel-layout array (a copy for a pair view)."""
+        if self.pair_view is None:
+            return array
+        half_block, half = self.pair_view
+        rows, width = array.shape
+        return array.reshape(rows // (2 * half_block), 2, half_block, width)[:, half].reshape(
+            rows // 2, width)
 
     # the checkpoint view
     @property
     def codes(self):
         n, k = self.shape
-        return bw.from_plane_layout(self.kernel_codes, n=n, k=k, tile_k=self.tile_k,
+        return bw.from_plane_layout(self._own_rows(self.kernel_codes), n=n, k=k,
+                                    tile_k=self.tile_k,
                                     low_nibble_first=_LOW_NIBBLE_FIRST[self.format])
 
     @property
@@ -157,7 +181,7 @@ class KernelLayoutWeight(QuantizedWeight):
         if self.nf4_scale_codes is not None:
             return self.nf4_scale_codes
         n, k = self.shape
-        scales = self.kernel_scales[:n, :k // self.spec.scale_block]
+        scales = self._own_rows(self.kernel_scales)[:n, :k // self.spec.scale_block]
         return nvfp4_matmul.checkpoint_scales(scales) if self.format == "nvfp4" else scales
 
     @property
@@ -285,6 +309,88 @@ def restore_checkpoint_layout(tree: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
+# Gate/up pairs: one interleaved copy of an MLP's gate and up weights
+
+PAIR_HALF_BLOCK = 32  # rows per block: the decode launch's 64-row tiles hold 32 gate + 32 up
+
+
+def pair_refusal(gate, up, half_block: int = PAIR_HALF_BLOCK) -> str | None:
+    """Why gate and up cannot become pair views (pair_gate_up), or None."""
+    if not (isinstance(gate, KernelLayoutWeight) and isinstance(up, KernelLayoutWeight)):
+        return "they are not both in the kernel layout"
+    if gate.pair_view is not None or up.pair_view is not None:
+        return "they are pair views already"
+    described = [(w.format, w.shape, w.dtype, w.tile_k, tuple(w.kernel_codes.shape),
+                  tuple(w.kernel_scales.shape)) for w in (gate, up)]
+    if described[0] != described[1]:
+        return f"gate {described[0]} and up {described[1]} differ in format, shape or layout"
+    if gate.kernel_codes.shape[0] % half_block:
+        return f"padded N {gate.kernel_codes.shape[0]} is not a multiple of {half_block}"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("half_block",))
+def _interleaved_pair(gate_codes, up_codes, gate_scales, up_scales, *, half_block):
+    return (bw.interleave_rows(gate_codes, up_codes, half_block),
+            bw.interleave_rows(gate_scales, up_scales, half_block))
+
+
+def pair_gate_up(gate: KernelLayoutWeight, up: KernelLayoutWeight, *,
+                 half_block: int = PAIR_HALF_BLOCK) -> tuple[KernelLayoutWeight, ...]:
+    """(gate view, up view) of ONE interleaved copy of a SwiGLU MLP's gate and up kernel-layout
+    weights [N, K]: rows in blocks of half_block, gate block j then up block j
+    (pallas_kernels.blockwise_matmul.interleave_gate_up). Both views hold the same two arrays
+    (codes [2 N_pad, K_pad/2], scales [2 N_pad, K_pad/B]) and their own tensor scale and NF4
+    double-quantization arrays; each is bit for bit the weight it replaces (checkpoint view,
+    dequantize, every kernel). Lossless; ValueError (pair_refusal) when they cannot pair."""
+    refusal = pair_refusal(gate, up, half_block)
+    if refusal is not None:
+        raise ValueError(f"pair_gate_up: {refusal}")
+    codes, scales = _interleaved_pair(gate.kernel_codes, up.kernel_codes, gate.kernel_scales,
+                                      up.kernel_scales, half_block=half_block)
+    return tuple(KernelLayoutWeight(
+        kernel_codes=codes, kernel_scales=scales,
+        checkpoint_tensor_scale=weight.checkpoint_tensor_scale,
+        nf4_scale_codes=weight.nf4_scale_codes,
+        nf4_double_quant_scales=weight.nf4_double_quant_scales, format=weight.format,
+        shape=weight.shape, dtype=weight.dtype, tile_k=weight.tile_k,
+        pair_view=(half_block, half)) for half, weight in enumerate((gate, up)))
+
+
+def _gate_up_modules(model: nnx.Module):
+    """(path, module) of every submodule with gate_proj and up_proj layers (SwiGLU MLPs)."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and all(
+                isinstance(getattr(getattr(node, name, None), "weight", None), nnx.Variable)
+                for name in ("gate_proj", "up_proj")):
+            yield path, node
+
+
+def pair_mlp_weights(model: nnx.Module, *, half_block: int = PAIR_HALF_BLOCK) -> int:
+    """In place: each SwiGLU MLP's gate_proj / up_proj kernel-layout weights become pair views
+    of one interleaved copy (pair_gate_up); returns how many MLPs were paired. MLPs whose
+    weights cannot pair (pair_refusal: another format, the checkpoint layout, ...) are left
+    as they are, with the reason logged once per reason."""
+    count, reasons = 0, set()
+    for _, module in _gate_up_modules(model):
+        gate_param, up_param = module.gate_proj.weight, module.up_proj.weight
+        gate, up = gate_param.get_value(), up_param.get_value()
+        if isinstance(gate, KernelLayoutWeight) and gate.pair_view is not None:
+            continue
+        refusal = pair_refusal(gate, up, half_block)
+        if refusal is not None:
+            if refusal not in reasons and isinstance(gate, QuantizedWeight):
+                reasons.add(refusal)
+                logger.info("gate/up pairs: an MLP keeps separate weights: %s", refusal)
+            continue
+        gate_view, up_view = pair_gate_up(gate, up, half_block=half_block)
+        gate_param.set_value(gate_view)
+        up_param.set_value(up_view)
+        count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------------------------
 # The kernels as linear_op sees them
 
 
@@ -325,6 +431,9 @@ def _fused_forward_group(x, weights, down, lora_bs, scales, *, compute_dtype, in
 def _group_supports(weights) -> str | None:
     """Why these kernel-layout weights cannot share one launch (None: they can)."""
     first = weights[0]
+    if any(weight.pair_view is not None for weight in weights):
+        return ("gate/up pair views (their launch is the fused SwiGLU one, "
+                "linear_op.linear_swiglu)")
     for weight in weights[1:]:
         if (weight.format, weight.shape[1], weight.tile_k, weight.kernel_codes.shape[1]) != (
                 first.format, first.shape[1], first.tile_k, first.kernel_codes.shape[1]):
@@ -332,6 +441,60 @@ def _group_supports(weights) -> str | None:
                     f"{first.shape} tile_k {first.tile_k} (a launch needs one format, K and "
                     "K tile)")
     return None
+
+
+def _swiglu_supports(m, weights, scales) -> str | None:
+    """Why the fused SwiGLU launch cannot take this (gate, up) at M rows (None: it can): they
+    must be the two pair views of one interleaved pair (pair_mlp_weights), with one LoRA
+    scale."""
+    del m
+    gate, up = weights
+    if not (isinstance(gate, KernelLayoutWeight) and isinstance(up, KernelLayoutWeight)):
+        return "gate and up are not in the kernel layout"
+    if gate.pair_view is None or up.pair_view is None:
+        return ("gate and up are separate weights (enable_kernels(pair_mlp=True) interleaves "
+                "them into one pair)")
+    if gate.pair_view[1] != 0 or up.pair_view != (gate.pair_view[0], 1):
+        return f"pair views {gate.pair_view} / {up.pair_view} are not (gate, up) of one pair"
+    if (gate.format, gate.shape, tuple(gate.kernel_codes.shape)) != (
+            up.format, up.shape, tuple(up.kernel_codes.shape)):
+        return f"gate {gate!r} and up {up!r} differ"
+    if not isinstance(gate.kernel_codes, jax.core.Tracer) and (
+            gate.kernel_codes is not up.kernel_codes or gate.kernel_scales is not up.kernel_scales):
+        return "gate and up are views of two different pairs"
+    if scales is not None and scales[0] != scales[1]:
+        return f"gate and up have different LoRA scales {scales}"
+    return None
+
+
+def _pair_lora_b(weights, lora_bs):
+    """The fused SwiGLU launch's block-diagonal LoRA B [r_g' + r_u', 2 N_pad] bf16 of a pair's
+    (B_gate, B_up) (pallas_kernels.blockwise_matmul.interleave_lora_b)."""
+    gate = weights[0]
+    return bw.interleave_lora_b(lora_bs[0], lora_bs[1], gate.kernel_codes.shape[0] // 2,
+                                gate.pair_view[0])
+
+
+def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, compute_dtype,
+                          interpret):
+    """silu(x @ Wg^T + LoRA_g) * (x @ Wu^T + LoRA_u) [M, N] bf16 for pair views (gate, up) in
+    one launch over their interleaved pair, the SwiGLU in its epilogue. down = x @ [A_g | A_u];
+    pair_lora_b: the block-diagonal B made once (_pair_lora_b), or None to make it here."""
+    del compute_dtype
+    gate, up = weights
+    half_block = gate.pair_view[0]
+    pair = bw.PackedWeight(codes=gate.kernel_codes, scales=gate.kernel_scales,
+                           tensor_scale=jnp.concatenate([gate.kernel_divisor(),
+                                                         up.kernel_divisor()]),
+                           fmt=gate.format, n=gate.kernel_codes.shape[0], k=gate.shape[1],
+                           tile_k=gate.tile_k)
+    lora = {}
+    if down is not None:
+        lora = dict(lora_down=down, lora_ranks=tuple(b.shape[0] for b in lora_bs),
+                    lora_b=_pair_lora_b(weights, lora_bs) if pair_lora_b is None
+                    else pair_lora_b, lora_scale=scales[0])
+    return bw.blockwise_matmul_swiglu(x, pair, spec=gate.spec, out_n=gate.shape[0],
+                                      half_block=half_block, interpret=interpret, **lora)
 
 
 def _fused_forward(x, weight, *, compute_dtype, interpret):
@@ -379,7 +542,8 @@ _REGISTERED: dict[str, tuple] = {}  # platform -> the settings its kernels were 
 def register_kernels(platform: str = "gpu", *, interpret: bool = False,
                      small_m_backward: str = "dequantize",
                      fused_max_m: dict[str, int] | None = None,
-                     lora_epilogue: bool = True, grouped: bool = True) -> None:
+                     lora_epilogue: bool = True, grouped: bool = True,
+                     fused_swiglu: bool = True) -> None:
     """Registers the fused / dequantize+XLA kernels of every format with linear_op (idempotent;
     re-registering with other settings replaces them).
 
@@ -393,6 +557,9 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         False: separate XLA dots (for comparisons).
       grouped: layers that share their input (q/k/v, gate/up; qerl_jax.quant.linear_group)
         run in one fused-kernel launch at small M; False: one launch per layer (comparisons).
+      fused_swiglu: an MLP's gate/up pair views (pair_mlp_weights) run at small M as one
+        launch with the SwiGLU in its epilogue (linear_op.linear_swiglu); False: each view
+        alone, then the SwiGLU (comparisons; unpaired weights take the grouped launch).
     """
     if small_m_backward not in ("dequantize", "transposed"):
         raise ValueError(f"small_m_backward={small_m_backward!r}; expected 'dequantize' or "
@@ -406,7 +573,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
-                grouped)
+                grouped, fused_swiglu)
     if _REGISTERED.get(platform) == settings:
         return
     unregister_kernels(platform)
@@ -423,7 +590,10 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
                      if lora_epilogue else None),
             group_fn=(functools.partial(_fused_forward_group, interpret=interpret)
                       if grouped else None),
-            group_supports=_group_supports)
+            group_supports=_group_supports,
+            swiglu_fn=(functools.partial(_fused_forward_swiglu, interpret=interpret)
+                       if fused_swiglu else None),
+            swiglu_supports=_swiglu_supports, swiglu_lora_b_fn=_pair_lora_b)
         linear_op.register_matmul_kernel(
             format_name, platform, functools.partial(_dequantize_forward, interpret=interpret),
             name=dequantize_name, min_m=limit + 1, max_m=None,
@@ -431,8 +601,9 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             supports=_supports)
     _REGISTERED[platform] = settings
     logger.info("registered Pallas kernels for %s (interpret=%s, fused forward for M <= %s, "
-                "small-M backward: %s, LoRA epilogue: %s, grouped launches: %s)", platform,
-                interpret, limits, small_m_backward, lora_epilogue, grouped)
+                "small-M backward: %s, LoRA epilogue: %s, grouped launches: %s, fused SwiGLU: "
+                "%s)", platform, interpret, limits, small_m_backward, lora_epilogue, grouped,
+                fused_swiglu)
 
 
 def unregister_kernels(platform: str = "gpu") -> None:
@@ -481,7 +652,8 @@ def disable_decode_attention(platform: str | None = None) -> None:
 def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bool = False,
                    tile_k: int | None = None, small_m_backward: str = "dequantize",
                    lora_epilogue: bool = True, grouped: bool = True,
-                   decode_attention: bool = True, donate: bool = False):
+                   decode_attention: bool = True, donate: bool = False,
+                   pair_mlp: bool = True, fused_swiglu: bool = True):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
     Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
@@ -493,8 +665,12 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
       platform: default jax.default_backend().
       interpret: Pallas interpret mode (CPU tests; slow).
       tile_k: K tile of the kernel layout (default: default_tile_k).
-      small_m_backward, lora_epilogue, grouped: see register_kernels.
+      small_m_backward, lora_epilogue, grouped, fused_swiglu: see register_kernels.
       decode_attention: also register the decode-attention kernel (enable_decode_attention).
+      pair_mlp: (Module only) each SwiGLU MLP's gate and up weights become two views of one
+        interleaved copy (pair_mlp_weights; no extra memory), which the decode steps run in
+        one launch with the SwiGLU in its epilogue. A pytree (not a Module) keeps separate
+        weights.
       donate: (Module only) hand each checkpoint-layout weight's buffers to its kernel layout
         (to_kernel_layout(donate=True)): no second copy of the scales and codes is allocated,
         but arrays taken from the Module before the call are deleted. For a model nothing
@@ -506,7 +682,7 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
                     "keep the XLA path (dequantize + dot)", platform)
         return model_or_state
     register_kernels(platform, interpret=interpret, small_m_backward=small_m_backward,
-                     lora_epilogue=lora_epilogue, grouped=grouped)
+                     lora_epilogue=lora_epilogue, grouped=grouped, fused_swiglu=fused_swiglu)
     if decode_attention:
         enable_decode_attention(platform, interpret=interpret)
     else:
@@ -521,8 +697,9 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
         if _is_quantized(value) and not isinstance(value, KernelLayoutWeight):
             node.set_value(to_kernel_layout(value, tile_k=tile_k, donate=donate))
             count += 1
-    logger.info("enable_kernels: %d quantized weights in the kernel layout (%s, interpret=%s)",
-                count, platform, interpret)
+    pairs = pair_mlp_weights(model_or_state) if pair_mlp else 0
+    logger.info("enable_kernels: %d quantized weights in the kernel layout, %d MLP gate/up "
+                "pairs (%s, interpret=%s)", count, pairs, platform, interpret)
     return model_or_state
 
 

@@ -54,6 +54,12 @@ class MatmulKernel:
     by side [M, sum r_i], is not None); with
     group_supports(weights) -> None or the reason they cannot share a launch. Without it
     `linear_group` runs the weights one by one.
+    Optionally swiglu_fn(x, (gate, up), down, lora_bs, scales, pair_lora_b, *, compute_dtype)
+    -> [M, N] in compute dtype: silu(gate product) * (up product) of a SwiGLU MLP in one launch
+    (`linear_swiglu`), with swiglu_supports(m, (gate, up), scales or None) -> None or the
+    reason it cannot, and swiglu_lora_b_fn((gate, up), (B_gate, B_up)) -> the launch's LoRA
+    B operand made once outside a loop (`prepare_swiglu_lora_b`; pair_lora_b is that, or
+    None to make it per call).
     """
 
     name: str
@@ -67,6 +73,9 @@ class MatmulKernel:
     lora_fn: Callable[..., jax.Array] | None = None
     group_fn: Callable[..., tuple] | None = None
     group_supports: Callable[..., str | None] | None = None
+    swiglu_fn: Callable[..., jax.Array] | None = None
+    swiglu_supports: Callable[..., str | None] | None = None
+    swiglu_lora_b_fn: Callable[..., jax.Array] | None = None
 
     def accepts(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
@@ -82,7 +91,10 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
                            supports: Callable[..., str | None] | None = None,
                            lora_fn: Callable[..., jax.Array] | None = None,
                            group_fn: Callable[..., tuple] | None = None,
-                           group_supports: Callable[..., str | None] | None = None
+                           group_supports: Callable[..., str | None] | None = None,
+                           swiglu_fn: Callable[..., jax.Array] | None = None,
+                           swiglu_supports: Callable[..., str | None] | None = None,
+                           swiglu_lora_b_fn: Callable[..., jax.Array] | None = None
                            ) -> MatmulKernel:
     """Registers a kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
 
@@ -92,7 +104,9 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
         raise ValueError(f"kernel {name}: max_m={max_m} < min_m={min_m}")
     kernel = MatmulKernel(name=name, format=format_name, platform=platform, fn=fn,
                           min_m=min_m, max_m=max_m, grad_fn=grad_fn, supports=supports,
-                          lora_fn=lora_fn, group_fn=group_fn, group_supports=group_supports)
+                          lora_fn=lora_fn, group_fn=group_fn, group_supports=group_supports,
+                          swiglu_fn=swiglu_fn, swiglu_supports=swiglu_supports,
+                          swiglu_lora_b_fn=swiglu_lora_b_fn)
     entries = _KERNELS.setdefault((format_name, platform), [])
     if any(entry.name == name for entry in entries):
         raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
@@ -274,6 +288,70 @@ def _grouped_quantized_matmul_bwd(compute_dtype, scales, group_forward, backward
 _grouped_quantized_matmul.defvjp(_grouped_quantized_matmul_fwd, _grouped_quantized_matmul_bwd)
 
 
+def _members_forward(kernel: MatmulKernel, x, weights, down, lora_bs, scales, *,
+                     compute_dtype):
+    """A group_fn that runs the members one by one with `kernel`'s single-weight products
+    (its LoRA epilogue where it has one): the recomputation behind the fused SwiGLU's VJP,
+    for weights that take no grouped launch (gate/up pair views)."""
+    outputs, start = [], 0
+    for i, weight in enumerate(weights):
+        if down is None:
+            outputs.append(kernel.fn(x, weight, compute_dtype=compute_dtype))
+            continue
+        rank = lora_bs[i].shape[0]
+        member_down = down[:, start:start + rank]
+        start += rank
+        if kernel.lora_fn is not None:
+            outputs.append(kernel.lora_fn(x, weight, member_down, lora_bs[i], scales[i],
+                                          compute_dtype=compute_dtype))
+        else:
+            outputs.append(kernel.fn(x, weight, compute_dtype=compute_dtype) + scales[i] * jnp.dot(
+                member_down.astype(compute_dtype), lora_bs[i].astype(compute_dtype),
+                preferred_element_type=jnp.float32))
+    return tuple(outputs)
+
+
+def _swiglu_of_members(x, down, lora_bs, weights, compute_dtype, scales, kernel, backward):
+    """silu(gate) * up of the members' products, each rounded to compute_dtype first, the
+    SwiGLU in float32, rounded once: what the fused SwiGLU launch computes, and the function
+    whose VJP is its backward."""
+    gate, up = (y.astype(compute_dtype).astype(jnp.float32) for y in _grouped_quantized_matmul(
+        x, down, lora_bs, weights, compute_dtype, scales,
+        functools.partial(_members_forward, kernel), backward))
+    return (jax.nn.silu(gate) * up).astype(compute_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fused_swiglu_matmul(x, down, lora_bs, pair_lora_b, weights, compute_dtype, scales, kernel,
+                         backward):
+    del backward
+    return kernel.swiglu_fn(x, weights, down, lora_bs, scales, pair_lora_b,
+                            compute_dtype=compute_dtype)
+
+
+def _fused_swiglu_matmul_fwd(x, down, lora_bs, pair_lora_b, weights, compute_dtype, scales,
+                             kernel, backward):
+    y = _fused_swiglu_matmul(x, down, lora_bs, pair_lora_b, weights, compute_dtype, scales,
+                             kernel, backward)
+    return y, (x, down, lora_bs, pair_lora_b, weights)
+
+
+def _fused_swiglu_matmul_bwd(compute_dtype, scales, kernel, backward, residuals, grad_output):
+    """The VJP of _swiglu_of_members (the products recomputed, then SwiGLU's derivative and
+    the single products' own backward): the fused launch keeps no gate/up for it. The
+    prepared LoRA B operand gets a zero cotangent (its B matrices get theirs)."""
+    x, down, lora_bs, pair_lora_b, weights = residuals
+    _, pullback = jax.vjp(
+        lambda *primals: _swiglu_of_members(*primals, compute_dtype, scales, kernel, backward),
+        x, down, lora_bs, weights)
+    grad_x, grad_down, grad_bs, grad_weights = pullback(grad_output)
+    grad_pair_b = None if pair_lora_b is None else jnp.zeros_like(pair_lora_b)
+    return grad_x, grad_down, grad_bs, grad_pair_b, grad_weights
+
+
+_fused_swiglu_matmul.defvjp(_fused_swiglu_matmul_fwd, _fused_swiglu_matmul_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAProduct:
     """An unmerged LoRA adapter for `linear`: y += scale * (x @ a) @ b.
@@ -446,6 +524,27 @@ def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
     return kernel, f"kernel {kernel.name} groups {len(weights)} weights at M={x2d.shape[0]}"
 
 
+def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype):
+    """(down = x @ [A_0 | A_1 | ...] [M, sum r_i] in compute dtype, (B_i), (scale_i)) for a
+    launch over several weights, or (None, None, None) without LoRA. One x @ [A_0 | A_1 | ...]
+    for the group: separate x @ A_i dots would be merged by XLA anyway, but then it
+    concatenates the A_i inside the decode loop at every step and slices the product apart
+    (4-5 extra small kernels per layer and step)."""
+    if loras[0] is None:
+        return None, None, None
+    if stacked_lora_a is None:
+        stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
+    else:
+        expected = (x2d.shape[1], sum(lora.a.shape[1] for lora in loras))
+        if tuple(stacked_lora_a.shape) != expected:
+            raise ValueError(f"linear_group: stacked_lora_a {tuple(stacked_lora_a.shape)} "
+                             f"must be [in, sum of ranks] = {list(expected)}")
+        stacked_a = stacked_lora_a.astype(compute_dtype)
+    down = jnp.dot(x2d, stacked_a, preferred_element_type=compute_dtype)
+    return (down, tuple(lora.b.astype(compute_dtype) for lora in loras),
+            tuple(float(lora.scale) for lora in loras))
+
+
 def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
                  loras=None, stacked_lora_a: jax.Array | None = None) -> list[jax.Array]:
     """`linear` of several layers that read the same x (a layer's q/k/v, or gate/up).
@@ -497,22 +596,7 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
     if kernel is None:
         return one_by_one()
     backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
-    down = lora_bs = scales = None
-    if loras[0] is not None:
-        # One x @ [A_0 | A_1 | ...] for the group. (Separate x @ A_i dots would be merged by
-        # XLA anyway, but then it concatenates the A_i inside the decode loop at every step and
-        # slices the product apart: 4-5 extra small kernels per layer and step.)
-        if stacked_lora_a is None:
-            stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
-        else:
-            expected = (in_features, sum(lora.a.shape[1] for lora in loras))
-            if tuple(stacked_lora_a.shape) != expected:
-                raise ValueError(f"linear_group: stacked_lora_a {tuple(stacked_lora_a.shape)} "
-                                 f"must be [in, sum of ranks] = {list(expected)}")
-            stacked_a = stacked_lora_a.astype(compute_dtype)
-        down = jnp.dot(x2d, stacked_a, preferred_element_type=compute_dtype)
-        lora_bs = tuple(lora.b.astype(compute_dtype) for lora in loras)
-        scales = tuple(float(lora.scale) for lora in loras)
+    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
     ys = _grouped_quantized_matmul(x2d, down, lora_bs, weights, jnp.dtype(compute_dtype),
                                    scales, kernel.group_fn, backward)
     outputs = []
@@ -521,3 +605,109 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
             y = y + bias.astype(jnp.float32)
         outputs.append(y.astype(compute_dtype).reshape(*leading, w.shape[0]))
     return outputs
+
+
+def _swiglu_kernel(x2d, weights, loras, compute_dtype, platform
+                   ) -> tuple[MatmulKernel | None, str]:
+    """The kernel whose fused SwiGLU launch takes (gate, up) for x2d, or (None, why not)."""
+    formats = {getattr(w, "format", None) for w in weights}
+    if len(formats) != 1:
+        return None, f"mixed formats {sorted(map(str, formats))}"
+    if len({lora is None for lora in loras}) != 1:
+        return None, "LoRA on one of gate and up only"
+    kernel, reason = _select(weights[0].format, x2d.shape[0], platform)
+    if kernel is None:
+        return None, reason
+    if kernel.swiglu_fn is None:
+        return None, f"kernel {kernel.name} has no fused SwiGLU launch"
+    for weight in weights:
+        refusal = None if kernel.supports is None else kernel.supports(weight,
+                                                                       jnp.dtype(compute_dtype))
+        if refusal is not None:
+            return None, f"kernel {kernel.name} cannot take it: {refusal}"
+    scales = None if loras[0] is None else tuple(float(lora.scale) for lora in loras)
+    refusal = (None if kernel.swiglu_supports is None
+               else kernel.swiglu_supports(x2d.shape[0], tuple(weights), scales))
+    if refusal is not None:
+        return None, f"kernel {kernel.name}: no fused SwiGLU: {refusal}"
+    return kernel, f"kernel {kernel.name} fuses the SwiGLU at M={x2d.shape[0]}"
+
+
+def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
+                  compute_dtype=jnp.bfloat16, loras=None,
+                  stacked_lora_a: jax.Array | None = None,
+                  pair_lora_b: jax.Array | None = None) -> jax.Array:
+    """activation(*linear_group(x, (gate, up), ...)) for a SwiGLU MLP's gate and up layers,
+    [..., N] in compute_dtype, where `activation(gate, up)` is the model's SwiGLU: float32
+    silu(gate) * up, rounded to compute_dtype (QeRL's Qwen2.5 MLP, before down_proj).
+
+    Where the selected kernel has a fused SwiGLU launch that takes these weights (swiglu_fn:
+    the fused small-M kernels on gate/up pair views, e.g. at decode; both quantized, no
+    biases), ONE launch reads gate and up (one interleaved weight) and writes silu(gate) * up:
+    gate and up never reach HBM and no separate SwiGLU kernel runs. Its output is the unfused
+    path's up to the exp of silu (one bf16 ulp); its backward is the unfused path's VJP
+    (recomputed). Elsewhere this is exactly activation(*linear_group(...)).
+
+    Args:
+      x: activations [..., in], shared.
+      weights: (gate, up), as for `linear`.
+      biases: (gate bias, up bias), each optional [N].
+      activation: the SwiGLU applied where nothing is fused.
+      loras, stacked_lora_a: as for `linear_group` (the stacked A is [in, r_gate + r_up]).
+      pair_lora_b: the fused launch's LoRA B operand made once outside a loop
+        (prepare_swiglu_lora_b), or None (made per call where needed).
+    """
+    weights, biases = tuple(weights), tuple(biases)
+    loras = tuple(loras) if loras is not None else (None, None)
+    if not len(weights) == len(biases) == len(loras) == 2:
+        raise ValueError(f"linear_swiglu: needs (gate, up): got {len(weights)} weights, "
+                         f"{len(biases)} biases and {len(loras)} LoRA entries")
+
+    def unfused():
+        return activation(*linear_group(x, weights, biases, compute_dtype=compute_dtype,
+                                         loras=loras, stacked_lora_a=stacked_lora_a))
+
+    if any(b is not None for b in biases) or not all(isinstance(w, QuantizedWeight)
+                                                     for w in weights):
+        return unfused()
+    if weights[0].shape != weights[1].shape:
+        raise ValueError(f"linear_swiglu: gate {weights[0].shape} and up {weights[1].shape} "
+                         "must have the same shape [out, in]")
+    in_features = x.shape[-1]
+    for w, lora in zip(weights, loras):
+        if w.shape[1] != in_features:
+            raise ValueError(f"linear_swiglu: x has {in_features} features but a {w.format} "
+                             f"weight is [out={w.shape[0]}, in={w.shape[1]}]")
+        if lora is not None:
+            _check_lora_shapes(lora, in_features, w.shape[0])
+    x2d = x.reshape(-1, in_features).astype(compute_dtype)
+    platform = jax.default_backend()
+    kernel, reason = _swiglu_kernel(x2d, weights, loras, compute_dtype, platform)
+    _log_path_once(weights[0].format, platform,
+                   "unfused SwiGLU" if kernel is None else f"{kernel.name} fused SwiGLU", reason)
+    if kernel is None:
+        return unfused()
+    backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
+    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
+    if down is None:
+        pair_lora_b = None
+    y = _fused_swiglu_matmul(x2d, down, lora_bs, pair_lora_b, weights, jnp.dtype(compute_dtype),
+                             scales, kernel, backward)
+    return y.astype(compute_dtype).reshape(*x.shape[:-1], weights[0].shape[0])
+
+
+def prepare_swiglu_lora_b(weights, loras, *, compute_dtype=jnp.bfloat16) -> jax.Array | None:
+    """The fused SwiGLU launch's LoRA B operand for (gate, up) with adapters `loras` (for
+    linear_swiglu's pair_lora_b), made once before a decode loop, or None where no fused
+    SwiGLU launch would take them at decode (M = 1) on this platform. For the Pallas pair
+    views: the block-diagonal [B_gate | B_up] in the pair's column order."""
+    weights, loras = tuple(weights), tuple(loras)
+    if len(weights) != 2 or any(lora is None for lora in loras) or not all(
+            isinstance(w, QuantizedWeight) for w in weights):
+        return None
+    x_row = jax.ShapeDtypeStruct((1, weights[0].shape[1]), jnp.dtype(compute_dtype))
+    kernel, _ = _swiglu_kernel(x_row, weights, loras, compute_dtype, jax.default_backend())
+    if kernel is None or kernel.swiglu_lora_b_fn is None:
+        return None
+    return kernel.swiglu_lora_b_fn(weights, tuple(lora.b.astype(compute_dtype)
+                                                  for lora in loras))

@@ -13,6 +13,7 @@ the largest output), for y = x @ W^T and for dx = dy @ W alike. The tiny model c
 two layers: logits within 2^-4 * max|logits|, mean difference within 2^-8 * max|logits|.
 """
 
+import dataclasses
 import functools
 import logging
 import secrets
@@ -258,9 +259,14 @@ def test_tiny_model_logits_with_kernels(format_name, interpret_kernels):
                    for leaf in jax.tree_util.tree_leaves(trainable, is_leaf=is_quantized))
     assert sum(isinstance(leaf, KernelLayoutWeight)
                for leaf in jax.tree_util.tree_leaves(frozen, is_leaf=is_quantized)) == 7
+    mlp = model.layers[0].mlp
+    gate, up = mlp.gate_proj.weight.get_value(), mlp.up_proj.weight.get_value()
+    assert gate.kernel_codes is up.kernel_codes and (gate.pair_view, up.pair_view) == (
+        (32, 0), (32, 1))  # enable_kernels made them views of one interleaved pair
     jaxpr = str(jax.make_jaxpr(logits, static_argnums=0)(graphdef, trainable, frozen, tokens))
-    # one kernel jaxpr per distinct projection shape (q/o, k/v, gate/up, down; printed once)
+    # one kernel jaxpr per distinct projection shape (q/o, k/v, gate|up pair, down)
     assert jaxpr.count("pallas_call") >= 4
+    assert f"{format_name}_matmul_swiglu_lora" in jaxpr  # M = 16: the fused SwiGLU launch
     logits_kernel = logits(graphdef, trainable, frozen, tokens)
 
     scale = float(np.abs(np.asarray(logits_ref)).max())
@@ -391,6 +397,112 @@ def test_linear_group_matches_single_linears(interpret_kernels, format_name, m, 
             _assert_close(grads[2][i], grads_ref[2][i], 2 * TOLERANCE, f"{context} dB{i}")
 
 
+@pytest.mark.parametrize("format_name,kwargs", [("nvfp4", {}), ("mxfp4", {}),
+                                                ("nf4", {"double_quant": True})])
+def test_gate_up_pair_views_share_one_copy_and_read_back_losslessly(format_name, kwargs):
+    """pair_gate_up: the gate and up views hold the same two interleaved arrays (one copy of
+    the pair, 2 N_pad rows) and each reads back, bit for bit, the weight it replaces
+    (checkpoint view, dequantize, to_checkpoint; also through jit); what cannot pair says
+    why."""
+    rng = np.random.default_rng(secrets.randbits(32))
+    quantized = [_weight(format_name, rng, n=136, k=192, **kwargs) for _ in range(2)]
+    plain = [to_kernel_layout(w) for w in quantized]
+    gate, up = kernel_dispatch.pair_gate_up(*plain)
+    assert gate.kernel_codes is up.kernel_codes and gate.kernel_scales is up.kernel_scales
+    assert gate.kernel_codes.shape[0] == 2 * plain[0].kernel_codes.shape[0]
+    assert (gate.pair_view, up.pair_view) == ((32, 0), (32, 1))
+    for view, original in zip((gate, up), quantized):
+        _leaves_equal(view.to_checkpoint(), original)
+        np.testing.assert_array_equal(np.asarray(view.dequantize(jnp.float32)),
+                                      np.asarray(original.dequantize(jnp.float32)))
+        rebuilt = jax.jit(lambda w: w)(view)
+        assert isinstance(rebuilt, KernelLayoutWeight) and rebuilt.pair_view == view.pair_view
+        _leaves_equal(rebuilt.to_checkpoint(), original)
+    assert "pair_view=(32, 1)" in repr(up)
+    assert "pair views already" in kernel_dispatch.pair_refusal(gate, up)
+    assert "kernel layout" in kernel_dispatch.pair_refusal(quantized[0], plain[1])
+    other = to_kernel_layout(_weight(format_name, rng, n=72, k=192, **kwargs))
+    with pytest.raises(ValueError, match="differ in format, shape or layout"):
+        kernel_dispatch.pair_gate_up(plain[0], other)
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("m,with_lora", [(3, True), (16, False), (64, True), (300, True)])
+def test_fused_swiglu_of_pair_views_matches_the_unfused_mlp(interpret_kernels, format_name, m,
+                                                             with_lora, caplog):
+    """linear_swiglu on gate/up pair views: at M <= 64 one launch over the pair with the SwiGLU
+    in its epilogue, above it each view through the dequantize path, then the SwiGLU. Output
+    and gradients w.r.t. x, A and B against the unfused SwiGLU of the single XLA-path linears
+    (checkpoint layout), within twice the module's tolerance (a product of two products)."""
+    from qerl_jax.models.layers import swiglu
+    from qerl_jax.quant.linear_op import LoRAProduct, linear_swiglu
+    rng = np.random.default_rng(secrets.randbits(32))
+    quantized = [_weight(format_name, rng) for _ in range(2)]
+    views = kernel_dispatch.pair_gate_up(*(to_kernel_layout(w) for w in quantized))
+    x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
+    a = [jnp.asarray(rng.standard_normal((K, 8)) * 0.1, jnp.float32) for _ in range(2)]
+    b = [jnp.asarray(rng.standard_normal((8, N)) * 0.1, jnp.float32) for _ in range(2)]
+    dy = jnp.asarray(rng.standard_normal((m, N)), jnp.bfloat16)
+
+    def fused(x, a, b, weights):
+        loras = [LoRAProduct(ai, bi, 2.0) for ai, bi in zip(a, b)] if with_lora else None
+        return linear_swiglu(x, weights, (None, None), activation=swiglu,
+                             compute_dtype=jnp.bfloat16, loras=loras)
+
+    def unfused(x, a, b, weights):
+        return swiglu(*(linear(x, w, compute_dtype=jnp.bfloat16,
+                               lora=LoRAProduct(ai, bi, 2.0) if with_lora else None)
+                        for w, ai, bi in zip(weights, a, b)))
+
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+        y, vjp = jax.vjp(functools.partial(fused, weights=views), x, a, b)
+    grads = vjp(dy)
+    y_ref, vjp_ref = jax.vjp(functools.partial(unfused, weights=quantized), x, a, b)
+    grads_ref = vjp_ref(dy)
+    jaxpr = str(jax.make_jaxpr(functools.partial(fused, weights=views))(x, a, b))
+    assert (f"{format_name}_matmul_swiglu" in jaxpr) == (m <= 64)
+    assert (f"{format_name}_fused fused SwiGLU path" in caplog.text) == (m <= 64)
+    context = f"{format_name} M={m} lora={with_lora}"
+    _assert_close(y, y_ref, 2 * TOLERANCE, f"{context} y")
+    _assert_close(grads[0], grads_ref[0], 2 * TOLERANCE, f"{context} dx")
+    if with_lora:
+        for i in range(2):
+            _assert_close(grads[1][i], grads_ref[1][i], 2 * TOLERANCE, f"{context} dA{i}")
+            _assert_close(grads[2][i], grads_ref[2][i], 2 * TOLERANCE, f"{context} dB{i}")
+
+
+def test_fused_swiglu_needs_one_pair_and_falls_back_otherwise(interpret_kernels, caplog):
+    """Separate weights, views of two different pairs and different LoRA scales take the
+    unfused path (saying why); with the prepared pair B (prepare_swiglu_lora_b) the fused
+    launch gives bit for bit what it gives when it builds B itself."""
+    from qerl_jax.models.layers import swiglu
+    from qerl_jax.quant.linear_op import LoRAProduct, linear_swiglu, prepare_swiglu_lora_b
+    rng = np.random.default_rng(secrets.randbits(32))
+    plain = [to_kernel_layout(_weight("nvfp4", rng)) for _ in range(4)]
+    first, second = (kernel_dispatch.pair_gate_up(*plain[i:i + 2]) for i in (0, 2))
+    x = jnp.asarray(rng.standard_normal((2, K)), jnp.bfloat16)
+    loras = [LoRAProduct(jnp.asarray(rng.standard_normal((K, 4)) * 0.1, jnp.float32),
+                         jnp.asarray(rng.standard_normal((4, N)) * 0.1, jnp.float32), s)
+             for s in (2.0, 2.0)]
+
+    def run(weights, loras=None, pair_lora_b=None):
+        return linear_swiglu(x, weights, (None, None), activation=swiglu,
+                             compute_dtype=jnp.bfloat16, loras=loras, pair_lora_b=pair_lora_b)
+
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+        run(plain[:2])
+        run((first[0], second[1]))
+        run(first, [loras[0], dataclasses.replace(loras[1], scale=1.0)])
+    assert "separate weights" in caplog.text
+    assert "two different pairs" in caplog.text
+    assert "different LoRA scales" in caplog.text
+    prepared = prepare_swiglu_lora_b(first, loras)
+    assert prepared is not None and prepared.shape == (32, 2 * 256)
+    assert prepare_swiglu_lora_b(plain[:2], loras) is None
+    np.testing.assert_array_equal(np.asarray(run(first, loras, prepared), np.float32),
+                                  np.asarray(run(first, loras), np.float32))
+
+
 def test_linear_group_runs_one_by_one_where_it_cannot_group(interpret_kernels, caplog):
     """Dense weights (bit for bit the single linears), mixed formats and mixed LoRA fall back to
     one linear per weight, and the log says why."""
@@ -475,10 +587,10 @@ def _while_body_concatenates(jaxpr) -> list[tuple[int, ...]]:
 
 
 def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kernels, monkeypatch):
-    """The sampler stacks each layer's [A_q | A_k | A_v] and [A_gate | A_up] once, before its
-    while_loop (lora.stack_grouped_adapters): the loop body has no concatenate of adapter
-    shapes, and the sampled tokens and log-probs equal, bit for bit, those of the sampler that
-    stacks them inside every grouped launch."""
+    """The sampler stacks each layer's [A_q | A_k | A_v] and [A_gate | A_up], and the fused
+    SwiGLU launch's pair B, once, before its while_loop (lora.stack_grouped_adapters): the loop
+    body has no concatenate of adapter shapes, and the sampled tokens and log-probs equal, bit
+    for bit, those of the sampler that stacks them inside every launch."""
     from qerl_jax import sampling
     from qerl_jax.lora import LoRAConfig, add_lora, stack_grouped_adapters
     from qerl_jax.models.layers import apply_linears
@@ -501,19 +613,23 @@ def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kerne
             lambda s: sampling._generate_program(graphdef, (s,), prompts, mask, key,
                                                  config=config, cache_length=11))(state)
 
+    inner = model.config.intermediate_size
+    pair_b = (32, 2 * inner)  # [r' gate + r' up, 2 N_pad] (rank 4 padded to 16; N_pad = inner)
     stacked = sampling.generate(model, prompts, mask, key, config)
     in_loop = _while_body_concatenates(program_jaxpr())
-    assert not [s for s in in_loop if s in ((hidden, 12), (hidden, 8))], in_loop
+    assert not [s for s in in_loop if s in ((hidden, 12), (hidden, 8), pair_b)], in_loop
 
     monkeypatch.setattr(sampling, "stack_grouped_adapters", lambda model: 0)
     sampling._generate_program.clear_cache()  # retrace with the patched function
     in_loop = _while_body_concatenates(program_jaxpr())
     assert [s for s in in_loop if s in ((hidden, 12), (hidden, 8))]  # the check can see them
+    assert pair_b in in_loop
     restacked = sampling.generate(model, prompts, mask, key, config)
     np.testing.assert_array_equal(np.asarray(stacked.tokens), np.asarray(restacked.tokens))
     np.testing.assert_array_equal(np.asarray(stacked.logprobs), np.asarray(restacked.logprobs))
     merged = nnx.merge(graphdef, state)
     assert stack_grouped_adapters(merged) == 2  # attention and MLP
+    assert merged.layers[0].mlp.pair_lora_b.shape == pair_b
     attention = merged.layers[0].self_attn
     x = jnp.ones((2, hidden), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"stacked_lora_a \(64, 8\)"):
