@@ -269,9 +269,11 @@ def describe_error(error: BaseException) -> str:
 
 
 def state_gib(tree) -> float:
+    """GiB of the arrays in `tree`, each counted once (an MLP's gate/up pair views hold the
+    same interleaved arrays)."""
     import jax
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree)
-               if hasattr(leaf, "dtype")) / 2**30
+    unique = {id(leaf): leaf for leaf in jax.tree_util.tree_leaves(tree) if hasattr(leaf, "dtype")}
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in unique.values()) / 2**30
 
 
 def random_quantized_model(architecture, format_name: str, seed: int = 0):

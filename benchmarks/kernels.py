@@ -344,7 +344,7 @@ def run_check(args):
             rows.append((name, float("nan"), float("nan"), False, factor))
             print("FAIL", name, repr(e)[:3000])
 
-    for fmt in [f for f in FORMATS if f in args.formats.split(",")]:
+    for fmt in [f for f in FORMATS if f in args.formats.split(",") and not args.pairs_only]:
         spec = SPECS[fmt]
         decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm", "asmn", "asms", "asmq"))]
         for i, (m, n, k, tile_k, transposed) in enumerate(cases):
@@ -731,6 +731,8 @@ def main():
     parser.add_argument("--out", default="")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--pairs-only", action="store_true",
+                        help="with --check: only the gate/up pair cases (pair views, fused SwiGLU)")
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help="formats --check covers (comma list)")
     parser.add_argument("--sweep", action="store_true")

@@ -149,12 +149,15 @@ class PackedWeight:
 
 
 def pair_row(n0, pair_view: tuple[int, int] | None):
-    """Row of the codes / scales arrays holding logical row n0 of a weight (n0 itself unless
-    the weight is a pair view; n0 and a tile of rows from it must lie in one half_block)."""
+    """Row of the codes / scales arrays holding logical row n0 >= 0 of a weight (n0 itself
+    unless the weight is a pair view; n0 and a tile of rows from it must lie in one
+    half_block). Shifts and masks (half_block is a power of two): the Triton lowering of
+    integer // and % inside a fori_loop failed on the GPU (an i32 / i1 mismatch)."""
     if pair_view is None:
         return n0
     half_block, half = pair_view
-    return (n0 // half_block) * (2 * half_block) + half * half_block + n0 % half_block
+    shift = half_block.bit_length() - 1
+    return (((n0 >> shift) << (shift + 1)) + half * half_block) + (n0 & (half_block - 1))
 
 
 # ----------------------------------------------------------------------------------------------
