@@ -124,7 +124,8 @@ def worker_main(args) -> None:
                                             args.kernels_interpret,
                                             not args.no_lora_epilogue,
                                             grouped=not args.no_grouped_launches,
-                                            decode_attention=not args.no_decode_attention)
+                                            decode_attention=not args.no_decode_attention,
+                                            pair_mlp=not args.no_gate_up_pairs)
         row.update(hook)
         row["params_B"] = model.config.num_parameters() / 1e9
         row["attention"] = model.config.attention_implementation
@@ -141,6 +142,7 @@ def worker_main(args) -> None:
             completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
             aqn=row["aqn"])
         config.quant.kernels = not args.no_kernels
+        config.quant.gate_up_pairs = not args.no_gate_up_pairs
         if args.compilation_cache:
             from qerl_jax.compilation_cache import cache_entries
             entries = cache_entries(args.compilation_cache)

@@ -32,7 +32,10 @@ def base_config() -> ml_collections.ConfigDict:
         attention_implementation="auto"))
     # Supervised warm-up from scratch (only for the tiny CPU default; 0 steps = off).
     config.warmup = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-3, batch_size=64))
-    config.quant = ml_collections.ConfigDict(dict(format="nvfp4", kernels=True))
+    # gate_up_pairs: with the kernels, each MLP's gate and up weights are one interleaved copy
+    # that decode runs in one launch with the SwiGLU fused (kernel_dispatch.pair_mlp_weights)
+    config.quant = ml_collections.ConfigDict(dict(format="nvfp4", kernels=True,
+                                                  gate_up_pairs=True))
     config.lora = ml_collections.ConfigDict(dict(rank=16, alpha=16.0,
                                                  target_modules=ALL_PROJECTIONS,
                                                  train_norms=True))
@@ -142,6 +145,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            f"{config.quant.format!r} not in {FORMATS}")
     _check(isinstance(config.quant.get("kernels", True), bool), "quant.kernels",
            f"{config.quant.get('kernels')!r} must be True or False")
+    _check(isinstance(config.quant.get("gate_up_pairs", True), bool), "quant.gate_up_pairs",
+           f"{config.quant.get('gate_up_pairs')!r} must be True or False")
     _check(config.lora.rank > 0, "lora.rank", "must be positive")
     _check(set(config.lora.target_modules) <= set(ALL_PROJECTIONS), "lora.target_modules",
            f"must be a subset of {ALL_PROJECTIONS}")

@@ -130,7 +130,8 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
     (GPU only; a no-op on CPU). bf16 weights get the decode-attention kernel only.
     config.quant.kernels=False keeps the XLA path. The kernels compute in bfloat16: with another
     compute dtype every matmul would take the XLA path and unpack the kernel layout again on
-    each call, so nothing is repacked."""
+    each call, so nothing is repacked. config.quant.gate_up_pairs (default True) makes each
+    MLP's gate and up one interleaved pair (kernel_dispatch.pair_mlp_weights)."""
     from qerl_jax.quant.kernel_dispatch import enable_decode_attention, enable_kernels
 
     if not config.quant.get("kernels", True):
@@ -144,7 +145,8 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
                     "bfloat16); the quantized layers use the XLA path",
                     config.model.compute_dtype)
         return
-    enable_kernels(model, donate=True)   # the model was just built: nothing else holds it
+    # the model was just built: nothing else holds it
+    enable_kernels(model, donate=True, pair_mlp=config.quant.get("gate_up_pairs", True))
 
 
 def make_optimizer(train: ml_collections.ConfigDict):
