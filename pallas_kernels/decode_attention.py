@@ -129,8 +129,8 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
 
     new_kv_refs (new k [B, KVH, D], new v, keys out, values out) or None: the new token's key
     and value belong at slot length - 1; the split-0 program writes them into the caches
-    (outputs aliased to keys / values), and every program uses them in place of what it
-    loads from that slot (another program may not have written it yet)."""
+    (outputs aliased to keys / values) and adds them to its softmax after its loop; every
+    program masks that slot in its loop (another program may not have written it yet)."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = lax.broadcasted_iota(jnp.int32, (groups_pad, 1), 0) < groups
     q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
@@ -163,12 +163,10 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
                        other=0.0)
         v = plgpu.load(values_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
                        other=0.0)
-        if new_kv_refs is not None:
-            is_new = (slot == new_slot)[:, None]
-            k = jnp.where(is_new, new_k[None, :].astype(k.dtype), k)
-            v = jnp.where(is_new, new_v[None, :].astype(v.dtype), v)
         allowed = plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=in_range, other=0)
         keep = allowed != 0
+        if new_kv_refs is not None:  # the new slot is added after the loop (not yet written)
+            keep = keep & (slot != new_slot)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale
         s = jnp.where(keep[None, :], s, _MASKED)
@@ -183,6 +181,21 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
     init = (jnp.full((groups_pad,), _MASKED, jnp.float32), jnp.zeros((groups_pad,), jnp.float32),
             jnp.zeros((groups_pad, head_dim), jnp.float32))
     m, l, acc = lax.fori_loop(0, trips, body, init)
+    if new_kv_refs is not None:
+        # The new token (slot new_slot) in split 0 only: one more online-softmax step with
+        # its key and value from the inputs, p rounded to the inputs' dtype as in the loop.
+        allowed_new = jnp.max(plgpu.load(mask_ref.at[b, pl.ds(new_slot, 1)])) != 0
+        take = (split == 0) & allowed_new
+        s_new = jnp.sum(q.astype(jnp.float32) * new_k[None, :].astype(jnp.float32),
+                        axis=1) * scale
+        s_new = jnp.where(take, s_new, _MASKED)
+        m_new = jnp.maximum(m, s_new)
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(take, jnp.exp(s_new - m_new), 0.0)
+        p = p.astype(new_v.dtype).astype(jnp.float32)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * new_v[None, :].astype(jnp.float32)
+        m = m_new
     if m_ref is None:  # one split: normalize here and write q's dtype (no combine kernel)
         l = jnp.where(l > 0, l, 1.0)  # padding rows: never stored, no 0/0
         plgpu.store(o_ref.at[b, h, pl.ds(0, groups_pad), :],
