@@ -52,7 +52,6 @@ class DecodeAttentionConfig:
     balanced: int = 1
     num_warps: int = 4
     num_stages: int = 3  # vs 2: 0.15-0.5 us less per call, 7B / 32B (RESULTS.md session 11)
-    fused_write: int = 1  # decode_attention_with_write: 1 = the kernel writes the new k/v
 
 
 _DEFAULT_CONFIG = DecodeAttentionConfig()
@@ -81,8 +80,6 @@ def set_default_config(config: DecodeAttentionConfig | None = None,
         raise ValueError(f"DecodeAttentionConfig.splits={config.splits}: None or >= 1")
     if config.balanced not in (0, 1):
         raise ValueError(f"DecodeAttentionConfig.balanced={config.balanced}: 0 or 1")
-    if config.fused_write not in (0, 1):
-        raise ValueError(f"DecodeAttentionConfig.fused_write={config.fused_write}: 0 or 1")
     _DEFAULT_CONFIG = config
     return previous
 
@@ -122,30 +119,14 @@ def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
 
 def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_ref, *,
             groups: int, groups_pad: int, slots: int, block_s: int, splits: int,
-            blocks_per_split: int, balanced: bool, scale: float, new_kv_refs=None):
+            blocks_per_split: int, balanced: bool, scale: float):
     """One (batch row, kv head, split): online softmax over the split's blocks of slots.
     Writes the unnormalized float32 acc [G, D] and the row max m / sum l [G] of the split (or,
-    with one split, the normalized output).
-
-    new_kv_refs (new k [B, KVH, D], new v, keys out, values out) or None: the new token's key
-    and value belong at slot length - 1; the split-0 program writes them into the caches
-    (outputs aliased to keys / values) and adds them to its softmax after its loop; every
-    program masks that slot in its loop (another program may not have written it yet)."""
+    with one split, the normalized output)."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = lax.broadcasted_iota(jnp.int32, (groups_pad, 1), 0) < groups
     q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
     visible = jnp.minimum(length_ref[0], slots)
-    if new_kv_refs is not None:
-        new_k_ref, new_v_ref, keys_out_ref, values_out_ref = new_kv_refs
-        new_k = new_k_ref[b, h, :]
-        new_v = new_v_ref[b, h, :]
-        new_slot = visible - 1
-
-        @pl.when(split == 0)
-        def _():
-            keys_out_ref[b, pl.ds(new_slot, 1), h, :] = new_k[None, :].astype(keys_out_ref.dtype)
-            values_out_ref[b, pl.ds(new_slot, 1), h, :] = new_v[None, :].astype(
-                values_out_ref.dtype)
     # Blocks per split: the used ones shared evenly (<= blocks_per_split, as visible <= slots),
     # or a fixed range of the cache.
     per_split = (_cdiv_traced(_cdiv_traced(visible, block_s), splits) if balanced
@@ -165,8 +146,6 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
                        other=0.0)
         allowed = plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=in_range, other=0)
         keep = allowed != 0
-        if new_kv_refs is not None:  # the new slot is added after the loop (not yet written)
-            keep = keep & (slot != new_slot)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale
         s = jnp.where(keep[None, :], s, _MASKED)
@@ -181,21 +160,6 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
     init = (jnp.full((groups_pad,), _MASKED, jnp.float32), jnp.zeros((groups_pad,), jnp.float32),
             jnp.zeros((groups_pad, head_dim), jnp.float32))
     m, l, acc = lax.fori_loop(0, trips, body, init)
-    if new_kv_refs is not None:
-        # The new token (slot new_slot) in split 0 only: one more online-softmax step with
-        # its key and value from the inputs, p rounded to the inputs' dtype as in the loop.
-        allowed_new = jnp.max(plgpu.load(mask_ref.at[b, pl.ds(new_slot, 1)])) != 0
-        take = (split == 0) & allowed_new
-        s_new = jnp.sum(q.astype(jnp.float32) * new_k[None, :].astype(jnp.float32),
-                        axis=1) * scale
-        s_new = jnp.where(take, s_new, _MASKED)
-        m_new = jnp.maximum(m, s_new)
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(take, jnp.exp(s_new - m_new), 0.0)
-        p = p.astype(new_v.dtype).astype(jnp.float32)
-        l = l * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * new_v[None, :].astype(jnp.float32)
-        m = m_new
     if m_ref is None:  # one split: normalize here and write q's dtype (no combine kernel)
         l = jnp.where(l > 0, l, 1.0)  # padding rows: never stored, no 0/0
         plgpu.store(o_ref.at[b, h, pl.ds(0, groups_pad), :],
@@ -226,10 +190,9 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits: int, splits_pad: in
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      length: jax.Array, *, scale: float,
                      config: DecodeAttentionConfig | None = None,
-                     interpret: bool = False, new_kv=None) -> jax.Array:
+                     interpret: bool = False) -> jax.Array:
     """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None: the
-    default (set_default_config). new_kv: see decode_attention_with_write (which passes it;
-    then (out, keys, values) is returned)."""
+    default (set_default_config)."""
     config = config or _DEFAULT_CONFIG
     batch, kv_heads, groups, head_dim = q.shape
     if keys.shape != values.shape or keys.ndim != 4 or keys.shape[0] != batch or \
@@ -248,42 +211,15 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     blocks_per_split = _cdiv(_cdiv(slots, block_s), splits)
     splits = _cdiv(_cdiv(slots, block_s), blocks_per_split)  # no split without a block
     return _decode_attention(q, keys, values, mask, jnp.asarray(length, jnp.int32).reshape(1),
-                             new_kv, scale=float(scale), block_s=block_s, splits=splits,
+                             scale=float(scale), block_s=block_s, splits=splits,
                              blocks_per_split=blocks_per_split,
                              balanced=bool(config.balanced), num_warps=config.num_warps,
                              num_stages=config.num_stages, interpret=interpret)
 
 
-def decode_attention_with_write(q: jax.Array, keys: jax.Array, values: jax.Array,
-                                new_k: jax.Array, new_v: jax.Array, mask: jax.Array,
-                                length: jax.Array, *, scale: float,
-                                config: DecodeAttentionConfig | None = None,
-                                interpret: bool = False):
-    """decode_attention after writing the new token's new_k / new_v [B, KVH, D] at slot
-    length - 1 of keys / values: returns (out [B, KVH, G, D], keys, values), the caches
-    updated. With config.fused_write (the default) the attention kernel writes them itself
-    (the caches are aliased to its outputs, updated in place where the caller's buffers can
-    be donated, e.g. a while loop's carry): two cache-update kernels fewer per layer and
-    step. fused_write=0: jax.lax.dynamic_update_slice, then decode_attention."""
-    config = config or _DEFAULT_CONFIG
-    batch, kv_heads, _, head_dim = q.shape
-    if new_k.shape != (batch, kv_heads, head_dim) or new_v.shape != new_k.shape:
-        raise ValueError(f"decode_attention_with_write: new_k {new_k.shape} / new_v "
-                         f"{new_v.shape} must be [B={batch}, KVH={kv_heads}, D={head_dim}]")
-    length = jnp.asarray(length, jnp.int32)
-    if not config.fused_write:
-        start = (0, length - 1, 0, 0)
-        keys = lax.dynamic_update_slice(keys, new_k[:, None].astype(keys.dtype), start)
-        values = lax.dynamic_update_slice(values, new_v[:, None].astype(values.dtype), start)
-        return decode_attention(q, keys, values, mask, length, scale=scale, config=config,
-                                interpret=interpret), keys, values
-    return decode_attention(q, keys, values, mask, length, scale=scale, config=config,
-                            interpret=interpret, new_kv=(new_k, new_v))
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "blocks_per_split",
                                              "balanced", "num_warps", "num_stages", "interpret"))
-def _decode_attention(q, keys, values, mask, length, new_kv, *, scale, block_s, splits,
+def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
                       blocks_per_split, balanced, num_warps, num_stages, interpret):
     batch, kv_heads, groups, head_dim = q.shape
     groups_pad = max(16, _next_pow2(groups))
@@ -293,56 +229,28 @@ def _decode_attention(q, keys, values, mask, length, new_kv, *, scale, block_s, 
                                scale=scale)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
-    inputs = (length, q, keys, values, mask.astype(jnp.int32))
-    # with new_kv: inputs + (new k, new v); outputs + (keys, values) aliased to the caches
-    writes = new_kv is not None
-    cache_outs = (jax.ShapeDtypeStruct(keys.shape, keys.dtype),
-                  jax.ShapeDtypeStruct(values.shape, values.dtype)) if writes else ()
-
-    def run(body, out_shapes, grid, name):
-        count = len(out_shapes)
-        call_aliases = {2: count, 3: count + 1} if writes else {}
-        results = pl.pallas_call(
-            body, out_shape=(*out_shapes, *cache_outs), grid=grid, interpret=interpret,
-            compiler_params=params, input_output_aliases=call_aliases, name=name)(
-            *inputs, *(new_kv if writes else ()))
-        return results[:count], results[count:]
-
-    def refs_of(refs, count):
-        """(the kernel's fixed refs, its count outputs, new_kv_refs or None)."""
-        fixed = refs[:5]
-        rest = refs[5:]
-        if not writes:
-            return fixed, rest[:count], None
-        new_k_ref, new_v_ref, *outs = rest
-        return fixed, outs[:count], (new_k_ref, new_v_ref, outs[count], outs[count + 1])
-
     if splits == 1:
-        def single(*refs):
-            fixed, (o_ref,), new_kv_refs = refs_of(refs, 1)
-            kernel(*fixed, o_ref, None, None, new_kv_refs=new_kv_refs)
+        def single(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref):
+            kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, None, None)
 
-        (out,), caches = run(single, (jax.ShapeDtypeStruct(q.shape, q.dtype),),
-                             (batch, kv_heads, 1), "decode_attention_single")
-        return (out, *caches) if writes else out
+        return pl.pallas_call(single, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                              grid=(batch, kv_heads, 1), interpret=interpret,
+                              compiler_params=params, name="decode_attention_single")(
+            length, q, keys, values, mask.astype(jnp.int32))
     partial_shape = (batch, kv_heads, groups, splits)
     out_shape = (jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32))
-
-    def split_kernel(*refs):
-        fixed, (o_ref, m_ref, l_ref), new_kv_refs = refs_of(refs, 3)
-        kernel(*fixed, o_ref, m_ref, l_ref, new_kv_refs=new_kv_refs)
-
-    (o, m, l), caches = run(split_kernel, out_shape, (batch, kv_heads, splits),
-                            "decode_attention")
+    o, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(batch, kv_heads, splits),
+                             interpret=interpret, compiler_params=params,
+                             name="decode_attention")(length, q, keys, values,
+                                                      mask.astype(jnp.int32))
     combine = functools.partial(_combine_kernel, splits=splits, splits_pad=_next_pow2(splits))
-    out = pl.pallas_call(combine, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    return pl.pallas_call(combine, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
                           grid=(batch, kv_heads, groups), interpret=interpret,
                           compiler_params=None if interpret else plgpu.CompilerParams(
                               num_warps=2, num_stages=1),
                           name="decode_attention_combine")(o, m, l)
-    return (out, *caches) if writes else out
 
 
 def decode_attention_reference(q, keys, values, mask, *, scale: float) -> jax.Array:

@@ -9,9 +9,6 @@ supports; prefill and training keep the XLA path.
     fn(q [B, KVH, G, D], keys [B, S, KVH, D], values, mask [B, S] bool, length int32 scalar,
        *, scale) -> [B, KVH, G, D] in q's dtype
     supports(q, keys) -> None, or why not (then the XLA path runs; logged once)
-    fn_with_write (optional): fn_with_write(q, keys, values, new_k [B, KVH, D], new_v, mask,
-       length, *, scale) -> (out, keys, values): writes the new token's key / value at slot
-       length - 1 of the caches itself (Attention then skips its cache updates)
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ class DecodeAttentionKernel:
     name: str
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None] | None = None
-    fn_with_write: Callable[..., tuple] | None = None
 
 
 _KERNELS: dict[str, DecodeAttentionKernel] = {}

@@ -136,21 +136,6 @@ class Attention(nnx.Module):
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
-        kernel = (decode_attention_kernel(q[:, 0], cached_kv[0])
-                  if cached_kv is not None and length == 1 else None)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        if kernel is not None and kernel.fn_with_write is not None:
-            # A decode step: the kernel writes the new key / value into the cache itself and
-            # reads only slots [0, cache_index] of it.
-            keys_cache, values_cache = cached_kv
-            out, keys, values = kernel.fn_with_write(
-                q[:, 0], keys_cache, values_cache, k[:, 0].astype(keys_cache.dtype),
-                v[:, 0].astype(values_cache.dtype), mask[:, 0, :], cache_index + 1,
-                scale=scale)
-            out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
-            return self.o_proj(out), (keys, values)
         new_kv = None
         if cached_kv is not None:
             keys_cache, values_cache = cached_kv
@@ -161,9 +146,14 @@ class Attention(nnx.Module):
             new_kv = (keys, values)
         else:
             keys, values = k, v
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
+        kernel = (decode_attention_kernel(q[:, 0], keys)
+                  if cached_kv is not None and length == 1 else None)
         if kernel is not None:
             # A decode step: the kernel reads only slots [0, cache_index] of the cache.
-            out = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1, scale=scale)
+            out = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
+                            scale=1.0 / math.sqrt(self.head_dim))
             out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
             return self.o_proj(out), new_kv
         scale = 1.0 / math.sqrt(self.head_dim)

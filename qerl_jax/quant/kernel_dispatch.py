@@ -638,13 +638,8 @@ def enable_decode_attention(platform: str | None = None, *, interpret: bool = Fa
         return decode_attention_kernels.decode_attention(q, keys, values, mask, length,
                                                          scale=scale, interpret=interpret)
 
-    def run_with_write(q, keys, values, new_k, new_v, mask, length, *, scale):
-        return decode_attention_kernels.decode_attention_with_write(
-            q, keys, values, new_k, new_v, mask, length, scale=scale, interpret=interpret)
-
     attention_dispatch.register_decode_attention(platform, attention_dispatch.DecodeAttentionKernel(
-        name="pallas_decode_attention", fn=run, supports=_decode_attention_supports,
-        fn_with_write=run_with_write))
+        name="pallas_decode_attention", fn=run, supports=_decode_attention_supports))
     logger.info("registered the Pallas decode attention for %s (interpret=%s)", platform,
                 interpret)
     return True

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
-                                             decode_attention_with_write, default_splits)
+                                             default_splits)
 
 TOLERANCE = 1e-2
 
@@ -60,39 +60,6 @@ def test_matches_reference(slots, length, groups, block_s, splits, balanced):
     assert out.shape == ref.shape and out.dtype == jnp.bfloat16
     err = np.abs(np.asarray(out, np.float32) - ref).max() / np.abs(ref).max()
     assert err <= TOLERANCE, f"seed={seed} relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("slots,length,splits", [(200, 150, 3), (96, 17, 4), (64, 64, 1),
-                                                  (160, 1, None)])
-@pytest.mark.parametrize("fused_write", [1, 0])
-def test_with_write_stores_the_new_token_and_attends_to_it(slots, length, splits, fused_write):
-    """decode_attention_with_write: the caches come back with new_k / new_v at slot
-    length - 1 and every other slot unchanged (bit for bit), and the output is the attention
-    over the updated caches (reference), whatever stale value the slot held before; the
-    kernel-written caches (fused_write=1) equal the dynamic_update_slice ones (0)."""
-    seed = int(np.random.default_rng().integers(1 << 31))
-    rng, q, k, v = _problem(seed, 3, slots, 2, 5, 32)
-    new_k = jnp.asarray(rng.standard_normal((3, 2, 32)), jnp.bfloat16)
-    new_v = jnp.asarray(rng.standard_normal((3, 2, 32)), jnp.bfloat16)
-    mask = rng.random((3, slots)) < 0.8
-    mask[:, length - 1] = True  # the new token is always visible
-    scale = 32 ** -0.5
-    expected_k = np.asarray(k).copy()
-    expected_v = np.asarray(v).copy()
-    expected_k[:, length - 1] = np.asarray(new_k)
-    expected_v[:, length - 1] = np.asarray(new_v)
-    config = DecodeAttentionConfig(block_s=16, splits=splits, fused_write=fused_write)
-    out, keys, values = decode_attention_with_write(q, k, v, new_k, new_v, jnp.asarray(mask),
-                                                    length, scale=scale, config=config,
-                                                    interpret=True)
-    np.testing.assert_array_equal(np.asarray(keys), expected_k, err_msg=f"seed={seed}")
-    np.testing.assert_array_equal(np.asarray(values), expected_v, err_msg=f"seed={seed}")
-    ref = _reference(q, expected_k, expected_v, mask, length, scale)
-    err = np.abs(np.asarray(out, np.float32) - ref).max() / np.abs(ref).max()
-    assert err <= TOLERANCE, f"seed={seed} relative error {err:.2e}"
-    with pytest.raises(ValueError, match="new_k"):
-        decode_attention_with_write(q, k, v, new_k[:, :1], new_v, jnp.asarray(mask), length,
-                                    scale=scale, interpret=True)
 
 
 @pytest.mark.parametrize("balanced", [1, 0])
