@@ -1,7 +1,8 @@
 """Device time of a SwiGLU MLP's gate|up at decode M: the grouped launch then XLA's SwiGLU (what
-the model runs), against ONE launch over gate and up interleaved into one weight
-(blockwise_matmul.interleave_gate_up: blocks of block_n / 2 rows of each) whose epilogue splits
-each tile and applies the SwiGLU (blockwise_matmul_swiglu, experimental, not used by the model),
+the model runs with config.quant.gate_up_pairs=False), against ONE launch over gate and up
+interleaved into one weight (blockwise_matmul.interleave_gate_up: blocks of block_n / 2 rows of
+each) whose epilogue splits each tile and applies the SwiGLU (blockwise_matmul_swiglu, what the
+model runs by default since session 13),
 and the same launch without the epilogue (the product alone), from a profiler trace (as
 kernel_profile.py: R copies of the weights overflow the L2 twice, so every call streams its
 weights from HBM).

@@ -22,9 +22,12 @@ Kernels (all f32 accumulation):
                tiny activation tile is the right one; split-K writes f32 partials summed by XLA.
   transposed   dx[M, K] = dy[M, N] @ W, W decoded tile by tile (never stored as bf16 in HBM).
   dequantize   W as bf16 [N, K] (for an XLA matmul at large M).
-  swiglu       (experimental, not used by the model yet) silu(x @ Wg^T) * (x @ Wu^T) from gate
-               and up interleaved into one weight (interleave_gate_up): the matmul kernel with
-               a SwiGLU epilogue (blockwise_matmul_swiglu).
+  swiglu       silu(x @ Wg^T) * (x @ Wu^T) from gate and up interleaved into one weight
+               (interleave_gate_up): the matmul kernel with a SwiGLU epilogue
+               (blockwise_matmul_swiglu), the model's decode MLP.
+Pair views (PackedWeight.pair_view, pair_view_of): gate or up read in place out of the
+interleaved pair by the matmul, transposed and dequantize kernels (row tiles within one
+half_block), so the pair is the only copy of the two weights.
 """
 
 from __future__ import annotations
@@ -688,10 +691,10 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     weight (made with `half_block`) in ONE single-weight launch (one dot per K step over
     block_n = 2 * half_block rows: half_block of gate and of up) whose epilogue splits the tile
     and applies the SwiGLU. config None: default_matmul_config with that block_n (it must be
-    fused with one split). LoRA: lora_down [..., r_g + r_u] = x @ [A_gate | A_up], lora_ranks
-    = (r_g, r_u), lora_b = interleave_lora_b(B_gate, B_up, ...), lora_scale (the same for
-    both). Experimental (session 12): measured by benchmarks/swiglu_profile.py, not used by
-    the model.
+    fused with one split; None gives one). LoRA: lora_down [..., r_g + r_u] = x @ [A_gate |
+    A_up], lora_ranks = (r_g, r_u), lora_b = interleave_lora_b(B_gate, B_up, ...), lora_scale
+    (the same for both). The model's decode MLP (qerl_jax.quant.kernel_dispatch, gate/up
+    pairs); benchmarks/swiglu_profile.py times it against the grouped launch.
     """
     if gate_up.pair_view is not None:
         raise ValueError("fused SwiGLU: pass the interleaved pair itself, not a view of it")

@@ -5,9 +5,14 @@
 
 `enable_kernels` (1) replaces every QuantizedWeight of the model by a `KernelLayoutWeight`, the
 same weight in the kernels' layout (nibble planes per K tile, zero padding; see
-pallas_kernels/blockwise_matmul.py), made once here so that no repack runs inside jit; and
-(2) registers the kernels with qerl_jax.quant.linear_op for the platform. On a platform without
-kernels (CPU unless interpret=True) it changes nothing and the XLA path runs.
+pallas_kernels/blockwise_matmul.py), made once here so that no repack runs inside jit; (2) makes
+each SwiGLU MLP's gate and up weights two views of ONE interleaved copy (pair_mlp_weights,
+KernelLayoutWeight.pair_view: no extra memory), which decode runs in one launch with the
+SwiGLU in its epilogue (linear_op.linear_swiglu; measured on the H100: 7B gate|up + SwiGLU
+41.9 us against 43.7 us for the grouped launch + XLA's SwiGLU, 7B rollout +0.4-0.7% in the
+same calls, benchmarks/RESULTS.md sessions 12-13); and (3) registers the kernels with
+qerl_jax.quant.linear_op for the platform. On a platform without kernels (CPU unless
+interpret=True) it changes nothing and the XLA path runs.
 
 Paths per format (from the H100 measurements in benchmarks/kernels_results.md; every kernel path
 beat the XLA "dequantize with jnp, then dot" path at every measured shape and M):

@@ -524,6 +524,17 @@ def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
     return kernel, f"kernel {kernel.name} groups {len(weights)} weights at M={x2d.shape[0]}"
 
 
+def _check_shared_input_shapes(op_name: str, weights, loras, in_features: int) -> None:
+    """ValueError naming the op unless every quantized weight [out, in] (and its LoRA) takes
+    the shared input's `in_features`."""
+    for w, lora in zip(weights, loras):
+        if w.shape[1] != in_features:
+            raise ValueError(f"{op_name}: x has {in_features} features but a {w.format} "
+                             f"weight is [out={w.shape[0]}, in={w.shape[1]}]")
+        if lora is not None:
+            _check_lora_shapes(lora, in_features, w.shape[0])
+
+
 def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype):
     """(down = x @ [A_0 | A_1 | ...] [M, sum r_i] in compute dtype, (B_i), (scale_i)) for a
     launch over several weights, or (None, None, None) without LoRA. One x @ [A_0 | A_1 | ...]
@@ -581,12 +592,7 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
     if not all(isinstance(w, QuantizedWeight) for w in weights):
         return one_by_one()
     in_features = x.shape[-1]
-    for w, lora in zip(weights, loras):
-        if w.shape[1] != in_features:
-            raise ValueError(f"linear_group: x has {in_features} features but a {w.format} "
-                             f"weight is [out={w.shape[0]}, in={w.shape[1]}]")
-        if lora is not None:
-            _check_lora_shapes(lora, in_features, w.shape[0])
+    _check_shared_input_shapes("linear_group", weights, loras, in_features)
     leading = x.shape[:-1]
     x2d = x.reshape(-1, in_features).astype(compute_dtype)
     platform = jax.default_backend()
@@ -674,12 +680,7 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
         raise ValueError(f"linear_swiglu: gate {weights[0].shape} and up {weights[1].shape} "
                          "must have the same shape [out, in]")
     in_features = x.shape[-1]
-    for w, lora in zip(weights, loras):
-        if w.shape[1] != in_features:
-            raise ValueError(f"linear_swiglu: x has {in_features} features but a {w.format} "
-                             f"weight is [out={w.shape[0]}, in={w.shape[1]}]")
-        if lora is not None:
-            _check_lora_shapes(lora, in_features, w.shape[0])
+    _check_shared_input_shapes("linear_swiglu", weights, loras, in_features)
     x2d = x.reshape(-1, in_features).astype(compute_dtype)
     platform = jax.default_backend()
     kernel, reason = _swiglu_kernel(x2d, weights, loras, compute_dtype, platform)
