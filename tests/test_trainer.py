@@ -177,14 +177,14 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(tmp_path, warm_
 def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     """build_model repacks for the Pallas kernels only for 4-bit weights, bf16 compute and
     quant.kernels=True (a float32-compute model would unpack the kernel layout on every call),
-    donating the freshly built model's checkpoint-layout buffers."""
+    donating the freshly built model's checkpoint-layout buffers, with the MLPs' gate/up pairs
+    as quant.gate_up_pairs says (default on)."""
     from qerl_jax import trainer as trainer_module
     from qerl_jax.quant import kernel_dispatch
     calls = []
 
     def enable_kernels(model, **options):
-        assert options == {"donate": True}
-        calls.append(model)
+        calls.append((model, options))
 
     monkeypatch.setattr(kernel_dispatch, "enable_kernels", enable_kernels)
     cases = [("nvfp4", "bfloat16", True, 1), ("nvfp4", "float32", True, 0),
@@ -196,6 +196,13 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
         calls.clear()
         trainer_module._maybe_enable_kernels("model", config)
         assert len(calls) == expected, (fmt, compute_dtype, kernels)
+        assert all(options == {"donate": True, "pair_mlp": True} for _, options in calls)
+    config = _config()
+    config.quant.format, config.quant.kernels, config.quant.gate_up_pairs = "nvfp4", True, False
+    config.model.compute_dtype = "bfloat16"
+    calls.clear()
+    trainer_module._maybe_enable_kernels("model", config)
+    assert calls == [("model", {"donate": True, "pair_mlp": False})]
 
 
 def test_reference_adapters_are_kept_only_for_the_kl_term(tmp_path, warm_cache):
