@@ -498,7 +498,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     [down_column, down_column + r) with r = lora_b_ref's rows.
 
     swiglu_n (one split only): W is a gate/up pair interleaved in blocks of bn / 2 rows
-    (interleave_gate_up) with tensor scales ts_ref[0] (gate) and ts_ref[1] (up); the tile's
+    (interleave_gate_up), ts_ref = (gate's tensor-scale ref [1], up's); the tile's
     halves are gate and up, each rounded to bf16, and silu(gate) * up is stored to columns
     [pid_n * bn / 2, + bn / 2) of the [M, swiglu_n] output.
 
@@ -595,6 +595,12 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
         _store(out_ref.at[pid_s, pl.ds(r0, bm), pl.ds(n0, bn)], y, mask)
 
 
+def _swiglu_matmul_kernel(x_ref, codes_ref, scales_ref, ts_gate_ref, ts_up_ref, *rest, **static):
+    """The matmul kernel over an interleaved gate/up pair with the SwiGLU epilogue: refs (x,
+    codes, scales, gate's tensor scale [1], up's [1][, down, lora_b], *aux[, poison], out)."""
+    _matmul_kernel(x_ref, codes_ref, scales_ref, (ts_gate_ref, ts_up_ref), *rest, **static)
+
+
 def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, down_column, r0,
                      n0, m, n, bm, bn, pid_n, out_n):
     """silu(gate) * up of an interleaved gate/up tile y [bm, bn] (gate columns first; not yet
@@ -607,7 +613,7 @@ def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, do
         lora_b = lora_b_ref[pl.ds(0, rank), pl.ds(n0, bn)]
         term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
     gate, up = jnp.split(y, 2, axis=1)
-    gate, up = gate / ts_ref[0], up / ts_ref[1]
+    gate, up = gate / ts_ref[0][0], up / ts_ref[1][0]
     if lora_scale is not None:
         term_gate, term_up = jnp.split(term, 2, axis=1)
         gate, up = gate + term_gate, up + term_up
@@ -686,15 +692,20 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
                             lora_down: jax.Array | None = None,
                             lora_ranks: tuple[int, int] | None = None,
                             lora_b: jax.Array | None = None,
-                            lora_scale: float = 0.0) -> jax.Array:
+                            lora_scale: float = 0.0,
+                            tensor_scales: tuple[jax.Array, jax.Array] | None = None
+                            ) -> jax.Array:
     """silu(x @ Wg^T + lg) * (x @ Wu^T + lu), bf16 [..., out_n], from an interleave_gate_up
     weight (made with `half_block`) in ONE single-weight launch (one dot per K step over
     block_n = 2 * half_block rows: half_block of gate and of up) whose epilogue splits the tile
     and applies the SwiGLU. config None: default_matmul_config with that block_n (it must be
     fused with one split; None gives one). LoRA: lora_down [..., r_g + r_u] = x @ [A_gate |
     A_up], lora_ranks = (r_g, r_u), lora_b = interleave_lora_b(B_gate, B_up, ...), lora_scale
-    (the same for both). The model's decode MLP (qerl_jax.quant.kernel_dispatch, gate/up
-    pairs); benchmarks/swiglu_profile.py times it against the grouped launch.
+    (the same for both). tensor_scales: (gate's divisor [1], up's [1]) as two kernel inputs,
+    in place of gate_up.tensor_scale [2] (which may then be None): a caller inside a decode
+    loop then builds no [2] array at every step. The model's decode MLP
+    (qerl_jax.quant.kernel_dispatch, gate/up pairs); benchmarks/swiglu_profile.py times it
+    against the grouped launch.
     """
     if gate_up.pair_view is not None:
         raise ValueError("fused SwiGLU: pass the interleaved pair itself, not a view of it")
@@ -713,25 +724,33 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
         lead = lora_down.shape[:-1]
         lora_down = pad_lora_down(lora_down.reshape(-1, lora_down.shape[-1]), lora_ranks)
         lora_down = lora_down.reshape(*lead, lora_down.shape[-1])
-    return _blockwise_matmul_swiglu(x, gate_up, spec=spec, out_n=out_n, config=config,
-                                    interpret=interpret, poison_output=poison_output,
-                                    lora_down=lora_down, lora_b=lora_b,
-                                    lora_scale=float(lora_scale))
+    if tensor_scales is None:
+        if gate_up.tensor_scale is None or gate_up.tensor_scale.shape != (2,):
+            raise ValueError(f"fused SwiGLU: the pair's tensor_scale must be [2] (gate's, "
+                             f"up's) without tensor_scales, got {gate_up.tensor_scale}")
+        tensor_scales = (gate_up.tensor_scale[:1], gate_up.tensor_scale[1:])
+    if len(tensor_scales) != 2 or any(jnp.shape(t) != (1,) for t in tensor_scales):
+        raise ValueError(f"fused SwiGLU: tensor_scales must be two [1] arrays, got "
+                         f"{[jnp.shape(t) for t in tensor_scales]}")
+    return _blockwise_matmul_swiglu(x, gate_up, tuple(tensor_scales), spec=spec, out_n=out_n,
+                                    config=config, interpret=interpret,
+                                    poison_output=poison_output, lora_down=lora_down,
+                                    lora_b=lora_b, lora_scale=float(lora_scale))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "out_n", "config", "interpret",
                                              "poison_output", "lora_scale"))
-def _blockwise_matmul_swiglu(x, packed, *, spec, out_n, config, interpret, poison_output,
-                             lora_down, lora_b, lora_scale):
+def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, interpret,
+                             poison_output, lora_down, lora_b, lora_scale):
     _check_packed(packed, spec)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     k_tiles = 2 * packed.codes.shape[1] // packed.tile_k
     bm, bn = config.block_m, config.block_n
-    if packed.n % bn or bm < 16 or bn < 32 or packed.tensor_scale.shape != (2,):
-        raise ValueError(f"fused SwiGLU: config {config} / weight [{packed.n}, {packed.k}] with "
-                         f"tensor scales {packed.tensor_scale.shape}: not an interleaved pair")
+    if packed.n % bn or bm < 16 or bn < 32:
+        raise ValueError(f"fused SwiGLU: config {config} does not tile the interleaved pair "
+                         f"[{packed.n}, {packed.k}]")
     has_lora = lora_down is not None
     extra = ()
     if has_lora:
@@ -740,7 +759,8 @@ def _blockwise_matmul_swiglu(x, packed, *, spec, out_n, config, interpret, poiso
                              f"{lora_b.shape} must be [..., R] and [R, {packed.n}]")
         extra = (lora_down.reshape(m, -1).astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
     kernel = functools.partial(
-        _matmul_kernel, spec=spec, decoder=_resolve_decoder(spec, config.decoder, interpret),
+        _swiglu_matmul_kernel, spec=spec,
+        decoder=_resolve_decoder(spec, config.decoder, interpret),
         m=m, n=packed.n, k=k, bm=bm, bn=bn, tile_k=packed.tile_k, tiles_per_split=k_tiles,
         k_tiles=k_tiles, split=1, weight_as_lhs=config.weight_as_lhs,
         poisoned=bool(poison_output), clamp_rows=config.clamp_rows,
@@ -748,7 +768,8 @@ def _blockwise_matmul_swiglu(x, packed, *, spec, out_n, config, interpret, poiso
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     y = _launch(kernel, jax.ShapeDtypeStruct((m, out_n), jnp.bfloat16),
                 (_cdiv(m, bm), packed.n // bn, 1),
-                (x2, packed.codes, packed.scales, packed.tensor_scale, *extra, *aux),
+                (x2, packed.codes, packed.scales,
+                 *(jnp.asarray(t, jnp.float32) for t in tensor_scales), *extra, *aux),
                 interpret=interpret, poison_output=poison_output,
                 compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
                 name=f"{spec.name}_matmul_swiglu" + ("_lora" if has_lora else ""))

@@ -488,18 +488,20 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
     del compute_dtype
     gate, up = weights
     half_block = gate.pair_view[0]
+    # the two divisors go to the kernel as they are: a [2] array of them would be built at
+    # every decode step (a concatenate kernel per layer inside the sampler's loop)
     pair = bw.PackedWeight(codes=gate.kernel_codes, scales=gate.kernel_scales,
-                           tensor_scale=jnp.concatenate([gate.kernel_divisor(),
-                                                         up.kernel_divisor()]),
-                           fmt=gate.format, n=gate.kernel_codes.shape[0], k=gate.shape[1],
-                           tile_k=gate.tile_k)
+                           tensor_scale=None, fmt=gate.format, n=gate.kernel_codes.shape[0],
+                           k=gate.shape[1], tile_k=gate.tile_k)
     lora = {}
     if down is not None:
         lora = dict(lora_down=down, lora_ranks=tuple(b.shape[0] for b in lora_bs),
                     lora_b=_pair_lora_b(weights, lora_bs) if pair_lora_b is None
                     else pair_lora_b, lora_scale=scales[0])
     return bw.blockwise_matmul_swiglu(x, pair, spec=gate.spec, out_n=gate.shape[0],
-                                      half_block=half_block, interpret=interpret, **lora)
+                                      half_block=half_block, interpret=interpret,
+                                      tensor_scales=(gate.kernel_divisor(),
+                                                     up.kernel_divisor()), **lora)
 
 
 def _fused_forward(x, weight, *, compute_dtype, interpret):

@@ -618,6 +618,7 @@ def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kerne
     stacked = sampling.generate(model, prompts, mask, key, config)
     in_loop = _while_body_concatenates(program_jaxpr())
     assert not [s for s in in_loop if s in ((hidden, 12), (hidden, 8), pair_b)], in_loop
+    assert (2,) not in in_loop  # the pair's two tensor scales reach the kernel unstacked
 
     monkeypatch.setattr(sampling, "stack_grouped_adapters", lambda model: 0)
     sampling._generate_program.clear_cache()  # retrace with the patched function
