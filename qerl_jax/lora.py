@@ -134,8 +134,7 @@ def stack_grouped_adapters(model: CausalLM) -> int:
         module.grouped_lora_a = jnp.concatenate(
             [layer.lora_a.get_value().astype(dtype) for layer in projections], axis=1)
         if isinstance(module, MLP):
-            weights, loras = zip(*((layer.operands()[0], layer.operands()[2])
-                                   for layer in projections))
+            weights, _, loras = zip(*(layer.operands() for layer in projections))
             module.pair_lora_b = prepare_swiglu_lora_b(weights, loras, compute_dtype=dtype)
         count += 1
     return count

@@ -497,27 +497,40 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
     return y
 
 
-def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
-                  platform: str) -> tuple[MatmulKernel | None, str]:
-    """The kernel that runs `weights` (all quantized) in one launch for x2d, or (None, why
-    not)."""
-    if len(weights) < 2:
-        return None, "fewer than two weights"
+def _shared_launch_kernel(x2d, weights, loras, compute_dtype,
+                          platform: str) -> tuple[MatmulKernel | None, str]:
+    """The kernel selected for x2d's M that takes every one of `weights` (all quantized, one
+    format, LoRA on all or none), or (None, why not): what a launch over several weights
+    needs before its own checks."""
     formats = {w.format for w in weights}
     if len(formats) != 1:
         return None, f"mixed formats {sorted(formats)}"
     if len({lora is None for lora in loras}) != 1:
         return None, "LoRA on some weights only"
     kernel, reason = _select(weights[0].format, x2d.shape[0], platform)
-    if kernel is None or kernel.group_fn is None:
-        return None, reason if kernel is None else f"kernel {kernel.name} has no grouped launch"
-    if loras[0] is not None and kernel.lora_fn is None:
-        return None, f"kernel {kernel.name} has no LoRA epilogue"
+    if kernel is None:
+        return None, reason
     for weight in weights:
         refusal = None if kernel.supports is None else kernel.supports(weight,
                                                                        jnp.dtype(compute_dtype))
         if refusal is not None:
             return None, f"kernel {kernel.name} cannot take it: {refusal}"
+    return kernel, reason
+
+
+def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
+                  platform: str) -> tuple[MatmulKernel | None, str]:
+    """The kernel that runs `weights` (all quantized) in one launch for x2d, or (None, why
+    not)."""
+    if len(weights) < 2:
+        return None, "fewer than two weights"
+    kernel, reason = _shared_launch_kernel(x2d, weights, loras, compute_dtype, platform)
+    if kernel is None:
+        return None, reason
+    if kernel.group_fn is None:
+        return None, f"kernel {kernel.name} has no grouped launch"
+    if loras[0] is not None and kernel.lora_fn is None:
+        return None, f"kernel {kernel.name} has no LoRA epilogue"
     refusal = None if kernel.group_supports is None else kernel.group_supports(weights)
     if refusal is not None:
         return None, f"kernel {kernel.name} cannot group them: {refusal}"
@@ -616,21 +629,11 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
 def _swiglu_kernel(x2d, weights, loras, compute_dtype, platform
                    ) -> tuple[MatmulKernel | None, str]:
     """The kernel whose fused SwiGLU launch takes (gate, up) for x2d, or (None, why not)."""
-    formats = {getattr(w, "format", None) for w in weights}
-    if len(formats) != 1:
-        return None, f"mixed formats {sorted(map(str, formats))}"
-    if len({lora is None for lora in loras}) != 1:
-        return None, "LoRA on one of gate and up only"
-    kernel, reason = _select(weights[0].format, x2d.shape[0], platform)
+    kernel, reason = _shared_launch_kernel(x2d, weights, loras, compute_dtype, platform)
     if kernel is None:
         return None, reason
     if kernel.swiglu_fn is None:
         return None, f"kernel {kernel.name} has no fused SwiGLU launch"
-    for weight in weights:
-        refusal = None if kernel.supports is None else kernel.supports(weight,
-                                                                       jnp.dtype(compute_dtype))
-        if refusal is not None:
-            return None, f"kernel {kernel.name} cannot take it: {refusal}"
     scales = None if loras[0] is None else tuple(float(lora.scale) for lora in loras)
     refusal = (None if kernel.swiglu_supports is None
                else kernel.swiglu_supports(x2d.shape[0], tuple(weights), scales))
