@@ -54,6 +54,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tile-k", type=int, default=None,
                         help="K tile of every weight's kernel layout (default: per weight)")
+    parser.add_argument("--hlo-out", default=None,
+                        help="also write the compiled program's optimized HLO (gzip text) here")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -146,6 +148,11 @@ def profile_case(graphdef, states, architecture, args, cache_length: int, label:
                                                 config=config,
                                                 cache_length=cache_length).compile()
     compile_s = time.perf_counter() - begin
+    if args.hlo_out:
+        import gzip
+        os.makedirs(os.path.dirname(os.path.abspath(args.hlo_out)), exist_ok=True)
+        with gzip.open(args.hlo_out, "wt") as handle:
+            handle.write(compiled.as_text())
     jax.block_until_ready(compiled(states, tokens, mask, key))      # warm-up
     begin = time.perf_counter()
     jax.block_until_ready(compiled(states, tokens, mask, key))
