@@ -14,9 +14,6 @@ as a decode step's 28-64 layers do), and checks each against float64 numpy:
               16 columns of A reads all of K (no split-K, so no reduction kernel); _b256 / _s4
               variants: K step 256 instead of 512 / 4 pipeline stages instead of 3; _a: the
               same kernel reading A [K, r] as it is (32-byte rows of 16 columns)
-  partials_*  pallas_kernels.lora_down: float32 partial sums over S slices of K in one launch
-              (the fused kernels' epilogue adds them up, so there is no reduction kernel);
-              the time is that launch's alone
 
     python benchmarks/lora_down_profile.py --models 7b,32b --out $OUT
     python benchmarks/lora_down_profile.py --smoke --out /tmp/lora_down_profile  # CPU
@@ -42,13 +39,7 @@ SHAPES = {
     "smoke": [("a", 256, 32)],
 }
 VARIANTS = ("dot", "dot_f32", "mul_reduce", "pallas_c16", "pallas_c16_b256", "pallas_c16_s4",
-            "pallas_c16_a", "partials_s4", "partials_s8", "partials_s16", "partials_s8_r16",
-            "partials_s8_k64")
-# pallas_kernels.lora_down partial sums (the kernel alone: the fused kernels' epilogue adds
-# them up): (splits, block_r, block_k).
-PARTIALS_VARIANTS = {"partials_s4": (4, 32, 128), "partials_s8": (8, 32, 128),
-                     "partials_s16": (16, 32, 128), "partials_s8_r16": (8, 16, 128),
-                     "partials_s8_k64": (8, 32, 64)}
+            "pallas_c16_a")
 # Pallas variants: (columns per program, K step, pipeline stages, A transposed).
 PALLAS_VARIANTS = {"pallas_c16": (16, 512, 3, True), "pallas_c16_b256": (16, 256, 3, True),
                    "pallas_c16_s4": (16, 512, 4, True), "pallas_c16_a": (16, 512, 3, False)}
@@ -102,11 +93,6 @@ def variant_fn(name: str, interpret: bool = False):
 
     import jax.numpy as jnp
 
-    if name in PARTIALS_VARIANTS:
-        from pallas_kernels.lora_down import LoRADownConfig, lora_down_partials
-        splits, block_r, block_k = PARTIALS_VARIANTS[name]
-        return functools.partial(lora_down_partials, interpret=interpret, config=LoRADownConfig(
-            splits=splits, block_r=block_r, block_k=block_k))
     if name in PALLAS_VARIANTS:
         block_cols, block_k, stages, transposed = PALLAS_VARIANTS[name]
         return functools.partial(pallas_columns_product, block_cols=block_cols,
@@ -165,8 +151,6 @@ def main(argv=None):
                     operands = [jnp.asarray(a.T) for a in copies]
                 fn = jax.jit(lambda x, copies, one=one: [one(x, a) for a in copies])
                 got = np.asarray(fn(x, operands)[0], np.float64)
-                if got.ndim == 3:  # partial sums [S, M, r]
-                    got = got.sum(axis=0)
                 error = float(np.abs(got - reference).max() / np.abs(reference).max())
                 _, call_us, _ = traced_device_us(fn, (x, operands), args.repeats, count, None)
                 del operands

@@ -270,10 +270,6 @@ class DecodeTuning:
       alone at or above this many programs: no split.
     block_n, num_warps, num_stages, weight_as_lhs (None: per format, see
       default_matmul_config), decoder (None: the format's GPU default): as in MatmulConfig.
-    lora_down_splits: 0 = the LoRA down product x @ A is one XLA dot (a split-K gemm plus a
-      reduction kernel); S > 0 = float32 partial sums over up to S slices of K from one Pallas
-      launch (pallas_kernels.lora_down), added up in the fused kernels' epilogue
-      (qerl_jax.quant.kernel_dispatch, at decode M).
     """
     target_programs: int = 640
     min_tiles_per_split: int = 4
@@ -284,7 +280,6 @@ class DecodeTuning:
     num_stages: int = 3
     weight_as_lhs: bool | None = None
     decoder: str | None = None
-    lora_down_splits: int = 0
 
 
 _DECODE_TUNING = DecodeTuning()
@@ -307,9 +302,6 @@ def set_decode_tuning(tuning: DecodeTuning | None = None, **fields) -> DecodeTun
         tuning = dataclasses.replace(tuning, **fields)
     if tuning.block_n < 16 or tuning.block_n & (tuning.block_n - 1):
         raise ValueError(f"DecodeTuning.block_n={tuning.block_n}: a power of two >= 16")
-    if tuning.lora_down_splits < 0:
-        raise ValueError(f"DecodeTuning.lora_down_splits={tuning.lora_down_splits}: 0 (one XLA "
-                         "dot) or a positive number of K slices")
     if tuning.max_split < 1 or tuning.min_tiles_per_split < 1:
         raise ValueError(f"DecodeTuning {tuning}: max_split and min_tiles_per_split must be "
                          ">= 1")
@@ -450,20 +442,6 @@ def _store(ref_view, value, mask):
         plgpu.store(ref_view, value, mask=mask)
 
 
-def _load_down(down_ref, r0, bm, m, column, rank):
-    """Rows [r0, r0 + bm) and columns [column, + rank) of the LoRA down product, down_ref
-    [S, M, R]: S = 1 as it is (bf16), S > 1 float32 partial sums added up here (in order)."""
-    mask = _edge_masks(r0, bm, m, 0, rank, rank, m % bm != 0, False)
-    parts = down_ref.shape[0]
-    down = None
-    for part in range(parts):
-        value = _load(down_ref.at[jnp.int32(part), pl.ds(r0, bm), pl.ds(column, rank)], mask)
-        if parts > 1:
-            value = value.astype(jnp.float32)
-        down = value if down is None else down + value
-    return down
-
-
 def _matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, poisoned: bool,
                    lora_scale: float | None = None, **static):
     """One weight: refs (x, codes, scales, tensor scale[, down, lora_b], *aux[, poison], out)."""
@@ -602,7 +580,8 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
         # + lora_scale * down @ B on this [bm, bn] tile, in f32 before the output rounding;
         # with split-K only the first split adds it.
         rank = lora_b_ref.shape[0]
-        down = _load_down(down_ref, r0, bm, m, down_column, rank)
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
+                     _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False))
         lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
                        _edge_masks(0, rank, rank, n0, bn, n, False, n % bn != 0))
         term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
@@ -629,7 +608,8 @@ def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, do
     each half; stored as bf16 to out [M, out_n] columns [pid_n * bn / 2, + bn / 2)."""
     if lora_scale is not None:
         rank = lora_b_ref.shape[0]
-        down = _load_down(down_ref, r0, bm, m, down_column, rank)
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
+                     _edge_masks(r0, bm, m, 0, rank, rank, m % bm != 0, False))
         lora_b = lora_b_ref[pl.ds(0, rank), pl.ds(n0, bn)]
         term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
     gate, up = jnp.split(y, 2, axis=1)
@@ -720,7 +700,7 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     block_n = 2 * half_block rows: half_block of gate and of up) whose epilogue splits the tile
     and applies the SwiGLU. config None: default_matmul_config with that block_n (it must be
     fused with one split; None gives one). LoRA: lora_down [..., r_g + r_u] = x @ [A_gate |
-    A_up] (or its float32 partial sums [S, ..., r_g + r_u], as in blockwise_matmul), lora_ranks = (r_g, r_u), lora_b = interleave_lora_b(B_gate, B_up, ...), lora_scale
+    A_up], lora_ranks = (r_g, r_u), lora_b = interleave_lora_b(B_gate, B_up, ...), lora_scale
     (the same for both). tensor_scales: (gate's divisor [1], up's [1]) as two kernel inputs,
     in place of gate_up.tensor_scale [2] (which may then be None): a caller inside a decode
     loop then builds no [2] array at every step. The model's decode MLP
@@ -741,8 +721,9 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
         if lora_ranks is None or len(lora_ranks) != 2 or lora_down.shape[-1] != sum(lora_ranks):
             raise ValueError(f"fused SwiGLU: lora_down {lora_down.shape} needs lora_ranks "
                              f"(r_gate, r_up) summing to its last dim, got {lora_ranks}")
-        lora_down = pad_lora_down(down_parts(lora_down, x.shape[:-1], "fused SwiGLU"),
-                                  lora_ranks)
+        lead = lora_down.shape[:-1]
+        lora_down = pad_lora_down(lora_down.reshape(-1, lora_down.shape[-1]), lora_ranks)
+        lora_down = lora_down.reshape(*lead, lora_down.shape[-1])
     if tensor_scales is None:
         if gate_up.tensor_scale is None or gate_up.tensor_scale.shape != (2,):
             raise ValueError(f"fused SwiGLU: the pair's tensor_scale must be [2] (gate's, "
@@ -776,7 +757,7 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
         if lora_b.shape != (lora_down.shape[-1], packed.n):
             raise ValueError(f"fused SwiGLU: lora_down {lora_down.shape} and lora_b "
                              f"{lora_b.shape} must be [..., R] and [R, {packed.n}]")
-        extra = (lora_down, lora_b.astype(jnp.bfloat16))  # down: [S, M, R] (down_parts)
+        extra = (lora_down.reshape(m, -1).astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
     kernel = functools.partial(
         _swiglu_matmul_kernel, spec=spec,
         decoder=_resolve_decoder(spec, config.decoder, interpret),
@@ -927,8 +908,6 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     lora_down [..., r] (= x @ A, rounded to bf16) and lora_b [r, N]: an unmerged LoRA
     adapter's second product, added in the fused kernel's f32 epilogue (one kernel instead of
     the matmul, the B dot and the add), or after the XLA dot on the dequantize path.
-    lora_down may also be float32 partial sums [S, ..., r] of x @ A (pallas_kernels.lora_down),
-    which the epilogue adds up and rounds to bf16 (no reduction kernel of its own).
     """
     if config is None:
         config = default_matmul_config(math.prod(x.shape[:-1]), packed)
@@ -937,41 +916,21 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
                              lora_scale=lora_scale)
 
 
-def down_parts(lora_down: jax.Array, lead, what: str) -> jax.Array:
-    """The LoRA down product as the kernels read it, [S, M, r]: lora_down [..., r] with x's
-    leading dims `lead` (x @ A itself, bf16; S = 1) or [S, ..., r] (float32 partial sums over
-    S slices of K, pallas_kernels.lora_down; the epilogue adds them up before the bf16
-    rounding)."""
-    lead = tuple(lead)
-    if lora_down.shape[:-1] == lead:
-        return lora_down.reshape(1, -1, lora_down.shape[-1]).astype(jnp.bfloat16)
-    if lora_down.ndim == len(lead) + 2 and tuple(lora_down.shape[1:-1]) == lead:
-        return lora_down.reshape(lora_down.shape[0], -1, lora_down.shape[-1]).astype(
-            jnp.float32)
-    raise ValueError(f"{what}: lora_down {lora_down.shape} must be [..., r] or partial sums "
-                     f"[S, ..., r] with x's leading dims {lead}")
-
-
-def summed_down(parts: jax.Array) -> jax.Array:
-    """[S, M, r] down parts -> x @ A [M, r] rounded to bf16 (what the epilogue uses)."""
-    return parts[0] if parts.shape[0] == 1 else parts.sum(axis=0).astype(jnp.bfloat16)
-
-
 def _lora_epilogue_inputs(lora_down, lora_b, lead, n):
-    """(down [S, M, r'] (down_parts), B [r', N] bf16), r' = r zero-padded to a power of two
-    >= 16 (Pallas blocks are powers of two; tl.dot needs >= 16 along the contraction)."""
+    """(down [M, r'] bf16, B [r', N] bf16), r' = r zero-padded to a power of two >= 16 (Pallas
+    blocks are powers of two; tl.dot needs >= 16 along the contraction)."""
     rank = lora_down.shape[-1]
-    parts = down_parts(lora_down, lead, "LoRA epilogue")
-    if lora_b is None or lora_b.shape != (rank, n):
+    if lora_b is None or lora_b.shape != (rank, n) or lora_down.shape[:-1] != tuple(lead):
         raise ValueError(f"LoRA epilogue: lora_down {lora_down.shape} and lora_b "
                          f"{None if lora_b is None else lora_b.shape} must be "
-                         f"[..., r] and [r, N={n}]")
+                         f"[..., r] with x's leading dims {tuple(lead)} and [r, N={n}]")
+    down2 = lora_down.reshape(-1, rank).astype(jnp.bfloat16)
     lora_b = lora_b.astype(jnp.bfloat16)
     padded_rank = max(_MIN_LORA_RANK, _next_pow2(rank))
     if padded_rank > rank:
-        parts = jnp.pad(parts, ((0, 0), (0, 0), (0, padded_rank - rank)))
+        down2 = jnp.pad(down2, ((0, 0), (0, padded_rank - rank)))
         lora_b = jnp.pad(lora_b, ((0, padded_rank - rank), (0, 0)))
-    return parts, lora_b
+    return down2, lora_b
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
@@ -994,8 +953,7 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         y = lax.dot_general(x2.astype(jnp.bfloat16), w, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
         if has_lora:
-            y = y + lora_scale * jnp.dot(summed_down(down2), lora_b,
-                                         preferred_element_type=jnp.float32)
+            y = y + lora_scale * jnp.dot(down2, lora_b, preferred_element_type=jnp.float32)
         return y.astype(jnp.bfloat16).reshape(*lead, packed.n)
     if config.path != "fused":
         raise ValueError(f"unknown matmul path {config.path!r}")
@@ -1074,9 +1032,9 @@ def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, sp
 
     LoRA (all weights or none): lora_down [..., R] = x @ [A_0 | A_1 | ...], the members' down
     products side by side (one dot for the group), member i's at columns [sum_{j<i} r_j, + r_i)
-    with r_i = lora_bs[i].shape[0]; lora_bs[i] [r_i, N_i]; or their float32 partial sums
-    [S, ..., R] (as in blockwise_matmul). config None picks default_group_matmul_config
-    (decided outside the jit). The "dequantize" path runs the weights one by one.
+    with r_i = lora_bs[i].shape[0]; lora_bs[i] [r_i, N_i]. config None picks
+    default_group_matmul_config (decided outside the jit). The "dequantize" path runs the
+    weights one by one.
     """
     packed = tuple(packed)
     if config is None:
@@ -1101,14 +1059,13 @@ def _kernel_rank(rank: int) -> int:
 
 
 def pad_lora_down(down: jax.Array, ranks) -> jax.Array:
-    """LoRA down products side by side [..., sum r_i] -> [..., sum r_i'], each zero-padded to
-    a kernel rank r_i' (a power of two >= 16); the same array when every r_i already is one."""
+    """LoRA down products side by side [M, sum r_i] -> [M, sum r_i'], each zero-padded to a
+    kernel rank r_i' (a power of two >= 16); the same array when every r_i already is one."""
     if all(_kernel_rank(r) == r for r in ranks):
         return down
     starts = [sum(ranks[:i]) for i in range(len(ranks))]
-    lead_pad = ((0, 0),) * (down.ndim - 1)
-    return jnp.concatenate([jnp.pad(down[..., s:s + r], lead_pad + ((0, _kernel_rank(r) - r),))
-                            for s, r in zip(starts, ranks)], axis=-1)
+    return jnp.concatenate([jnp.pad(down[:, s:s + r], ((0, 0), (0, _kernel_rank(r) - r)))
+                            for s, r in zip(starts, ranks)], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
@@ -1144,7 +1101,7 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
         raise ValueError("grouped matmul: group_dots is not supported")
     shared, columns = [], None
     if has_lora:
-        down2 = down_parts(lora_down, lead, "grouped matmul")
+        down2 = lora_down.reshape(m, -1).astype(jnp.bfloat16)
         bs = [b.astype(jnp.bfloat16) for b in lora_bs]
         down2 = pad_lora_down(down2, ranks)  # each member zero-padded to a kernel rank
         if any(_kernel_rank(r) != r for r in ranks):

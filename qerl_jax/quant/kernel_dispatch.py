@@ -51,7 +51,6 @@ from jax import lax
 
 from pallas_kernels import blockwise_matmul as bw
 from pallas_kernels import decode_attention as decode_attention_kernels
-from pallas_kernels import lora_down as lora_down_kernel
 from pallas_kernels import nvfp4_matmul
 from pallas_kernels.mxfp4_matmul import MAX_SCALE_CODE as MXFP4_MAX_SCALE_CODE
 from pallas_kernels.mxfp4_matmul import MXFP4
@@ -505,19 +504,6 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
                                                      up.kernel_divisor()), **lora)
 
 
-def _lora_down(x, a, *, compute_dtype, interpret):
-    """The fused kernels' LoRA `down` operand for x [M, K] and A [K, r]: at decode M (<= 16)
-    with DecodeTuning.lora_down_splits = S > 0, float32 partial sums [S', M, r] over up to S
-    slices of K from one Pallas launch (pallas_kernels.lora_down; the epilogue adds them up);
-    else x @ A as one XLA dot in compute dtype."""
-    splits = bw.decode_tuning().lora_down_splits
-    if splits and x.shape[0] <= 16 and jnp.dtype(compute_dtype) == jnp.bfloat16:
-        return lora_down_kernel.lora_down_partials(
-            x, a, config=lora_down_kernel.LoRADownConfig(splits=splits), interpret=interpret)
-    return jnp.dot(x.astype(compute_dtype), a.astype(compute_dtype),
-                   preferred_element_type=compute_dtype)
-
-
 def _fused_forward(x, weight, *, compute_dtype, interpret):
     """x [M, K] bf16 @ W^T -> [M, N] float32 (the fused kernel, no LoRA)."""
     return _fused_forward_lora(x, weight, None, None, 0.0, compute_dtype=compute_dtype,
@@ -614,9 +600,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             group_supports=_group_supports,
             swiglu_fn=(functools.partial(_fused_forward_swiglu, interpret=interpret)
                        if fused_swiglu else None),
-            swiglu_supports=_swiglu_supports, swiglu_lora_b_fn=_pair_lora_b,
-            lora_down_fn=(functools.partial(_lora_down, interpret=interpret)
-                          if lora_epilogue else None))
+            swiglu_supports=_swiglu_supports, swiglu_lora_b_fn=_pair_lora_b)
         linear_op.register_matmul_kernel(
             format_name, platform, functools.partial(_dequantize_forward, interpret=interpret),
             name=dequantize_name, min_m=limit + 1, max_m=None,

@@ -60,10 +60,6 @@ class MatmulKernel:
     reason it cannot, and swiglu_lora_b_fn((gate, up), (B_gate, B_up)) -> the launch's LoRA
     B operand made once outside a loop (`prepare_swiglu_lora_b`; pair_lora_b is that, or
     None to make it per call).
-    Optionally lora_down_fn(x [M, K], A [K, r], *, compute_dtype) -> the `down` operand of
-    lora_fn / group_fn / swiglu_fn: x @ A [M, r] in compute dtype, or float32 partial sums
-    [S, M, r] over slices of K that the kernel's epilogue adds up (differentiable); without it
-    down is one XLA dot.
     """
 
     name: str
@@ -80,7 +76,6 @@ class MatmulKernel:
     swiglu_fn: Callable[..., jax.Array] | None = None
     swiglu_supports: Callable[..., str | None] | None = None
     swiglu_lora_b_fn: Callable[..., jax.Array] | None = None
-    lora_down_fn: Callable[..., jax.Array] | None = None
 
     def accepts(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
@@ -99,8 +94,7 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
                            group_supports: Callable[..., str | None] | None = None,
                            swiglu_fn: Callable[..., jax.Array] | None = None,
                            swiglu_supports: Callable[..., str | None] | None = None,
-                           swiglu_lora_b_fn: Callable[..., jax.Array] | None = None,
-                           lora_down_fn: Callable[..., jax.Array] | None = None
+                           swiglu_lora_b_fn: Callable[..., jax.Array] | None = None
                            ) -> MatmulKernel:
     """Registers a kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
 
@@ -112,7 +106,7 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
                           min_m=min_m, max_m=max_m, grad_fn=grad_fn, supports=supports,
                           lora_fn=lora_fn, group_fn=group_fn, group_supports=group_supports,
                           swiglu_fn=swiglu_fn, swiglu_supports=swiglu_supports,
-                          swiglu_lora_b_fn=swiglu_lora_b_fn, lora_down_fn=lora_down_fn)
+                          swiglu_lora_b_fn=swiglu_lora_b_fn)
     entries = _KERNELS.setdefault((format_name, platform), [])
     if any(entry.name == name for entry in entries):
         raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
@@ -235,29 +229,16 @@ def _quantized_matmul_lora_fwd(x, down, lora_b, weight, compute_dtype, scale, lo
 
 def _quantized_matmul_lora_bwd(compute_dtype, scale, lora_forward, backward, residuals,
                                grad_output):
-    """dx = dy @ W (as the plain op), d down = scale dy B^T (the same for each partial sum
-    when down is [S, M, r]), d B = scale down^T dy (float32 products, cast to the inputs'
-    dtypes)."""
+    """dx = dy @ W (as the plain op), d down = scale dy B^T, d B = scale down^T dy (float32
+    products, cast to the inputs' dtypes)."""
     del lora_forward
     weight, down, lora_b = residuals
     grad32 = grad_output.astype(jnp.float32)
     grad_down = scale * jnp.dot(grad32, lora_b.astype(jnp.float32).T)
-    grad_b = scale * jnp.dot(_summed_down(down).T, grad32)
+    grad_b = scale * jnp.dot(down.astype(jnp.float32).T, grad32)
     grad_x, grad_weight = _grad_x_and_weight_cotangent(grad_output, weight, compute_dtype,
                                                        backward)
-    return (grad_x, _down_cotangent(grad_down, down), grad_b.astype(lora_b.dtype),
-            grad_weight)
-
-
-def _summed_down(down: jax.Array) -> jax.Array:
-    """x @ A in float32 from `down`: [M, r] as it is, or partial sums [S, M, r] added up."""
-    down = down.astype(jnp.float32)
-    return down.sum(axis=0) if down.ndim == 3 else down
-
-
-def _down_cotangent(grad_down: jax.Array, down: jax.Array) -> jax.Array:
-    """d down [M, r] -> the cotangent of `down` (broadcast over partial sums [S, M, r])."""
-    return jnp.broadcast_to(grad_down, down.shape).astype(down.dtype)
+    return grad_x, grad_down.astype(down.dtype), grad_b.astype(lora_b.dtype), grad_weight
 
 
 _quantized_matmul_lora.defvjp(_quantized_matmul_lora_fwd, _quantized_matmul_lora_bwd)
@@ -290,7 +271,7 @@ def _grouped_quantized_matmul_bwd(compute_dtype, scales, group_forward, backward
     for i, (weight, grad_output) in enumerate(zip(weights, grads)):
         if down is not None:
             rank = lora_bs[i].shape[0]
-            member_down = _summed_down(down[..., start:start + rank])
+            member_down = down[:, start:start + rank].astype(jnp.float32)
             start += rank
             grad32 = grad_output.astype(jnp.float32)
             grad_down.append(scales[i] * jnp.dot(grad32, lora_bs[i].astype(jnp.float32).T))
@@ -300,8 +281,7 @@ def _grouped_quantized_matmul_bwd(compute_dtype, scales, group_forward, backward
         grad_weights.append(grad_weight)
         grad_x = dx.astype(jnp.float32) if grad_x is None else grad_x + dx.astype(jnp.float32)
     return (grad_x.astype(compute_dtype),
-            None if down is None else _down_cotangent(jnp.concatenate(grad_down, axis=1),
-                                                      down),
+            None if down is None else jnp.concatenate(grad_down, axis=1).astype(down.dtype),
             None if lora_bs is None else tuple(grad_bs), tuple(grad_weights))
 
 
@@ -319,15 +299,15 @@ def _members_forward(kernel: MatmulKernel, x, weights, down, lora_bs, scales, *,
             outputs.append(kernel.fn(x, weight, compute_dtype=compute_dtype))
             continue
         rank = lora_bs[i].shape[0]
-        member_down = down[..., start:start + rank]
+        member_down = down[:, start:start + rank]
         start += rank
         if kernel.lora_fn is not None:
             outputs.append(kernel.lora_fn(x, weight, member_down, lora_bs[i], scales[i],
                                           compute_dtype=compute_dtype))
         else:
             outputs.append(kernel.fn(x, weight, compute_dtype=compute_dtype) + scales[i] * jnp.dot(
-                _summed_down(member_down).astype(compute_dtype),
-                lora_bs[i].astype(compute_dtype), preferred_element_type=jnp.float32))
+                member_down.astype(compute_dtype), lora_bs[i].astype(compute_dtype),
+                preferred_element_type=jnp.float32))
     return tuple(outputs)
 
 
@@ -399,16 +379,6 @@ def _lora_down(x2d: jax.Array, lora: LoRAProduct, compute_dtype,
                    preferred_element_type=out_dtype)
 
 
-def _kernel_lora_down(kernel: MatmulKernel, x2d: jax.Array, a: jax.Array,
-                      compute_dtype) -> jax.Array:
-    """The `down` operand of a kernel's LoRA epilogue: its lora_down_fn's (x @ A, or partial
-    sums of it), else one XLA dot x @ A in compute dtype (float32 accumulation)."""
-    if kernel.lora_down_fn is not None:
-        return kernel.lora_down_fn(x2d, a, compute_dtype=compute_dtype)
-    return jnp.dot(x2d.astype(compute_dtype), a.astype(compute_dtype),
-                   preferred_element_type=compute_dtype)
-
-
 def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp.bfloat16,
                      platform: str | None = None) -> jax.Array:
     """x [..., K] @ dequant(weight [N, K]).T -> [..., N] float32 (custom VJP, grad for x only).
@@ -443,7 +413,7 @@ def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
     forward = _xla_forward if kernel is None else kernel.fn
     backward = _xla_backward if kernel is None or kernel.grad_fn is None else kernel.grad_fn
     if lora is not None and kernel is not None and kernel.lora_fn is not None:
-        down = _kernel_lora_down(kernel, x2d, lora.a, compute_dtype)
+        down = _lora_down(x2d, lora, compute_dtype, out_dtype=compute_dtype)
         y = _quantized_matmul_lora(x2d, down, lora.b.astype(compute_dtype), weight,
                                    jnp.dtype(compute_dtype), float(lora.scale), kernel.lora_fn,
                                    backward)
@@ -578,10 +548,9 @@ def _check_shared_input_shapes(op_name: str, weights, loras, in_features: int) -
             _check_lora_shapes(lora, in_features, w.shape[0])
 
 
-def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype, kernel: MatmulKernel):
-    """(down = x @ [A_0 | A_1 | ...] [M, sum r_i] in compute dtype (or the kernel's partial
-    sums of it, _kernel_lora_down), (B_i), (scale_i)) for a launch over several weights, or
-    (None, None, None) without LoRA. One x @ [A_0 | A_1 | ...]
+def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype):
+    """(down = x @ [A_0 | A_1 | ...] [M, sum r_i] in compute dtype, (B_i), (scale_i)) for a
+    launch over several weights, or (None, None, None) without LoRA. One x @ [A_0 | A_1 | ...]
     for the group: separate x @ A_i dots would be merged by XLA anyway, but then it
     concatenates the A_i inside the decode loop at every step and slices the product apart
     (4-5 extra small kernels per layer and step)."""
@@ -595,7 +564,7 @@ def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype, kernel: Matmul
             raise ValueError(f"linear_group: stacked_lora_a {tuple(stacked_lora_a.shape)} "
                              f"must be [in, sum of ranks] = {list(expected)}")
         stacked_a = stacked_lora_a.astype(compute_dtype)
-    down = _kernel_lora_down(kernel, x2d, stacked_a, compute_dtype)
+    down = jnp.dot(x2d, stacked_a, preferred_element_type=compute_dtype)
     return (down, tuple(lora.b.astype(compute_dtype) for lora in loras),
             tuple(float(lora.scale) for lora in loras))
 
@@ -646,7 +615,7 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
     if kernel is None:
         return one_by_one()
     backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
-    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype, kernel)
+    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
     ys = _grouped_quantized_matmul(x2d, down, lora_bs, weights, jnp.dtype(compute_dtype),
                                    scales, kernel.group_fn, backward)
     outputs = []
@@ -723,7 +692,7 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
     if kernel is None:
         return unfused()
     backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
-    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype, kernel)
+    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
     if down is None:
         pair_lora_b = None
     y = _fused_swiglu_matmul(x2d, down, lora_bs, pair_lora_b, weights, jnp.dtype(compute_dtype),

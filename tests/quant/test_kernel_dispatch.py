@@ -471,34 +471,6 @@ def test_fused_swiglu_of_pair_views_matches_the_unfused_mlp(interpret_kernels, f
             _assert_close(grads[2][i], grads_ref[2][i], 2 * TOLERANCE, f"{context} dB{i}")
 
 
-@pytest.mark.parametrize("format_name", FORMATS)
-def test_lora_down_partial_sums_in_every_launch(interpret_kernels, format_name, caplog):
-    """DecodeTuning.lora_down_splits > 0: at decode M the LoRA down product comes from one
-    Pallas launch as float32 partial sums over slices of K (pallas_kernels.lora_down), which the
-    single, grouped and fused-SwiGLU launches add up in their epilogue. The three tests above
-    pass unchanged with it (output and gradients against the XLA path), and the programs hold
-    the partial-sums kernel at M <= 16 only."""
-    from qerl_jax.quant.linear_op import LoRAProduct
-    previous = bw.set_decode_tuning(lora_down_splits=3)  # K = 320: 3 blocks of 128, 3 slices
-    try:
-        for m in (3, 16):
-            test_lora_epilogue_matches_separate_lora_dots(None, format_name, m, 8)
-            test_linear_group_matches_single_linears(None, format_name, m, True)
-            test_fused_swiglu_of_pair_views_matches_the_unfused_mlp(None, format_name, m, True,
-                                                                     caplog)
-        rng = np.random.default_rng(0)
-        weight = to_kernel_layout(_weight(format_name, rng))
-        a = jnp.asarray(rng.standard_normal((K, 8)) * 0.1, jnp.float32)
-        b = jnp.asarray(rng.standard_normal((8, N)) * 0.1, jnp.float32)
-        for m, expected in ((16, True), (17, False)):
-            x = jnp.ones((m, K), jnp.bfloat16)
-            jaxpr = str(jax.make_jaxpr(lambda x: linear(
-                x, weight, compute_dtype=jnp.bfloat16, lora=LoRAProduct(a, b, 2.0)))(x))
-            assert ("lora_down_partials" in jaxpr) == expected, m
-    finally:
-        bw.set_decode_tuning(previous)
-
-
 def test_fused_swiglu_needs_one_pair_and_falls_back_otherwise(interpret_kernels, caplog):
     """Separate weights, views of two different pairs and different LoRA scales take the
     unfused path (saying why); with the prepared pair B (prepare_swiglu_lora_b) the fused
