@@ -548,6 +548,24 @@ def _check_shared_input_shapes(op_name: str, weights, loras, in_features: int) -
             _check_lora_shapes(lora, in_features, w.shape[0])
 
 
+def _select_shared_launch(op_name: str, x: jax.Array, weights, loras, compute_dtype,
+                          select: Callable, labels: tuple[str, str]):
+    """(x2d [M, in] in compute dtype, kernel or None, its backward) for an op whose quantized
+    weights share x: shapes checked (naming op_name), the launch's kernel chosen by
+    `select(x2d, weights, loras, compute_dtype, platform)` and the path logged once as
+    labels[0] (no kernel) or "<kernel> labels[1]"."""
+    in_features = x.shape[-1]
+    _check_shared_input_shapes(op_name, weights, loras, in_features)
+    x2d = x.reshape(-1, in_features).astype(compute_dtype)
+    platform = jax.default_backend()
+    kernel, reason = select(x2d, weights, loras, compute_dtype, platform)
+    _log_path_once(weights[0].format, platform,
+                   labels[0] if kernel is None else f"{kernel.name} {labels[1]}", reason)
+    if kernel is None:
+        return x2d, None, None
+    return x2d, kernel, _xla_backward if kernel.grad_fn is None else kernel.grad_fn
+
+
 def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype):
     """(down = x @ [A_0 | A_1 | ...] [M, sum r_i] in compute dtype, (B_i), (scale_i)) for a
     launch over several weights, or (None, None, None) without LoRA. One x @ [A_0 | A_1 | ...]
@@ -604,17 +622,12 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
 
     if not all(isinstance(w, QuantizedWeight) for w in weights):
         return one_by_one()
-    in_features = x.shape[-1]
-    _check_shared_input_shapes("linear_group", weights, loras, in_features)
     leading = x.shape[:-1]
-    x2d = x.reshape(-1, in_features).astype(compute_dtype)
-    platform = jax.default_backend()
-    kernel, reason = _group_kernel(x2d, weights, loras, compute_dtype, platform)
-    _log_path_once(weights[0].format, platform,
-                   "one by one" if kernel is None else f"{kernel.name} grouped", reason)
+    x2d, kernel, backward = _select_shared_launch("linear_group", x, weights, loras,
+                                                  compute_dtype, _group_kernel,
+                                                  ("one by one", "grouped"))
     if kernel is None:
         return one_by_one()
-    backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
     down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
     ys = _grouped_quantized_matmul(x2d, down, lora_bs, weights, jnp.dtype(compute_dtype),
                                    scales, kernel.group_fn, backward)
@@ -682,16 +695,11 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
     if weights[0].shape != weights[1].shape:
         raise ValueError(f"linear_swiglu: gate {weights[0].shape} and up {weights[1].shape} "
                          "must have the same shape [out, in]")
-    in_features = x.shape[-1]
-    _check_shared_input_shapes("linear_swiglu", weights, loras, in_features)
-    x2d = x.reshape(-1, in_features).astype(compute_dtype)
-    platform = jax.default_backend()
-    kernel, reason = _swiglu_kernel(x2d, weights, loras, compute_dtype, platform)
-    _log_path_once(weights[0].format, platform,
-                   "unfused SwiGLU" if kernel is None else f"{kernel.name} fused SwiGLU", reason)
+    x2d, kernel, backward = _select_shared_launch("linear_swiglu", x, weights, loras,
+                                                  compute_dtype, _swiglu_kernel,
+                                                  ("unfused SwiGLU", "fused SwiGLU"))
     if kernel is None:
         return unfused()
-    backward = _xla_backward if kernel.grad_fn is None else kernel.grad_fn
     down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
     if down is None:
         pair_lora_b = None

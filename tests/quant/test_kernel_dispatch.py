@@ -66,6 +66,23 @@ def _assert_close(actual, expected, tolerance, context):
                                                          np.abs(expected).max())
 
 
+def _outputs_and_grads(fn, fn_ref, primals, cotangent):
+    """(fn's outputs, its VJP of `cotangent`, the same two of fn_ref) at `primals`."""
+    out, vjp = jax.vjp(fn, *primals)
+    out_ref, vjp_ref = jax.vjp(fn_ref, *primals)
+    return out, vjp(cotangent), out_ref, vjp_ref(cotangent)
+
+
+def _assert_lora_grads_close(grads, grads_ref, count, with_lora, context):
+    """grads = (dx, (dA_i), (dB_i)) of `count` adapters against the reference's, within twice
+    the module's tolerance (dx only without LoRA)."""
+    _assert_close(grads[0], grads_ref[0], 2 * TOLERANCE, f"{context} dx")
+    if with_lora:
+        for i in range(count):
+            _assert_close(grads[1][i], grads_ref[1][i], 2 * TOLERANCE, f"{context} dA{i}")
+            _assert_close(grads[2][i], grads_ref[2][i], 2 * TOLERANCE, f"{context} dB{i}")
+
+
 def _forward_and_dx(x, weight, bias, dy):
     y, vjp = jax.vjp(lambda x: linear(x, weight, bias, compute_dtype=jnp.bfloat16), x)
     return y, vjp(dy)[0]
@@ -381,20 +398,15 @@ def test_linear_group_matches_single_linears(interpret_kernels, format_name, m, 
                        lora=LoRAProduct(ai, bi, 2.0) if with_lora else None)
                 for w, bias, ai, bi in zip(weights, biases, a, b)]
 
-    ys, vjp = jax.vjp(functools.partial(grouped, weights=prepared), x, a, b)
-    grads = vjp(dys)
-    ys_ref, vjp_ref = jax.vjp(functools.partial(single, weights=quantized), x, a, b)
-    grads_ref = vjp_ref(dys)
+    ys, grads, ys_ref, grads_ref = _outputs_and_grads(
+        functools.partial(grouped, weights=prepared),
+        functools.partial(single, weights=quantized), (x, a, b), dys)
     jaxpr = str(jax.make_jaxpr(functools.partial(grouped, weights=prepared))(x, a, b))
     assert (f"{format_name}_matmul_group3" in jaxpr) == (m <= 64)
     context = f"{format_name} M={m} lora={with_lora}"
     for i in range(3):
         _assert_close(ys[i], ys_ref[i], 2 * TOLERANCE, f"{context} y{i}")
-    _assert_close(grads[0], grads_ref[0], 2 * TOLERANCE, f"{context} dx")
-    if with_lora:
-        for i in range(3):
-            _assert_close(grads[1][i], grads_ref[1][i], 2 * TOLERANCE, f"{context} dA{i}")
-            _assert_close(grads[2][i], grads_ref[2][i], 2 * TOLERANCE, f"{context} dB{i}")
+    _assert_lora_grads_close(grads, grads_ref, 3, with_lora, context)
 
 
 @pytest.mark.parametrize("format_name,kwargs", [("nvfp4", {}), ("mxfp4", {}),
@@ -455,20 +467,15 @@ def test_fused_swiglu_of_pair_views_matches_the_unfused_mlp(interpret_kernels, f
                         for w, ai, bi in zip(weights, a, b)))
 
     with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
-        y, vjp = jax.vjp(functools.partial(fused, weights=views), x, a, b)
-    grads = vjp(dy)
-    y_ref, vjp_ref = jax.vjp(functools.partial(unfused, weights=quantized), x, a, b)
-    grads_ref = vjp_ref(dy)
+        y, grads, y_ref, grads_ref = _outputs_and_grads(
+            functools.partial(fused, weights=views),
+            functools.partial(unfused, weights=quantized), (x, a, b), dy)
     jaxpr = str(jax.make_jaxpr(functools.partial(fused, weights=views))(x, a, b))
     assert (f"{format_name}_matmul_swiglu" in jaxpr) == (m <= 64)
     assert (f"{format_name}_fused fused SwiGLU path" in caplog.text) == (m <= 64)
     context = f"{format_name} M={m} lora={with_lora}"
     _assert_close(y, y_ref, 2 * TOLERANCE, f"{context} y")
-    _assert_close(grads[0], grads_ref[0], 2 * TOLERANCE, f"{context} dx")
-    if with_lora:
-        for i in range(2):
-            _assert_close(grads[1][i], grads_ref[1][i], 2 * TOLERANCE, f"{context} dA{i}")
-            _assert_close(grads[2][i], grads_ref[2][i], 2 * TOLERANCE, f"{context} dB{i}")
+    _assert_lora_grads_close(grads, grads_ref, 2, with_lora, context)
 
 
 def test_fused_swiglu_needs_one_pair_and_falls_back_otherwise(interpret_kernels, caplog):
