@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common as common  # noqa: E402
 from qerl_jax.quant.formats import get_format  # noqa: E402
 from qerl_jax.quant.kernel_dispatch import register_kernels, to_kernel_layout  # noqa: E402
 from qerl_jax.quant.linear_op import LoRAProduct, linear  # noqa: E402
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="q/o and down shapes, M in {1, 8}, rank 32 (and 8 for NVFP4)")
     args = parser.parse_args(argv)
+    tuning = common.apply_decode_tuning_from_env()  # $QERL_DECODE_TUNING: the kernels checked
     platform = jax.default_backend()
     register_kernels(platform, interpret=args.interpret)
     shapes = [("small", 200, 320)] if args.interpret else SHAPES
@@ -98,12 +100,14 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(row, flush=True)
     print(f"LoRA epilogue check on {jax.devices()[0].device_kind}: {len(rows) - failures} ok, "
-          f"{failures} failed (tolerance {TOLERANCE} * max|reference|)", flush=True)
+          f"{failures} failed (tolerance {TOLERANCE} * max|reference|)"
+          + (f"; decode tuning {tuning}" if tuning else ""), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "lora_epilogue_check.json"), "w") as handle:
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                       "rows": rows, "failures": failures}, handle, indent=1)
+                       "decode_tuning": tuning, "rows": rows, "failures": failures}, handle,
+                      indent=1)
     return 1 if failures else 0
 
 

@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 
 import _common as common
 
@@ -91,6 +92,7 @@ def worker_main(args) -> None:
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from qerl_jax import sampling
 
@@ -167,6 +169,12 @@ def worker_main(args) -> None:
                 rollout = compiled(states, tokens, mask, repeat_key)
                 generated = int(jax.device_get(rollout.lengths).sum())  # waits for the program
                 runs.append((time.perf_counter() - begin, generated))
+                if repeat == 0:
+                    # A fingerprint of the first run's tokens (same seed, same program numbers:
+                    # the same value), so a change meant to keep every bit can be checked
+                    # end to end between two runs of this script.
+                    row["tokens_crc32"] = zlib.crc32(
+                        np.asarray(jax.device_get(rollout.tokens)).tobytes())
             row["run_s"], generated = runs[0]
             row["generated_tokens"] = generated
             row["expected_tokens"] = batch * args.new_tokens
@@ -197,7 +205,8 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status"
            ("generated_tokens", "generated tokens"), ("tokens_per_s", "tok/s"),
            ("tokens_per_s_median", "tok/s median"), ("tokens_per_s_runs", "tok/s runs"),
            ("vs_bf16", "x bf16"), ("paper_tokens_per_s", "paper tok/s"),
-           ("peak_GiB", "peak GiB"), ("weights_GiB", "weights GiB"),
+           ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
+           ("weights_GiB", "weights GiB"),
            ("init_s", "init s"), ("path_decode", "decode path"),
            ("path_prefill", "prefill path"), ("kernel_hook", "kernel hook"),
            ("kernel_layout_weights", "weights in kernel layout")]
