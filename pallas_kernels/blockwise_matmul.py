@@ -216,12 +216,6 @@ class MatmulConfig:
     clamp_rows: when M is not a multiple of block_m, read activation rows min(r, M-1) (a gather
     with no mask; the extra rows repeat the last one and are not stored) instead of masked
     loads. Off by default: masked rows were as fast or faster on most H100 layer shapes.
-    lora_prefetch: the LoRA epilogue's tiles (x @ A rows [block_m, r] and B columns
-    [r, block_n]) are loaded before the K loop, so their latency overlaps the loop instead of
-    following it (they stay in registers through the loop).
-    lora_first_split: with split-K, only the first split's programs load the LoRA tiles and
-    add the LoRA term (a branch on the split index); the other splits store their partial
-    sums directly. Off: every split loads them and multiplies the term by 0 or 1.
     """
     block_m: int = 16
     block_n: int = 64
@@ -233,8 +227,6 @@ class MatmulConfig:
     path: str = "fused"
     group_dots: bool = False
     clamp_rows: bool = False
-    lora_prefetch: bool = False
-    lora_first_split: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +269,7 @@ class DecodeTuning:
       sweep: RESULTS.md, "Fused-kernel tiling at rollout M"). no_split_programs: N tiles
       alone at or above this many programs: no split.
     block_n, num_warps, num_stages, weight_as_lhs (None: per format, see
-      default_matmul_config), decoder (None: the format's GPU default), lora_prefetch,
-      lora_first_split: as in MatmulConfig.
+      default_matmul_config), decoder (None: the format's GPU default): as in MatmulConfig.
     """
     target_programs: int = 640
     min_tiles_per_split: int = 4
@@ -289,8 +280,6 @@ class DecodeTuning:
     num_stages: int = 3
     weight_as_lhs: bool | None = None
     decoder: str | None = None
-    lora_prefetch: bool = False
-    lora_first_split: bool = False
 
 
 _DECODE_TUNING = DecodeTuning()
@@ -334,10 +323,6 @@ def parse_tuning(text: str) -> dict:
             if value.lower() not in ("true", "false", "none"):
                 raise ValueError(f"decode tuning {item!r}: true, false or none")
             fields[name] = None if value.lower() == "none" else value.lower() == "true"
-        elif name in ("lora_prefetch", "lora_first_split"):
-            if value.lower() not in ("true", "false"):
-                raise ValueError(f"decode tuning {item!r}: true or false")
-            fields[name] = value.lower() == "true"
         elif name == "decoder":
             fields[name] = None if value.lower() == "none" else value
         else:
@@ -405,9 +390,7 @@ def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str,
                         num_warps=tuning.num_warps if decode else 4,
                         num_stages=tuning.num_stages if decode else 3,
                         decoder=tuning.decoder if decode and _decoder_fits(tuning.decoder, fmt)
-                        else None,
-                        lora_prefetch=decode and tuning.lora_prefetch,
-                        lora_first_split=decode and tuning.lora_first_split)
+                        else None)
 
 
 def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:
@@ -509,12 +492,10 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     split: int, weight_as_lhs: bool, group_dots: bool = False,
                     clamp_rows: bool = False, lora_scale: float | None = None,
                     down_column: int = 0, swiglu_n: int | None = None,
-                    pair_view: tuple[int, int] | None = None, lora_prefetch: bool = False,
-                    lora_first_split: bool = False):
+                    pair_view: tuple[int, int] | None = None):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
-    [down_column, down_column + r) with r = lora_b_ref's rows (before the K loop with
-    lora_prefetch; with lora_first_split only in split 0: MatmulConfig).
+    [down_column, down_column + r) with r = lora_b_ref's rows.
 
     swiglu_n (one split only): W is a gate/up pair interleaved in blocks of bn / 2 rows
     (interleave_gate_up), ts_ref = (gate's tensor-scale ref [1], up's); the tile's
@@ -580,23 +561,6 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     def body(t, acc):
         return multiply_tile(load_tile(pid_s * tiles_per_split + t), acc)
 
-    def load_lora_tiles():
-        """(x @ A rows [bm, r], B columns [r, bn]) of this tile, as stored (not cast)."""
-        rank = lora_b_ref.shape[0]
-        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
-                     _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False))
-        ragged_b = n % bn != 0 and swiglu_n is None
-        lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
-                       _edge_masks(0, rank, rank, n0, bn, n, False, ragged_b))
-        return down, lora_b
-
-    prefetched = load_lora_tiles() if lora_scale is not None and lora_prefetch else None
-
-    def lora_term():
-        """lora_scale * (x @ A) @ B on this [bm, bn] tile, float32."""
-        down, lora_b = prefetched if prefetched is not None else load_lora_tiles()
-        return lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
-
     acc_shape = (bn, bm) if weight_as_lhs else (bm, bn)
     # K tiles of this split: tiles_per_split, except the last split of an uneven split-K
     # (k_tiles not a multiple of split), which gets the remainder (a dynamic trip count).
@@ -607,35 +571,28 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     y = acc.T if weight_as_lhs else acc
     exponent = -spec.value_exponent(decoder) if group_dots else spec.epilogue_exponent(decoder)
     if swiglu_n is not None:
-        _swiglu_epilogue(y * (2.0 ** exponent), ts_ref, out_ref,
-                         lora_term() if lora_scale is not None else None, r0=r0, m=m, n=n,
-                         bm=bm, bn=bn, pid_n=pid_n, out_n=swiglu_n)
+        _swiglu_epilogue(y * (2.0 ** exponent), ts_ref, down_ref, lora_b_ref, out_ref,
+                         lora_scale=lora_scale, down_column=down_column, r0=r0, n0=n0, m=m,
+                         n=n, bm=bm, bn=bn, pid_n=pid_n, out_n=swiglu_n)
         return
     y = y * ((2.0 ** exponent) / ts_ref[0])
+    if lora_scale is not None:
+        # + lora_scale * down @ B on this [bm, bn] tile, in f32 before the output rounding;
+        # with split-K only the first split adds it.
+        rank = lora_b_ref.shape[0]
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
+                     _edge_masks(r0, bm, m, 0, rank, rank, ragged_m, False))
+        lora_b = _load(lora_b_ref.at[pl.ds(0, rank), pl.ds(n0, bn)],
+                       _edge_masks(0, rank, rank, n0, bn, n, False, n % bn != 0))
+        term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
+        if split > 1:  # 1 in the first split, 0 in the others (integer arithmetic: no i1)
+            term = term * (1 - jnp.minimum(pid_s, 1)).astype(jnp.float32)
+        y = y + term
     mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, n % bn != 0)
-
-    def store(value):
-        if split == 1:
-            _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], value.astype(out_ref.dtype), mask)
-        else:
-            _store(out_ref.at[pid_s, pl.ds(r0, bm), pl.ds(n0, bn)], value, mask)
-
-    # + lora_scale * (x @ A) @ B in f32 before the output rounding; with split-K only the
-    # first split adds it.
-    if lora_scale is None:
-        store(y)
-    elif split == 1:
-        store(y + lora_term())
-    elif lora_first_split:
-        @pl.when(pid_s == 0)
-        def _():
-            store(y + lora_term())
-
-        @pl.when(pid_s != 0)
-        def _():
-            store(y)
-    else:  # 1 in the first split, 0 in the others (integer arithmetic: no i1)
-        store(y + lora_term() * (1 - jnp.minimum(pid_s, 1)).astype(jnp.float32))
+    if split == 1:
+        _store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask)
+    else:
+        _store(out_ref.at[pid_s, pl.ds(r0, bm), pl.ds(n0, bn)], y, mask)
 
 
 def _swiglu_matmul_kernel(x_ref, codes_ref, scales_ref, ts_gate_ref, ts_up_ref, *rest, **static):
@@ -644,14 +601,20 @@ def _swiglu_matmul_kernel(x_ref, codes_ref, scales_ref, ts_gate_ref, ts_up_ref, 
     _matmul_kernel(x_ref, codes_ref, scales_ref, (ts_gate_ref, ts_up_ref), *rest, **static)
 
 
-def _swiglu_epilogue(y, ts_ref, out_ref, term, *, r0, m, n, bm, bn, pid_n, out_n):
+def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, down_column, r0,
+                     n0, m, n, bm, bn, pid_n, out_n):
     """silu(gate) * up of an interleaved gate/up tile y [bm, bn] (gate columns first; not yet
-    divided by the tensor scales), the LoRA term [bm, bn] (block-diagonal B, interleave_lora_b;
-    None: no LoRA) added to each half; stored as bf16 to out [M, out_n] columns
-    [pid_n * bn / 2, + bn / 2)."""
+    divided by the tensor scales), the LoRA term (block-diagonal B, interleave_lora_b) added to
+    each half; stored as bf16 to out [M, out_n] columns [pid_n * bn / 2, + bn / 2)."""
+    if lora_scale is not None:
+        rank = lora_b_ref.shape[0]
+        down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
+                     _edge_masks(r0, bm, m, 0, rank, rank, m % bm != 0, False))
+        lora_b = lora_b_ref[pl.ds(0, rank), pl.ds(n0, bn)]
+        term = lora_scale * _dot_nn(down.astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
     gate, up = jnp.split(y, 2, axis=1)
     gate, up = gate / ts_ref[0][0], up / ts_ref[1][0]
-    if term is not None:
+    if lora_scale is not None:
         term_gate, term_up = jnp.split(term, 2, axis=1)
         gate, up = gate + term_gate, up + term_up
     gate = gate.astype(jnp.bfloat16).astype(jnp.float32)
@@ -801,8 +764,7 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
         m=m, n=packed.n, k=k, bm=bm, bn=bn, tile_k=packed.tile_k, tiles_per_split=k_tiles,
         k_tiles=k_tiles, split=1, weight_as_lhs=config.weight_as_lhs,
         poisoned=bool(poison_output), clamp_rows=config.clamp_rows,
-        lora_scale=lora_scale if has_lora else None, swiglu_n=out_n,
-        lora_prefetch=config.lora_prefetch)
+        lora_scale=lora_scale if has_lora else None, swiglu_n=out_n)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     y = _launch(kernel, jax.ShapeDtypeStruct((m, out_n), jnp.bfloat16),
                 (_cdiv(m, bm), packed.n // bn, 1),
@@ -1011,8 +973,7 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         tile_k=packed.tile_k, tiles_per_split=tiles_per_split, k_tiles=k_tiles, split=split,
         weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
         clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None,
-        pair_view=packed.pair_view, lora_prefetch=config.lora_prefetch,
-        lora_first_split=config.lora_first_split)
+        pair_view=packed.pair_view)
     if config.group_dots and spec.decode_values is None:
         raise ValueError(f"{spec.name} has no group-scaled decoder")
     if split == 1:
@@ -1165,8 +1126,7 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
         poisoned=bool(poison_output), spec=spec,
         decoder=_resolve_decoder(spec, config.decoder, interpret), m=m, k=k, bm=bm, bn=bn,
         tile_k=packed[0].tile_k, tiles_per_split=_cdiv(k_tiles, split), k_tiles=k_tiles,
-        split=split, weight_as_lhs=config.weight_as_lhs, clamp_rows=config.clamp_rows,
-        lora_prefetch=config.lora_prefetch, lora_first_split=config.lora_first_split)
+        split=split, weight_as_lhs=config.weight_as_lhs, clamp_rows=config.clamp_rows)
     if split == 1:
         out_shape = tuple(jax.ShapeDtypeStruct((m, p.n), jnp.bfloat16) for p in packed)
     else:
