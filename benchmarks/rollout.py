@@ -60,6 +60,14 @@ def parse_args(argv=None):
                         help="timed generations per case after its one compile (same program, "
                              "keys folded with the repeat index); 'tok/s' is the first, 'tok/s "
                              "median' the median of all")
+    parser.add_argument("--same-key", action="store_true",
+                        help="every repeat uses the first run's key (its tokens_crc32 must then "
+                             "equal the first run's: a check that the compiled program is "
+                             "deterministic)")
+    parser.add_argument("--compilation-cache", default="",
+                        help="JAX's persistent compilation cache directory "
+                             "(qerl_jax.compilation_cache): a warm cache loads the sampler "
+                             "program instead of compiling it")
     parser.add_argument("--tile-k", type=int, default=None,
                         help="K tile of every weight's kernel layout (default: "
                              "kernel_dispatch.default_tile_k per weight)")
@@ -95,6 +103,7 @@ def worker_main(args) -> None:
     import numpy as np
 
     from qerl_jax import sampling
+    from qerl_jax.compilation_cache import cache_entries, enable_compilation_cache
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     size, format_name = args.size, args.format
@@ -153,6 +162,11 @@ def worker_main(args) -> None:
             begin = time.perf_counter()
             # The same program generate_from_states runs (prompt already at its bucket length),
             # compiled ahead of time so compilation is timed apart from generation.
+            if args.compilation_cache:
+                row["compilation_cache"] = (
+                    f"warm ({cache_entries(args.compilation_cache)} files)"
+                    if cache_entries(args.compilation_cache) else "cold")
+                enable_compilation_cache(args.compilation_cache)
             compiled = sampling._generate_program.lower(
                 graphdef, states, tokens, mask, run_key, config=config,
                 cache_length=args.prompt + args.new_tokens).compile()
@@ -161,20 +175,21 @@ def worker_main(args) -> None:
                 row["program_temp_GiB"] = compiled.memory_analysis().temp_size_in_bytes / 2**30
             except Exception:  # not every backend reports it
                 pass
-            runs = []
+            runs, crcs = [], []
             for repeat in range(args.repeats):
                 rollout = None  # the previous call's outputs are freed before the next starts
-                repeat_key = run_key if repeat == 0 else jax.random.fold_in(run_key, repeat)
+                repeat_key = (run_key if repeat == 0 or args.same_key
+                              else jax.random.fold_in(run_key, repeat))
                 begin = time.perf_counter()
                 rollout = compiled(states, tokens, mask, repeat_key)
                 generated = int(jax.device_get(rollout.lengths).sum())  # waits for the program
                 runs.append((time.perf_counter() - begin, generated))
-                if repeat == 0:
-                    # A fingerprint of the first run's tokens (same seed, same program numbers:
-                    # the same value), so a change meant to keep every bit can be checked
-                    # end to end between two runs of this script.
-                    row["tokens_crc32"] = zlib.crc32(
-                        np.asarray(jax.device_get(rollout.tokens)).tobytes())
+                # A fingerprint of each run's tokens (same seed, same program numbers: the same
+                # value), so runs meant to give the same bits can be compared end to end.
+                crcs.append(zlib.crc32(np.asarray(jax.device_get(rollout.tokens)).tobytes()))
+            row["tokens_crc32"] = crcs[0]
+            if args.repeats > 1:
+                row["tokens_crc32_runs"] = " / ".join(str(crc) for crc in crcs)
             row["run_s"], generated = runs[0]
             row["generated_tokens"] = generated
             row["expected_tokens"] = batch * args.new_tokens
@@ -206,6 +221,7 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status"
            ("tokens_per_s_median", "tok/s median"), ("tokens_per_s_runs", "tok/s runs"),
            ("vs_bf16", "x bf16"), ("paper_tokens_per_s", "paper tok/s"),
            ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
+           ("tokens_crc32_runs", "tokens crc32 runs"), ("compilation_cache", "compilation cache"),
            ("weights_GiB", "weights GiB"),
            ("init_s", "init s"), ("path_decode", "decode path"),
            ("path_prefill", "prefill path"), ("kernel_hook", "kernel hook"),
@@ -286,6 +302,9 @@ def parent_main(args) -> None:
                        "--new-tokens", str(args.new_tokens), "--prompt", str(args.prompt),
                        "--rank", str(args.rank), "--seed", str(args.seed),
                        "--repeats", str(args.repeats), "--results", results, "--deadline", str(budget.deadline),
+                       *(["--same-key"] if args.same_key else []),
+                       *(["--compilation-cache", args.compilation_cache]
+                         if args.compilation_cache else []),
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)
             if args.tile_k:
