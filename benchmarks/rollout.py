@@ -68,6 +68,10 @@ def parse_args(argv=None):
                         help="JAX's persistent compilation cache directory "
                              "(qerl_jax.compilation_cache): a warm cache loads the sampler "
                              "program instead of compiling it")
+    parser.add_argument("--autotune-results", default="",
+                        help="XLA's GPU autotuning results file (qerl_jax.xla_autotuning: "
+                             "loaded if present, rewritten after each compile): every process "
+                             "then picks the same kernels and samples the same tokens")
     parser.add_argument("--tile-k", type=int, default=None,
                         help="K tile of every weight's kernel layout (default: "
                              "kernel_dispatch.default_tile_k per weight)")
@@ -97,6 +101,10 @@ def _case_estimate(previous: dict | None, batch: int) -> float:
 def worker_main(args) -> None:
     import gc
     import logging
+
+    from qerl_jax.xla_autotuning import persist_autotuning
+    # before the first JAX computation of the process: XLA reads its flags when it starts
+    persist_autotuning(args.autotune_results, field="--autotune-results")
 
     import jax
     import jax.numpy as jnp
@@ -303,6 +311,8 @@ def parent_main(args) -> None:
                        "--rank", str(args.rank), "--seed", str(args.seed),
                        "--repeats", str(args.repeats), "--results", results, "--deadline", str(budget.deadline),
                        *(["--same-key"] if args.same_key else []),
+                       *(["--autotune-results", args.autotune_results]
+                         if args.autotune_results else []),
                        *(["--compilation-cache", args.compilation_cache]
                          if args.compilation_cache else []),
                        "--spawned-at", str(time.time())]

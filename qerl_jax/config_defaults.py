@@ -24,6 +24,11 @@ def base_config() -> ml_collections.ConfigDict:
     # of an ablation, resumes) load the compiled programs instead of compiling them again
     # (qerl_jax.compilation_cache).
     config.compilation_cache_dir = ""
+    # XLA's GPU autotuning results in this file ("" = off): loaded when it exists and rewritten
+    # after each compilation, so every process picks the same kernels and a run reproduces
+    # token for token from its seed (qerl_jax.xla_autotuning; without it or a warm compilation
+    # cache, two GPU processes can sample different tokens from the same seed).
+    config.xla_autotune_results = ""
     # attention_implementation of the training attention: 'auto' (cuDNN's fused flash attention
     # on an NVIDIA GPU with bf16/fp16 compute, XLA's einsums elsewhere), 'cudnn' or 'xla'.
     config.model = ml_collections.ConfigDict(dict(
@@ -135,6 +140,8 @@ def _check(condition: bool, field: str, message: str) -> None:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first bad field."""
     model = config.model
+    _check(isinstance(config.get("xla_autotune_results", ""), str), "xla_autotune_results",
+           f"{config.get('xla_autotune_results')!r} must be a file path string ('' = off)")
     _check(bool(model.preset) != bool(model.hf_path), "model.preset / model.hf_path",
            "set exactly one of them")
     _check(not model.preset or model.preset in PRESETS, "model.preset",

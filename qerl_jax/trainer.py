@@ -48,6 +48,7 @@ from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
                                  policy_loss_terms)
 from qerl_jax.sampling import (SamplingConfig, bucket_length, compile_generate,
                                generate_from_states, padded_prompt_shape)
+from qerl_jax.xla_autotuning import persist_autotuning
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,8 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         validate_config(config)
         self.config = config
+        # before the first JAX computation: XLA reads its flags when the backend starts
+        persist_autotuning(config.get("xla_autotune_results", ""))
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)

@@ -36,7 +36,8 @@ def _worker_logs(out_dir, raw):
 def test_rollout_and_e2e_smoke(tmp_path):
     rollout_out, e2e_out = tmp_path / "rollout", tmp_path / "e2e"
     rollout = _start("rollout.py", rollout_out, "--formats", "nvfp4", "--batches", "2,3",
-                     "--kernels-interpret", "--repeats", "2")
+                     "--kernels-interpret", "--repeats", "2", "--same-key",
+                     "--autotune-results", str(tmp_path / "autotune" / "a.textproto"))
     e2e = _start("e2e_step.py", e2e_out, "--formats", "nvfp4", "--compilation-cache",
                  str(tmp_path / "xla_cache"), "--trace-peaks", "--offload-for-compile", "on")
     rollout_text, e2e_text = _finish(rollout), _finish(e2e)
@@ -52,6 +53,8 @@ def test_rollout_and_e2e_smoke(tmp_path):
         assert row["repeats"] == 2 and len(runs) == 2 and round(runs[0]) == round(
             row["tokens_per_s"])
         assert abs(row["tokens_per_s_median"] - sum(runs) / 2) <= 0.5  # runs: rounded
+        # --same-key: both runs of the compiled program sample the same tokens
+        assert row["tokens_crc32_runs"] == f"{row['tokens_crc32']} / {row['tokens_crc32']}"
         assert row["kernel_layout_weights"] == "14 of 14"         # 2 layers x 7 projections
         assert row["path_decode"] == "nvfp4_fused"
     assert (rollout_out / "rollout_tiny.md").read_text().count("| tiny | nvfp4 |") == 2

@@ -122,6 +122,18 @@ def test_invalid_config_names_the_field():
         validate_config(config)
 
 
+def test_autotune_results_file_is_set_before_anything_else(tmp_path):
+    """config.xla_autotune_results reaches qerl_jax.xla_autotuning first thing: this test
+    process has started JAX's backend, so the trainer refuses the file (XLA would ignore the
+    flags) before it creates the workdir or builds anything."""
+    jax.numpy.ones(1).block_until_ready()
+    config = _config()
+    config.xla_autotune_results = str(tmp_path / "autotune.textproto")
+    with pytest.raises(ValueError, match="config.xla_autotune_results=.*already started"):
+        Trainer(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("logits_chunk_size", [0, 5])
 def test_rollout_logprobs_equal_the_training_forward(tmp_path, warm_cache, logits_chunk_size):
     """The sampler's per-token log-probs (temperature 1, no AQN) equal the trainer's recomputed
