@@ -46,12 +46,15 @@ _TARGET_PROGRAMS = 264  # about 2 waves of an H100/H200's 132 SMs
 class DecodeAttentionConfig:
     """block_s: cache slots per loop step; splits: sequence splits (None: enough for ~264
     programs); balanced: 1 = split the used slots evenly at run time, 0 = fixed ranges of the
-    cache; Triton num_warps / num_stages."""
+    cache; Triton num_warps / num_stages; lora_down: 1 = when the model asks (lora_a), the
+    combine kernel also computes the o-projection's LoRA x @ A per head (decode_attention),
+    0 = the model computes x @ A itself (qerl_jax.quant.kernel_dispatch.enable_decode_attention)."""
     block_s: int = 64
     splits: int | None = None
     balanced: int = 1
     num_warps: int = 4
     num_stages: int = 3  # vs 2: 0.15-0.5 us less per call, 7B / 32B (RESULTS.md session 11)
+    lora_down: int = 1
 
 
 _DEFAULT_CONFIG = DecodeAttentionConfig()
@@ -80,6 +83,8 @@ def set_default_config(config: DecodeAttentionConfig | None = None,
         raise ValueError(f"DecodeAttentionConfig.splits={config.splits}: None or >= 1")
     if config.balanced not in (0, 1):
         raise ValueError(f"DecodeAttentionConfig.balanced={config.balanced}: 0 or 1")
+    if config.lora_down not in (0, 1):
+        raise ValueError(f"DecodeAttentionConfig.lora_down={config.lora_down}: 0 or 1")
     _DEFAULT_CONFIG = config
     return previous
 
@@ -172,9 +177,15 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
     plgpu.store(l_ref.at[b, h, pl.ds(0, groups_pad), split], l, mask=row_mask)
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits: int, splits_pad: int):
+def _combine_kernel(o_ref, m_ref, l_ref, *refs, splits: int, splits_pad: int,
+                    groups: int = 1, with_down: bool = False):
     """out = sum_s w_s o_s / sum_s w_s l_s, w_s = exp(m_s - max_s m_s), for one query head
-    (b, kv head, g): all its splits in one load (no loop of dependent loads)."""
+    (b, kv head, g): all its splits in one load (no loop of dependent loads).
+
+    with_down: refs = (lora_a [KVH * G * D, r], out, down); also down[b, h, g, :] = the rounded
+    out row @ lora_a's rows of this query head (float32 sum of exact products): the head's
+    share of the o-projection's LoRA x @ A."""
+    lora_a_ref, out_ref, down_ref = refs if with_down else (None, refs[0], None)
     b, h, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     valid = lax.broadcasted_iota(jnp.int32, (splits_pad,), 0) < splits
     m = plgpu.load(m_ref.at[b, h, g, pl.ds(0, splits_pad)], mask=valid, other=_MASKED)
@@ -183,18 +194,35 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits: int, splits_pad: in
     weight = jnp.exp(m - jnp.max(m))
     total = jnp.sum(weight * l)
     total = jnp.where(total > 0, total, 1.0)  # no 0/0 (a row that read no slot)
-    out = jnp.sum(o * weight[:, None], axis=0) / total
-    plgpu.store(out_ref.at[b, h, g, :], out.astype(out_ref.dtype))
+    out = (jnp.sum(o * weight[:, None], axis=0) / total).astype(out_ref.dtype)
+    plgpu.store(out_ref.at[b, h, g, :], out)
+    if with_down:
+        head_dim = out.shape[0]
+        rows = pl.ds(pl.multiple_of((h * groups + g) * head_dim, head_dim), head_dim)
+        a = lora_a_ref[rows, :].astype(jnp.float32)
+        down = jnp.sum(out.astype(jnp.float32)[:, None] * a, axis=0)
+        plgpu.store(down_ref.at[b, h, g, :], down)
 
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      length: jax.Array, *, scale: float,
                      config: DecodeAttentionConfig | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, lora_a: jax.Array | None = None):
     """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None: the
-    default (set_default_config)."""
+    default (set_default_config).
+
+    lora_a [KVH * G * D, r] (the o-projection's LoRA A, rows in the order of the flattened
+    output): returns (out, down) instead, down [B, KVH, G, r] float32 = each query head's
+    output row (as returned, in q's dtype) times that head's D rows of lora_a, so that
+    down.sum((1, 2)) is out.reshape(B, -1) @ lora_a up to the order of the float32 sums. The
+    combine kernel computes it (no x @ A launch of its own); with one split (no combine) an
+    XLA product does."""
     config = config or _DEFAULT_CONFIG
     batch, kv_heads, groups, head_dim = q.shape
+    if lora_a is not None and (lora_a.ndim != 2 or
+                               lora_a.shape[0] != kv_heads * groups * head_dim):
+        raise ValueError(f"decode_attention: lora_a {lora_a.shape} must be [KVH * G * D = "
+                         f"{kv_heads * groups * head_dim}, r] for q {q.shape}")
     if keys.shape != values.shape or keys.ndim != 4 or keys.shape[0] != batch or \
             keys.shape[2] != kv_heads or keys.shape[3] != head_dim:
         raise ValueError(f"decode_attention: keys {keys.shape} / values {values.shape} must be "
@@ -214,13 +242,13 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
                              scale=float(scale), block_s=block_s, splits=splits,
                              blocks_per_split=blocks_per_split,
                              balanced=bool(config.balanced), num_warps=config.num_warps,
-                             num_stages=config.num_stages, interpret=interpret)
+                             num_stages=config.num_stages, interpret=interpret, lora_a=lora_a)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "blocks_per_split",
                                              "balanced", "num_warps", "num_stages", "interpret"))
 def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
-                      blocks_per_split, balanced, num_warps, num_stages, interpret):
+                      blocks_per_split, balanced, num_warps, num_stages, interpret, lora_a):
     batch, kv_heads, groups, head_dim = q.shape
     groups_pad = max(16, _next_pow2(groups))
     kernel = functools.partial(_kernel, groups=groups, groups_pad=groups_pad,
@@ -233,10 +261,11 @@ def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
         def single(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref):
             kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, None, None)
 
-        return pl.pallas_call(single, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                              grid=(batch, kv_heads, 1), interpret=interpret,
-                              compiler_params=params, name="decode_attention_single")(
+        out = pl.pallas_call(single, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                             grid=(batch, kv_heads, 1), interpret=interpret,
+                             compiler_params=params, name="decode_attention_single")(
             length, q, keys, values, mask.astype(jnp.int32))
+        return out if lora_a is None else (out, _heads_times_lora_a(out, lora_a))
     partial_shape = (batch, kv_heads, groups, splits)
     out_shape = (jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
@@ -245,12 +274,32 @@ def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
                              interpret=interpret, compiler_params=params,
                              name="decode_attention")(length, q, keys, values,
                                                       mask.astype(jnp.int32))
-    combine = functools.partial(_combine_kernel, splits=splits, splits_pad=_next_pow2(splits))
-    return pl.pallas_call(combine, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                          grid=(batch, kv_heads, groups), interpret=interpret,
-                          compiler_params=None if interpret else plgpu.CompilerParams(
-                              num_warps=2, num_stages=1),
-                          name="decode_attention_combine")(o, m, l)
+    rank = None if lora_a is None else lora_a.shape[1]
+    with_down = rank is not None and rank & (rank - 1) == 0  # Triton: power-of-two tiles
+    combine = functools.partial(_combine_kernel, splits=splits, splits_pad=_next_pow2(splits),
+                                groups=groups, with_down=with_down)
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if with_down:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((batch, kv_heads, groups,
+                                                      lora_a.shape[1]), jnp.float32))
+    result = pl.pallas_call(combine, out_shape=out_shape,
+                            grid=(batch, kv_heads, groups), interpret=interpret,
+                            compiler_params=None if interpret else plgpu.CompilerParams(
+                                num_warps=2, num_stages=1),
+                            name="decode_attention_combine" + ("_lora" if with_down else ""))(
+        o, m, l, *((lora_a.astype(q.dtype),) if with_down else ()))
+    if lora_a is not None and not with_down:
+        return result, _heads_times_lora_a(result, lora_a)
+    return result
+
+
+def _heads_times_lora_a(out, lora_a):
+    """[B, KVH, G, D] x lora_a [KVH * G * D, r] -> per-head products [B, KVH, G, r] float32
+    (XLA; lora_a rounded to out's dtype, then both in float32, where the products are exact)."""
+    batch, kv_heads, groups, head_dim = out.shape
+    a = lora_a.reshape(kv_heads, groups, head_dim, -1).astype(out.dtype)
+    return jnp.einsum("bkgd,kgdr->bkgr", out.astype(jnp.float32), a.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def decode_attention_reference(q, keys, values, mask, *, scale: float) -> jax.Array:

@@ -7,7 +7,11 @@ interpreted in CPU tests) replaces it for decode steps (T = 1 with a cache) whos
 supports; prefill and training keep the XLA path.
 
     fn(q [B, KVH, G, D], keys [B, S, KVH, D], values, mask [B, S] bool, length int32 scalar,
-       *, scale) -> [B, KVH, G, D] in q's dtype
+       *, scale[, lora_a]) -> [B, KVH, G, D] in q's dtype
+      lora_a [KVH * G * D, r] (the o-projection's LoRA A; passed only to a kernel registered
+      with lora_down=True): the kernel may return (out, down [B, KVH, G, r] float32), each
+      query head's output row times its rows of lora_a, whose sum over heads is the
+      o-projection's x @ A; or out alone, and the model computes x @ A itself
     supports(q, keys) -> None, or why not (then the XLA path runs; logged once)
 """
 
@@ -27,6 +31,7 @@ class DecodeAttentionKernel:
     name: str
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None] | None = None
+    lora_down: bool = False  # fn takes lora_a (see the module docstring)
 
 
 _KERNELS: dict[str, DecodeAttentionKernel] = {}

@@ -52,9 +52,12 @@ class Linear(nnx.Module):
             self.lora_a.get_value(), self.lora_b.get_value(), self.lora_scale)
         return self.weight.get_value(), bias, lora
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_down: jax.Array | None = None) -> jax.Array:
+        """x [..., in] -> [..., out]; lora_down: x @ lora_a [..., r] made elsewhere, or None
+        (qerl_jax.quant.linear_op.linear)."""
         weight, bias, lora = self.operands()
-        return linear(x, weight, bias, compute_dtype=self.compute_dtype, lora=lora)
+        return linear(x, weight, bias, compute_dtype=self.compute_dtype, lora=lora,
+                      lora_down=lora_down)
 
 
 def apply_linears(x: jax.Array, layers, stacked_lora_a: jax.Array | None = None

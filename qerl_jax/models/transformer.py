@@ -151,11 +151,19 @@ class Attention(nnx.Module):
         kernel = (decode_attention_kernel(q[:, 0], keys)
                   if cached_kv is not None and length == 1 else None)
         if kernel is not None:
-            # A decode step: the kernel reads only slots [0, cache_index] of the cache.
-            out = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
-                            scale=1.0 / math.sqrt(self.head_dim))
+            # A decode step: the kernel reads only slots [0, cache_index] of the cache. With an
+            # o-projection adapter, a kernel that can also returns each head's share of its
+            # x @ A (one small launch fewer per layer); summed over the heads here.
+            extra = {}
+            if kernel.lora_down and self.o_proj.lora_a is not None:
+                extra["lora_a"] = self.o_proj.lora_a.get_value().astype(self.compute_dtype)
+            result = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
+                               scale=1.0 / math.sqrt(self.head_dim), **extra)
+            out, down = result if isinstance(result, tuple) else (result, None)
             out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
-            return self.o_proj(out), new_kv
+            if down is not None:  # [B, KVH, G, r] float32 -> x @ A [B, 1, r], rounded once
+                down = down.sum(axis=(1, 2)).astype(self.compute_dtype)[:, None, :]
+            return self.o_proj(out, lora_down=down), new_kv
         scale = 1.0 / math.sqrt(self.head_dim)
         attend = functools.partial(_attend, keys=keys, values=values, scale=scale,
                                    compute_dtype=self.compute_dtype)

@@ -641,12 +641,16 @@ def enable_decode_attention(platform: str | None = None, *, interpret: bool = Fa
     if platform not in KERNEL_PLATFORMS and not interpret:
         return False
 
-    def run(q, keys, values, mask, length, *, scale):
+    def run(q, keys, values, mask, length, *, scale, lora_a=None):
+        if lora_a is not None and not decode_attention_kernels.default_config().lora_down:
+            lora_a = None  # the caller then computes x @ A itself
         return decode_attention_kernels.decode_attention(q, keys, values, mask, length,
-                                                         scale=scale, interpret=interpret)
+                                                         scale=scale, interpret=interpret,
+                                                         lora_a=lora_a)
 
     attention_dispatch.register_decode_attention(platform, attention_dispatch.DecodeAttentionKernel(
-        name="pallas_decode_attention", fn=run, supports=_decode_attention_supports))
+        name="pallas_decode_attention", fn=run, supports=_decode_attention_supports,
+        lora_down=True))
     logger.info("registered the Pallas decode attention for %s (interpret=%s)", platform,
                 interpret)
     return True

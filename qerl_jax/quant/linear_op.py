@@ -393,10 +393,11 @@ def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp
 
 
 def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
-                       platform: str | None,
-                       lora: LoRAProduct | None) -> tuple[jax.Array, bool]:
+                       platform: str | None, lora: LoRAProduct | None,
+                       lora_down: jax.Array | None = None) -> tuple[jax.Array, bool]:
     """quantized_matmul, plus `lora`'s product where the selected kernel has a LoRA epilogue:
-    ([..., N] float32, whether the LoRA product was added here; if not, the caller adds it)."""
+    ([..., N] float32, whether the LoRA product was added here; if not, the caller adds it).
+    lora_down: x @ A [M, r] made elsewhere (linear's argument), else computed here."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features but the {weight.format} "
@@ -413,7 +414,8 @@ def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
     forward = _xla_forward if kernel is None else kernel.fn
     backward = _xla_backward if kernel is None or kernel.grad_fn is None else kernel.grad_fn
     if lora is not None and kernel is not None and kernel.lora_fn is not None:
-        down = _lora_down(x2d, lora, compute_dtype, out_dtype=compute_dtype)
+        down = (_lora_down(x2d, lora, compute_dtype, out_dtype=compute_dtype)
+                if lora_down is None else lora_down.astype(compute_dtype))
         y = _quantized_matmul_lora(x2d, down, lora.b.astype(compute_dtype), weight,
                                    jnp.dtype(compute_dtype), float(lora.scale), kernel.lora_fn,
                                    backward)
@@ -457,7 +459,8 @@ narrow_matmul.defvjp(_narrow_matmul_fwd, _narrow_matmul_bwd)
 
 
 def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
-           compute_dtype=jnp.bfloat16, lora: LoRAProduct | None = None) -> jax.Array:
+           compute_dtype=jnp.bfloat16, lora: LoRAProduct | None = None,
+           lora_down: jax.Array | None = None) -> jax.Array:
     """Applies a (possibly quantized) linear layer, with an optional unmerged LoRA adapter.
 
     y = x @ W + b, then y + scale * (x @ A) @ B (float32 sum, one rounding to compute_dtype).
@@ -471,6 +474,10 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
       compute_dtype: dtype of the matmul inputs and of the result; accumulation is float32
         (a narrower dense weight goes through narrow_matmul: backward in that dtype).
       lora: optional LoRAProduct (a [in, r], b [r, out], scale).
+      lora_down: optional x @ a [..., r] computed elsewhere (the decode attention's combine
+        kernel computes the o-projection's: qerl_jax.models.transformer), used instead of
+        computing it here; only with `lora`. Gradients reach a and x only through however it
+        was computed (the decode step takes none).
     Returns:
       [..., out] in compute_dtype.
     """
@@ -478,9 +485,15 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
         _check_lora_shapes(lora, x.shape[-1],
                            weight.shape[0] if isinstance(weight, QuantizedWeight)
                            else weight.shape[-1])
+    if lora_down is not None:
+        rank = lora.a.shape[1] if lora is not None else None
+        if lora is None or lora_down.shape != (*x.shape[:-1], rank):
+            raise ValueError(f"linear: lora_down {lora_down.shape} needs a LoRA adapter and the "
+                             f"shape [*x.shape[:-1], r] = {(*x.shape[:-1], rank)}")
+        lora_down = lora_down.reshape(-1, rank)
     lora_applied = False
     if isinstance(weight, QuantizedWeight):
-        y, lora_applied = _quantized_product(x, weight, compute_dtype, None, lora)
+        y, lora_applied = _quantized_product(x, weight, compute_dtype, None, lora, lora_down)
     else:
         x = x.astype(compute_dtype)
         weight = weight.astype(compute_dtype)
@@ -490,7 +503,8 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
         y = y + bias.astype(jnp.float32)
     y = y.astype(compute_dtype)
     if lora is not None and not lora_applied:
-        down = _lora_down(x.reshape(-1, x.shape[-1]), lora, compute_dtype)
+        down = (_lora_down(x.reshape(-1, x.shape[-1]), lora, compute_dtype)
+                if lora_down is None else lora_down)
         up = jnp.dot(down.astype(compute_dtype), lora.b.astype(compute_dtype),
                      preferred_element_type=jnp.float32)
         y = (y.astype(jnp.float32) + lora.scale * up.reshape(y.shape)).astype(compute_dtype)

@@ -62,6 +62,33 @@ def test_matches_reference(slots, length, groups, block_s, splits, balanced):
     assert err <= TOLERANCE, f"seed={seed} relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("splits,rank", [(4, 16), (1, 16), (4, 24)])
+def test_lora_down_of_the_output_rows(splits, rank):
+    """lora_a: the per-head products returned with the output (by the combine kernel with
+    splits and a power-of-two rank, by XLA otherwise) equal float64 products of the returned
+    bf16 rows: their sum over heads is the o-projection's x @ A (float32 sums, tolerance
+    2^-20 relative to the largest |x @ A| contribution), and the output is unchanged."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng, q, k, v = _problem(seed, 3, 96, 2, 3, 32)
+    mask = jnp.asarray(rng.random((3, 96)) < 0.9)
+    lora_a = jnp.asarray(rng.standard_normal((2 * 3 * 32, rank)), jnp.bfloat16)
+    config = DecodeAttentionConfig(block_s=16, splits=splits)
+    plain = decode_attention(q, k, v, mask, 70, scale=0.2, config=config, interpret=True)
+    out, down = decode_attention(q, k, v, mask, 70, scale=0.2, config=config, interpret=True,
+                                 lora_a=lora_a)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+    assert down.shape == (3, 2, 3, rank) and down.dtype == jnp.float32
+    rows = np.asarray(out, np.float64).reshape(3, 6, 32)
+    a = np.asarray(lora_a, np.float64).reshape(6, 32, rank)
+    exact = np.einsum("bhd,hdr->bhr", rows, a)
+    scale = np.abs(rows).max() * np.abs(a).max() * 32
+    np.testing.assert_allclose(np.asarray(down, np.float64).reshape(3, 6, rank), exact,
+                               rtol=0, atol=2.0 ** -20 * scale, err_msg=f"seed={seed}")
+    with pytest.raises(ValueError, match="lora_a"):
+        decode_attention(q, k, v, mask, 70, scale=0.2, interpret=True,
+                         lora_a=jnp.zeros((5, rank), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("balanced", [1, 0])
 def test_slots_past_length_are_not_read(balanced):
     """NaN keys/values beyond `length` do not reach the output (those slots are never loaded)."""

@@ -238,6 +238,22 @@ def test_fallbacks_take_the_xla_path_and_say_why(interpret_kernels, caplog):
                                   np.asarray(linear(x, quantized, compute_dtype=jnp.float32)))
 
 
+def test_fused_lora_epilogue_takes_a_given_lora_down(interpret_kernels):
+    """linear(..., lora_down=x @ A) on a kernel-layout NVFP4 weight at decode M (the fused
+    kernel's LoRA epilogue) gives linear(...)'s output bit for bit when the given x @ A is the
+    one linear computes (bf16 dot, float32 accumulation)."""
+    from qerl_jax.quant.linear_op import LoRAProduct
+    rng = np.random.default_rng(secrets.randbits(32))
+    prepared = to_kernel_layout(_weight("nvfp4", rng))
+    x = jnp.asarray(rng.standard_normal((5, K)), jnp.bfloat16)
+    lora = LoRAProduct(jnp.asarray(rng.standard_normal((K, 16)) * 0.1, jnp.float32),
+                       jnp.asarray(rng.standard_normal((16, N)) * 0.1, jnp.float32), 2.0)
+    down = jnp.dot(x, lora.a.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(linear(x, prepared, lora=lora, lora_down=down), np.float32),
+        np.asarray(linear(x, prepared, lora=lora), np.float32))
+
+
 def _tiny_quantized_model(format_name, compute_dtype="bfloat16", layers=2):
     from qerl_jax.models.config import preset
     from qerl_jax.models.transformer import init_model
@@ -572,6 +588,60 @@ def test_decode_steps_with_the_decode_attention_kernel():
         assert np.isfinite(np.asarray(got)).all()
         assert diff.max() <= 2.0 ** -4 * scale and diff.mean() <= 2.0 ** -8 * scale, (step,
                                                                                       diff.max())
+
+
+@pytest.mark.parametrize("rank", [16, 12])
+def test_decode_attention_computes_the_o_projection_lora_down(rank):
+    """With an o-projection adapter, the decode attention's combine kernel returns each head's
+    share of x @ A (rank 16; rank 12 is not a Triton tile: XLA makes the shares) and the layer
+    uses their sum: every decode step's logits equal, within 2^-6 of their scale, those of the
+    same kernel with the option off (the model's own x @ A), which the test above checks against
+    the XLA attention; the option's combine kernel is in the decode program."""
+    from pallas_kernels import decode_attention as decode_attention_kernels
+    from qerl_jax.lora import LoRAConfig, add_lora
+    from qerl_jax.models.config import preset
+    from qerl_jax.models.kv_cache import init_kv_cache
+    from qerl_jax.models.transformer import decode_step, init_model, prefill
+    model = init_model(preset("tiny_qwen2", compute_dtype="bfloat16", param_dtype="bfloat16",
+                              num_hidden_layers=2), seed=7)
+    add_lora(model, LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=("o_proj",)),
+             jax.random.key(3))
+    rng = np.random.default_rng(secrets.randbits(32))
+    for layer in model.layers:  # B = 0 at init: make the adapters count
+        o_proj = layer.self_attn.o_proj
+        o_proj.lora_b.set_value(jnp.asarray(
+            0.5 * rng.standard_normal(o_proj.lora_b.get_value().shape), jnp.float32))
+    tokens = jnp.asarray(rng.integers(0, 128, (3, 6)), jnp.int32)
+    mask = jnp.asarray([[1] * 6, [0, 0, 1, 1, 1, 1], [1] * 6], jnp.bool_)
+
+    def run():
+        cache = init_kv_cache(model.config, 3, 40)
+        logits, cache = prefill(model, tokens, mask, cache)
+        steps = []
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        for _ in range(3):
+            logits, cache = decode_step(model, token, cache)
+            steps.append(logits)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return steps
+
+    previous = decode_attention_kernels.default_config()
+    try:
+        assert kernel_dispatch.enable_decode_attention("cpu", interpret=True)
+        decode_attention_kernels.set_default_config(previous, block_s=16, splits=3, lora_down=0)
+        own = run()
+        decode_attention_kernels.set_default_config(previous, block_s=16, splits=3, lora_down=1)
+        shared = run()
+        cache = init_kv_cache(model.config, 3, 40)
+        jaxpr = str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
+        assert ("decode_attention_combine_lora" in jaxpr) == (rank == 16)
+    finally:
+        decode_attention_kernels.set_default_config(previous)
+        kernel_dispatch.disable_decode_attention("cpu")
+    for step, (got, want) in enumerate(zip(shared, own)):
+        scale = float(np.abs(np.asarray(want)).max())
+        assert np.isfinite(np.asarray(got)).all()
+        assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 2.0 ** -6 * scale, step
 
 
 def _while_body_concatenates(jaxpr) -> list[tuple[int, ...]]:

@@ -230,7 +230,16 @@ def test_linear_lora_matches_float64_and_names_bad_shapes():
                    compute_dtype=jnp.float32, lora=lora)
         expected = x @ matrix + bias + 0.5 * (x @ a) @ b
         np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
+        # x @ A made elsewhere (the decode attention's combine kernel): the same result
+        down = jnp.asarray(x @ a, jnp.float32)
+        given = linear(jnp.asarray(x, jnp.float32), weight, jnp.asarray(bias, jnp.float32),
+                       compute_dtype=jnp.float32, lora=lora, lora_down=down)
+        np.testing.assert_allclose(np.asarray(given), expected, rtol=1e-5, atol=1e-5)
     bad = LoRAProduct(jnp.zeros((32, 4)), jnp.zeros((5, 48)), 1.0)
     with pytest.raises(ValueError, match=r"LoRA A \(32, 4\) and B \(5, 48\)"):
         linear(jnp.asarray(x, jnp.float32), jnp.asarray(dense, jnp.float32), lora=bad,
                compute_dtype=jnp.float32)
+    for wrong in (dict(lora=None, lora_down=down), dict(lora=lora, lora_down=down[:, :2])):
+        with pytest.raises(ValueError, match="lora_down"):
+            linear(jnp.asarray(x, jnp.float32), jnp.asarray(dense, jnp.float32),
+                   compute_dtype=jnp.float32, **wrong)
