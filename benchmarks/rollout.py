@@ -171,9 +171,8 @@ def worker_main(args) -> None:
             # The same program generate_from_states runs (prompt already at its bucket length),
             # compiled ahead of time so compilation is timed apart from generation.
             if args.compilation_cache:
-                row["compilation_cache"] = (
-                    f"warm ({cache_entries(args.compilation_cache)} files)"
-                    if cache_entries(args.compilation_cache) else "cold")
+                entries = cache_entries(args.compilation_cache)
+                row["compilation_cache"] = f"warm ({entries} files)" if entries else "cold"
                 enable_compilation_cache(args.compilation_cache)
             compiled = sampling._generate_program.lower(
                 graphdef, states, tokens, mask, run_key, config=config,

@@ -8,8 +8,8 @@ supports; prefill and training keep the XLA path.
 
     fn(q [B, KVH, G, D], keys [B, S, KVH, D], values, mask [B, S] bool, length int32 scalar,
        *, scale[, lora_a]) -> [B, KVH, G, D] in q's dtype
-      lora_a [KVH * G * D, r] (the o-projection's LoRA A; passed only to a kernel registered
-      with lora_down=True): the kernel may return (out, down [B, KVH, G, r] float32), each
+      lora_a [KVH * G * D, r] (the o-projection's LoRA A as stored, which the kernel rounds to
+      q's dtype; passed only to a kernel registered with lora_down=True): the kernel may return (out, down [B, KVH, G, r] float32), each
       query head's output row times its rows of lora_a, whose sum over heads is the
       o-projection's x @ A; or out alone, and the model computes x @ A itself
     supports(q, keys) -> None, or why not (then the XLA path runs; logged once)

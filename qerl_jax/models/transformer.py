@@ -155,8 +155,8 @@ class Attention(nnx.Module):
             # o-projection adapter, a kernel that can also returns each head's share of its
             # x @ A (one small launch fewer per layer); summed over the heads here.
             extra = {}
-            if kernel.lora_down and self.o_proj.lora_a is not None:
-                extra["lora_a"] = self.o_proj.lora_a.get_value().astype(self.compute_dtype)
+            if kernel.lora_down and self.o_proj.lora_a is not None:  # rounded to q's dtype there
+                extra["lora_a"] = self.o_proj.lora_a.get_value()
             result = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
                                scale=1.0 / math.sqrt(self.head_dim), **extra)
             out, down = result if isinstance(result, tuple) else (result, None)
