@@ -492,7 +492,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     split: int, weight_as_lhs: bool, group_dots: bool = False,
                     clamp_rows: bool = False, lora_scale: float | None = None,
                     down_column: int = 0, swiglu_n: int | None = None,
-                    pair_view: tuple[int, int] | None = None):
+                    pair_view: tuple[int, int] | None = None, tile_major: bool = False):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
     [down_column, down_column + r) with r = lora_b_ref's rows.
@@ -503,7 +503,11 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     [pid_n * bn / 2, + bn / 2) of the [M, swiglu_n] output.
 
     pair_view: W is one half of such a pair, read in place (PackedWeight.pair_view; bn must
-    divide its half_block)."""
+    divide its half_block).
+
+    tile_major (experimental, benchmarks/decode_cost_probe.py): codes are [N_pad / bn * k_tiles
+    * bn, tile_k / 2] and scales [N_pad / bn * k_tiles * bn, 2 * g], tile (pid_n, kt) in rows
+    [(pid_n * k_tiles + kt) * bn, + bn): each program's K tiles are contiguous in memory."""
     half = tile_k // 2
     g = half // spec.scale_block
     pid_m, pid_n, pid_s = program_ids
@@ -543,9 +547,15 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
 
     def load_tile(kt):
         """Codes, the two planes' scales and activations of K tile kt (loads only)."""
-        c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
-        s_lo = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g, g)]
-        s_hi = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g + g, g)]
+        if tile_major:
+            row = pl.multiple_of((pid_n * k_tiles + kt) * bn, bn)
+            c = codes_ref[pl.ds(row, bn), pl.ds(0, half)]
+            s_lo = scales_ref[pl.ds(row, bn), pl.ds(0, g)]
+            s_hi = scales_ref[pl.ds(row, bn), pl.ds(g, g)]
+        else:
+            c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
+            s_lo = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g, g)]
+            s_hi = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g + g, g)]
         xs = tuple(load_x(pl.multiple_of(kt * tile_k + p * half, half), half)
                    for p in range(2))
         return c, s_lo, s_hi, xs
