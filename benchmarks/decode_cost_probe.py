@@ -195,6 +195,7 @@ def main(argv=None):
                             for c, s in arrays])
                         call_args = (x, arrays, down, lora_b)
                     else:
+                        cfg = config
                         fn = jax.jit(lambda x, ws, down, lora_b: [
                             bw.blockwise_matmul(x, w, spec=spec, config=config, lora_down=down,
                                                 lora_b=lora_b, lora_scale=2.0) for w in ws])
@@ -206,7 +207,7 @@ def main(argv=None):
                 finally:
                     e2m1_decode._ASM_PAIRED_LO, e2m1_decode._ASM_PAIRED_HI = original
                 rows.append({"shape": name, "n": n, "k": k, "rank": rank, "variant": variant,
-                             "config": kernel_profile._short(config), "copies": count,
+                             "config": kernel_profile._short(cfg), "copies": count,
                              "kernel_us": kernel_us, "call_us": call_us,
                              "TB_s": nbytes / call_us / 1e6,
                              "max_rel_err": error if variant in EXACT else None})
