@@ -16,6 +16,17 @@ Kernel layout (made once by `to_plane_layout`, undone losslessly by `from_plane_
 N_pad is a multiple of `n_multiple` (128), K_pad a multiple of tile_k; activations and outputs are
 never padded in HBM: the kernels mask the edges.
 
+Tile-major storage (`tile_major` / `row_major`, applied by the formats' repacks after the plane
+layout): codes and scales keep their [N_pad, C] shapes, but each block of TILE_ROWS (64) rows
+stores its K tiles one after another, [K tiles, 64 rows, tile columns], instead of row by row.
+A kernel's [bn <= 64, tile_k/2] code tile is then one contiguous 8 KB piece of memory (and its
+scales one 1 KB piece), and one program's consecutive K tiles are adjacent, where row-major
+storage makes a tile of bn 128-byte pieces K/2 bytes apart: the fused kernel ran 7-10% faster
+on the 7B and 32B decode shapes (H100, benchmarks/decode_cost_probe.py, RESULTS.md session 16).
+The kernels view an array as [N_pad * K tiles, tile columns] (a free reshape) and read tile kt of
+rows [w0, w0 + bn) at row `tile_row(w0, kt, k_tiles)`. Every 64-row block holds only its own rows,
+so gate/up pairs (interleave_rows, 32-row blocks) go through `row_major` and back.
+
 Kernels (all f32 accumulation):
   matmul       y[M, N] = x[M, K] @ W^T. Grid (M tiles, N tiles, split-K). `weight_as_lhs` computes
                y^T = W @ x^T so the decoded weights are the dot's left operand (registers) and the
@@ -108,6 +119,67 @@ def pad_scales(scales: jax.Array, *, n_pad: int, k_pad: int, block: int) -> jax.
     return jnp.pad(scales, ((0, n_pad - n), (0, k_pad // block - nb)))
 
 
+TILE_ROWS = 64
+_TILE_SHIFT = TILE_ROWS.bit_length() - 1
+
+
+def tile_major(array: jax.Array, tile_cols: int) -> jax.Array:
+    """Row-major kernel-layout array [R, C] (R a multiple of TILE_ROWS, C of tile_cols) -> the
+    same shape stored tile-major: block b of TILE_ROWS rows holds [C / tile_cols, TILE_ROWS,
+    tile_cols], its K tiles one after another (module docstring)."""
+    rows, cols = array.shape
+    if rows % TILE_ROWS or cols % tile_cols:
+        raise ValueError(f"tile_major: [{rows}, {cols}] needs rows a multiple of {TILE_ROWS} "
+                         f"and columns a multiple of {tile_cols}")
+    blocks = array.reshape(rows // TILE_ROWS, TILE_ROWS, cols // tile_cols, tile_cols)
+    return blocks.transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+def row_major(array: jax.Array, tile_cols: int) -> jax.Array:
+    """Inverse of tile_major: the row-major [R, C] array."""
+    rows, cols = array.shape
+    if rows % TILE_ROWS or cols % tile_cols:
+        raise ValueError(f"row_major: [{rows}, {cols}] needs rows a multiple of {TILE_ROWS} "
+                         f"and columns a multiple of {tile_cols}")
+    blocks = array.reshape(rows // TILE_ROWS, cols // tile_cols, TILE_ROWS, tile_cols)
+    return blocks.transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+def tile_row(w0, kt, k_tiles: int):
+    """Row of K tile kt of rows [w0, w0 + bn) in the [R * K tiles, tile columns] view of a
+    tile-major array (w0 a multiple of bn <= TILE_ROWS). Shifts and masks, as in pair_row."""
+    return ((w0 >> _TILE_SHIFT) * k_tiles + kt) * TILE_ROWS + (w0 & (TILE_ROWS - 1))
+
+
+def tile_major_arrays(codes: jax.Array, scales: jax.Array, tile_k: int):
+    """Row-major plane-layout codes [R, K_pad/2] and scales [R, K_pad/B] -> both tile-major
+    (what a PackedWeight holds)."""
+    code_cols, scale_cols = tile_columns(codes.shape[1], scales.shape[1], tile_k)
+    return tile_major(codes, code_cols), tile_major(scales, scale_cols)
+
+
+def row_major_arrays(codes: jax.Array, scales: jax.Array, tile_k: int):
+    """Inverse of tile_major_arrays: (row-major codes, row-major scales)."""
+    code_cols, scale_cols = tile_columns(codes.shape[1], scales.shape[1], tile_k)
+    return row_major(codes, code_cols), row_major(scales, scale_cols)
+
+
+def tile_columns(packed_codes_cols: int, scales_cols: int, tile_k: int) -> tuple[int, int]:
+    """(code, scale) columns per K tile of kernel-layout arrays with these widths."""
+    k_tiles = 2 * packed_codes_cols // tile_k
+    if k_tiles < 1 or scales_cols % k_tiles:
+        raise ValueError(f"kernel layout: {packed_codes_cols} code bytes and {scales_cols} "
+                         f"scales per row do not make whole K tiles of {tile_k}")
+    return tile_k // 2, scales_cols // k_tiles
+
+
+def tile_views(packed: "PackedWeight", spec: "FormatSpec") -> tuple[jax.Array, jax.Array]:
+    """(codes, scales) of a packed weight as the kernels read them: [rows * K tiles, tile_k/2]
+    and [rows * K tiles, 2 g] (free reshapes of the tile-major arrays)."""
+    return (packed.codes.reshape(-1, packed.tile_k // 2),
+            packed.scales.reshape(-1, packed.tile_k // spec.scale_block))
+
+
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["codes", "scales", "tensor_scale"],
                    meta_fields=["fmt", "n", "k", "tile_k", "pair_view"])
@@ -115,7 +187,8 @@ def pad_scales(scales: jax.Array, *, n_pad: int, k_pad: int, block: int) -> jax.
 class PackedWeight:
     """A 4-bit weight W [n, k] in kernel layout (see module docstring).
 
-    codes uint8 [N_pad, K_pad/2]; scales [N_pad, K_pad/B] (format's scale dtype);
+    codes uint8 [N_pad, K_pad/2]; scales [N_pad, K_pad/B] (format's scale dtype), both stored
+    tile-major (tile_major; the formats' repacks make them);
     tensor_scale float32 [1] (w = decoded / tensor_scale); fmt in {"nvfp4", "mxfp4", "nf4"};
     n, k logical; tile_k the K tile.
 
@@ -268,7 +341,8 @@ class DecodeTuning:
       min_tiles_per_split: the fewest K tiles a split-K program keeps (from the decode-shape
       sweep: RESULTS.md, "Fused-kernel tiling at rollout M"). no_split_programs: N tiles
       alone at or above this many programs: no split.
-    block_n, num_warps, num_stages, weight_as_lhs (None: per format, see
+    block_n (a power of two from 16 to TILE_ROWS = 64: a row tile lies in one block of the
+      tile-major layout), num_warps, num_stages, weight_as_lhs (None: per format, see
       default_matmul_config), decoder (None: the format's GPU default): as in MatmulConfig.
     """
     target_programs: int = 640
@@ -300,8 +374,9 @@ def set_decode_tuning(tuning: DecodeTuning | None = None, **fields) -> DecodeTun
         tuning = DecodeTuning() if not fields else dataclasses.replace(previous, **fields)
     elif fields:
         tuning = dataclasses.replace(tuning, **fields)
-    if tuning.block_n < 16 or tuning.block_n & (tuning.block_n - 1):
-        raise ValueError(f"DecodeTuning.block_n={tuning.block_n}: a power of two >= 16")
+    if tuning.block_n < 16 or tuning.block_n > TILE_ROWS or tuning.block_n & (tuning.block_n - 1):
+        raise ValueError(f"DecodeTuning.block_n={tuning.block_n}: a power of two from 16 to "
+                         f"{TILE_ROWS} (the kernel layout's row blocks)")
     if tuning.max_split < 1 or tuning.min_tiles_per_split < 1:
         raise ValueError(f"DecodeTuning {tuning}: max_split and min_tiles_per_split must be "
                          ">= 1")
@@ -492,7 +567,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     split: int, weight_as_lhs: bool, group_dots: bool = False,
                     clamp_rows: bool = False, lora_scale: float | None = None,
                     down_column: int = 0, swiglu_n: int | None = None,
-                    pair_view: tuple[int, int] | None = None, tile_major: bool = False):
+                    pair_view: tuple[int, int] | None = None):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
     [down_column, down_column + r) with r = lora_b_ref's rows.
@@ -503,11 +578,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     [pid_n * bn / 2, + bn / 2) of the [M, swiglu_n] output.
 
     pair_view: W is one half of such a pair, read in place (PackedWeight.pair_view; bn must
-    divide its half_block).
-
-    tile_major (experimental, benchmarks/decode_cost_probe.py): codes are [N_pad / bn * k_tiles
-    * bn, tile_k / 2] and scales [N_pad / bn * k_tiles * bn, 2 * g], tile (pid_n, kt) in rows
-    [(pid_n * k_tiles + kt) * bn, + bn): each program's K tiles are contiguous in memory."""
+    divide its half_block)."""
     half = tile_k // 2
     g = half // spec.scale_block
     pid_m, pid_n, pid_s = program_ids
@@ -531,14 +602,15 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     def group_body(t, acc):
         # One dot per scale block: codes of block gi of both planes share bytes [gi*B, gi*B+B).
         kt = pid_s * tiles_per_split + t
+        row = pl.multiple_of(tile_row(w0, kt, k_tiles), bn)
         blk = spec.scale_block
         for gi in range(g):
-            c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half + gi * blk, blk), blk)]
+            c = codes_ref[pl.ds(row, bn), pl.ds(gi * blk, blk)]
             values = spec.decode_values(c, aux_refs, decoder)
             for p in range(2):
                 c0 = pl.multiple_of(kt * tile_k + p * half + gi * blk, blk)
                 xg = load_x(c0, blk).astype(jnp.bfloat16)
-                sg = spec.scale_values(scales_ref[pl.ds(w0, bn), kt * 2 * g + p * g + gi])
+                sg = spec.scale_values(scales_ref[pl.ds(row, bn), p * g + gi])
                 if weight_as_lhs:
                     acc = acc + _dot_nt(values[p], xg) * sg[:, None]
                 else:
@@ -547,15 +619,10 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
 
     def load_tile(kt):
         """Codes, the two planes' scales and activations of K tile kt (loads only)."""
-        if tile_major:
-            row = pl.multiple_of((pid_n * k_tiles + kt) * bn, bn)
-            c = codes_ref[pl.ds(row, bn), pl.ds(0, half)]
-            s_lo = scales_ref[pl.ds(row, bn), pl.ds(0, g)]
-            s_hi = scales_ref[pl.ds(row, bn), pl.ds(g, g)]
-        else:
-            c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
-            s_lo = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g, g)]
-            s_hi = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g + g, g)]
+        row = pl.multiple_of(tile_row(w0, kt, k_tiles), bn)
+        c = codes_ref[pl.ds(row, bn), pl.ds(0, half)]
+        s_lo = scales_ref[pl.ds(row, bn), pl.ds(0, g)]
+        s_hi = scales_ref[pl.ds(row, bn), pl.ds(g, g)]
         xs = tuple(load_x(pl.multiple_of(kt * tile_k + p * half, half), half)
                    for p in range(2))
         return c, s_lo, s_hi, xs
@@ -647,6 +714,13 @@ def interleave_rows(a: jax.Array, b: jax.Array, half_block: int) -> jax.Array:
     return jnp.stack(blocks, axis=1).reshape(2 * rows, width)
 
 
+def interleave_tile_major(a: jax.Array, b: jax.Array, half_block: int,
+                          tile_cols: int) -> jax.Array:
+    """interleave_rows of two tile-major arrays (through row_major; the result tile-major)."""
+    return tile_major(interleave_rows(row_major(a, tile_cols), row_major(b, tile_cols),
+                                      half_block), tile_cols)
+
+
 def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) -> PackedWeight:
     """One packed weight [2 N_pad, K] from a SwiGLU MLP's gate and up [N, K] (same format, shape
     and layout): rows in blocks of half_block, gate block j then up block j, so that a launch
@@ -662,8 +736,10 @@ def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) ->
     n_pad = gate.codes.shape[0]
     if n_pad % half_block:
         raise ValueError(f"interleave_gate_up: half_block {half_block} must divide N_pad {n_pad}")
-    return PackedWeight(codes=interleave_rows(gate.codes, up.codes, half_block),
-                        scales=interleave_rows(gate.scales, up.scales, half_block),
+    code_cols, scale_cols = tile_columns(gate.codes.shape[1], gate.scales.shape[1], gate.tile_k)
+    return PackedWeight(codes=interleave_tile_major(gate.codes, up.codes, half_block, code_cols),
+                        scales=interleave_tile_major(gate.scales, up.scales, half_block,
+                                                     scale_cols),
                         tensor_scale=jnp.concatenate([gate.tensor_scale.reshape(1),
                                                       up.tensor_scale.reshape(1)]),
                         fmt=gate.fmt, n=2 * n_pad, k=gate.k, tile_k=gate.tile_k)
@@ -761,6 +837,7 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
     if packed.n % bn or bm < 16 or bn < 32:
         raise ValueError(f"fused SwiGLU: config {config} does not tile the interleaved pair "
                          f"[{packed.n}, {packed.k}]")
+    _check_row_tile(packed, bn)
     has_lora = lora_down is not None
     extra = ()
     if has_lora:
@@ -778,7 +855,7 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     y = _launch(kernel, jax.ShapeDtypeStruct((m, out_n), jnp.bfloat16),
                 (_cdiv(m, bm), packed.n // bn, 1),
-                (x2, packed.codes, packed.scales,
+                (x2, *tile_views(packed, spec),
                  *(jnp.asarray(t, jnp.float32) for t in tensor_scales), *extra, *aux),
                 interpret=interpret, poison_output=poison_output,
                 compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
@@ -788,7 +865,8 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
 
 def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec,
                        decoder: str, m: int, n: int, k: int, bm: int, bn: int, tile_k: int,
-                       n_steps: int, poisoned: bool, pair_view: tuple[int, int] | None = None):
+                       n_steps: int, k_tiles: int, poisoned: bool,
+                       pair_view: tuple[int, int] | None = None):
     out_ref = rest[-1]
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
     half = tile_k // 2
@@ -801,9 +879,10 @@ def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: Forma
         acc_lo, acc_hi = carry
         n0 = pl.multiple_of(i * bn, bn)
         w0 = pl.multiple_of(pair_row(n0, pair_view), bn)
-        c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
-        s_lo = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g, g)]
-        s_hi = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g + g, g)]
+        row = pl.multiple_of(tile_row(w0, kt, k_tiles), bn)
+        c = codes_ref[pl.ds(row, bn), pl.ds(0, half)]
+        s_lo = scales_ref[pl.ds(row, bn), pl.ds(0, g)]
+        s_hi = scales_ref[pl.ds(row, bn), pl.ds(g, g)]
         mask = _edge_masks(r0, bm, m, n0, bn, n, ragged_m, ragged_n)
         dy = _load(dy_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], mask).astype(jnp.bfloat16)
         w_lo, w_hi = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.bfloat16)
@@ -821,7 +900,7 @@ def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: Forma
 
 def _dequantize_kernel(codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, decoder: str,
                        n: int, k: int, bn: int, tile_k: int, tiles_per_program: int,
-                       poisoned: bool, pair_view: tuple[int, int] | None = None):
+                       k_tiles: int, poisoned: bool, pair_view: tuple[int, int] | None = None):
     out_ref = rest[-1]
     aux_refs = rest[:len(rest) - 1 - int(poisoned)]
     half = tile_k // 2
@@ -832,9 +911,10 @@ def _dequantize_kernel(codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec, d
     factor = (2.0 ** spec.epilogue_exponent(decoder)) / ts_ref[0]
     for j in range(tiles_per_program):
         kt = pid_k * tiles_per_program + j
-        c = codes_ref[pl.ds(w0, bn), pl.ds(pl.multiple_of(kt * half, half), half)]
-        s_lo = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g, g)]
-        s_hi = scales_ref[pl.ds(w0, bn), pl.ds(kt * 2 * g + g, g)]
+        row = pl.multiple_of(tile_row(w0, kt, k_tiles), bn)
+        c = codes_ref[pl.ds(row, bn), pl.ds(0, half)]
+        s_lo = scales_ref[pl.ds(row, bn), pl.ds(0, g)]
+        s_hi = scales_ref[pl.ds(row, bn), pl.ds(g, g)]
         planes = spec.decode(c, s_lo, s_hi, aux_refs, decoder, jnp.float32)
         for p, w in enumerate(planes):
             c0 = kt * tile_k + p * half
@@ -882,7 +962,11 @@ def _check_packed(packed: PackedWeight, spec: FormatSpec):
 
 
 def _check_row_tile(packed: PackedWeight, bn: int) -> None:
-    """A pair view is read in row tiles within one half_block: bn must divide it."""
+    """A row tile lies in one TILE_ROWS block of the tile-major arrays (bn divides 64), and a
+    pair view is read in row tiles within one half_block: bn must divide it."""
+    if TILE_ROWS % bn:
+        raise ValueError(f"block_n={bn} must divide the kernel layout's {TILE_ROWS}-row blocks "
+                         f"(a power of two <= {TILE_ROWS})")
     if packed.max_block_n is not None and packed.max_block_n % bn:
         raise ValueError(f"block_n={bn} must divide the pair view's half_block "
                          f"{packed.max_block_n}")
@@ -994,7 +1078,7 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
     # Tiles of N past the logical n hold only padding: not launched (their unmasked stores would
     # land outside the [m, n] output when n is a multiple of bn but n_pad > n).
     y = _launch(kernel, out_shape, (_cdiv(m, bm), _cdiv(packed.n, bn), split),
-                (x2, packed.codes, packed.scales, packed.tensor_scale,
+                (x2, *tile_views(packed, spec), packed.tensor_scale,
                  *((down2, lora_b) if has_lora else ()), *aux),
                 interpret=interpret, poison_output=poison_output,
                 compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
@@ -1124,7 +1208,8 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
         n_tiles = _cdiv(p.n, bn)
         members.append((p.n, offset, n_tiles))
         offset += n_tiles
-        inputs += [p.codes, p.scales, p.tensor_scale]
+        _check_row_tile(p, bn)
+        inputs += [*tile_views(p, spec), p.tensor_scale]
         if has_lora:
             if bs[i].shape[1] != p.n:
                 raise ValueError(f"grouped matmul: lora_bs[{i}] {lora_bs[i].shape} must be "
@@ -1183,12 +1268,13 @@ def blockwise_matmul_transposed(dy: jax.Array, packed: PackedWeight, *, spec: Fo
     poisoned = bool(poison_output)
     kernel = functools.partial(
         _transposed_kernel, spec=spec, decoder=decoder, m=m, n=n, k=packed.k, bm=bm, bn=bn,
-        tile_k=packed.tile_k, n_steps=_cdiv(n, bn), poisoned=poisoned,
+        tile_k=packed.tile_k, n_steps=_cdiv(n, bn), k_tiles=2 * half_k // packed.tile_k,
+        poisoned=poisoned,
         pair_view=packed.pair_view)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     dx = _launch(kernel, jax.ShapeDtypeStruct((m, packed.k), jnp.bfloat16),
                  (_cdiv(m, bm), 2 * half_k // packed.tile_k),
-                 (dy2, packed.codes, packed.scales, packed.tensor_scale, *aux),
+                 (dy2, *tile_views(packed, spec), packed.tensor_scale, *aux),
                  interpret=interpret, poison_output=poison_output,
                  compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
                  name=f"{spec.name}_matmul_transposed")
@@ -1211,12 +1297,12 @@ def blockwise_dequantize(packed: PackedWeight, *, spec: FormatSpec,
     decoder = spec.interpret_decoder
     kernel = functools.partial(
         _dequantize_kernel, spec=spec, decoder=decoder, n=packed.n, k=packed.k, bn=bn,
-        tile_k=packed.tile_k, tiles_per_program=tpp, poisoned=poisoned,
+        tile_k=packed.tile_k, tiles_per_program=tpp, k_tiles=k_tiles, poisoned=poisoned,
         pair_view=packed.pair_view)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     return _launch(kernel, jax.ShapeDtypeStruct((packed.n, packed.k), jnp.bfloat16),
                    (_cdiv(packed.n, bn), k_tiles // tpp),
-                   (packed.codes, packed.scales, packed.tensor_scale, *aux),
+                   (*tile_views(packed, spec), packed.tensor_scale, *aux),
                    interpret=interpret, poison_output=poison_output,
                    compiler_params=_compiler_params(interpret, config.num_warps,
                                                     config.num_stages),

@@ -79,15 +79,17 @@ def repack_mxfp4(codes: jax.Array, block_scales: jax.Array, *,
     planes = bw.to_plane_layout(codes, k=k, tile_k=tile_k, low_nibble_first=True)
     scales = bw.pad_scales(block_scales, n_pad=n_pad, k_pad=k_pad, block=SCALE_BLOCK)
     ts = jnp.ones((1,), jnp.float32)
+    planes, scales = bw.tile_major_arrays(planes, scales, tile_k)
     return bw.PackedWeight(codes=planes, scales=scales, tensor_scale=ts, fmt="mxfp4", n=n, k=k,
                            tile_k=tile_k)
 
 
 def unpack_mxfp4(packed: bw.PackedWeight):
     """Kernel layout -> (codes uint8 [N, K/2], block_scales uint8 [N, K/32])."""
-    codes = bw.from_plane_layout(packed.codes, n=packed.n, k=packed.k, tile_k=packed.tile_k,
+    planes, kernel_scales = bw.row_major_arrays(packed.codes, packed.scales, packed.tile_k)
+    codes = bw.from_plane_layout(planes, n=packed.n, k=packed.k, tile_k=packed.tile_k,
                                  low_nibble_first=True)
-    scales = packed.scales[:packed.n, :packed.k // SCALE_BLOCK]
+    scales = kernel_scales[:packed.n, :packed.k // SCALE_BLOCK]
     return codes, scales
 
 

@@ -115,15 +115,17 @@ def repack_nf4(codes: jax.Array, absmax: jax.Array, *, tile_k: int = 256) -> bw.
     n_pad, k_pad = bw.padded_sizes(n, k, tile_k)
     planes = bw.to_plane_layout(codes, k=k, tile_k=tile_k, low_nibble_first=False)
     scales = bw.pad_scales(absmax, n_pad=n_pad, k_pad=k_pad, block=SCALE_BLOCK)
+    planes, scales = bw.tile_major_arrays(planes, scales, tile_k)
     return bw.PackedWeight(codes=planes, scales=scales, tensor_scale=jnp.ones((1,), jnp.float32),
                            fmt="nf4", n=n, k=k, tile_k=tile_k)
 
 
 def unpack_nf4(packed: bw.PackedWeight):
     """Kernel layout -> (codes uint8 [N, K/2] high-nibble-first, absmax float32 [N, K/64])."""
-    codes = bw.from_plane_layout(packed.codes, n=packed.n, k=packed.k, tile_k=packed.tile_k,
+    planes, kernel_scales = bw.row_major_arrays(packed.codes, packed.scales, packed.tile_k)
+    codes = bw.from_plane_layout(planes, n=packed.n, k=packed.k, tile_k=packed.tile_k,
                                  low_nibble_first=False)
-    return codes, packed.scales[:packed.n, :packed.k // SCALE_BLOCK]
+    return codes, kernel_scales[:packed.n, :packed.k // SCALE_BLOCK]
 
 
 def nf4_dequantize_reference(codes, absmax) -> jax.Array:

@@ -189,15 +189,17 @@ def repack_nvfp4(codes: jax.Array, block_scales: jax.Array, tensor_scale: jax.Ar
     planes = bw.to_plane_layout(codes, k=k, tile_k=tile_k, low_nibble_first=True)
     scales = kernel_layout_scales(block_scales, n_pad=n_pad, k_pad=k_pad)
     ts = jnp.asarray(tensor_scale, jnp.float32).reshape(1)
+    planes, scales = bw.tile_major_arrays(planes, scales, tile_k)
     return bw.PackedWeight(codes=planes, scales=scales, tensor_scale=ts, fmt="nvfp4", n=n, k=k,
                            tile_k=tile_k)
 
 
 def unpack_nvfp4(packed: bw.PackedWeight):
     """Kernel layout -> (codes uint8 [N, K/2], block_scales f8 [N, K/16], tensor_scale f32 [])."""
-    codes = bw.from_plane_layout(packed.codes, n=packed.n, k=packed.k, tile_k=packed.tile_k,
+    planes, kernel_scales = bw.row_major_arrays(packed.codes, packed.scales, packed.tile_k)
+    codes = bw.from_plane_layout(planes, n=packed.n, k=packed.k, tile_k=packed.tile_k,
                                  low_nibble_first=True)
-    scales = checkpoint_scales(packed.scales[:packed.n, :packed.k // SCALE_BLOCK])
+    scales = checkpoint_scales(kernel_scales[:packed.n, :packed.k // SCALE_BLOCK])
     return codes, scales, packed.tensor_scale[0]
 
 

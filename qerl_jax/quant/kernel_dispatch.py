@@ -82,7 +82,8 @@ class KernelLayoutWeight(QuantizedWeight):
 
     Pytree children (frozen arrays): kernel_codes uint8 [N_pad, K_pad/2] (nibble planes),
     kernel_scales [N_pad, K_pad/B] (the format's scale dtype; NVFP4: canonical uint8 scale
-    codes, pallas_kernels/nvfp4_matmul.py; NF4: float32 absmax),
+    codes, pallas_kernels/nvfp4_matmul.py; NF4: float32 absmax), both stored tile-major
+    (pallas_kernels.blockwise_matmul.tile_major),
     checkpoint_tensor_scale (the QuantizedWeight's tensor_scale, or None),
     nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None).
     Static: format, shape (logical N, K), dtype, tile_k, pair_view.
@@ -164,8 +165,14 @@ class KernelLayoutWeight(QuantizedWeight):
         """The kernels' divisor [1] (NVFP4's tensor scale, else 1), as packed() holds it."""
         return self.packed().tensor_scale
 
+    def _row_major(self) -> tuple[jax.Array, jax.Array]:
+        """(codes, scales) of the kernel layout stored row by row (the arrays are tile-major,
+        pallas_kernels.blockwise_matmul.tile_major)."""
+        return bw.row_major_arrays(self.kernel_codes, self.kernel_scales, self.tile_k)
+
     def _own_rows(self, array: jax.Array) -> jax.Array:
-        """This weight's rows [N_pad, ...] of a kernel-layout array (a copy for a pair view)."""
+        """This weight's rows [N_pad, ...] of a row-major kernel-layout array (a copy for a pair
+        view)."""
         if self.pair_view is None:
             return array
         half_block, half = self.pair_view
@@ -177,7 +184,7 @@ class KernelLayoutWeight(QuantizedWeight):
     @property
     def codes(self):
         n, k = self.shape
-        return bw.from_plane_layout(self._own_rows(self.kernel_codes), n=n, k=k,
+        return bw.from_plane_layout(self._own_rows(self._row_major()[0]), n=n, k=k,
                                     tile_k=self.tile_k,
                                     low_nibble_first=_LOW_NIBBLE_FIRST[self.format])
 
@@ -186,7 +193,7 @@ class KernelLayoutWeight(QuantizedWeight):
         if self.nf4_scale_codes is not None:
             return self.nf4_scale_codes
         n, k = self.shape
-        scales = self._own_rows(self.kernel_scales)[:n, :k // self.spec.scale_block]
+        scales = self._own_rows(self._row_major()[1])[:n, :k // self.spec.scale_block]
         return nvfp4_matmul.checkpoint_scales(scales) if self.format == "nvfp4" else scales
 
     @property
@@ -241,6 +248,7 @@ def _repack_arrays(weight: QuantizedWeight, tile_k: int) -> KernelLayoutWeight:
         else:
             absmax = weight.block_scales
         scales = bw.pad_scales(absmax, n_pad=n_pad, k_pad=k_pad, block=block)
+    codes, scales = bw.tile_major_arrays(codes, scales, tile_k)
     return KernelLayoutWeight(kernel_codes=codes, kernel_scales=scales,
                               checkpoint_tensor_scale=weight.tensor_scale,
                               nf4_scale_codes=scale_codes, nf4_double_quant_scales=run_absmax,
@@ -334,10 +342,11 @@ def pair_refusal(gate, up, half_block: int = PAIR_HALF_BLOCK) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("half_block",))
-def _interleaved_pair(gate_codes, up_codes, gate_scales, up_scales, *, half_block):
-    return (bw.interleave_rows(gate_codes, up_codes, half_block),
-            bw.interleave_rows(gate_scales, up_scales, half_block))
+@functools.partial(jax.jit, static_argnames=("half_block", "tile_k"))
+def _interleaved_pair(gate_codes, up_codes, gate_scales, up_scales, *, half_block, tile_k):
+    code_cols, scale_cols = bw.tile_columns(gate_codes.shape[1], gate_scales.shape[1], tile_k)
+    return (bw.interleave_tile_major(gate_codes, up_codes, half_block, code_cols),
+            bw.interleave_tile_major(gate_scales, up_scales, half_block, scale_cols))
 
 
 def pair_gate_up(gate: KernelLayoutWeight, up: KernelLayoutWeight, *,
@@ -352,7 +361,8 @@ def pair_gate_up(gate: KernelLayoutWeight, up: KernelLayoutWeight, *,
     if refusal is not None:
         raise ValueError(f"pair_gate_up: {refusal}")
     codes, scales = _interleaved_pair(gate.kernel_codes, up.kernel_codes, gate.kernel_scales,
-                                      up.kernel_scales, half_block=half_block)
+                                      up.kernel_scales, half_block=half_block,
+                                      tile_k=gate.tile_k)
     return tuple(KernelLayoutWeight(
         kernel_codes=codes, kernel_scales=scales,
         checkpoint_tensor_scale=weight.checkpoint_tensor_scale,

@@ -194,11 +194,11 @@ def test_decode_tuning_drives_the_default_config():
 
     gate = packed(18944, 3584)
     before = bw.default_matmul_config(8, gate)
-    previous = bw.set_decode_tuning(**bw.parse_tuning("block_n=128,num_warps=8,weight_as_lhs=true"))
+    previous = bw.set_decode_tuning(**bw.parse_tuning("block_n=32,num_warps=8,weight_as_lhs=true"))
     try:
         tuned = bw.default_matmul_config(8, gate)
-        assert (tuned.block_n, tuned.num_warps, tuned.weight_as_lhs) == (128, 8, True)
-        assert tuned.split_k == 3  # 148 N tiles < 264: ceil(640 / 148) = 5, capped at 14 // 4
+        assert (tuned.block_n, tuned.num_warps, tuned.weight_as_lhs) == (32, 8, True)
+        assert tuned.split_k == 1  # 592 N tiles >= 264: no split
         assert bw.default_matmul_config(32, gate).num_warps == 4  # only decode M is tuned
     finally:
         bw.set_decode_tuning(previous)
@@ -208,6 +208,13 @@ def test_decode_tuning_drives_the_default_config():
         bw.parse_tuning("block_size=3")
     with pytest.raises(ValueError, match="power of two"):
         bw.set_decode_tuning(block_n=48)
+    with pytest.raises(ValueError, match="row blocks"):  # row tiles lie in one 64-row block
+        bw.set_decode_tuning(block_n=128)
+    previous = bw.set_decode_tuning(num_warps=2)
+    try:  # target_programs splits narrow weights: 7B down, 56 N tiles of 64
+        assert bw.default_matmul_config(8, packed(3584, 18944)).split_k == 8
+    finally:
+        bw.set_decode_tuning(previous)
     assert bw.decode_tuning() == previous
 
 
@@ -479,3 +486,24 @@ def test_old_layout_scales_are_refused():
         scales, n_pad=packed.codes.shape[0], k_pad=64, block=16))
     with pytest.raises(ValueError, match="uint8"):
         nv.nvfp4_matmul(jnp.zeros((2, 64), jnp.bfloat16), stale, interpret=True)
+
+
+def test_tile_major_layout_round_trip_and_contiguous_tiles():
+    """tile_major keeps the [R, C] shape, row_major undoes it, and K tile kt of rows
+    [w0, w0 + bn) is the contiguous row range tile_row(w0, kt, k_tiles) + [0, bn) of the
+    [R * K tiles, tile columns] view (what the kernels read)."""
+    rng = np.random.default_rng(0)
+    rows, tile_cols, k_tiles = 3 * bw.TILE_ROWS, 8, 5
+    a = jnp.asarray(rng.integers(0, 256, (rows, tile_cols * k_tiles)), jnp.uint8)
+    tiled = bw.tile_major(a, tile_cols)
+    assert tiled.shape == a.shape
+    np.testing.assert_array_equal(bw.row_major(tiled, tile_cols), a)
+    view = np.asarray(tiled).reshape(-1, tile_cols)
+    for bn in (16, 32, 64):
+        for w0 in range(0, rows, bn):
+            for kt in range(k_tiles):
+                r = int(bw.tile_row(jnp.int32(w0), kt, k_tiles))
+                np.testing.assert_array_equal(
+                    view[r:r + bn], np.asarray(a)[w0:w0 + bn, kt * tile_cols:(kt + 1) * tile_cols])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        bw.tile_major(a[:100], tile_cols)
