@@ -412,7 +412,7 @@ DECODE_ATTENTION_ENV = "QERL_DECODE_ATTENTION"
 
 
 def apply_decode_tuning_from_env() -> str:
-    """Applies $QERL_DECODE_TUNING ('block_n=128,num_warps=8': DecodeTuning fields of
+    """Applies $QERL_DECODE_TUNING ('block_n=32,num_warps=8': DecodeTuning fields of
     pallas_kernels.blockwise_matmul) and $QERL_DECODE_ATTENTION ('splits=1': the
     DecodeAttentionConfig fields of pallas_kernels.decode_attention) before a benchmark builds
     its programs, so one job list can try kernel settings in the model (they reach worker

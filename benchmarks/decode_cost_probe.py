@@ -16,7 +16,7 @@ call streams its weights from HBM):
 
 Session 16 call a: "floor" and "shift3" ran at asmq's time on every 7B and 32B shape, so the
 decode's instructions do not limit the kernel. Call b then ran the same kernel on tile-major
-copies of the codes and scales (each program's K tiles contiguous in memory): 7-10% faster on
+copies of the codes and scales (each program's K tiles contiguous in memory): 7-9% faster on
 the large shapes, and that storage became the kernel layout (blockwise_matmul.tile_major).
 
     python benchmarks/decode_cost_probe.py --model 32b --out $OUT

@@ -1,7 +1,7 @@
 """Device time of the fused 4-bit matmul at decode M, from a profiler trace (not wall clock).
 
 For each layer shape, format, K tile and decode tuning (pallas_kernels.blockwise_matmul
-.DecodeTuning fields, e.g. "block_n=128,num_warps=8"), one jitted program applies the kernel
+.DecodeTuning fields, e.g. "block_n=32,num_warps=8"), one jitted program applies the kernel
 (with an unmerged rank-r LoRA in its epilogue, as in the model's rollout) to R distinct copies
 of the weight, R large enough that the copies overflow the L2 cache twice over, so every call
 streams its weight from HBM as it does in a decode step. The program runs under jax.profiler
@@ -14,7 +14,7 @@ Why a trace: session 4's wall-clock microbenchmark (kernels.py --launch-sweep) t
 gate/up call at 135 us against 24 us in the decode-step profile, and its ranking did not hold
 in the model. Kernel durations in a trace are what the decode-step profile reports too.
 
-    python benchmarks/kernel_profile.py --model 7b --tunings "base;num_warps=8;block_n=128" \
+    python benchmarks/kernel_profile.py --model 7b --tunings "base;num_warps=8;block_n=32" \
         --out $OUT
     python benchmarks/kernel_profile.py --smoke --out /tmp/kernel_profile    # CPU, interpret
 """
