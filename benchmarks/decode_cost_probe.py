@@ -128,7 +128,6 @@ def main(argv=None):
                 asms = VARIANTS[variant] or original
                 e2m1_decode._ASM_PAIRED_LO, e2m1_decode._ASM_PAIRED_HI = asms
                 try:
-                    cfg = config
                     fn = jax.jit(lambda x, ws, down, lora_b: [
                         bw.blockwise_matmul(x, w, spec=spec, config=config, lora_down=down,
                                             lora_b=lora_b, lora_scale=2.0) for w in ws])
@@ -140,7 +139,7 @@ def main(argv=None):
                 finally:
                     e2m1_decode._ASM_PAIRED_LO, e2m1_decode._ASM_PAIRED_HI = original
                 rows.append({"shape": name, "n": n, "k": k, "rank": rank, "variant": variant,
-                             "config": kernel_profile._short(cfg), "copies": count,
+                             "config": kernel_profile._short(config), "copies": count,
                              "kernel_us": kernel_us, "call_us": call_us,
                              "TB_s": nbytes / call_us / 1e6,
                              "max_rel_err": error if variant in EXACT else None})

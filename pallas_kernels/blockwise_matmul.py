@@ -123,26 +123,28 @@ TILE_ROWS = 64
 _TILE_SHIFT = TILE_ROWS.bit_length() - 1
 
 
+def _swap_tile_axes(array: jax.Array, tile_cols: int, *, to_tiles: bool, name: str):
+    """[R, C] viewed as [R/64, 64, C/tile_cols, tile_cols] (to_tiles) or [R/64, C/tile_cols,
+    64, tile_cols] with its two middle axes swapped, back in the [R, C] shape."""
+    rows, cols = array.shape
+    if rows % TILE_ROWS or cols % tile_cols:
+        raise ValueError(f"{name}: [{rows}, {cols}] needs rows a multiple of {TILE_ROWS} "
+                         f"and columns a multiple of {tile_cols}")
+    middle = (TILE_ROWS, cols // tile_cols) if to_tiles else (cols // tile_cols, TILE_ROWS)
+    blocks = array.reshape(rows // TILE_ROWS, *middle, tile_cols)
+    return blocks.transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
 def tile_major(array: jax.Array, tile_cols: int) -> jax.Array:
     """Row-major kernel-layout array [R, C] (R a multiple of TILE_ROWS, C of tile_cols) -> the
     same shape stored tile-major: block b of TILE_ROWS rows holds [C / tile_cols, TILE_ROWS,
     tile_cols], its K tiles one after another (module docstring)."""
-    rows, cols = array.shape
-    if rows % TILE_ROWS or cols % tile_cols:
-        raise ValueError(f"tile_major: [{rows}, {cols}] needs rows a multiple of {TILE_ROWS} "
-                         f"and columns a multiple of {tile_cols}")
-    blocks = array.reshape(rows // TILE_ROWS, TILE_ROWS, cols // tile_cols, tile_cols)
-    return blocks.transpose(0, 2, 1, 3).reshape(rows, cols)
+    return _swap_tile_axes(array, tile_cols, to_tiles=True, name="tile_major")
 
 
 def row_major(array: jax.Array, tile_cols: int) -> jax.Array:
     """Inverse of tile_major: the row-major [R, C] array."""
-    rows, cols = array.shape
-    if rows % TILE_ROWS or cols % tile_cols:
-        raise ValueError(f"row_major: [{rows}, {cols}] needs rows a multiple of {TILE_ROWS} "
-                         f"and columns a multiple of {tile_cols}")
-    blocks = array.reshape(rows // TILE_ROWS, cols // tile_cols, TILE_ROWS, tile_cols)
-    return blocks.transpose(0, 2, 1, 3).reshape(rows, cols)
+    return _swap_tile_axes(array, tile_cols, to_tiles=False, name="row_major")
 
 
 def tile_row(w0, kt, k_tiles: int):

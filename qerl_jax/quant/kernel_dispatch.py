@@ -165,10 +165,14 @@ class KernelLayoutWeight(QuantizedWeight):
         """The kernels' divisor [1] (NVFP4's tensor scale, else 1), as packed() holds it."""
         return self.packed().tensor_scale
 
-    def _row_major(self) -> tuple[jax.Array, jax.Array]:
-        """(codes, scales) of the kernel layout stored row by row (the arrays are tile-major,
-        pallas_kernels.blockwise_matmul.tile_major)."""
-        return bw.row_major_arrays(self.kernel_codes, self.kernel_scales, self.tile_k)
+    def _row_major(self, scales: bool) -> jax.Array:
+        """kernel_codes (scales False) or kernel_scales stored row by row (both are stored
+        tile-major, pallas_kernels.blockwise_matmul.tile_major); only that one is converted."""
+        code_cols, scale_cols = bw.tile_columns(self.kernel_codes.shape[1],
+                                                self.kernel_scales.shape[1], self.tile_k)
+        if scales:
+            return bw.row_major(self.kernel_scales, scale_cols)
+        return bw.row_major(self.kernel_codes, code_cols)
 
     def _own_rows(self, array: jax.Array) -> jax.Array:
         """This weight's rows [N_pad, ...] of a row-major kernel-layout array (a copy for a pair
@@ -184,7 +188,7 @@ class KernelLayoutWeight(QuantizedWeight):
     @property
     def codes(self):
         n, k = self.shape
-        return bw.from_plane_layout(self._own_rows(self._row_major()[0]), n=n, k=k,
+        return bw.from_plane_layout(self._own_rows(self._row_major(scales=False)), n=n, k=k,
                                     tile_k=self.tile_k,
                                     low_nibble_first=_LOW_NIBBLE_FIRST[self.format])
 
@@ -193,7 +197,7 @@ class KernelLayoutWeight(QuantizedWeight):
         if self.nf4_scale_codes is not None:
             return self.nf4_scale_codes
         n, k = self.shape
-        scales = self._own_rows(self._row_major()[1])[:n, :k // self.spec.scale_block]
+        scales = self._own_rows(self._row_major(scales=True))[:n, :k // self.spec.scale_block]
         return nvfp4_matmul.checkpoint_scales(scales) if self.format == "nvfp4" else scales
 
     @property
