@@ -407,7 +407,8 @@ def check_gate_up_pairs(fmt, key, interpret, record):
     """Gate and up interleaved into one pair (the model's MLP layout after enable_kernels):
     each half read in place as a pair view by the fused kernel (M = 5, 16), the dequantize path
     (M = 300) and the transposed kernel (M = 5), and the fused SwiGLU launch (M = 1, 5, 16, 64;
-    LoRA r32 with a block-diagonal B), against the jnp references of gate and up."""
+    LoRA r32 with a block-diagonal B; also its next_lora_a product, the down projection's
+    x @ A), against the jnp references of gate and up."""
     spec = SPECS[fmt]
     n, k = (80, 448) if interpret else (1000, 1616)
     k = k // spec.scale_block * spec.scale_block
@@ -450,6 +451,15 @@ def check_gate_up_pairs(fmt, key, interpret, record):
                    poison_output=True, lora_down=down, lora_ranks=(rank, rank), lora_b=pair_b,
                    lora_scale=2.0),
                gate / (1.0 + np.exp(-gate)) * up, factor=2.0)
+        a_next = 0.05 * jax.random.normal(jax.random.fold_in(ka, 1000 + m), (n, rank),
+                                          jnp.bfloat16)
+        record(f"{fmt} fused SwiGLU's next LoRA x @ A M={m} N={n} K={k} r{rank}",
+               lambda: bw.blockwise_matmul_swiglu(
+                   x, pair, spec=spec, out_n=n, half_block=32, interpret=interpret,
+                   poison_output=True, lora_down=down, lora_ranks=(rank, rank), lora_b=pair_b,
+                   lora_scale=2.0, next_lora_a=a_next)[1],
+               (gate / (1.0 + np.exp(-gate)) * up) @ np.asarray(a_next, np.float64),
+               factor=2.0)
     return key
 
 

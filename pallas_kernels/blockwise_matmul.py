@@ -346,6 +346,9 @@ class DecodeTuning:
     block_n (a power of two from 16 to TILE_ROWS = 64: a row tile lies in one block of the
       tile-major layout), num_warps, num_stages, weight_as_lhs (None: per format, see
       default_matmul_config), decoder (None: the format's GPU default): as in MatmulConfig.
+    swiglu_next_lora: the fused SwiGLU launch also computes the down projection's LoRA
+      x @ A from its output tiles (blockwise_matmul_swiglu's next_lora_a), so the model runs
+      no separate x @ A product for it; False: the model computes it (comparisons).
     """
     target_programs: int = 640
     min_tiles_per_split: int = 4
@@ -356,6 +359,7 @@ class DecodeTuning:
     num_stages: int = 3
     weight_as_lhs: bool | None = None
     decoder: str | None = None
+    swiglu_next_lora: bool = True
 
 
 _DECODE_TUNING = DecodeTuning()
@@ -402,6 +406,10 @@ def parse_tuning(text: str) -> dict:
             fields[name] = None if value.lower() == "none" else value.lower() == "true"
         elif name == "decoder":
             fields[name] = None if value.lower() == "none" else value
+        elif name == "swiglu_next_lora":
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"decode tuning {item!r}: true or false")
+            fields[name] = value.lower() in ("true", "1")
         else:
             fields[name] = int(value)
     return fields
@@ -569,7 +577,8 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     split: int, weight_as_lhs: bool, group_dots: bool = False,
                     clamp_rows: bool = False, lora_scale: float | None = None,
                     down_column: int = 0, swiglu_n: int | None = None,
-                    pair_view: tuple[int, int] | None = None):
+                    pair_view: tuple[int, int] | None = None, next_a_ref=None,
+                    shares_ref=None):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
     [down_column, down_column + r) with r = lora_b_ref's rows.
@@ -580,7 +589,11 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     [pid_n * bn / 2, + bn / 2) of the [M, swiglu_n] output.
 
     pair_view: W is one half of such a pair, read in place (PackedWeight.pair_view; bn must
-    divide its half_block)."""
+    divide its half_block).
+
+    next_a_ref / shares_ref (swiglu_n only): the next layer's LoRA A [swiglu_n, r'] and the
+    [N tiles, M, r'] float32 output of this tile's share of (SwiGLU output) @ A
+    (_swiglu_epilogue)."""
     half = tile_k // 2
     g = half // spec.scale_block
     pid_m, pid_n, pid_s = program_ids
@@ -652,7 +665,8 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     if swiglu_n is not None:
         _swiglu_epilogue(y * (2.0 ** exponent), ts_ref, down_ref, lora_b_ref, out_ref,
                          lora_scale=lora_scale, down_column=down_column, r0=r0, n0=n0, m=m,
-                         n=n, bm=bm, bn=bn, pid_n=pid_n, out_n=swiglu_n)
+                         n=n, bm=bm, bn=bn, pid_n=pid_n, out_n=swiglu_n,
+                         next_a_ref=next_a_ref, shares_ref=shares_ref)
         return
     y = y * ((2.0 ** exponent) / ts_ref[0])
     if lora_scale is not None:
@@ -674,17 +688,35 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
         _store(out_ref.at[pid_s, pl.ds(r0, bm), pl.ds(n0, bn)], y, mask)
 
 
-def _swiglu_matmul_kernel(x_ref, codes_ref, scales_ref, ts_gate_ref, ts_up_ref, *rest, **static):
+def _swiglu_matmul_kernel(x_ref, codes_ref, scales_ref, ts_gate_ref, ts_up_ref, *rest,
+                          poisoned: bool, lora_scale: float | None = None,
+                          with_shares: bool = False, **static):
     """The matmul kernel over an interleaved gate/up pair with the SwiGLU epilogue: refs (x,
-    codes, scales, gate's tensor scale [1], up's [1][, down, lora_b], *aux[, poison], out)."""
-    _matmul_kernel(x_ref, codes_ref, scales_ref, (ts_gate_ref, ts_up_ref), *rest, **static)
+    codes, scales, gate's tensor scale [1], up's [1][, down, lora_b][, next_a], *aux[, one
+    poison per output], out[, shares])."""
+    outputs = 2 if with_shares else 1
+    out_refs, rest = rest[len(rest) - outputs:], rest[:len(rest) - outputs]
+    if poisoned:
+        rest = rest[:len(rest) - outputs]
+    down_ref = lora_b_ref = next_a_ref = None
+    if lora_scale is not None:  # LoRA epilogue inputs: down = x @ A [M, r], B [r, N]
+        down_ref, lora_b_ref, *rest = rest
+    if with_shares:
+        next_a_ref, *rest = rest
+    _matmul_program(x_ref, codes_ref, scales_ref, (ts_gate_ref, ts_up_ref), down_ref,
+                    lora_b_ref, tuple(rest), out_refs[0],
+                    (pl.program_id(0), pl.program_id(1), pl.program_id(2)),
+                    lora_scale=lora_scale, next_a_ref=next_a_ref,
+                    shares_ref=out_refs[1] if with_shares else None, **static)
 
 
 def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, down_column, r0,
-                     n0, m, n, bm, bn, pid_n, out_n):
+                     n0, m, n, bm, bn, pid_n, out_n, next_a_ref=None, shares_ref=None):
     """silu(gate) * up of an interleaved gate/up tile y [bm, bn] (gate columns first; not yet
     divided by the tensor scales), the LoRA term (block-diagonal B, interleave_lora_b) added to
-    each half; stored as bf16 to out [M, out_n] columns [pid_n * bn / 2, + bn / 2)."""
+    each half; stored as bf16 to out [M, out_n] columns [pid_n * bn / 2, + bn / 2). With
+    shares_ref: also that bf16 tile times next_a_ref's rows of those columns, float32 [bm, r'],
+    to shares_ref[pid_n] (the shares sum to out @ A_next)."""
     if lora_scale is not None:
         rank = lora_b_ref.shape[0]
         down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
@@ -701,9 +733,19 @@ def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, do
     out = gate / (1.0 + jnp.exp(-gate)) * up
     half = bn // 2
     c0 = pl.multiple_of(pid_n * half, half)
-    _store(out_ref.at[pl.ds(r0, bm), pl.ds(c0, half)], out.astype(out_ref.dtype),
+    out = out.astype(out_ref.dtype)
+    _store(out_ref.at[pl.ds(r0, bm), pl.ds(c0, half)], out,
            _edge_masks(r0, bm, m, c0, half, out_n, m % bm != 0,
                        n // 2 > out_n or out_n % half != 0))
+    if shares_ref is not None:
+        # this tile's share of (SwiGLU output) @ A_next: the rounded output columns [c0, +half)
+        # times A_next's rows [c0, +half) (rows past out_n read as 0), float32
+        rank = next_a_ref.shape[1]
+        a_next = _load(next_a_ref.at[pl.ds(c0, half), pl.ds(0, rank)],
+                       _edge_masks(c0, half, out_n, 0, rank, rank, out_n % half != 0, False))
+        share = _dot_nn(out.astype(jnp.bfloat16), a_next.astype(jnp.bfloat16))
+        _store(shares_ref.at[pid_n, pl.ds(r0, bm), pl.ds(0, rank)], share,
+               _edge_masks(r0, bm, m, 0, rank, rank, m % bm != 0, False))
 
 
 def interleave_rows(a: jax.Array, b: jax.Array, half_block: int) -> jax.Array:
@@ -781,8 +823,8 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
                             lora_ranks: tuple[int, int] | None = None,
                             lora_b: jax.Array | None = None,
                             lora_scale: float = 0.0,
-                            tensor_scales: tuple[jax.Array, jax.Array] | None = None
-                            ) -> jax.Array:
+                            tensor_scales: tuple[jax.Array, jax.Array] | None = None,
+                            next_lora_a: jax.Array | None = None):
     """silu(x @ Wg^T + lg) * (x @ Wu^T + lu), bf16 [..., out_n], from an interleave_gate_up
     weight (made with `half_block`) in ONE single-weight launch (one dot per K step over
     block_n = 2 * half_block rows: half_block of gate and of up) whose epilogue splits the tile
@@ -794,6 +836,12 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     loop then builds no [2] array at every step. The model's decode MLP
     (qerl_jax.quant.kernel_dispatch, gate/up pairs); benchmarks/swiglu_profile.py times it
     against the grouped launch.
+
+    next_lora_a: the next layer's LoRA A [out_n, r] (the MLP's down projection reads this
+    output): then returns (y, y @ next_lora_a float32 [..., r]), the product of the bf16
+    output with A (float32 sums), from float32 shares [N tiles, M, r'] that each program
+    writes for its output columns, summed over the tiles by XLA. The down projection's own
+    x @ A product (a split-K gemm and its reduction per layer) is then not needed.
     """
     if gate_up.pair_view is not None:
         raise ValueError("fused SwiGLU: pass the interleaved pair itself, not a view of it")
@@ -820,16 +868,20 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     if len(tensor_scales) != 2 or any(jnp.shape(t) != (1,) for t in tensor_scales):
         raise ValueError(f"fused SwiGLU: tensor_scales must be two [1] arrays, got "
                          f"{[jnp.shape(t) for t in tensor_scales]}")
+    if next_lora_a is not None and (next_lora_a.ndim != 2 or next_lora_a.shape[0] != out_n):
+        raise ValueError(f"fused SwiGLU: next_lora_a {next_lora_a.shape} must be [out_n = "
+                         f"{out_n}, r]")
     return _blockwise_matmul_swiglu(x, gate_up, tuple(tensor_scales), spec=spec, out_n=out_n,
                                     config=config, interpret=interpret,
                                     poison_output=poison_output, lora_down=lora_down,
-                                    lora_b=lora_b, lora_scale=float(lora_scale))
+                                    lora_b=lora_b, lora_scale=float(lora_scale),
+                                    next_lora_a=next_lora_a)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "out_n", "config", "interpret",
                                              "poison_output", "lora_scale"))
 def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, interpret,
-                             poison_output, lora_down, lora_b, lora_scale):
+                             poison_output, lora_down, lora_b, lora_scale, next_lora_a):
     _check_packed(packed, spec)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -847,22 +899,37 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
             raise ValueError(f"fused SwiGLU: lora_down {lora_down.shape} and lora_b "
                              f"{lora_b.shape} must be [..., R] and [R, {packed.n}]")
         extra = (lora_down.reshape(m, -1).astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
+    out_shape = jax.ShapeDtypeStruct((m, out_n), jnp.bfloat16)
+    with_shares = next_lora_a is not None
+    if with_shares:
+        next_rank = next_lora_a.shape[1]
+        next_a = next_lora_a.astype(jnp.bfloat16)
+        if _kernel_rank(next_rank) != next_rank:
+            next_a = jnp.pad(next_a, ((0, 0), (0, _kernel_rank(next_rank) - next_rank)))
+        extra = (*extra, next_a)
+        out_shape = (out_shape, jax.ShapeDtypeStruct((packed.n // bn, m, next_a.shape[1]),
+                                                     jnp.float32))
     kernel = functools.partial(
         _swiglu_matmul_kernel, spec=spec,
         decoder=_resolve_decoder(spec, config.decoder, interpret),
         m=m, n=packed.n, k=k, bm=bm, bn=bn, tile_k=packed.tile_k, tiles_per_split=k_tiles,
         k_tiles=k_tiles, split=1, weight_as_lhs=config.weight_as_lhs,
         poisoned=bool(poison_output), clamp_rows=config.clamp_rows,
-        lora_scale=lora_scale if has_lora else None, swiglu_n=out_n)
+        lora_scale=lora_scale if has_lora else None, swiglu_n=out_n, with_shares=with_shares)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
-    y = _launch(kernel, jax.ShapeDtypeStruct((m, out_n), jnp.bfloat16),
-                (_cdiv(m, bm), packed.n // bn, 1),
-                (x2, *tile_views(packed, spec),
-                 *(jnp.asarray(t, jnp.float32) for t in tensor_scales), *extra, *aux),
-                interpret=interpret, poison_output=poison_output,
-                compiler_params=_compiler_params(interpret, config.num_warps, config.num_stages),
-                name=f"{spec.name}_matmul_swiglu" + ("_lora" if has_lora else ""))
-    return y.reshape(*lead, out_n)
+    result = _launch(kernel, out_shape, (_cdiv(m, bm), packed.n // bn, 1),
+                     (x2, *tile_views(packed, spec),
+                      *(jnp.asarray(t, jnp.float32) for t in tensor_scales), *extra, *aux),
+                     interpret=interpret, poison_output=poison_output,
+                     compiler_params=_compiler_params(interpret, config.num_warps,
+                                                      config.num_stages),
+                     name=f"{spec.name}_matmul_swiglu" + ("_lora" if has_lora else "")
+                     + ("_next" if with_shares else ""))
+    if not with_shares:
+        return result.reshape(*lead, out_n)
+    y, shares = result
+    next_down = shares.sum(axis=0)[:, :next_rank]
+    return y.reshape(*lead, out_n), next_down.reshape(*lead, next_rank)
 
 
 def _transposed_kernel(dy_ref, codes_ref, scales_ref, ts_ref, *rest, spec: FormatSpec,

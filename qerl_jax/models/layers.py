@@ -77,12 +77,15 @@ def apply_linears(x: jax.Array, layers, stacked_lora_a: jax.Array | None = None
 
 def apply_swiglu_linears(x: jax.Array, gate_layer: Linear, up_layer: Linear,
                          stacked_lora_a: jax.Array | None = None,
-                         pair_lora_b: jax.Array | None = None) -> jax.Array:
+                         pair_lora_b: jax.Array | None = None,
+                         next_lora_a: jax.Array | None = None):
     """swiglu(gate_layer(x), up_layer(x)) [..., out] through qerl_jax.quant.linear_swiglu:
     where the quantized kernel can (gate/up pair views at decode), one launch computes both
     projections and applies the SwiGLU in its epilogue; otherwise apply_linears then swiglu,
     unchanged. `stacked_lora_a` [in, r_gate + r_up] as for apply_linears; `pair_lora_b` the
-    fused launch's LoRA B made once (qerl_jax.lora.stack_grouped_adapters) or None."""
+    fused launch's LoRA B made once (qerl_jax.lora.stack_grouped_adapters) or None.
+    `next_lora_a`: the down projection's LoRA A [out, r], or None; with it returns (output,
+    output @ next_lora_a from the fused launch, or None where it did not compute it)."""
     if jnp.dtype(gate_layer.compute_dtype) != jnp.dtype(up_layer.compute_dtype):
         raise ValueError(f"apply_swiglu_linears: gate computes in {gate_layer.compute_dtype}, "
                          f"up in {up_layer.compute_dtype}")
@@ -90,7 +93,8 @@ def apply_swiglu_linears(x: jax.Array, gate_layer: Linear, up_layer: Linear,
                                                           up_layer.operands())
     return linear_swiglu(x, (gate_w, up_w), (gate_b, up_b), activation=swiglu,
                          compute_dtype=gate_layer.compute_dtype, loras=(gate_lora, up_lora),
-                         stacked_lora_a=stacked_lora_a, pair_lora_b=pair_lora_b)
+                         stacked_lora_a=stacked_lora_a, pair_lora_b=pair_lora_b,
+                         next_lora_a=next_lora_a)
 
 
 class Embedding(nnx.Module):

@@ -194,8 +194,16 @@ class MLP(nnx.Module):
         self.pair_lora_b = nnx.data(None)
 
     def __call__(self, x):
-        return self.down_proj(apply_swiglu_linears(x, self.gate_proj, self.up_proj,
-                                                   self.grouped_lora_a, self.pair_lora_b))
+        """With a down-projection adapter, the fused SwiGLU launch (decode) also returns
+        swiglu @ A_down, so the down projection runs no x @ A product of its own
+        (linear_op.linear_swiglu's next_lora_a); elsewhere down_proj computes it."""
+        if self.down_proj.lora_a is None:
+            return self.down_proj(apply_swiglu_linears(x, self.gate_proj, self.up_proj,
+                                                       self.grouped_lora_a, self.pair_lora_b))
+        hidden, down = apply_swiglu_linears(x, self.gate_proj, self.up_proj,
+                                            self.grouped_lora_a, self.pair_lora_b,
+                                            next_lora_a=self.down_proj.lora_a.get_value())
+        return self.down_proj(hidden, lora_down=down)
 
 
 class DecoderLayer(nnx.Module):

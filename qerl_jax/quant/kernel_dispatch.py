@@ -495,7 +495,7 @@ def _pair_lora_b(weights, lora_bs):
 
 
 def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, compute_dtype,
-                          interpret):
+                          interpret, next_lora_a=None):
     """silu(x @ Wg^T + LoRA_g) * (x @ Wu^T + LoRA_u) [M, N] bf16 for pair views (gate, up) in
     one launch over their interleaved pair, the SwiGLU in its epilogue. down = x @ [A_g | A_u];
     pair_lora_b: the block-diagonal B made once (_pair_lora_b), or None to make it here."""
@@ -515,7 +515,27 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
     return bw.blockwise_matmul_swiglu(x, pair, spec=gate.spec, out_n=gate.shape[0],
                                       half_block=half_block, interpret=interpret,
                                       tensor_scales=(gate.kernel_divisor(),
-                                                     up.kernel_divisor()), **lora)
+                                                     up.kernel_divisor()),
+                                      next_lora_a=next_lora_a, **lora)
+
+
+def _fused_forward_swiglu_next(x, weights, down, lora_bs, scales, pair_lora_b, next_lora_a, *,
+                               compute_dtype, interpret):
+    """_fused_forward_swiglu's output and its product with the down projection's LoRA A
+    [N, r] ([M, r] in compute dtype) from the same launch: each program multiplies its bf16
+    output tile by A's rows (blockwise_matmul_swiglu's next_lora_a)."""
+    y, next_down = _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b,
+                                         compute_dtype=compute_dtype, interpret=interpret,
+                                         next_lora_a=next_lora_a)
+    return y, next_down.astype(compute_dtype)
+
+
+def _swiglu_next_supports(next_lora_a) -> str | None:
+    """The fused SwiGLU launch computes the next LoRA x @ A unless DecodeTuning turns it off."""
+    del next_lora_a
+    if not bw.decode_tuning().swiglu_next_lora:
+        return "DecodeTuning.swiglu_next_lora is off"
+    return None
 
 
 def _fused_forward(x, weight, *, compute_dtype, interpret):
@@ -614,7 +634,10 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             group_supports=_group_supports,
             swiglu_fn=(functools.partial(_fused_forward_swiglu, interpret=interpret)
                        if fused_swiglu else None),
-            swiglu_supports=_swiglu_supports, swiglu_lora_b_fn=_pair_lora_b)
+            swiglu_supports=_swiglu_supports, swiglu_lora_b_fn=_pair_lora_b,
+            swiglu_next_fn=(functools.partial(_fused_forward_swiglu_next, interpret=interpret)
+                            if fused_swiglu else None),
+            swiglu_next_supports=_swiglu_next_supports)
         linear_op.register_matmul_kernel(
             format_name, platform, functools.partial(_dequantize_forward, interpret=interpret),
             name=dequantize_name, min_m=limit + 1, max_m=None,

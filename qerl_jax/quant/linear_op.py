@@ -60,6 +60,11 @@ class MatmulKernel:
     reason it cannot, and swiglu_lora_b_fn((gate, up), (B_gate, B_up)) -> the launch's LoRA
     B operand made once outside a loop (`prepare_swiglu_lora_b`; pair_lora_b is that, or
     None to make it per call).
+    Optionally swiglu_next_fn(x, (gate, up), down, lora_bs, scales, pair_lora_b, next_lora_a,
+    *, compute_dtype) -> (the swiglu_fn output, its product with next_lora_a [N, r_next] as
+    [M, r_next] in compute dtype): the same launch also computes the next layer's LoRA x @ A
+    (the MLP's down projection), with swiglu_next_supports(next_lora_a) -> None or the reason
+    it does not.
     """
 
     name: str
@@ -76,6 +81,8 @@ class MatmulKernel:
     swiglu_fn: Callable[..., jax.Array] | None = None
     swiglu_supports: Callable[..., str | None] | None = None
     swiglu_lora_b_fn: Callable[..., jax.Array] | None = None
+    swiglu_next_fn: Callable[..., tuple] | None = None
+    swiglu_next_supports: Callable[..., str | None] | None = None
 
     def accepts(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
@@ -94,7 +101,9 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
                            group_supports: Callable[..., str | None] | None = None,
                            swiglu_fn: Callable[..., jax.Array] | None = None,
                            swiglu_supports: Callable[..., str | None] | None = None,
-                           swiglu_lora_b_fn: Callable[..., jax.Array] | None = None
+                           swiglu_lora_b_fn: Callable[..., jax.Array] | None = None,
+                           swiglu_next_fn: Callable[..., tuple] | None = None,
+                           swiglu_next_supports: Callable[..., str | None] | None = None
                            ) -> MatmulKernel:
     """Registers a kernel for (format, platform) ("gpu", "cpu", "tpu") and an M range.
 
@@ -106,7 +115,8 @@ def register_matmul_kernel(format_name: str, platform: str, fn: Callable[..., ja
                           min_m=min_m, max_m=max_m, grad_fn=grad_fn, supports=supports,
                           lora_fn=lora_fn, group_fn=group_fn, group_supports=group_supports,
                           swiglu_fn=swiglu_fn, swiglu_supports=swiglu_supports,
-                          swiglu_lora_b_fn=swiglu_lora_b_fn)
+                          swiglu_lora_b_fn=swiglu_lora_b_fn, swiglu_next_fn=swiglu_next_fn,
+                          swiglu_next_supports=swiglu_next_supports)
     entries = _KERNELS.setdefault((format_name, platform), [])
     if any(entry.name == name for entry in entries):
         raise ValueError(f"a {format_name}/{platform} kernel named {name!r} is already "
@@ -350,6 +360,41 @@ def _fused_swiglu_matmul_bwd(compute_dtype, scales, kernel, backward, residuals,
 
 
 _fused_swiglu_matmul.defvjp(_fused_swiglu_matmul_fwd, _fused_swiglu_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _fused_swiglu_matmul_next(x, down, lora_bs, pair_lora_b, weights, next_lora_a,
+                              compute_dtype, scales, kernel, backward):
+    """(_fused_swiglu_matmul's y, y @ next_lora_a in compute_dtype) from one launch
+    (kernel.swiglu_next_fn)."""
+    del backward
+    return kernel.swiglu_next_fn(x, weights, down, lora_bs, scales, pair_lora_b, next_lora_a,
+                                 compute_dtype=compute_dtype)
+
+
+def _fused_swiglu_matmul_next_fwd(x, down, lora_bs, pair_lora_b, weights, next_lora_a,
+                                  compute_dtype, scales, kernel, backward):
+    y, next_down = _fused_swiglu_matmul_next(x, down, lora_bs, pair_lora_b, weights,
+                                             next_lora_a, compute_dtype, scales, kernel,
+                                             backward)
+    return (y, next_down), (x, down, lora_bs, pair_lora_b, weights, next_lora_a, y)
+
+
+def _fused_swiglu_matmul_next_bwd(compute_dtype, scales, kernel, backward, residuals,
+                                  cotangents):
+    """next_down = y @ A: y's cotangent gains d_next @ A^T (float32, rounded once), A's is
+    y^T @ d_next; the rest is _fused_swiglu_matmul's VJP."""
+    x, down, lora_bs, pair_lora_b, weights, next_lora_a, y = residuals
+    grad_y, grad_next = cotangents
+    a32, grad_next32 = next_lora_a.astype(jnp.float32), grad_next.astype(jnp.float32)
+    grad_y = (grad_y.astype(jnp.float32) + grad_next32 @ a32.T).astype(y.dtype)
+    grads = _fused_swiglu_matmul_bwd(compute_dtype, scales, kernel, backward,
+                                     (x, down, lora_bs, pair_lora_b, weights), grad_y)
+    grad_a = (y.astype(jnp.float32).T @ grad_next32).astype(next_lora_a.dtype)
+    return (*grads, grad_a)
+
+
+_fused_swiglu_matmul_next.defvjp(_fused_swiglu_matmul_next_fwd, _fused_swiglu_matmul_next_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -672,7 +717,8 @@ def _swiglu_kernel(x2d, weights, loras, compute_dtype, platform
 def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
                   compute_dtype=jnp.bfloat16, loras=None,
                   stacked_lora_a: jax.Array | None = None,
-                  pair_lora_b: jax.Array | None = None) -> jax.Array:
+                  pair_lora_b: jax.Array | None = None,
+                  next_lora_a: jax.Array | None = None):
     """activation(*linear_group(x, (gate, up), ...)) for a SwiGLU MLP's gate and up layers,
     [..., N] in compute_dtype, where `activation(gate, up)` is the model's SwiGLU: float32
     silu(gate) * up, rounded to compute_dtype (QeRL's Qwen2.5 MLP, before down_proj).
@@ -692,7 +738,18 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
       loras, stacked_lora_a: as for `linear_group` (the stacked A is [in, r_gate + r_up]).
       pair_lora_b: the fused launch's LoRA B operand made once outside a loop
         (prepare_swiglu_lora_b), or None (made per call where needed).
+      next_lora_a: the LoRA A [N, r] of the layer that reads this output (the MLP's down
+        projection), or None. Then returns (output, output @ next_lora_a [..., r] in
+        compute_dtype, or None): the product comes from the fused launch itself where its
+        kernel can (swiglu_next_fn: each program multiplies its output tile by A's rows, a
+        split-K gemm and its reduction fewer per layer at decode), else None and the caller
+        computes it (linear's lora_down). Its gradient is that of output @ next_lora_a.
     """
+    if next_lora_a is not None:
+        return _linear_swiglu_and_next(x, weights, biases, activation=activation,
+                                       compute_dtype=compute_dtype, loras=loras,
+                                       stacked_lora_a=stacked_lora_a, pair_lora_b=pair_lora_b,
+                                       next_lora_a=next_lora_a)
     weights, biases = tuple(weights), tuple(biases)
     loras = tuple(loras) if loras is not None else (None, None)
     if not len(weights) == len(biases) == len(loras) == 2:
@@ -720,6 +777,41 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
     y = _fused_swiglu_matmul(x2d, down, lora_bs, pair_lora_b, weights, jnp.dtype(compute_dtype),
                              scales, kernel, backward)
     return y.astype(compute_dtype).reshape(*x.shape[:-1], weights[0].shape[0])
+
+
+def _linear_swiglu_and_next(x, weights, biases, *, activation, compute_dtype, loras,
+                            stacked_lora_a, pair_lora_b, next_lora_a):
+    """linear_swiglu with next_lora_a: (output, output @ next_lora_a or None)."""
+    def alone():
+        return linear_swiglu(x, weights, biases, activation=activation,
+                             compute_dtype=compute_dtype, loras=loras,
+                             stacked_lora_a=stacked_lora_a, pair_lora_b=pair_lora_b), None
+
+    weights, biases = tuple(weights), tuple(biases)
+    loras = tuple(loras) if loras is not None else (None, None)
+    if (len(weights) != 2 or any(b is not None for b in biases)
+            or not all(isinstance(w, QuantizedWeight) for w in weights)
+            or weights[0].shape != weights[1].shape):
+        return alone()
+    if next_lora_a.ndim != 2 or next_lora_a.shape[0] != weights[0].shape[0]:
+        raise ValueError(f"linear_swiglu: next_lora_a {tuple(next_lora_a.shape)} must be "
+                         f"[N = {weights[0].shape[0]}, r]")
+    x2d, kernel, backward = _select_shared_launch("linear_swiglu", x, weights, loras,
+                                                  compute_dtype, _swiglu_kernel,
+                                                  ("unfused SwiGLU", "fused SwiGLU"))
+    if kernel is None or kernel.swiglu_next_fn is None or (
+            kernel.swiglu_next_supports is not None
+            and kernel.swiglu_next_supports(next_lora_a) is not None):
+        return alone()
+    leading = x.shape[:-1]
+    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
+    if down is None:
+        pair_lora_b = None
+    y, next_down = _fused_swiglu_matmul_next(x2d, down, lora_bs, pair_lora_b, weights,
+                                             next_lora_a, jnp.dtype(compute_dtype), scales,
+                                             kernel, backward)
+    return (y.astype(compute_dtype).reshape(*leading, weights[0].shape[0]),
+            next_down.astype(compute_dtype).reshape(*leading, next_lora_a.shape[1]))
 
 
 def prepare_swiglu_lora_b(weights, loras, *, compute_dtype=jnp.bfloat16) -> jax.Array | None:

@@ -336,6 +336,40 @@ def test_interleaved_gate_up_swiglu_epilogue(m, ranks, weight_as_lhs, n):
                                        interpret=True, lora_down=stacked, lora_b=b_pair)
 
 
+@pytest.mark.parametrize("m,n,next_rank,ranks", [(3, 80, 8, None), (16, 128, 32, (16, 16))])
+def test_swiglu_launch_writes_the_next_lora_down(m, n, next_rank, ranks):
+    """blockwise_matmul_swiglu(next_lora_a=A) returns the same SwiGLU output bit for bit and
+    y @ A from its per-tile float32 shares: against float64 products of the returned bf16 y and
+    A, within 1e-6 of sum |y| |A| (float32 sums of exact bf16 products). N = 80 ends inside
+    a tile (A's rows past N are not read); rank 8 is padded to the kernel rank 16."""
+    seed = kc.fresh_seed()
+    rng = np.random.default_rng(seed)
+    k = 2 * 128
+    problems = [kc.random_problem(NVFP4, seed + i, m, n, k, 128) for i in range(2)]
+    x = problems[0][1]
+    pair = bw.interleave_gate_up(problems[0][2], problems[1][2], 32)
+    lora = {}
+    if ranks is not None:
+        downs = jnp.asarray(rng.standard_normal((m, sum(ranks))), jnp.bfloat16)
+        bs = [jnp.asarray(0.1 * rng.standard_normal((r, n)), jnp.bfloat16) for r in ranks]
+        lora = dict(lora_down=downs, lora_ranks=ranks, lora_scale=2.0,
+                    lora_b=bw.interleave_lora_b(bs[0], bs[1], pair.n // 2, 32))
+    a_next = jnp.asarray(rng.standard_normal((n, next_rank)), jnp.bfloat16)
+    plain = bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=32,
+                                       interpret=True, **lora)
+    y, next_down = bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=32,
+                                              interpret=True, poison_output=True,
+                                              next_lora_a=a_next, **lora)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(plain, np.float32))
+    assert next_down.shape == (m, next_rank) and next_down.dtype == jnp.float32
+    y64, a64 = np.asarray(y, np.float64), np.asarray(a_next, np.float64)
+    bound = 1e-6 * (np.abs(y64) @ np.abs(a64))
+    assert np.all(np.abs(np.asarray(next_down, np.float64) - y64 @ a64) <= bound), f"seed={seed}"
+    with pytest.raises(ValueError, match="next_lora_a"):
+        bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=32,
+                                   interpret=True, next_lora_a=a_next[1:])
+
+
 @pytest.mark.parametrize("m,n", [(5, 80), (70, 96)])
 def test_pair_views_read_gate_and_up_in_place(m, n):
     """pair_view_of(interleave_gate_up(gate, up)) read in place by every kernel gives gate's and

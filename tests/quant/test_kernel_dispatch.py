@@ -494,6 +494,60 @@ def test_fused_swiglu_of_pair_views_matches_the_unfused_mlp(interpret_kernels, f
     _assert_lora_grads_close(grads, grads_ref, 2, with_lora, context)
 
 
+@pytest.mark.parametrize("format_name", ["nvfp4", "nf4"])
+def test_fused_swiglu_also_computes_the_next_lora_down(interpret_kernels, format_name):
+    """linear_swiglu(next_lora_a=A_down) at decode M: the same output bit for bit, and
+    output @ A_down from the launch (within one bf16 rounding of the float32 product of the
+    bf16 output and A); gradients (x, A, B of gate/up, A_down) against the same fused SwiGLU
+    followed by an XLA dot, within twice the module's tolerance. Above the fused M, and with
+    DecodeTuning.swiglu_next_lora off, the product is None (the caller computes it)."""
+    from pallas_kernels import blockwise_matmul as bw
+    from qerl_jax.models.layers import swiglu
+    from qerl_jax.quant.linear_op import LoRAProduct, linear_swiglu
+    rng = np.random.default_rng(secrets.randbits(32))
+    views = kernel_dispatch.pair_gate_up(*(to_kernel_layout(_weight(format_name, rng))
+                                           for _ in range(2)))
+    m = 3
+    x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
+    a = [jnp.asarray(rng.standard_normal((K, 8)) * 0.1, jnp.float32) for _ in range(2)]
+    b = [jnp.asarray(rng.standard_normal((8, N)) * 0.1, jnp.float32) for _ in range(2)]
+    a_next = jnp.asarray(rng.standard_normal((N, 8)) * 0.1, jnp.float32)
+
+    def run(x, a, b, a_next, next_lora=True):
+        loras = [LoRAProduct(ai, bi, 2.0) for ai, bi in zip(a, b)]
+        return linear_swiglu(x, views, (None, None), activation=swiglu,
+                             compute_dtype=jnp.bfloat16, loras=loras,
+                             next_lora_a=a_next if next_lora else None)
+
+    def reference(x, a, b, a_next):
+        y = run(x, a, b, a_next, next_lora=False)
+        return y, jnp.dot(y, a_next.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+                          ).astype(jnp.bfloat16)
+
+    cotangents = (jnp.asarray(rng.standard_normal((m, N)), jnp.bfloat16),
+                  jnp.asarray(rng.standard_normal((m, 8)), jnp.bfloat16))
+    (y, next_down), grads, (y_ref, next_ref), grads_ref = _outputs_and_grads(
+        run, reference, (x, a, b, a_next), cotangents)
+    assert "matmul_swiglu_lora_next" in str(jax.make_jaxpr(run)(x, a, b, a_next))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+    assert next_down.shape == (m, 8) and next_down.dtype == jnp.bfloat16
+    _assert_close(next_down, next_ref, 2.0 ** -7, f"{format_name} next_down")
+    context = f"{format_name} next_lora_a"
+    _assert_lora_grads_close(grads, grads_ref, 2, True, context)
+    _assert_close(grads[3], grads_ref[3], 2 * TOLERANCE, f"{context} dA_next")
+    x_large = jnp.asarray(rng.standard_normal((300, K)), jnp.bfloat16)
+    y_large, none = run(x_large, a, b, a_next)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(y_large, np.float32),
+                                  np.asarray(run(x_large, a, b, a_next, next_lora=False),
+                                             np.float32))
+    previous = bw.set_decode_tuning(swiglu_next_lora=False)
+    try:
+        assert run(x, a, b, a_next)[1] is None
+    finally:
+        bw.set_decode_tuning(previous)
+
+
 def test_fused_swiglu_needs_one_pair_and_falls_back_otherwise(interpret_kernels, caplog):
     """Separate weights, views of two different pairs and different LoRA scales take the
     unfused path (saying why); with the prepared pair B (prepare_swiglu_lora_b) the fused
@@ -646,12 +700,19 @@ def test_decode_attention_computes_the_o_projection_lora_down(rank):
 
 def _while_body_concatenates(jaxpr) -> list[tuple[int, ...]]:
     """Output shapes of the concatenate equations inside any while loop body of `jaxpr`."""
+    return [shapes[-1] for shapes in _while_body_equations(jaxpr, "concatenate")]
+
+
+def _while_body_equations(jaxpr, primitive: str) -> list[tuple[tuple[int, ...], ...]]:
+    """(operand shapes..., output shape) of the `primitive` equations inside any while loop
+    body of `jaxpr`."""
     shapes = []
 
     def visit(inner, in_loop):
         for eqn in inner.eqns:
-            if eqn.primitive.name == "concatenate" and in_loop:
-                shapes.append(tuple(eqn.outvars[0].aval.shape))
+            if eqn.primitive.name == primitive and in_loop:
+                shapes.append((*(tuple(getattr(v.aval, "shape", ())) for v in eqn.invars),
+                               tuple(eqn.outvars[0].aval.shape)))
             for name, param in eqn.params.items():
                 for sub in param if isinstance(param, (tuple, list)) else (param,):
                     sub = getattr(sub, "jaxpr", sub)
@@ -713,6 +774,50 @@ def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kerne
     with pytest.raises(ValueError, match=r"stacked_lora_a \(64, 8\)"):
         apply_linears(x, (attention.q_proj, attention.k_proj, attention.v_proj),
                       attention.grouped_lora_a[:, :8])
+
+
+def test_decode_loop_takes_the_down_lora_product_from_the_swiglu_launch(interpret_kernels):
+    """With LoRA on the down projection, the sampler's decode loop runs no x @ A_down dot of
+    its own: the fused SwiGLU launch returns it (linear_swiglu's next_lora_a). With
+    DecodeTuning.swiglu_next_lora off the dot is back, and the tokens are the same (the two
+    products differ only in the order of their float32 sums)."""
+    from pallas_kernels import blockwise_matmul as bw
+    from qerl_jax import sampling
+    from qerl_jax.lora import LoRAConfig, add_lora
+    model = _tiny_quantized_model("nvfp4", layers=1)
+    add_lora(model, LoRAConfig(rank=4), jax.random.key(0))
+    inner = model.config.intermediate_size
+    prompts = jnp.asarray(np.random.default_rng(3).integers(0, 128, (2, 5)), jnp.int32)
+    mask = jnp.ones((2, 5), jnp.bool_)
+    for _, layer in nnx.iter_graph(model):
+        if getattr(layer, "lora_b", None) is not None:  # B = 0 would hide a wrong product
+            b = layer.lora_b.get_value()
+            layer.lora_b.set_value(0.1 * jax.random.normal(jax.random.key(b.shape[1]), b.shape))
+    config = sampling.SamplingConfig(max_new_tokens=3, num_generations=1, prompt_bucket=8,
+                                     greedy=True)
+    enable_kernels(model, platform="cpu", interpret=True)
+    key = jax.random.key(5)
+    graphdef, state = nnx.split(model)
+
+    def down_dots():
+        sampling._generate_program.clear_cache()
+        jaxpr = jax.make_jaxpr(
+            lambda s: sampling._generate_program(graphdef, (s,), prompts, mask, key,
+                                                 config=config, cache_length=11))(state)
+        return [eq for eq in _while_body_equations(jaxpr, "dot_general")
+                if eq[1] == (inner, 4)]
+
+    assert down_dots() == []
+    fused = sampling.generate(model, prompts, mask, key, config)
+    previous = bw.set_decode_tuning(swiglu_next_lora=False)
+    try:
+        assert down_dots()  # the check can see the dot
+        sampling._generate_program.clear_cache()
+        separate = sampling.generate(model, prompts, mask, key, config)
+    finally:
+        bw.set_decode_tuning(previous)
+        sampling._generate_program.clear_cache()
+    np.testing.assert_array_equal(np.asarray(fused.tokens), np.asarray(separate.tokens))
 
 
 @pytest.mark.parametrize("format_name", ["nvfp4", "nf4"])
