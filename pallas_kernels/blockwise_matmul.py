@@ -349,7 +349,6 @@ class DecodeTuning:
     swiglu_next_lora: the fused SwiGLU launch also computes the down projection's LoRA
       x @ A from its output tiles (blockwise_matmul_swiglu's next_lora_a), so the model runs
       no separate x @ A product for it; False: the model computes it (comparisons).
-      swiglu_next_prefetch: that launch loads its tile of A before its K loop (experimental).
     """
     target_programs: int = 640
     min_tiles_per_split: int = 4
@@ -361,7 +360,6 @@ class DecodeTuning:
     weight_as_lhs: bool | None = None
     decoder: str | None = None
     swiglu_next_lora: bool = True
-    swiglu_next_prefetch: bool = False
 
 
 _DECODE_TUNING = DecodeTuning()
@@ -408,7 +406,7 @@ def parse_tuning(text: str) -> dict:
             fields[name] = None if value.lower() == "none" else value.lower() == "true"
         elif name == "decoder":
             fields[name] = None if value.lower() == "none" else value
-        elif name in ("swiglu_next_lora", "swiglu_next_prefetch"):
+        elif name == "swiglu_next_lora":
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"decode tuning {item!r}: true or false")
             fields[name] = value.lower() in ("true", "1")
@@ -580,7 +578,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     clamp_rows: bool = False, lora_scale: float | None = None,
                     down_column: int = 0, swiglu_n: int | None = None,
                     pair_view: tuple[int, int] | None = None, next_a_ref=None,
-                    shares_ref=None, prefetch_next: bool = False):
+                    shares_ref=None):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
     [down_column, down_column + r) with r = lora_b_ref's rows.
@@ -594,7 +592,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     divide its half_block).
 
     next_a_ref / shares_ref (swiglu_n only): the next layer's LoRA A [swiglu_n, r'] and the
-    [M, r', N tiles] float32 output of this tile's share of (SwiGLU output) @ A
+    [N tiles, M, r'] float32 output of this tile's share of (SwiGLU output) @ A
     (_swiglu_epilogue)."""
     half = tile_k // 2
     g = half // spec.scale_block
@@ -660,9 +658,6 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     # (k_tiles not a multiple of split), which gets the remainder (a dynamic trip count).
     trips = tiles_per_split if k_tiles % tiles_per_split == 0 else jnp.minimum(
         tiles_per_split, k_tiles - pid_s * tiles_per_split)
-    a_next = None
-    if next_a_ref is not None and prefetch_next:  # loaded before the loop, used after it
-        a_next = _next_a_tile(next_a_ref, pid_n, bn // 2, swiglu_n)
     acc = lax.fori_loop(0, trips, group_body if group_dots else body,
                         jnp.zeros(acc_shape, jnp.float32))
     y = acc.T if weight_as_lhs else acc
@@ -671,7 +666,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
         _swiglu_epilogue(y * (2.0 ** exponent), ts_ref, down_ref, lora_b_ref, out_ref,
                          lora_scale=lora_scale, down_column=down_column, r0=r0, n0=n0, m=m,
                          n=n, bm=bm, bn=bn, pid_n=pid_n, out_n=swiglu_n,
-                         next_a_ref=next_a_ref, shares_ref=shares_ref, a_next=a_next)
+                         next_a_ref=next_a_ref, shares_ref=shares_ref)
         return
     y = y * ((2.0 ** exponent) / ts_ref[0])
     if lora_scale is not None:
@@ -716,14 +711,14 @@ def _swiglu_matmul_kernel(x_ref, codes_ref, scales_ref, ts_gate_ref, ts_up_ref, 
 
 
 def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, down_column, r0,
-                     n0, m, n, bm, bn, pid_n, out_n, next_a_ref=None, shares_ref=None,
-                     a_next=None):
+                     n0, m, n, bm, bn, pid_n, out_n, next_a_ref=None, shares_ref=None):
     """silu(gate) * up of an interleaved gate/up tile y [bm, bn] (gate columns first; not yet
     divided by the tensor scales), the LoRA term (block-diagonal B, interleave_lora_b) added to
     each half; stored as bf16 to out [M, out_n] columns [pid_n * bn / 2, + bn / 2). With
-    shares_ref: also that bf16 tile times next_a_ref's rows of those columns, float32
-    [bm, r'], to shares_ref[:, :, pid_n] (the shares sum to out @ A_next; tiles last, so
-    that XLA sums them as rows)."""
+    shares_ref: also that bf16 tile times next_a_ref's rows of those columns, float32 [bm, r'],
+    to shares_ref[pid_n] (the shares sum to out @ A_next). Stored tiles last instead ([M, r',
+    tiles], a row reduction for XLA), XLA's sum took 2.1 us instead of 3.4 but the strided
+    stores made the launch 1.9 us slower (32B gate|up, H100, RESULTS.md session 17)."""
     if lora_scale is not None:
         rank = lora_b_ref.shape[0]
         down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
@@ -748,20 +743,11 @@ def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, do
         # this tile's share of (SwiGLU output) @ A_next: the rounded output columns [c0, +half)
         # times A_next's rows [c0, +half) (rows past out_n read as 0), float32
         rank = next_a_ref.shape[1]
-        if a_next is None:
-            a_next = _next_a_tile(next_a_ref, pid_n, half, out_n)
+        a_next = _load(next_a_ref.at[pl.ds(c0, half), pl.ds(0, rank)],
+                       _edge_masks(c0, half, out_n, 0, rank, rank, out_n % half != 0, False))
         share = _dot_nn(out.astype(jnp.bfloat16), a_next.astype(jnp.bfloat16))
-        _store(shares_ref.at[pl.ds(r0, bm), pl.ds(0, rank), pid_n], share,
+        _store(shares_ref.at[pid_n, pl.ds(r0, bm), pl.ds(0, rank)], share,
                _edge_masks(r0, bm, m, 0, rank, rank, m % bm != 0, False))
-
-
-def _next_a_tile(next_a_ref, pid_n, half: int, out_n: int):
-    """Rows [pid_n * half, + half) of the next layer's LoRA A [out_n, r'] (rows past out_n
-    read as 0)."""
-    rank = next_a_ref.shape[1]
-    c0 = pl.multiple_of(pid_n * half, half)
-    return _load(next_a_ref.at[pl.ds(c0, half), pl.ds(0, rank)],
-                 _edge_masks(c0, half, out_n, 0, rank, rank, out_n % half != 0, False))
 
 
 def interleave_rows(a: jax.Array, b: jax.Array, half_block: int) -> jax.Array:
@@ -855,7 +841,7 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
 
     next_lora_a: the next layer's LoRA A [out_n, r] (the MLP's down projection reads this
     output): then returns (y, y @ next_lora_a float32 [..., r]), the product of the bf16
-    output with A (float32 sums), from float32 shares [M, r', N tiles] that each program
+    output with A (float32 sums), from float32 shares [N tiles, M, r'] that each program
     writes for its output columns, summed over the tiles by XLA. The down projection's own
     x @ A product (a split-K gemm and its reduction per layer) is then not needed.
     """
@@ -891,15 +877,13 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
                                     config=config, interpret=interpret,
                                     poison_output=poison_output, lora_down=lora_down,
                                     lora_b=lora_b, lora_scale=float(lora_scale),
-                                    next_lora_a=next_lora_a,
-                                    prefetch_next=decode_tuning().swiglu_next_prefetch)
+                                    next_lora_a=next_lora_a)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "out_n", "config", "interpret",
-                                             "poison_output", "lora_scale", "prefetch_next"))
+                                             "poison_output", "lora_scale"))
 def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, interpret,
-                             poison_output, lora_down, lora_b, lora_scale, next_lora_a,
-                             prefetch_next=False):
+                             poison_output, lora_down, lora_b, lora_scale, next_lora_a):
     _check_packed(packed, spec)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -925,7 +909,7 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
         if _kernel_rank(next_rank) != next_rank:
             next_a = jnp.pad(next_a, ((0, 0), (0, _kernel_rank(next_rank) - next_rank)))
         extra = (*extra, next_a)
-        out_shape = (out_shape, jax.ShapeDtypeStruct((m, next_a.shape[1], packed.n // bn),
+        out_shape = (out_shape, jax.ShapeDtypeStruct((packed.n // bn, m, next_a.shape[1]),
                                                      jnp.float32))
     kernel = functools.partial(
         _swiglu_matmul_kernel, spec=spec,
@@ -933,8 +917,7 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
         m=m, n=packed.n, k=k, bm=bm, bn=bn, tile_k=packed.tile_k, tiles_per_split=k_tiles,
         k_tiles=k_tiles, split=1, weight_as_lhs=config.weight_as_lhs,
         poisoned=bool(poison_output), clamp_rows=config.clamp_rows,
-        lora_scale=lora_scale if has_lora else None, swiglu_n=out_n, with_shares=with_shares,
-        prefetch_next=prefetch_next and with_shares)
+        lora_scale=lora_scale if has_lora else None, swiglu_n=out_n, with_shares=with_shares)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     result = _launch(kernel, out_shape, (_cdiv(m, bm), packed.n // bn, 1),
                      (x2, *tile_views(packed, spec),
@@ -947,7 +930,7 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
     if not with_shares:
         return result.reshape(*lead, out_n)
     y, shares = result
-    next_down = shares.sum(axis=-1)[:, :next_rank]
+    next_down = shares.sum(axis=0)[:, :next_rank]
     return y.reshape(*lead, out_n), next_down.reshape(*lead, next_rank)
 
 
