@@ -745,20 +745,19 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
         split-K gemm and its reduction fewer per layer at decode), else None and the caller
         computes it (linear's lora_down). Its gradient is that of output @ next_lora_a.
     """
-    if next_lora_a is not None:
-        return _linear_swiglu_and_next(x, weights, biases, activation=activation,
-                                       compute_dtype=compute_dtype, loras=loras,
-                                       stacked_lora_a=stacked_lora_a, pair_lora_b=pair_lora_b,
-                                       next_lora_a=next_lora_a)
     weights, biases = tuple(weights), tuple(biases)
     loras = tuple(loras) if loras is not None else (None, None)
     if not len(weights) == len(biases) == len(loras) == 2:
         raise ValueError(f"linear_swiglu: needs (gate, up): got {len(weights)} weights, "
                          f"{len(biases)} biases and {len(loras)} LoRA entries")
+    leading = x.shape[:-1]
+
+    def result(y, next_down=None):
+        return y if next_lora_a is None else (y, next_down)
 
     def unfused():
-        return activation(*linear_group(x, weights, biases, compute_dtype=compute_dtype,
-                                         loras=loras, stacked_lora_a=stacked_lora_a))
+        return result(activation(*linear_group(x, weights, biases, compute_dtype=compute_dtype,
+                                                loras=loras, stacked_lora_a=stacked_lora_a)))
 
     if any(b is not None for b in biases) or not all(isinstance(w, QuantizedWeight)
                                                      for w in weights):
@@ -766,6 +765,11 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
     if weights[0].shape != weights[1].shape:
         raise ValueError(f"linear_swiglu: gate {weights[0].shape} and up {weights[1].shape} "
                          "must have the same shape [out, in]")
+    out_features = weights[0].shape[0]
+    if next_lora_a is not None and (next_lora_a.ndim != 2
+                                    or next_lora_a.shape[0] != out_features):
+        raise ValueError(f"linear_swiglu: next_lora_a {tuple(next_lora_a.shape)} must be "
+                         f"[N = {out_features}, r]")
     x2d, kernel, backward = _select_shared_launch("linear_swiglu", x, weights, loras,
                                                   compute_dtype, _swiglu_kernel,
                                                   ("unfused SwiGLU", "fused SwiGLU"))
@@ -774,44 +778,17 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
     down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
     if down is None:
         pair_lora_b = None
-    y = _fused_swiglu_matmul(x2d, down, lora_bs, pair_lora_b, weights, jnp.dtype(compute_dtype),
-                             scales, kernel, backward)
-    return y.astype(compute_dtype).reshape(*x.shape[:-1], weights[0].shape[0])
-
-
-def _linear_swiglu_and_next(x, weights, biases, *, activation, compute_dtype, loras,
-                            stacked_lora_a, pair_lora_b, next_lora_a):
-    """linear_swiglu with next_lora_a: (output, output @ next_lora_a or None)."""
-    def alone():
-        return linear_swiglu(x, weights, biases, activation=activation,
-                             compute_dtype=compute_dtype, loras=loras,
-                             stacked_lora_a=stacked_lora_a, pair_lora_b=pair_lora_b), None
-
-    weights, biases = tuple(weights), tuple(biases)
-    loras = tuple(loras) if loras is not None else (None, None)
-    if (len(weights) != 2 or any(b is not None for b in biases)
-            or not all(isinstance(w, QuantizedWeight) for w in weights)
-            or weights[0].shape != weights[1].shape):
-        return alone()
-    if next_lora_a.ndim != 2 or next_lora_a.shape[0] != weights[0].shape[0]:
-        raise ValueError(f"linear_swiglu: next_lora_a {tuple(next_lora_a.shape)} must be "
-                         f"[N = {weights[0].shape[0]}, r]")
-    x2d, kernel, backward = _select_shared_launch("linear_swiglu", x, weights, loras,
-                                                  compute_dtype, _swiglu_kernel,
-                                                  ("unfused SwiGLU", "fused SwiGLU"))
-    if kernel is None or kernel.swiglu_next_fn is None or (
-            kernel.swiglu_next_supports is not None
-            and kernel.swiglu_next_supports(next_lora_a) is not None):
-        return alone()
-    leading = x.shape[:-1]
-    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
-    if down is None:
-        pair_lora_b = None
-    y, next_down = _fused_swiglu_matmul_next(x2d, down, lora_bs, pair_lora_b, weights,
-                                             next_lora_a, jnp.dtype(compute_dtype), scales,
-                                             kernel, backward)
-    return (y.astype(compute_dtype).reshape(*leading, weights[0].shape[0]),
-            next_down.astype(compute_dtype).reshape(*leading, next_lora_a.shape[1]))
+    dtype = jnp.dtype(compute_dtype)
+    if next_lora_a is not None and kernel.swiglu_next_fn is not None and (
+            kernel.swiglu_next_supports is None
+            or kernel.swiglu_next_supports(next_lora_a) is None):
+        y, next_down = _fused_swiglu_matmul_next(x2d, down, lora_bs, pair_lora_b, weights,
+                                                 next_lora_a, dtype, scales, kernel, backward)
+        return (y.astype(compute_dtype).reshape(*leading, out_features),
+                next_down.astype(compute_dtype).reshape(*leading, next_lora_a.shape[1]))
+    y = _fused_swiglu_matmul(x2d, down, lora_bs, pair_lora_b, weights, dtype, scales, kernel,
+                             backward)
+    return result(y.astype(compute_dtype).reshape(*leading, out_features))
 
 
 def prepare_swiglu_lora_b(weights, loras, *, compute_dtype=jnp.bfloat16) -> jax.Array | None:
