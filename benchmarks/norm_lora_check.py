@@ -2,9 +2,11 @@
 against float64, and device time against what XLA runs for the same work.
 
 For each shape (hidden H, stacked rank R: a layer's q|k|v adapters are 3 x 32, gate|up 2 x 32)
-one jitted program applies the operation to `--copies` distinct LoRA A matrices (as the decode
-step's layers do, so A streams from HBM and not from L2) and is traced (kernel_profile's
-method); the table gives the device time per application:
+one jitted program applies the operation to `--copies` distinct inputs x and LoRA A matrices
+(as the decode step's layers do, so A streams from HBM and not from L2) and is traced
+(kernel_profile's method); the table gives the device time per application (here the rows'
+sums of squares are a kernel of their own; in the model XLA may fuse them into the residual
+add):
 
   xla      RMSNorm as the model's module computes it, then normed @ A in bf16 (XLA: a norm
            fusion, a split-K gemm and its reduction at decode M)
@@ -37,7 +39,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="32b q|k|v,32b gate|up,7b q|k|v,7b gate|up")
     parser.add_argument("--m", type=int, default=8)
-    parser.add_argument("--chunks", default="128,256", help="comma list of kernel chunks")
+    parser.add_argument("--chunks", default="64,128,256", help="comma list of kernel chunks")
     parser.add_argument("--copies", type=int, default=64, help="A matrices per program")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny shape, CPU interpret mode")
@@ -89,8 +91,8 @@ def main(argv=None):
     started = time.perf_counter()
     for name in common.split_list(args.shapes):
         h, r = SHAPES[name]
-        x = (jax.random.normal(jax.random.fold_in(key, 1), (args.m, h), jnp.float32)
-             * 4).astype(jnp.bfloat16)
+        xs = [(jax.random.normal(jax.random.fold_in(key, 1000 + i), (args.m, h), jnp.float32)
+               * 4).astype(jnp.bfloat16) for i in range(args.copies)]
         scale = 1 + 0.2 * jax.random.normal(jax.random.fold_in(key, 2), (h,), jnp.float32)
         lora_as = [(jax.random.normal(jax.random.fold_in(key, 10 + i), (h, r), jnp.float32)
                     / h ** 0.5).astype(jnp.bfloat16) for i in range(args.copies)]
@@ -98,18 +100,18 @@ def main(argv=None):
                                       for c in common.split_list(args.chunks)]
         for variant, chunk in variants:
             if chunk is None:
-                fn = jax.jit(lambda x, s, lora_as: [
-                    rmsnorm_lora_down_reference(x, s, a, eps=EPS) for a in lora_as])
+                fn = jax.jit(lambda xs, s, lora_as: [
+                    rmsnorm_lora_down_reference(x, s, a, eps=EPS) for x, a in zip(xs, lora_as)])
             else:
                 config = RMSNormLoRAConfig(chunk=chunk)
-                fn = jax.jit(lambda x, s, lora_as, config=config: [
+                fn = jax.jit(lambda xs, s, lora_as, config=config: [
                     rmsnorm_lora_down(x, s, a, eps=EPS, config=config, interpret=interpret)
-                    for a in lora_as])
-            outputs = fn(x, scale, lora_as)
+                    for x, a in zip(xs, lora_as)])
+            outputs = fn(xs, scale, lora_as)
             row = {"shape": name, "h": h, "r": r, "m": args.m, "variant": variant,
-                   **check(x, scale, lora_as[0], *outputs[0])}
+                   **check(xs[0], scale, lora_as[0], *outputs[0])}
             _, call_us, _ = kernel_profile.traced_device_us(
-                fn, (x, scale, lora_as), args.repeats, args.copies, None)
+                fn, (xs, scale, lora_as), args.repeats, args.copies, None)
             row["device_us"] = call_us
             rows.append(row)
             print(row, flush=True)

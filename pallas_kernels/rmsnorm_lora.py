@@ -3,11 +3,13 @@
 At a decode step a pre-norm block runs RMSNorm (one kernel), then the LoRA down product of
 the projections that read the normed x (q|k|v, or gate|up: one x @ [A_0 | A_1 | ...]), which
 XLA runs as a split-K gemm and a reduction: three small launches of ~2 us each at Qwen2.5-32B
-(benchmarks/RESULTS.md, session 15's decode profile). Here one launch of C = ceil(H / chunk)
-programs does both: program c computes every row's mean square over the whole row (x is a few
-tens of KB, read from L2 by every program), normalizes its chunk of columns, stores it, and
-multiplies it by A's rows of that chunk. The float32 products, one share per chunk, sum to
-normed @ A; `rmsnorm_lora_down` sums them (one small XLA reduction).
+(benchmarks/RESULTS.md, session 15's decode profile). Here the rows' sums of squares are an XLA
+reduction (which XLA can fuse into the residual add that produced x), and one launch of C =
+ceil(H / chunk) programs does the rest: program c normalizes its chunk of columns, stores it,
+and multiplies it by A's rows of that chunk. The float32 products, one share per chunk, sum to
+normed @ A; `rmsnorm_lora_down` sums them (one small XLA reduction). A first version had every
+program read the whole rows for their mean squares (5 dependent loads at 32B): 7.3-7.8 us per
+call in the 32B decode step, slower than the three kernels it replaced (H100, session 18).
 
     normed, down = rmsnorm_lora_down(x, scale, lora_a, eps=1e-6)
 
@@ -39,18 +41,14 @@ MAX_ROWS = 64  # decode M: one block of rows per program
 
 @dataclasses.dataclass(frozen=True)
 class RMSNormLoRAConfig:
-    """chunk: columns per program (a power of two >= 16); row_block: columns per step of the
-    mean-square loop (a power of two); Triton num_warps / num_stages."""
-    chunk: int = 256
-    row_block: int = 1024
+    """chunk: columns per program (a power of two >= 16); Triton num_warps / num_stages."""
+    chunk: int = 128
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 1
 
     def __post_init__(self):
-        for name in ("chunk", "row_block"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"RMSNormLoRAConfig.{name}={value}: a power of two >= 16")
+        if self.chunk < 16 or self.chunk & (self.chunk - 1):
+            raise ValueError(f"RMSNormLoRAConfig.chunk={self.chunk}: a power of two >= 16")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"RMSNormLoRAConfig {self}: num_warps and num_stages must be >= 1")
 
@@ -63,34 +61,28 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(x_ref, scale_ref, a_ref, normed_ref, shares_ref, *, m: int, h: int, r: int,
-            bm: int, chunk: int, row_block: int, rank_pad: int, eps: float):
-    """Program c: rows' mean squares over all H columns, then columns [c * chunk, + chunk)
-    normalized (stored) and times A's rows of them (float32 share [M, R] to shares[c])."""
+def _kernel(x_ref, square_sum_ref, scale_ref, a_ref, normed_ref, shares_ref, *, m: int,
+            h: int, r: int, bm: int, chunk: int, rank_pad: int, eps: float):
+    """Program c: columns [c * chunk, + chunk) normalized with the rows' sums of squares
+    (stored) and times A's rows of them (float32 share [M, R] to shares[c]). Every load is
+    independent of the others, so the program waits for memory once."""
     c = pl.program_id(0)
     rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
     row_ok = rows < m
-
-    def square_sum(t, acc):
-        cols = t * row_block + lax.broadcasted_iota(jnp.int32, (1, row_block), 1)
-        block = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(t * row_block, row_block)],
-                           mask=row_ok & (cols < h), other=0.0).astype(jnp.float32)
-        return acc + jnp.sum(block * block, axis=1, keepdims=True)
-
-    total = lax.fori_loop(0, _cdiv(h, row_block), square_sum, jnp.zeros((bm, 1), jnp.float32))
-    inv_rms = lax.rsqrt(total / h + eps)
     c0 = c * chunk
     cols = c0 + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
     col_ok = cols < h
+    ranks = lax.broadcasted_iota(jnp.int32, (1, rank_pad), 1)
     x = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(c0, chunk)], mask=row_ok & col_ok,
                    other=0.0).astype(jnp.float32)
+    total = plgpu.load(square_sum_ref.at[pl.ds(0, bm)], mask=row_ok[:, 0], other=0.0)
     scale = plgpu.load(scale_ref.at[pl.ds(c0, chunk)], mask=col_ok[0],
                        other=0.0).astype(jnp.float32)
-    normed = (x * inv_rms * scale[None, :]).astype(normed_ref.dtype)
-    plgpu.store(normed_ref.at[pl.ds(0, bm), pl.ds(c0, chunk)], normed, mask=row_ok & col_ok)
-    ranks = lax.broadcasted_iota(jnp.int32, (1, rank_pad), 1)
     a = plgpu.load(a_ref.at[pl.ds(c0, chunk), pl.ds(0, rank_pad)],
                    mask=col_ok.reshape(chunk, 1) & (ranks < r), other=0.0)
+    inv_rms = lax.rsqrt(total / h + eps)
+    normed = (x * inv_rms[:, None] * scale[None, :]).astype(normed_ref.dtype)
+    plgpu.store(normed_ref.at[pl.ds(0, bm), pl.ds(c0, chunk)], normed, mask=row_ok & col_ok)
     share = lax.dot_general(normed, a.astype(normed.dtype), (((1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)
     plgpu.store(shares_ref.at[c, pl.ds(0, bm), pl.ds(0, rank_pad)], share,
@@ -125,9 +117,12 @@ def _rmsnorm_lora_down(x, scale, lora_a, eps, out_dtype, config, interpret):
     r = lora_a.shape[1]
     bm = max(16, _next_pow2(m))
     chunk = min(config.chunk, max(16, _next_pow2(h)))
-    row_block = min(config.row_block, max(16, _next_pow2(h)))
     programs = _cdiv(h, chunk)
-    kernel = functools.partial(_kernel, m=m, h=h, r=r, bm=bm, chunk=chunk, row_block=row_block,
+    # the rows' sums of squares in XLA: a reduction it can fuse into the fusion that made x (the
+    # residual add), so that the kernel's programs need not each read the whole rows
+    x32 = x.astype(jnp.float32)
+    square_sum = jnp.sum(x32 * x32, axis=1)
+    kernel = functools.partial(_kernel, m=m, h=h, r=r, bm=bm, chunk=chunk,
                                rank_pad=max(16, _next_pow2(r)), eps=eps)
     params = None if interpret else plgpu.CompilerParams(num_warps=config.num_warps,
                                                          num_stages=config.num_stages)
@@ -135,7 +130,7 @@ def _rmsnorm_lora_down(x, scale, lora_a, eps, out_dtype, config, interpret):
         kernel, grid=(programs,), interpret=interpret, compiler_params=params,
         out_shape=(jax.ShapeDtypeStruct((m, h), out_dtype),
                    jax.ShapeDtypeStruct((programs, m, r), jnp.float32)),
-        name="rmsnorm_lora_down")(x, scale, lora_a.astype(out_dtype))
+        name="rmsnorm_lora_down")(x, square_sum, scale, lora_a.astype(out_dtype))
     return normed, shares.sum(axis=0).astype(out_dtype)
 
 

@@ -44,7 +44,7 @@ def _reference_normed(x, scale):
 ])
 def test_kernel_matches_float64_reference(m, h, r, chunk, x_dtype, scale_dtype):
     x, scale, lora_a = _problem(m * 1000 + h, m, h, r, x_dtype, scale_dtype)
-    config = RMSNormLoRAConfig(chunk=chunk, row_block=256)
+    config = RMSNormLoRAConfig(chunk=chunk)
     normed, down = rmsnorm_lora_down(x, scale, lora_a, eps=EPS, config=config, interpret=True)
     assert normed.shape == (m, h) and normed.dtype == jnp.bfloat16
     assert down.shape == (m, r) and down.dtype == jnp.bfloat16
@@ -61,7 +61,7 @@ def test_kernel_agrees_with_the_jnp_reference_and_its_gradient():
     """The jnp reference (the model's RMSNorm then an XLA dot) gives the same outputs within the
     tolerances above, and the kernel's custom VJP is the reference's."""
     x, scale, lora_a = _problem(3, 4, 384, 48)
-    config = RMSNormLoRAConfig(chunk=128, row_block=128)
+    config = RMSNormLoRAConfig(chunk=128)
     got = rmsnorm_lora_down(x, scale, lora_a, eps=EPS, config=config, interpret=True)
     want = rmsnorm_lora_down_reference(x, scale, lora_a, eps=EPS)
     for g, w in zip(got, want):
