@@ -364,23 +364,17 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     info: dict = {}
     if not (use_kernels and decode_attention) and enable_kernels is not None:
         # the trainer's build_model may have registered it already
-        from qerl_jax.quant.kernel_dispatch import disable_decode_attention, disable_decode_norm
+        from qerl_jax.quant.kernel_dispatch import disable_decode_attention
         disable_decode_attention("cpu" if interpret else None)
-        if not use_kernels:
-            disable_decode_norm("cpu" if interpret else None)
     if format_name == "bf16":
-        attention = norm = False
+        attention = False
         tuning = ""
-        if use_kernels:
-            from qerl_jax.quant.kernel_dispatch import enable_decode_norm
-            norm = enable_decode_norm(interpret=interpret)
-            tuning = apply_decode_tuning_from_env()
         if use_kernels and decode_attention:
             from qerl_jax.quant.kernel_dispatch import enable_decode_attention
             attention = enable_decode_attention(interpret=interpret)
+            tuning = apply_decode_tuning_from_env()
         info["kernel_hook"] = "dense bf16 (no quantized matmul)" + (
             ", Pallas decode attention" if attention else "") + (
-            ", Pallas decode norm + LoRA x @ A" if norm else "") + (
             f", decode tuning {tuning}" if tuning else "")
     elif not use_kernels:
         removed = _unregister_all_kernels(format_name)

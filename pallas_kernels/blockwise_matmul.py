@@ -349,10 +349,6 @@ class DecodeTuning:
     swiglu_next_lora: the fused SwiGLU launch also computes the down projection's LoRA
       x @ A from its output tiles (blockwise_matmul_swiglu's next_lora_a), so the model runs
       no separate x @ A product for it; False: the model computes it (comparisons).
-    norm_lora_down: a decode step's RMSNorm kernel (pallas_kernels/rmsnorm_lora.py) also
-      computes the x @ A of the q|k|v and gate|up launches that read its output, where the
-      model's norm dispatch has it registered; False: XLA's norm, gemm and reduction
-      (comparisons).
     """
     target_programs: int = 640
     min_tiles_per_split: int = 4
@@ -364,7 +360,6 @@ class DecodeTuning:
     weight_as_lhs: bool | None = None
     decoder: str | None = None
     swiglu_next_lora: bool = True
-    norm_lora_down: bool = True
 
 
 _DECODE_TUNING = DecodeTuning()
@@ -411,7 +406,7 @@ def parse_tuning(text: str) -> dict:
             fields[name] = None if value.lower() == "none" else value.lower() == "true"
         elif name == "decoder":
             fields[name] = None if value.lower() == "none" else value
-        elif name in ("swiglu_next_lora", "norm_lora_down"):
+        elif name == "swiglu_next_lora":
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"decode tuning {item!r}: true or false")
             fields[name] = value.lower() in ("true", "1")

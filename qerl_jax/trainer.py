@@ -128,20 +128,18 @@ def _finish_model(model: CausalLM, config: ml_collections.ConfigDict) -> CausalL
 
 def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
     """Repacks the 4-bit weights once into the Pallas kernels' layout and registers the kernels
-    (GPU only; a no-op on CPU). bf16 weights get the decode attention and norm kernels only.
+    (GPU only; a no-op on CPU). bf16 weights get the decode-attention kernel only.
     config.quant.kernels=False keeps the XLA path. The kernels compute in bfloat16: with another
     compute dtype every matmul would take the XLA path and unpack the kernel layout again on
     each call, so nothing is repacked. config.quant.gate_up_pairs (default True) makes each
     MLP's gate and up one interleaved pair (kernel_dispatch.pair_mlp_weights)."""
-    from qerl_jax.quant.kernel_dispatch import (enable_decode_attention, enable_decode_norm,
-                                                enable_kernels)
+    from qerl_jax.quant.kernel_dispatch import enable_decode_attention, enable_kernels
 
     if not config.quant.get("kernels", True):
         return
     if config.quant.format == "bf16":
         if config.model.compute_dtype == "bfloat16":
             enable_decode_attention()
-            enable_decode_norm()
         return
     if config.model.compute_dtype != "bfloat16":
         logger.info("Pallas kernels not enabled: model.compute_dtype=%s (they compute in "

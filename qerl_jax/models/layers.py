@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qerl_jax.models.config import RopeScaling
-from qerl_jax.models.norm_dispatch import norm_lora_down_kernel
 from qerl_jax.quant import LoRAProduct, linear, linear_group, linear_swiglu
 
 INIT_STD = 0.02  # HF initializer_range of Qwen2 / Llama
@@ -61,35 +60,32 @@ class Linear(nnx.Module):
                       lora_down=lora_down)
 
 
-def apply_linears(x: jax.Array, layers, stacked_lora_a: jax.Array | None = None,
-                  lora_down: jax.Array | None = None) -> list[jax.Array]:
+def apply_linears(x: jax.Array, layers, stacked_lora_a: jax.Array | None = None
+                  ) -> list[jax.Array]:
     """[layer(x) for layer in layers] for Linear layers that read the same x, through
     qerl_jax.quant.linear_group: quantized layers share one kernel launch where the kernel
     allows (decode), otherwise each runs as layer(x). All layers need one compute dtype.
     `stacked_lora_a` [in, sum r]: the layers' LoRA A matrices side by side, precomputed
-    (qerl_jax.lora.stack_grouped_adapters), or None to stack them here when needed.
-    `lora_down` [..., sum r]: x @ that stacked A made elsewhere (norm_and_lora_down), or None."""
+    (qerl_jax.lora.stack_grouped_adapters), or None to stack them here when needed."""
     dtypes = {jnp.dtype(layer.compute_dtype) for layer in layers}
     if len(dtypes) != 1:
         raise ValueError(f"apply_linears: layers with compute dtypes {sorted(map(str, dtypes))}")
     weights, biases, loras = zip(*(layer.operands() for layer in layers))
     return linear_group(x, weights, biases, compute_dtype=layers[0].compute_dtype, loras=loras,
-                        stacked_lora_a=stacked_lora_a, lora_down=lora_down)
+                        stacked_lora_a=stacked_lora_a)
 
 
 def apply_swiglu_linears(x: jax.Array, gate_layer: Linear, up_layer: Linear,
                          stacked_lora_a: jax.Array | None = None,
                          pair_lora_b: jax.Array | None = None,
-                         next_lora_a: jax.Array | None = None,
-                         lora_down: jax.Array | None = None):
+                         next_lora_a: jax.Array | None = None):
     """swiglu(gate_layer(x), up_layer(x)) [..., out] through qerl_jax.quant.linear_swiglu:
     where the quantized kernel can (gate/up pair views at decode), one launch computes both
     projections and applies the SwiGLU in its epilogue; otherwise apply_linears then swiglu,
     unchanged. `stacked_lora_a` [in, r_gate + r_up] as for apply_linears; `pair_lora_b` the
     fused launch's LoRA B made once (qerl_jax.lora.stack_grouped_adapters) or None.
     `next_lora_a`: the down projection's LoRA A [out, r], or None; with it returns (output,
-    output @ next_lora_a from the fused launch, or None where it did not compute it).
-    `lora_down` [..., r_gate + r_up]: x @ the stacked A made elsewhere (norm_and_lora_down)."""
+    output @ next_lora_a from the fused launch, or None where it did not compute it)."""
     if jnp.dtype(gate_layer.compute_dtype) != jnp.dtype(up_layer.compute_dtype):
         raise ValueError(f"apply_swiglu_linears: gate computes in {gate_layer.compute_dtype}, "
                          f"up in {up_layer.compute_dtype}")
@@ -98,7 +94,7 @@ def apply_swiglu_linears(x: jax.Array, gate_layer: Linear, up_layer: Linear,
     return linear_swiglu(x, (gate_w, up_w), (gate_b, up_b), activation=swiglu,
                          compute_dtype=gate_layer.compute_dtype, loras=(gate_lora, up_lora),
                          stacked_lora_a=stacked_lora_a, pair_lora_b=pair_lora_b,
-                         next_lora_a=next_lora_a, lora_down=lora_down)
+                         next_lora_a=next_lora_a)
 
 
 class Embedding(nnx.Module):
@@ -133,26 +129,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * self.scale.get_value().astype(jnp.float32)).astype(self.compute_dtype)
-
-
-def norm_and_lora_down(norm: RMSNorm, x: jax.Array, stacked_lora_a: jax.Array | None
-                       ) -> tuple[jax.Array, jax.Array | None]:
-    """(norm(x) [..., H], norm(x) @ stacked_lora_a [..., R] or None) for a decode step whose
-    normed x feeds projections with stacked LoRA A matrices (q|k|v or gate|up, [H, R]).
-
-    Where a kernel is registered for the platform and takes these shapes
-    (qerl_jax.models.norm_dispatch: one launch for the norm and the product, in place of the
-    norm, an XLA gemm and its reduction), it computes both; otherwise (no stacked A, no
-    kernel) this is (norm(x), None) and the projections compute x @ A themselves."""
-    if stacked_lora_a is None:
-        return norm(x), None
-    x2d = x.reshape(-1, x.shape[-1])
-    kernel = norm_lora_down_kernel(x2d, stacked_lora_a, norm.compute_dtype)
-    if kernel is None:
-        return norm(x), None
-    normed, down = kernel.fn(x2d, norm.scale.get_value(), stacked_lora_a, eps=norm.eps,
-                             out_dtype=norm.compute_dtype)
-    return normed.reshape(x.shape), down.reshape(*x.shape[:-1], stacked_lora_a.shape[1])
 
 
 # ------------------------------------------------------------------------------ RoPE

@@ -21,7 +21,7 @@ from qerl_jax.models.attention_dispatch import decode_attention_kernel
 from qerl_jax.models.config import ModelConfig
 from qerl_jax.models.kv_cache import KVCache
 from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
-                                    apply_swiglu_linears, norm_and_lora_down, rope_cos_sin,
+                                    apply_swiglu_linears, rope_cos_sin,
                                     rope_inverse_frequencies)
 from qerl_jax.quant.linear_op import narrow_matmul
 
@@ -115,9 +115,8 @@ class Attention(nnx.Module):
         # (qerl_jax.lora.stack_grouped_adapters), so the decode loop does not re-stack them
         self.grouped_lora_a = nnx.data(None)
 
-    def __call__(self, x, cos, sin, mask, cached_kv=None, cache_index=None, lora_down=None):
-        """x [B, T, H]; cos/sin [B, T, D]; mask [B, T, S] bool (True = may attend); lora_down
-        [B, T, 3r]: x @ grouped_lora_a made with the norm (norm_and_lora_down), or None.
+    def __call__(self, x, cos, sin, mask, cached_kv=None, cache_index=None):
+        """x [B, T, H]; cos/sin [B, T, D]; mask [B, T, S] bool (True = may attend).
 
         Without a cache S == T. With `cached_kv` = (keys, values) each [B, S, kv_heads, D], the
         new keys/values are written at slots [cache_index, cache_index + T) and the updated
@@ -132,7 +131,7 @@ class Attention(nnx.Module):
         """
         batch, length, _ = x.shape
         q, k, v = apply_linears(x, (self.q_proj, self.k_proj, self.v_proj),
-                                self.grouped_lora_a, lora_down)
+                                self.grouped_lora_a)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -194,19 +193,16 @@ class MLP(nnx.Module):
         # (qerl_jax.lora.stack_grouped_adapters), or None
         self.pair_lora_b = nnx.data(None)
 
-    def __call__(self, x, lora_down=None):
-        """x [..., H]; lora_down [..., 2r]: x @ grouped_lora_a made with the norm
-        (norm_and_lora_down), or None. With a down-projection adapter, the fused SwiGLU launch
-        (decode) also returns swiglu @ A_down, so the down projection runs no x @ A product of
-        its own (linear_op.linear_swiglu's next_lora_a); elsewhere down_proj computes it."""
+    def __call__(self, x):
+        """With a down-projection adapter, the fused SwiGLU launch (decode) also returns
+        swiglu @ A_down, so the down projection runs no x @ A product of its own
+        (linear_op.linear_swiglu's next_lora_a); elsewhere down_proj computes it."""
         if self.down_proj.lora_a is None:
             return self.down_proj(apply_swiglu_linears(x, self.gate_proj, self.up_proj,
-                                                       self.grouped_lora_a, self.pair_lora_b,
-                                                       lora_down=lora_down))
+                                                       self.grouped_lora_a, self.pair_lora_b))
         hidden, down = apply_swiglu_linears(x, self.gate_proj, self.up_proj,
                                             self.grouped_lora_a, self.pair_lora_b,
-                                            next_lora_a=self.down_proj.lora_a.get_value(),
-                                            lora_down=lora_down)
+                                            next_lora_a=self.down_proj.lora_a.get_value())
         return self.down_proj(hidden, lora_down=down)
 
 
@@ -222,20 +218,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask, cached_kv=None, cache_index=None):
-        """With a cache (sampling), each norm also gives the x @ A of the projections that read
-        it where a kernel does both in one launch (norm_and_lora_down); training and the
-        uncached forward run the norms alone."""
-        if cached_kv is None:
-            attended, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask)
-            x = x + attended
-            return x + self.mlp(self.post_attention_layernorm(x)), new_kv
-        normed, down = norm_and_lora_down(self.input_layernorm, x, self.self_attn.grouped_lora_a)
-        attended, new_kv = self.self_attn(normed, cos, sin, mask, cached_kv, cache_index,
-                                          lora_down=down)
+        attended, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cached_kv,
+                                          cache_index)
         x = x + attended
-        normed, down = norm_and_lora_down(self.post_attention_layernorm, x,
-                                          self.mlp.grouped_lora_a)
-        return x + self.mlp(normed, lora_down=down), new_kv
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv
 
 
 def _layer_forward(layer, x, cos, sin, mask, cached_kv, cache_index):

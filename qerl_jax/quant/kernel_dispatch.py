@@ -51,12 +51,12 @@ from jax import lax
 
 from pallas_kernels import blockwise_matmul as bw
 from pallas_kernels import decode_attention as decode_attention_kernels
-from pallas_kernels import nvfp4_matmul, rmsnorm_lora
+from pallas_kernels import nvfp4_matmul
 from pallas_kernels.mxfp4_matmul import MAX_SCALE_CODE as MXFP4_MAX_SCALE_CODE
 from pallas_kernels.mxfp4_matmul import MXFP4
 from pallas_kernels.nf4_matmul import NF4
 from pallas_kernels.nvfp4_matmul import NVFP4
-from qerl_jax.models import attention_dispatch, norm_dispatch
+from qerl_jax.models import attention_dispatch
 from qerl_jax.quant import linear_op
 from qerl_jax.quant.nf4 import dequantize_block_scales
 from qerl_jax.quant.qarray import QuantizedWeight
@@ -651,14 +651,13 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
 
 
 def unregister_kernels(platform: str = "gpu") -> None:
-    """Removes this module's kernels for `platform`, decode attention and norm included (back to
-    the XLA path)."""
+    """Removes this module's kernels for `platform`, decode attention included (back to the XLA
+    path)."""
     for format_name in SPECS:
         for name in kernel_names(format_name):
             linear_op.unregister_matmul_kernel(format_name, platform, name)
     _REGISTERED.pop(platform, None)
     disable_decode_attention(platform)
-    disable_decode_norm(platform)
 
 
 def _decode_attention_supports(q, keys) -> str | None:
@@ -698,46 +697,10 @@ def disable_decode_attention(platform: str | None = None) -> None:
     attention_dispatch.unregister_decode_attention(platform or jax.default_backend())
 
 
-def _decode_norm_supports(x, lora_a, out_dtype) -> str | None:
-    if not bw.decode_tuning().norm_lora_down:
-        return "DecodeTuning.norm_lora_down is off"
-    if jnp.dtype(out_dtype) != jnp.bfloat16:
-        return f"compute dtype {jnp.dtype(out_dtype)} (the kernel writes bfloat16)"
-    if x.ndim != 2 or x.shape[0] > rmsnorm_lora.MAX_ROWS:
-        return f"x {tuple(x.shape)}: more than {rmsnorm_lora.MAX_ROWS} rows (not a decode step)"
-    return None
-
-
-def enable_decode_norm(platform: str | None = None, *, interpret: bool = False) -> bool:
-    """Registers the Pallas RMSNorm + LoRA x @ A kernel (pallas_kernels.rmsnorm_lora) for
-    decode steps on `platform` (qerl_jax.models.norm_dispatch): the norm before q|k|v and the
-    one before gate|up each also compute the x @ A of the launch that reads them. Independent
-    of the weight format. Returns whether it was registered (not on a platform without
-    compiled kernels unless interpret=True)."""
-    platform = platform or jax.default_backend()
-    if platform not in KERNEL_PLATFORMS and not interpret:
-        return False
-
-    def run(x, scale, lora_a, *, eps, out_dtype):
-        return rmsnorm_lora.rmsnorm_lora_down(x, scale, lora_a, eps=eps, out_dtype=out_dtype,
-                                              interpret=interpret)
-
-    norm_dispatch.register_norm_lora_down(platform, norm_dispatch.NormLoRADownKernel(
-        name="pallas_rmsnorm_lora_down", fn=run, supports=_decode_norm_supports))
-    logger.info("registered the Pallas RMSNorm + LoRA x @ A kernel for %s (interpret=%s)",
-                platform, interpret)
-    return True
-
-
-def disable_decode_norm(platform: str | None = None) -> None:
-    norm_dispatch.unregister_norm_lora_down(platform or jax.default_backend())
-
-
 def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bool = False,
                    tile_k: int | None = None, small_m_backward: str = "dequantize",
                    lora_epilogue: bool = True, grouped: bool = True,
-                   decode_attention: bool = True, decode_norm: bool = True,
-                   donate: bool = False,
+                   decode_attention: bool = True, donate: bool = False,
                    pair_mlp: bool = True, fused_swiglu: bool = True):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
@@ -752,7 +715,6 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
       tile_k: K tile of the kernel layout (default: default_tile_k).
       small_m_backward, lora_epilogue, grouped, fused_swiglu: see register_kernels.
       decode_attention: also register the decode-attention kernel (enable_decode_attention).
-      decode_norm: also register the decode RMSNorm + LoRA x @ A kernel (enable_decode_norm).
       pair_mlp: (Module only) each SwiGLU MLP's gate and up weights become two views of one
         interleaved copy (pair_mlp_weights; no extra memory), which the decode steps run in
         one launch with the SwiGLU in its epilogue. A pytree (not a Module) keeps separate
@@ -773,10 +735,6 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
         enable_decode_attention(platform, interpret=interpret)
     else:
         disable_decode_attention(platform)
-    if decode_norm:
-        enable_decode_norm(platform, interpret=interpret)
-    else:
-        disable_decode_norm(platform)
     if not isinstance(model_or_state, nnx.Module):
         return prepare_for_kernels(model_or_state, tile_k=tile_k)
     count = 0

@@ -625,19 +625,14 @@ def _select_shared_launch(op_name: str, x: jax.Array, weights, loras, compute_dt
     return x2d, kernel, _xla_backward if kernel.grad_fn is None else kernel.grad_fn
 
 
-def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype, lora_down=None):
+def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype):
     """(down = x @ [A_0 | A_1 | ...] [M, sum r_i] in compute dtype, (B_i), (scale_i)) for a
     launch over several weights, or (None, None, None) without LoRA. One x @ [A_0 | A_1 | ...]
     for the group: separate x @ A_i dots would be merged by XLA anyway, but then it
     concatenates the A_i inside the decode loop at every step and slices the product apart
-    (4-5 extra small kernels per layer and step). lora_down: that product made elsewhere
-    ([M, sum r_i], checked by _check_group_lora_down), used as is."""
+    (4-5 extra small kernels per layer and step)."""
     if loras[0] is None:
         return None, None, None
-    if lora_down is not None:
-        return (lora_down.astype(compute_dtype), tuple(lora.b.astype(compute_dtype)
-                                                       for lora in loras),
-                tuple(float(lora.scale) for lora in loras))
     if stacked_lora_a is None:
         stacked_a = jnp.concatenate([lora.a.astype(compute_dtype) for lora in loras], axis=1)
     else:
@@ -651,31 +646,8 @@ def _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype, lora_down=None
             tuple(float(lora.scale) for lora in loras))
 
 
-def _check_group_lora_down(op_name: str, x: jax.Array, loras, lora_down) -> jax.Array | None:
-    """lora_down [..., sum r_i] (the group's x @ [A_0 | A_1 | ...] made elsewhere) as [M, sum
-    r_i], or None; raises ValueError unless every layer has an adapter and the shape fits."""
-    if lora_down is None:
-        return None
-    if any(lora is None for lora in loras):
-        raise ValueError(f"{op_name}: lora_down needs a LoRA adapter on every layer")
-    ranks = sum(lora.a.shape[1] for lora in loras)
-    if tuple(lora_down.shape) != (*x.shape[:-1], ranks):
-        raise ValueError(f"{op_name}: lora_down {tuple(lora_down.shape)} must be [..., sum of "
-                         f"ranks] = {[*x.shape[:-1], ranks]}")
-    return lora_down.reshape(-1, ranks)
-
-
-def _member_lora_downs(lora_down, loras):
-    """The group's lora_down [..., sum r_i] split into each layer's [..., r_i] (or Nones)."""
-    if lora_down is None:
-        return (None,) * len(loras)
-    bounds = np.cumsum([lora.a.shape[1] for lora in loras])[:-1]
-    return tuple(jnp.split(lora_down, bounds, axis=-1))
-
-
 def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
-                 loras=None, stacked_lora_a: jax.Array | None = None,
-                 lora_down: jax.Array | None = None) -> list[jax.Array]:
+                 loras=None, stacked_lora_a: jax.Array | None = None) -> list[jax.Array]:
     """`linear` of several layers that read the same x (a layer's q/k/v, or gate/up).
 
     Where the selected quantized kernel can launch them together (group_fn: the fused small-M
@@ -693,9 +665,6 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
         dtype, made once outside a loop (qerl_jax.lora.stack_grouped_adapters): the grouped
         launch's x @ [A_0 | A_1 | ...] then reads it instead of concatenating the A_i at every
         call. Ignored where the layers run one by one.
-      lora_down: optional [..., sum r_i], x @ [A_0 | A_1 | ...] made elsewhere (a decode
-        step's fused RMSNorm kernel, qerl_jax.models.layers.norm_and_lora_down), used instead
-        of computing it (split per layer where the layers run one by one).
     Returns:
       list of [..., out_i] in compute_dtype.
     """
@@ -705,12 +674,10 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
     if not len(weights) == len(biases) == len(loras):
         raise ValueError(f"linear_group: {len(weights)} weights, {len(biases)} biases and "
                          f"{len(loras)} LoRA entries must match")
-    down2d = _check_group_lora_down("linear_group", x, loras, lora_down)
 
     def one_by_one():
-        return [linear(x, w, b, compute_dtype=compute_dtype, lora=lora, lora_down=down)
-                for w, b, lora, down in zip(weights, biases, loras,
-                                            _member_lora_downs(lora_down, loras))]
+        return [linear(x, w, b, compute_dtype=compute_dtype, lora=lora)
+                for w, b, lora in zip(weights, biases, loras)]
 
     if not all(isinstance(w, QuantizedWeight) for w in weights):
         return one_by_one()
@@ -720,8 +687,7 @@ def linear_group(x: jax.Array, weights, biases, *, compute_dtype=jnp.bfloat16,
                                                   ("one by one", "grouped"))
     if kernel is None:
         return one_by_one()
-    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype,
-                                               down2d)
+    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
     ys = _grouped_quantized_matmul(x2d, down, lora_bs, weights, jnp.dtype(compute_dtype),
                                    scales, kernel.group_fn, backward)
     outputs = []
@@ -752,8 +718,7 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
                   compute_dtype=jnp.bfloat16, loras=None,
                   stacked_lora_a: jax.Array | None = None,
                   pair_lora_b: jax.Array | None = None,
-                  next_lora_a: jax.Array | None = None,
-                  lora_down: jax.Array | None = None):
+                  next_lora_a: jax.Array | None = None):
     """activation(*linear_group(x, (gate, up), ...)) for a SwiGLU MLP's gate and up layers,
     [..., N] in compute_dtype, where `activation(gate, up)` is the model's SwiGLU: float32
     silu(gate) * up, rounded to compute_dtype (QeRL's Qwen2.5 MLP, before down_proj).
@@ -770,8 +735,7 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
       weights: (gate, up), as for `linear`.
       biases: (gate bias, up bias), each optional [N].
       activation: the SwiGLU applied where nothing is fused.
-      loras, stacked_lora_a, lora_down: as for `linear_group` (the stacked A is [in, r_gate +
-        r_up], lora_down [..., r_gate + r_up]).
+      loras, stacked_lora_a: as for `linear_group` (the stacked A is [in, r_gate + r_up]).
       pair_lora_b: the fused launch's LoRA B operand made once outside a loop
         (prepare_swiglu_lora_b), or None (made per call where needed).
       next_lora_a: the LoRA A [N, r] of the layer that reads this output (the MLP's down
@@ -793,8 +757,7 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
 
     def unfused():
         return result(activation(*linear_group(x, weights, biases, compute_dtype=compute_dtype,
-                                                loras=loras, stacked_lora_a=stacked_lora_a,
-                                                lora_down=lora_down)))
+                                                loras=loras, stacked_lora_a=stacked_lora_a)))
 
     if any(b is not None for b in biases) or not all(isinstance(w, QuantizedWeight)
                                                      for w in weights):
@@ -812,9 +775,7 @@ def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,
                                                   ("unfused SwiGLU", "fused SwiGLU"))
     if kernel is None:
         return unfused()
-    down2d = _check_group_lora_down("linear_swiglu", x, loras, lora_down)
-    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype,
-                                               down2d)
+    down, lora_bs, scales = _group_lora_inputs(x2d, loras, stacked_lora_a, compute_dtype)
     if down is None:
         pair_lora_b = None
     dtype = jnp.dtype(compute_dtype)

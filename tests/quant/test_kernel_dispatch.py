@@ -728,8 +728,7 @@ def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kerne
     """The sampler stacks each layer's [A_q | A_k | A_v] and [A_gate | A_up], and the fused
     SwiGLU launch's pair B, once, before its while_loop (lora.stack_grouped_adapters): the loop
     body has no concatenate of adapter shapes, and the sampled tokens and log-probs equal, bit
-    for bit, those of the sampler that stacks them inside every launch. (The decode norm kernel
-    is off here: it needs the stacked A, so only the stacking sampler would run it.)"""
+    for bit, those of the sampler that stacks them inside every launch."""
     from qerl_jax import sampling
     from qerl_jax.lora import LoRAConfig, add_lora, stack_grouped_adapters
     from qerl_jax.models.layers import apply_linears
@@ -739,7 +738,7 @@ def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kerne
         if getattr(layer, "lora_b", None) is not None:  # B = 0 would hide a wrong A
             b = layer.lora_b.get_value()
             layer.lora_b.set_value(0.1 * jax.random.normal(jax.random.key(b.shape[1]), b.shape))
-    enable_kernels(model, platform="cpu", interpret=True, decode_norm=False)
+    enable_kernels(model, platform="cpu", interpret=True)
     hidden = model.config.hidden_size
     prompts = jnp.asarray(np.random.default_rng(7).integers(0, 128, (2, 5)), jnp.int32)
     mask = jnp.asarray([[1] * 5, [0, 0, 1, 1, 1]], jnp.bool_)
@@ -819,61 +818,6 @@ def test_decode_loop_takes_the_down_lora_product_from_the_swiglu_launch(interpre
         bw.set_decode_tuning(previous)
         sampling._generate_program.clear_cache()
     np.testing.assert_array_equal(np.asarray(fused.tokens), np.asarray(separate.tokens))
-
-
-def test_decode_loop_takes_the_grouped_lora_products_from_the_norm_kernel(interpret_kernels):
-    """With the decode norm kernel registered (enable_kernels), the sampler's decode loop runs
-    no x @ [A_q | A_k | A_v] or x @ [A_gate | A_up] dot: the RMSNorm kernel before each group
-    computes it (pallas_kernels/rmsnorm_lora.py). With DecodeTuning.norm_lora_down off the dots
-    are back; the greedy tokens are the same and the log-probs agree within 2e-2 (the norm's
-    float32 mean square and the product are summed in other orders, which moves a bf16 value
-    by an ulp now and then)."""
-    from pallas_kernels import blockwise_matmul as bw
-    from qerl_jax import sampling
-    from qerl_jax.lora import LoRAConfig, add_lora
-    from qerl_jax.models import norm_dispatch
-    model = _tiny_quantized_model("nvfp4", layers=2)
-    add_lora(model, LoRAConfig(rank=4), jax.random.key(0))
-    hidden = model.config.hidden_size
-    prompts = jnp.asarray(np.random.default_rng(4).integers(0, 128, (2, 5)), jnp.int32)
-    mask = jnp.asarray([[1] * 5, [0, 1, 1, 1, 1]], jnp.bool_)
-    for _, layer in nnx.iter_graph(model):
-        if getattr(layer, "lora_b", None) is not None:  # B = 0 would hide a wrong product
-            b = layer.lora_b.get_value()
-            layer.lora_b.set_value(0.1 * jax.random.normal(jax.random.key(b.shape[1]), b.shape))
-    config = sampling.SamplingConfig(max_new_tokens=4, num_generations=2, prompt_bucket=8,
-                                     greedy=True)
-    enable_kernels(model, platform="cpu", interpret=True)
-    assert norm_dispatch._KERNELS.get("cpu") is not None
-    key = jax.random.key(9)
-    graphdef, state = nnx.split(model)
-
-    def grouped_down_dots():
-        sampling._generate_program.clear_cache()
-        jaxpr = jax.make_jaxpr(
-            lambda s: sampling._generate_program(graphdef, (s,), prompts, mask, key,
-                                                 config=config, cache_length=12))(state)
-        return [eq for eq in _while_body_equations(jaxpr, "dot_general")
-                if eq[1] in ((hidden, 12), (hidden, 8))]
-
-    try:
-        assert grouped_down_dots() == []
-        sampling._generate_program.clear_cache()
-        fused = sampling.generate(model, prompts, mask, key, config)
-        previous = bw.set_decode_tuning(norm_lora_down=False)
-        try:
-            assert len(grouped_down_dots()) == 2 * 2  # the check can see them: 2 per layer
-            sampling._generate_program.clear_cache()
-            separate = sampling.generate(model, prompts, mask, key, config)
-        finally:
-            bw.set_decode_tuning(previous)
-            sampling._generate_program.clear_cache()
-    finally:
-        kernel_dispatch.disable_decode_norm("cpu")
-        kernel_dispatch.disable_decode_attention("cpu")
-    np.testing.assert_array_equal(np.asarray(fused.tokens), np.asarray(separate.tokens))
-    np.testing.assert_allclose(np.asarray(fused.logprobs), np.asarray(separate.logprobs),
-                               atol=2e-2)
 
 
 @pytest.mark.parametrize("format_name", ["nvfp4", "nf4"])
