@@ -41,6 +41,11 @@ SHAPES = {
     "32b": [("q/o", 5120, 5120), ("k/v", 1024, 5120), ("gate/up", 27648, 5120),
             ("down", 5120, 27648), ("qkv", 7168, 5120), ("gate|up", 55296, 5120)],
     "smoke": [("a", 256, 256), ("b", 128, 512)],
+    # 32B-like K with N giving 660 (5 programs per SM x 132 SMs: one full wave at 96 registers
+    # per thread), 792, 864 (the 32B gate|up launch: 1.31 waves) and 1320 (2 waves) row tiles
+    # of 64: does the time follow the bytes, or the waves?
+    "waves": [("660 tiles", 42240, 5120), ("792 tiles", 50688, 5120),
+              ("864 tiles", 55296, 5120), ("1320 tiles", 84480, 5120)],
 }
 L2_DEFEAT_BYTES = 200 << 20  # > 2x the H100's 50 MiB and the H200's 60 MiB L2
 
