@@ -760,11 +760,16 @@ def interleave_rows(a: jax.Array, b: jax.Array, half_block: int) -> jax.Array:
     return jnp.stack(blocks, axis=1).reshape(2 * rows, width)
 
 
-def interleave_tile_major(a: jax.Array, b: jax.Array, half_block: int,
-                          tile_cols: int) -> jax.Array:
-    """interleave_rows of two tile-major arrays (through row_major; the result tile-major)."""
-    return tile_major(interleave_rows(row_major(a, tile_cols), row_major(b, tile_cols),
-                                      half_block), tile_cols)
+def interleave_tile_major_arrays(gate_codes: jax.Array, up_codes: jax.Array,
+                                gate_scales: jax.Array, up_scales: jax.Array, *,
+                                half_block: int, tile_k: int) -> tuple[jax.Array, jax.Array]:
+    """(codes, scales) of a gate/up pair from the two weights' tile-major kernel arrays:
+    interleave_rows of each in its row-major form, stored tile-major again (a 64-row block of
+    the tile-major layout holds only its own rows, so the interleave cannot work in place)."""
+    gate_codes, gate_scales = row_major_arrays(gate_codes, gate_scales, tile_k)
+    up_codes, up_scales = row_major_arrays(up_codes, up_scales, tile_k)
+    return tile_major_arrays(interleave_rows(gate_codes, up_codes, half_block),
+                             interleave_rows(gate_scales, up_scales, half_block), tile_k)
 
 
 def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) -> PackedWeight:
@@ -782,10 +787,9 @@ def interleave_gate_up(gate: PackedWeight, up: PackedWeight, half_block: int) ->
     n_pad = gate.codes.shape[0]
     if n_pad % half_block:
         raise ValueError(f"interleave_gate_up: half_block {half_block} must divide N_pad {n_pad}")
-    code_cols, scale_cols = tile_columns(gate.codes.shape[1], gate.scales.shape[1], gate.tile_k)
-    return PackedWeight(codes=interleave_tile_major(gate.codes, up.codes, half_block, code_cols),
-                        scales=interleave_tile_major(gate.scales, up.scales, half_block,
-                                                     scale_cols),
+    codes, scales = interleave_tile_major_arrays(gate.codes, up.codes, gate.scales, up.scales,
+                                                 half_block=half_block, tile_k=gate.tile_k)
+    return PackedWeight(codes=codes, scales=scales,
                         tensor_scale=jnp.concatenate([gate.tensor_scale.reshape(1),
                                                       up.tensor_scale.reshape(1)]),
                         fmt=gate.fmt, n=2 * n_pad, k=gate.k, tile_k=gate.tile_k)

@@ -346,11 +346,8 @@ def pair_refusal(gate, up, half_block: int = PAIR_HALF_BLOCK) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("half_block", "tile_k"))
-def _interleaved_pair(gate_codes, up_codes, gate_scales, up_scales, *, half_block, tile_k):
-    code_cols, scale_cols = bw.tile_columns(gate_codes.shape[1], gate_scales.shape[1], tile_k)
-    return (bw.interleave_tile_major(gate_codes, up_codes, half_block, code_cols),
-            bw.interleave_tile_major(gate_scales, up_scales, half_block, scale_cols))
+_interleaved_pair = jax.jit(bw.interleave_tile_major_arrays,
+                            static_argnames=("half_block", "tile_k"))
 
 
 def pair_gate_up(gate: KernelLayoutWeight, up: KernelLayoutWeight, *,
