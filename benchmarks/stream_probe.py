@@ -13,6 +13,11 @@ to no arithmetic:
   dot8         codes (as int8) @ a constant int8 [128, 16] tile per K tile: an int8 mma,
                the fused kernel's dot shape without the decode
   dot8+s+x     + scale and activation loads (summed into the result so they stay live)
+  dot16        the fused kernel's two bf16 dots per K tile, its activation tiles [16, 128]
+               (rows >= M masked, loaded per K tile as in the kernel) @ the low / high
+               nibbles of the codes as bf16 (2 bit operations per weight: (c & 15) | 0x4300
+               is the bf16 of 128 + c); no scales
+  dot16+s+x    + the two scale planes' loads (xor-ed, not applied)
   xla          XLA row reduction (max) over the codes + a reduction over the scales: what
                XLA's own emitter reaches on the same bytes
 
@@ -36,7 +41,7 @@ import time
 import _common as common
 import kernel_profile
 
-VARIANTS = ("xor", "xor+s", "xor+s+x", "dot8", "dot8+s+x", "xla")
+VARIANTS = ("xor", "xor+s", "xor+s+x", "dot8", "dot8+s+x", "dot16", "dot16+s+x", "xla")
 TILE_ROWS = 64
 
 
@@ -85,6 +90,7 @@ def _stream_kernel(codes_ref, scales_ref, x_ref, out_ref, *, variant: str, k_til
     with_scales = "+s" in variant
     with_x = "+x" in variant
     dot = variant.startswith("dot8")
+    dot16 = variant.startswith("dot16")
 
     def load(view, **kw):
         return plgpu.load(view, eviction_policy=eviction, **kw)
@@ -93,7 +99,17 @@ def _stream_kernel(codes_ref, scales_ref, x_ref, out_ref, *, variant: str, k_til
         acc, acc_s, acc_x = carry
         row = pl.multiple_of(base + kt * TILE_ROWS, TILE_ROWS)
         c = load(codes_ref.at[pl.ds(row, TILE_ROWS), pl.ds(0, half)])
-        if dot:
+        if dot16:
+            rows = lax.broadcasted_iota(jnp.int32, (16, 1), 0) < m
+            c16 = c.astype(jnp.uint16)
+            planes = (c16 & 15, c16 >> 4)
+            for p in range(2):
+                w = lax.bitcast_convert_type(planes[p] | 0x4300, jnp.bfloat16)
+                xv = plgpu.load(x_ref.at[pl.ds(0, 16), pl.ds(kt * tile_k + p * half, half)],
+                                mask=jnp.broadcast_to(rows, (16, half)), other=0.0)
+                acc = acc + lax.dot_general(xv, w, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+        elif dot:
             ones = jnp.ones((half, 16), jnp.int8)
             acc = acc + jnp.dot(lax.bitcast_convert_type(c, jnp.int8), ones,
                                 preferred_element_type=jnp.int32)
@@ -101,7 +117,7 @@ def _stream_kernel(codes_ref, scales_ref, x_ref, out_ref, *, variant: str, k_til
             acc = acc ^ c
         if with_scales:
             acc_s = acc_s ^ load(scales_ref.at[pl.ds(row, TILE_ROWS), pl.ds(0, ns)])
-        if with_x:
+        if with_x and not dot16:
             rows = lax.broadcasted_iota(jnp.int32, (16, 1), 0) < m
             for p in range(2):
                 xv = plgpu.load(x_ref.at[pl.ds(0, 16), pl.ds(kt * tile_k + p * half, half)],
@@ -110,12 +126,15 @@ def _stream_kernel(codes_ref, scales_ref, x_ref, out_ref, *, variant: str, k_til
         return acc, acc_s, acc_x
 
     acc0 = (jnp.zeros((TILE_ROWS, 16), jnp.int32) if dot
+            else jnp.zeros((16, TILE_ROWS), jnp.float32) if dot16
             else jnp.zeros((TILE_ROWS, half), jnp.uint8))
     carry = (acc0, jnp.zeros((TILE_ROWS, ns), jnp.uint8), jnp.zeros((16, half), jnp.float32))
     acc, acc_s, acc_x = lax.fori_loop(0, k_tiles, body, carry)
     # Row sums in the [64, 16] result keep every load live.
     if dot:
         summary = acc
+    elif dot16:
+        summary = acc.T.astype(jnp.int32)
     else:
         summary = jnp.broadcast_to(acc.astype(jnp.int32).sum(axis=1, keepdims=True),
                                    (TILE_ROWS, 16))
