@@ -46,6 +46,10 @@ SHAPES = {
     # of 64: does the time follow the bytes, or the waves?
     "waves": [("660 tiles", 42240, 5120), ("792 tiles", 50688, 5120),
               ("864 tiles", 55296, 5120), ("1320 tiles", 84480, 5120)],
+    # One full wave of 660 row tiles at K from 1280 to 10240: the time per K tile of a program
+    # and what a program costs besides its K loop (the line's intercept).
+    "kdepth": [("K 1280", 42240, 1280), ("K 2560", 42240, 2560), ("K 5120", 42240, 5120),
+               ("K 10240", 42240, 10240)],
 }
 L2_DEFEAT_BYTES = 200 << 20  # > 2x the H100's 50 MiB and the H200's 60 MiB L2
 
