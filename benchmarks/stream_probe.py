@@ -18,6 +18,12 @@ to no arithmetic:
                nibbles of the codes as bf16 (2 bit operations per weight: (c & 15) | 0x4300
                is the bf16 of 128 + c); no scales
   dot16+s+x    + the two scale planes' loads (xor-ed, not applied)
+  tma          a Pallas Mosaic GPU kernel (the other backend, TMA copies): grid (row tiles,
+               K tiles) with the K axis "sequential", so Pallas pipelines the [64, 128] code
+               tiles into shared memory (max_concurrent_steps = the setting's stages); the
+               body stores zeros once, so this is the TMA streaming ceiling itself
+  tma+s        + the scale tiles [64, 16]
+  tma+use      the last K tile's codes read from shared memory and stored (the loads used)
   xla          XLA row reduction (max) over the codes + a reduction over the scales: what
                XLA's own emitter reaches on the same bytes
 
@@ -41,7 +47,8 @@ import time
 import _common as common
 import kernel_profile
 
-VARIANTS = ("xor", "xor+s", "xor+s+x", "dot8", "dot8+s+x", "dot16", "dot16+s+x", "xla")
+VARIANTS = ("xor", "xor+s", "xor+s+x", "dot8", "dot8+s+x", "dot16", "dot16+s+x", "tma", "tma+s",
+            "tma+use", "xla")
 TILE_ROWS = 64
 
 
@@ -143,6 +150,47 @@ def _stream_kernel(codes_ref, scales_ref, x_ref, out_ref, *, variant: str, k_til
     out_ref[pl.ds(pid * TILE_ROWS, TILE_ROWS), :] = summary
 
 
+def _tma_call(codes, scales, *, variant: str, k_tiles: int, stages: int):
+    """The Mosaic GPU streaming kernel (GPU only: the backend has no CPU interpret path in
+    JAX 0.10)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plmgpu
+
+    half, ns = codes.shape[1], scales.shape[1]
+    tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
+    with_scales = variant == "tma+s"
+    use = variant == "tma+use"
+
+    def kernel(*refs):
+        out_ref = refs[-1]
+        c_ref = refs[0]
+        last = pl.program_id(1) == k_tiles - 1
+
+        @pl.when(last)
+        def _():
+            if use:
+                out_ref[...] = c_ref[...]
+            else:
+                out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    in_specs = [pl.BlockSpec((TILE_ROWS, half), lambda i, k: (i * k_tiles + k, 0))]
+    inputs = [codes]
+    if with_scales:
+        in_specs.append(pl.BlockSpec((TILE_ROWS, ns), lambda i, k: (i * k_tiles + k, 0)))
+        inputs.append(scales)
+    out_cols = half if use else 16
+    out_dtype = jnp.uint8 if use else jnp.float32
+    return pl.pallas_call(
+        kernel, grid=(tiles, k_tiles), in_specs=in_specs,
+        out_specs=pl.BlockSpec((TILE_ROWS, out_cols), lambda i, k: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((tiles * TILE_ROWS, out_cols), out_dtype),
+        compiler_params=plmgpu.CompilerParams(
+            dimension_semantics=("parallel", "sequential"), max_concurrent_steps=stages),
+        name=f"stream_{variant.replace('+', '_')}")(*inputs)
+
+
 def stream_call(codes, scales, x, *, variant: str, k_tiles: int, m: int, warps: int,
                 stages: int, eviction: str | None, interpret: bool):
     import jax
@@ -152,6 +200,8 @@ def stream_call(codes, scales, x, *, variant: str, k_tiles: int, m: int, warps: 
 
     if variant == "xla":
         return jnp.max(codes, axis=1), jnp.max(scales, axis=1)
+    if variant.startswith("tma"):
+        return _tma_call(codes, scales, variant=variant, k_tiles=k_tiles, stages=stages)
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
     kernel = functools.partial(_stream_kernel, variant=variant, k_tiles=k_tiles, m=m,
                                eviction=eviction)
@@ -201,10 +251,15 @@ def main(argv=None):
                 row = {"tiles": tiles, "n": n, "k": k, "variant": variant, "setting": setting,
                        "copies": count, "MB": nbytes / 1e6}
                 try:
-                    marker = None if variant == "xla" else "stream_"
+                    if variant.startswith("tma") and interpret:
+                        raise NotImplementedError("the Mosaic GPU variants need a GPU")
+                    # XLA's reduction and the Mosaic GPU kernel (whose trace name may not
+                    # carry the pallas_call name): every device event of the call.
+                    whole_call = variant == "xla" or variant.startswith("tma")
+                    marker = None if whole_call else "stream_"
                     kernel_us, call_us, found = kernel_profile.traced_device_us(
                         fn, (codes, scales, x), args.repeats, count, marker)
-                    us = call_us if variant == "xla" else kernel_us
+                    us = call_us if whole_call else kernel_us
                     row.update(kernel_us=us, call_us=call_us, TB_s=nbytes / us / 1e6,
                                kernel_events=found)
                 except Exception as e:  # a variant Triton cannot compile: record, go on
