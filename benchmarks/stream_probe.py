@@ -24,6 +24,8 @@ to no arithmetic:
                body stores zeros once, so this is the TMA streaming ceiling itself
   tma+s        + the scale tiles [64, 16]
   tma+use      the last K tile's codes read from shared memory and stored (the loads used)
+  tma-ep       tma with the pipeline written out: grid (row tiles,), the codes in GMEM and
+               plgpu.emit_pipeline over K inside the kernel
   xla          XLA row reduction (max) over the codes + a reduction over the scales: what
                XLA's own emitter reaches on the same bytes
 
@@ -43,12 +45,13 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import _common as common
 import kernel_profile
 
 VARIANTS = ("xor", "xor+s", "xor+s+x", "dot8", "dot8+s+x", "dot16", "dot16+s+x", "tma", "tma+s",
-            "tma+use", "xla")
+            "tma+use", "tma-ep", "xla")
 TILE_ROWS = 64
 
 
@@ -162,6 +165,27 @@ def _tma_call(codes, scales, *, variant: str, k_tiles: int, stages: int):
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
     with_scales = variant == "tma+s"
     use = variant == "tma+use"
+    if variant == "tma-ep":
+        def ep_kernel(c_gmem, out_ref):
+            i = pl.program_id(0)
+
+            def body(indices, c_smem):
+                del indices, c_smem
+
+            plmgpu.emit_pipeline(
+                body, grid=(k_tiles,),
+                in_specs=[plmgpu.BlockSpec((TILE_ROWS, half),
+                                           lambda k: (i * k_tiles + k, 0))],
+                max_concurrent_steps=stages)(c_gmem)
+            out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+        return pl.pallas_call(
+            ep_kernel, grid=(tiles,),
+            in_specs=[pl.BlockSpec(memory_space=plmgpu.GMEM)],
+            out_specs=pl.BlockSpec((TILE_ROWS, 16), lambda i: (i, 0)),
+            out_shape=jax.ShapeDtypeStruct((tiles * TILE_ROWS, 16), jnp.float32),
+            compiler_params=plmgpu.CompilerParams(),
+            name="stream_tma_ep")(codes)
 
     def kernel(*refs):
         out_ref = refs[-1]
@@ -262,7 +286,8 @@ def main(argv=None):
                     us = call_us if whole_call else kernel_us
                     row.update(kernel_us=us, call_us=call_us, TB_s=nbytes / us / 1e6,
                                kernel_events=found)
-                except Exception as e:  # a variant Triton cannot compile: record, go on
+                except Exception as e:  # a variant that cannot compile: record, go on
+                    traceback.print_exc()
                     row.update(error=common.describe_error(e))
                 rows.append(row)
                 print(row, flush=True)
