@@ -160,6 +160,9 @@ def _tma_call(codes, scales, *, variant: str, k_tiles: int, stages: int):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plmgpu
+    # JAX 0.11.2 registers the Mosaic GPU lowering of pallas_call only when this module is
+    # imported (its GPU lowering imports the Triton one alone): without it, an AssertionError.
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
 
     half, ns = codes.shape[1], scales.shape[1]
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
