@@ -18,14 +18,11 @@ to no arithmetic:
                nibbles of the codes as bf16 (2 bit operations per weight: (c & 15) | 0x4300
                is the bf16 of 128 + c); no scales
   dot16+s+x    + the two scale planes' loads (xor-ed, not applied)
-  tma          a Pallas Mosaic GPU kernel (the other backend, TMA copies): grid (row tiles,
-               K tiles) with the K axis "sequential", so Pallas pipelines the [64, 128] code
-               tiles into shared memory (max_concurrent_steps = the setting's stages); the
-               body stores zeros once, so this is the TMA streaming ceiling itself
+  tma          a Pallas Mosaic GPU kernel (the other backend: TMA copies): one program per
+               row tile runs plgpu.emit_pipeline over its K tiles, the [64, 128] code tiles
+               copied into shared memory with the setting's stages in flight, and an empty
+               body: the TMA streaming ceiling itself
   tma+s        + the scale tiles [64, 16]
-  tma+use      the last K tile's codes read from shared memory and stored (the loads used)
-  tma-ep       tma with the pipeline written out: grid (row tiles,), the codes in GMEM and
-               plgpu.emit_pipeline over K inside the kernel
   xla          XLA row reduction (max) over the codes + a reduction over the scales: what
                XLA's own emitter reaches on the same bytes
 
@@ -51,7 +48,7 @@ import _common as common
 import kernel_profile
 
 VARIANTS = ("xor", "xor+s", "xor+s+x", "dot8", "dot8+s+x", "dot16", "dot16+s+x", "tma", "tma+s",
-            "tma+use", "tma-ep", "xla")
+            "xla")
 TILE_ROWS = 64
 
 
@@ -154,68 +151,34 @@ def _stream_kernel(codes_ref, scales_ref, x_ref, out_ref, *, variant: str, k_til
 
 
 def _tma_call(codes, scales, *, variant: str, k_tiles: int, stages: int):
-    """The Mosaic GPU streaming kernel (GPU only: the backend has no CPU interpret path in
-    JAX 0.10)."""
+    """The Mosaic GPU streaming kernel: plgpu.kernel over a grid of row tiles, each running
+    plgpu.emit_pipeline (TMA copies into shared memory, `stages` in flight) over its K tiles
+    with an empty body; its output is never written (timing only). GPU only."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
+    from jax import lax
     from jax.experimental.pallas import mosaic_gpu as plmgpu
-    # JAX 0.11.2 registers the Mosaic GPU lowering of pallas_call only when this module is
-    # imported (its GPU lowering imports the Triton one alone): without it, an AssertionError.
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
 
     half, ns = codes.shape[1], scales.shape[1]
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
     with_scales = variant == "tma+s"
-    use = variant == "tma+use"
-    if variant == "tma-ep":
-        def ep_kernel(c_gmem, out_ref):
-            i = pl.program_id(0)
 
-            def body(indices, c_smem):
-                del indices, c_smem
+    def body(*refs):
+        inputs = refs[:-1]
+        i = lax.axis_index("tiles")
 
-            plmgpu.emit_pipeline(
-                body, grid=(k_tiles,),
-                in_specs=[plmgpu.BlockSpec((TILE_ROWS, half),
-                                           lambda k: (i * k_tiles + k, 0))],
-                max_concurrent_steps=stages)(c_gmem)
-            out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+        def step(indices, *smem_refs):
+            del indices, smem_refs
 
-        return pl.pallas_call(
-            ep_kernel, grid=(tiles,),
-            in_specs=[pl.BlockSpec(memory_space=plmgpu.GMEM)],
-            out_specs=pl.BlockSpec((TILE_ROWS, 16), lambda i: (i, 0)),
-            out_shape=jax.ShapeDtypeStruct((tiles * TILE_ROWS, 16), jnp.float32),
-            compiler_params=plmgpu.CompilerParams(),
-            name="stream_tma_ep")(codes)
+        specs = [plmgpu.BlockSpec((TILE_ROWS, half), lambda k: (i * k_tiles + k, 0))]
+        if with_scales:
+            specs.append(plmgpu.BlockSpec((TILE_ROWS, ns), lambda k: (i * k_tiles + k, 0)))
+        plmgpu.emit_pipeline(step, grid=(k_tiles,), in_specs=specs,
+                             max_concurrent_steps=stages)(*inputs)
 
-    def kernel(*refs):
-        out_ref = refs[-1]
-        c_ref = refs[0]
-        last = pl.program_id(1) == k_tiles - 1
-
-        @pl.when(last)
-        def _():
-            if use:
-                out_ref[...] = c_ref[...]
-            else:
-                out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
-
-    in_specs = [pl.BlockSpec((TILE_ROWS, half), lambda i, k: (i * k_tiles + k, 0))]
-    inputs = [codes]
-    if with_scales:
-        in_specs.append(pl.BlockSpec((TILE_ROWS, ns), lambda i, k: (i * k_tiles + k, 0)))
-        inputs.append(scales)
-    out_cols = half if use else 16
-    out_dtype = jnp.uint8 if use else jnp.float32
-    return pl.pallas_call(
-        kernel, grid=(tiles, k_tiles), in_specs=in_specs,
-        out_specs=pl.BlockSpec((TILE_ROWS, out_cols), lambda i, k: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((tiles * TILE_ROWS, out_cols), out_dtype),
-        compiler_params=plmgpu.CompilerParams(
-            dimension_semantics=("parallel", "sequential"), max_concurrent_steps=stages),
-        name=f"stream_{variant.replace('+', '_')}")(*inputs)
+    kernel = plmgpu.kernel(body, out_type=jax.ShapeDtypeStruct((tiles, 16), jnp.float32),
+                           grid=(tiles,), grid_names=("tiles",))
+    return kernel(codes, scales) if with_scales else kernel(codes)
 
 
 def stream_call(codes, scales, x, *, variant: str, k_tiles: int, m: int, warps: int,
