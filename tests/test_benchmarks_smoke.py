@@ -182,6 +182,35 @@ def test_swiglu_profile_smoke(tmp_path):
     assert fused["max_abs_diff_vs_unfused"] <= fused["max_abs_unfused"] * 2.0 ** -7 + 2.0 ** -100
 
 
+def test_stream_probe_smoke_and_mosaic_lowering(tmp_path):
+    """stream_probe.py's Triton variants run in interpret mode (tiny shapes; timing only, so no
+    value is checked), its Mosaic GPU variants are refused on the CPU by name, and the Mosaic
+    GPU streaming kernel lowers for CUDA from this CPU-only machine (what the GPU compiles)."""
+    output = _finish(_start("stream_probe.py", tmp_path / "sp", "--settings", "w4s3;w4s2e",
+                            "--variants", "xor+s+x,dot8+s+x,dot16+s+x,tma,xla"))
+    rows = json.load(open(tmp_path / "sp" / "stream_probe.json"))["rows"]
+    assert len(rows) == 2 * (3 * 2 + 2 + 1), output[-2000:]
+    for row in rows:
+        if row["variant"] == "tma":
+            assert "need a GPU" in row["error"]
+        else:
+            assert "error" not in row, row
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import jax
+        import jax.numpy as jnp
+        import stream_probe
+        codes = jax.ShapeDtypeStruct((64 * 20 * 3, 128), jnp.uint8)
+        scales = jax.ShapeDtypeStruct((64 * 20 * 3, 16), jnp.uint8)
+        for variant in ("tma", "tma+s"):
+            fn = jax.jit(lambda c, s, variant=variant: stream_probe._tma_call(
+                c, s, variant=variant, k_tiles=20, stages=4))
+            text = fn.trace(codes, scales).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text, variant
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+
 def test_triton_ir_parsing():
     """triton_ir.py is GPU-only (interpret mode compiles no Triton); its parsing of XLA's Triton
     pass log and of PTX is checked here on a synthetic log."""
