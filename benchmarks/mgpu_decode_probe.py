@@ -1,0 +1,160 @@
+"""Can a Pallas Mosaic GPU kernel decode 4-bit codes and multiply at TMA's streaming rate? (probe)
+
+stream_probe.py measured TMA copies of the fused kernel's bytes at ~3 TB/s against ~2.5 TB/s for
+Triton's loads. This probe adds the arithmetic a Mosaic GPU NVFP4 kernel would do, to see
+whether it hides behind the copies: per program a 64-row tile of W (tile-major codes, as the
+kernel layout), per K tile of 256 the codes [64, 128] (two nibble planes) and the activations
+[8, 256] copied by TMA (plgpu.emit_pipeline), each plane's nibbles turned into bf16 in
+registers and multiplied on the tensor cores by wgmma with the weights as the 64-row operand
+and the batch as N = 8 (acc [64, 8] += W_plane [64, 128] @ x_plane^T [128, 8]).
+
+The weights here are the nibbles' integer values (no E2M1 table, no block scales), so the
+result is checked against that product in float32 (the only claim: the kernel computes what it
+says); the question it answers is the time.
+
+    python benchmarks/mgpu_decode_probe.py --out $OUT        # GPU only
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import traceback
+
+import _common as common
+import kernel_profile
+
+TILE_ROWS = 64
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiles", default="660,864")
+    parser.add_argument("--k", type=int, default=5120)
+    parser.add_argument("--stages", default="2,4")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=".")
+    return parser.parse_args(argv)
+
+
+def decode_matmul(x, codes, *, k_tiles: int, stages: int):
+    """y^T [N, 8] f32 = nibble values of W [N, K] @ x^T, x [8, K] bf16, codes tile-major
+    [N * k_tiles, 128] uint8 (K tile kt of rows [r, r + 64) at rows r * k_tiles + kt * 64)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    half = codes.shape[1]
+    tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
+    code_swizzle = plgpu.find_swizzle(half * 8, "lhs")
+    x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
+    code_transforms = (plgpu.TilingTransform((8, code_swizzle)),
+                       plgpu.SwizzleTransform(code_swizzle))
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)),
+                    plgpu.SwizzleTransform(x_swizzle))
+
+    def body(x_gmem, codes_gmem, out_gmem, out_smem):
+        i = lax.axis_index("tiles")
+
+        def step(indices, c_smem, x_smem, acc_ref):
+            c = c_smem[...]
+            # (8-bit shifts are not supported in registers: the high nibble is (c & 0xF0) / 16,
+            # exact in bf16)
+            planes = (c & 15).astype(jnp.bfloat16), (c & 240).astype(jnp.bfloat16) * 0.0625
+            for p, w in enumerate(planes):
+                xt = plgpu.transpose_ref(x_smem.at[:, pl.ds(p * half, half)], (1, 0))
+                plgpu.wgmma(acc_ref, w, xt)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        def scope(acc_ref):
+            plgpu.emit_pipeline(
+                step, grid=(k_tiles,),
+                in_specs=[
+                    plgpu.BlockSpec((TILE_ROWS, half), lambda kt: (i * k_tiles + kt, 0),
+                                    transforms=code_transforms),
+                    plgpu.BlockSpec((m, 2 * half), lambda kt: (0, kt),
+                                    transforms=x_transforms)],
+                max_concurrent_steps=stages, init_carry=acc_ref)(codes_gmem, x_gmem)
+            out_smem[...] = acc_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m), jnp.float32))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((tiles * TILE_ROWS, m), jnp.float32),
+        grid=(tiles,), grid_names=("tiles",),
+        scratch_types=[plgpu.SMEM((TILE_ROWS, m), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(x, codes)
+
+
+def reference(x, codes, k_tiles: int):
+    """The same product in float32 from the tile-major codes (numpy-free jnp)."""
+    import jax.numpy as jnp
+    rows = codes.shape[0] // k_tiles
+    half = codes.shape[1]
+    tiles = codes.reshape(rows // TILE_ROWS, k_tiles, TILE_ROWS, half)
+    lo, hi = (tiles & 15).astype(jnp.float32), (tiles >> 4).astype(jnp.float32)
+    w = jnp.concatenate([lo, hi], axis=-1)  # [row blocks, k_tiles, 64, 256]
+    w = w.transpose(0, 2, 1, 3).reshape(rows, k_tiles * 2 * half)
+    return w @ x.astype(jnp.float32).T
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
+
+    k_tiles = args.k // 256
+    rows = []
+    started = time.perf_counter()
+    key = jax.random.key(0)
+    for tiles in (int(t) for t in common.split_list(args.tiles)):
+        n = tiles * TILE_ROWS
+        nbytes = n * args.k // 2
+        count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
+        codes = [jax.random.bits(jax.random.fold_in(key, i), (n * k_tiles, 128), jnp.uint8)
+                 for i in range(count)]
+        x = jax.random.normal(jax.random.fold_in(key, 99), (8, args.k), jnp.bfloat16)
+        for stages in (int(s) for s in common.split_list(args.stages)):
+            row = {"tiles": tiles, "k": args.k, "stages": stages, "MB_codes": nbytes / 1e6}
+            try:
+                fn = jax.jit(lambda x, cs, stages=stages: [
+                    decode_matmul(x, c, k_tiles=k_tiles, stages=stages) for c in cs])
+                y = fn(x, codes)[0]
+                ref = reference(x, codes[0], k_tiles)
+                row["max_rel_err"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+                _, call_us, _ = kernel_profile.traced_device_us(fn, (x, codes), args.repeats,
+                                                                count, None)
+                row.update(us=call_us, TB_s_codes=nbytes / call_us / 1e6)
+            except Exception as e:
+                traceback.print_exc()
+                row["error"] = common.describe_error(e)
+            rows.append(row)
+            print(row, flush=True)
+        del codes
+    meta = {**common.device_info(), "jax": jax.__version__}
+    columns = [("tiles", "row tiles"), ("k", "K"), ("stages", "stages"), ("MB_codes", "MB codes"),
+               ("us", "us"), ("TB_s_codes", "TB/s codes"), ("max_rel_err", "max rel err"),
+               ("error", "error")]
+    text = common.header_line(
+        f"Mosaic GPU decode + wgmma probe, M=8, {time.perf_counter() - started:.0f} s",
+        [meta]) + "\n\n" + common.markdown_table(rows, columns)
+    print(text, flush=True)
+    common.write_outputs(args.out, "mgpu_decode_probe", text,
+                         {"argv": sys.argv, "rows": rows, **meta})
+
+
+if __name__ == "__main__":
+    main()
