@@ -35,12 +35,17 @@ def parse_args(argv=None):
     parser.add_argument("--tiles", default="660,864")
     parser.add_argument("--k", type=int, default=5120)
     parser.add_argument("--stages", default="2,4")
+    parser.add_argument("--variants", default="wait0",
+                        help="wait0: wgmma_wait(0) in every step; wait1: wait(1), the "
+                             "activation tiles released one step late (delay_release=1); "
+                             "oneplane: wait0 with the low plane only (half the arithmetic, "
+                             "not the same product)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
 
 
-def decode_matmul(x, codes, *, k_tiles: int, stages: int):
+def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"):
     """y^T [N, 8] f32 = nibble values of W [N, K] @ x^T, x [8, K] bf16, codes tile-major
     [N * k_tiles, 128] uint8 (K tile kt of rows [r, r + 64) at rows r * k_tiles + kt * 64)."""
     import jax
@@ -66,11 +71,13 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int):
             c = c_smem[...]
             # (8-bit shifts are not supported in registers: the high nibble is (c & 0xF0) / 16,
             # exact in bf16)
-            planes = (c & 15).astype(jnp.bfloat16), (c & 240).astype(jnp.bfloat16) * 0.0625
+            planes = [(c & 15).astype(jnp.bfloat16)]
+            if variant != "oneplane":
+                planes.append((c & 240).astype(jnp.bfloat16) * 0.0625)
             for p, w in enumerate(planes):
                 xt = plgpu.transpose_ref(x_smem.at[:, pl.ds(p * half, half)], (1, 0))
                 plgpu.wgmma(acc_ref, w, xt)
-            plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(1 if variant == "wait1" else 0)
             return acc_ref
 
         def scope(acc_ref):
@@ -80,8 +87,10 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int):
                     plgpu.BlockSpec((TILE_ROWS, half), lambda kt: (i * k_tiles + kt, 0),
                                     transforms=code_transforms),
                     plgpu.BlockSpec((m, 2 * half), lambda kt: (0, kt),
-                                    transforms=x_transforms)],
+                                    transforms=x_transforms,
+                                    delay_release=1 if variant == "wait1" else 0)],
                 max_concurrent_steps=stages, init_carry=acc_ref)(codes_gmem, x_gmem)
+            plgpu.wgmma_wait(0)
             out_smem[...] = acc_ref[...]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)])
@@ -98,13 +107,15 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int):
     return kernel(x, codes)
 
 
-def reference(x, codes, k_tiles: int):
+def reference(x, codes, k_tiles: int, variant: str = "wait0"):
     """The same product in float32 from the tile-major codes (numpy-free jnp)."""
     import jax.numpy as jnp
     rows = codes.shape[0] // k_tiles
     half = codes.shape[1]
     tiles = codes.reshape(rows // TILE_ROWS, k_tiles, TILE_ROWS, half)
     lo, hi = (tiles & 15).astype(jnp.float32), (tiles >> 4).astype(jnp.float32)
+    if variant == "oneplane":
+        hi = jnp.zeros_like(hi)
     w = jnp.concatenate([lo, hi], axis=-1)  # [row blocks, k_tiles, 64, 256]
     w = w.transpose(0, 2, 1, 3).reshape(rows, k_tiles * 2 * half)
     return w @ x.astype(jnp.float32).T
@@ -127,13 +138,16 @@ def main(argv=None):
         codes = [jax.random.bits(jax.random.fold_in(key, i), (n * k_tiles, 128), jnp.uint8)
                  for i in range(count)]
         x = jax.random.normal(jax.random.fold_in(key, 99), (8, args.k), jnp.bfloat16)
-        for stages in (int(s) for s in common.split_list(args.stages)):
-            row = {"tiles": tiles, "k": args.k, "stages": stages, "MB_codes": nbytes / 1e6}
+        for variant, stages in ((v, int(s)) for v in common.split_list(args.variants)
+                                for s in common.split_list(args.stages)):
+            row = {"tiles": tiles, "k": args.k, "variant": variant, "stages": stages,
+                   "MB_codes": nbytes / 1e6}
             try:
-                fn = jax.jit(lambda x, cs, stages=stages: [
-                    decode_matmul(x, c, k_tiles=k_tiles, stages=stages) for c in cs])
+                fn = jax.jit(lambda x, cs, stages=stages, variant=variant: [
+                    decode_matmul(x, c, k_tiles=k_tiles, stages=stages, variant=variant)
+                    for c in cs])
                 y = fn(x, codes)[0]
-                ref = reference(x, codes[0], k_tiles)
+                ref = reference(x, codes[0], k_tiles, variant)
                 row["max_rel_err"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
                 _, call_us, _ = kernel_profile.traced_device_us(fn, (x, codes), args.repeats,
                                                                 count, None)
@@ -145,7 +159,7 @@ def main(argv=None):
             print(row, flush=True)
         del codes
     meta = {**common.device_info(), "jax": jax.__version__}
-    columns = [("tiles", "row tiles"), ("k", "K"), ("stages", "stages"), ("MB_codes", "MB codes"),
+    columns = [("tiles", "row tiles"), ("k", "K"), ("variant", "variant"), ("stages", "stages"), ("MB_codes", "MB codes"),
                ("us", "us"), ("TB_s_codes", "TB/s codes"), ("max_rel_err", "max rel err"),
                ("error", "error")]
     text = common.header_line(
