@@ -185,7 +185,8 @@ def test_swiglu_profile_smoke(tmp_path):
 def test_stream_probe_smoke_and_mosaic_lowering(tmp_path):
     """stream_probe.py's Triton variants run in interpret mode (tiny shapes; timing only, so no
     value is checked), its Mosaic GPU variants are refused on the CPU by name, and the Mosaic
-    GPU streaming kernel lowers for CUDA from this CPU-only machine (what the GPU compiles)."""
+    GPU kernels (the streaming one, mgpu_decode_probe's decode + wgmma) lower for CUDA from
+    this CPU-only machine (what the GPU compiles; their numbers are checked on the GPU)."""
     output = _finish(_start("stream_probe.py", tmp_path / "sp", "--settings", "w4s3;w4s2e",
                             "--variants", "xor+s+x,dot8+s+x,dot16+s+x,tma,xla"))
     rows = json.load(open(tmp_path / "sp" / "stream_probe.json"))["rows"]
@@ -207,6 +208,10 @@ def test_stream_probe_smoke_and_mosaic_lowering(tmp_path):
                 c, s, variant=variant, k_tiles=20, stages=4))
             text = fn.trace(codes, scales).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text, variant
+        import mgpu_decode_probe  # the decode + wgmma probe lowers too (its GPU-only check)
+        x = jax.ShapeDtypeStruct((8, 20 * 256), jnp.bfloat16)
+        fn = jax.jit(lambda x, c: mgpu_decode_probe.decode_matmul(x, c, k_tiles=20, stages=4))
+        assert "mosaic_gpu" in fn.trace(x, codes).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
 
