@@ -39,7 +39,10 @@ def parse_args(argv=None):
                         help="wait0: wgmma_wait(0) in every step; wait1: wait(1), the "
                              "activation tiles released one step late (delay_release=1); "
                              "oneplane: wait0 with the low plane only (half the arithmetic, "
-                             "not the same product)")
+                             "not the same product); int4: the code bytes read as signed int4 "
+                             "[64, 256] (memory order) and converted by Mosaic GPU's fast "
+                             "int4 -> bf16 path, one wgmma per K tile (a lower bound for the "
+                             "conversion's cost, not the NVFP4 product)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -56,6 +59,8 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
 
     m, k = x.shape
     half = codes.shape[1]
+    if variant == "int4":
+        return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages)
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
     code_swizzle = plgpu.find_swizzle(half * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
@@ -107,9 +112,72 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
     return kernel(x, codes)
 
 
+def _int4_matmul(x, codes, *, k_tiles: int, stages: int):
+    """The int4 variant: codes viewed as signed int4 [rows, 256] (element 2j the low nibble of
+    byte j), each K tile's [64, 256] converted to bf16 and multiplied with x's tile in one
+    wgmma."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, _ = x.shape
+    width = 2 * codes.shape[1]
+    tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
+    nibbles = lax.bitcast_convert_type(codes, jnp.int4).reshape(codes.shape[0], width)
+    code_swizzle = plgpu.find_swizzle(width * 4, "lhs")
+    x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
+    code_transforms = (plgpu.TilingTransform((8, code_swizzle * 2)),
+                       plgpu.SwizzleTransform(code_swizzle))
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)),
+                    plgpu.SwizzleTransform(x_swizzle))
+
+    def body(x_gmem, codes_gmem, out_gmem, out_smem):
+        i = lax.axis_index("tiles")
+
+        def step(indices, c_smem, x_smem, acc_ref):
+            w = c_smem[...].astype(jnp.bfloat16)
+            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        def scope(acc_ref):
+            plgpu.emit_pipeline(
+                step, grid=(k_tiles,),
+                in_specs=[
+                    plgpu.BlockSpec((TILE_ROWS, width), lambda kt: (i * k_tiles + kt, 0),
+                                    transforms=code_transforms),
+                    plgpu.BlockSpec((m, width), lambda kt: (0, kt), transforms=x_transforms)],
+                max_concurrent_steps=stages, init_carry=acc_ref)(codes_gmem, x_gmem)
+            plgpu.wgmma_wait(0)
+            out_smem[...] = acc_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m), jnp.float32))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((tiles * TILE_ROWS, m), jnp.float32),
+        grid=(tiles,), grid_names=("tiles",),
+        scratch_types=[plgpu.SMEM((TILE_ROWS, m), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(x, nibbles)
+
+
 def reference(x, codes, k_tiles: int, variant: str = "wait0"):
     """The same product in float32 from the tile-major codes (numpy-free jnp)."""
     import jax.numpy as jnp
+    if variant == "int4":  # signed nibbles in memory order, K tile by K tile
+        rows = codes.shape[0] // k_tiles
+        lo = (codes & 15).astype(jnp.int32)
+        hi = (codes >> 4).astype(jnp.int32)
+        nib = jnp.stack([lo, hi], axis=-1).reshape(codes.shape[0], -1)
+        nib = jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32)
+        w = nib.reshape(rows // TILE_ROWS, k_tiles, TILE_ROWS, -1).transpose(0, 2, 1, 3)
+        return w.reshape(rows, -1) @ x.astype(jnp.float32).T
     rows = codes.shape[0] // k_tiles
     half = codes.shape[1]
     tiles = codes.reshape(rows // TILE_ROWS, k_tiles, TILE_ROWS, half)
