@@ -210,8 +210,11 @@ def test_stream_probe_smoke_and_mosaic_lowering(tmp_path):
             assert "mosaic_gpu" in text, variant
         import mgpu_decode_probe  # the decode + wgmma probe lowers too (its GPU-only check)
         x = jax.ShapeDtypeStruct((8, 20 * 256), jnp.bfloat16)
-        fn = jax.jit(lambda x, c: mgpu_decode_probe.decode_matmul(x, c, k_tiles=20, stages=4))
-        assert "mosaic_gpu" in fn.trace(x, codes).lower(lowering_platforms=("cuda",)).as_text()
+        for variant in ("wait0", "int4"):
+            fn = jax.jit(lambda x, c, variant=variant: mgpu_decode_probe.decode_matmul(
+                x, c, k_tiles=20, stages=4, variant=variant))
+            text = fn.trace(x, codes).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text, variant
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
 
