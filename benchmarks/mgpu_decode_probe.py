@@ -42,7 +42,10 @@ def parse_args(argv=None):
                              "not the same product); int4: the code bytes read as signed int4 "
                              "[64, 256] (memory order) and converted by Mosaic GPU's fast "
                              "int4 -> bf16 path, one wgmma per K tile (a lower bound for the "
-                             "conversion's cost, not the NVFP4 product)")
+                             "conversion's cost, not the NVFP4 product); e2m1: the same "
+                             "bytes as E2M1 codes in memory order, decoded by inline PTX "
+                             "(the asm decoders' bit pattern, then one bf16x2 fma by "
+                             "2^126: the exact E2M1 values, block scales all 1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -59,8 +62,8 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
 
     m, k = x.shape
     half = codes.shape[1]
-    if variant == "int4":
-        return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages)
+    if variant in ("int4", "e2m1"):
+        return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1=variant == "e2m1")
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
     code_swizzle = plgpu.find_swizzle(half * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
@@ -112,7 +115,55 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
     return kernel(x, codes)
 
 
-def _int4_matmul(x, codes, *, k_tiles: int, stages: int):
+# 8 E2M1 codes (a 32-bit register, code i in bits 4i..4i+3; $1 = the register, $2 = it shifted
+# right by 4) -> the bf16 pair of codes 2p, 2p+1 (part p): the "asm" decoders' pattern
+# e2m1 * 2^-126, then an exact fma by 2^126 (sm_80+ bf16 subnormals).
+_E2M1_PAIR_ASM = """{{
+.reg .b32 x, y, s, z;
+prmt.b32 x, $1, $2, 0xF{hi}F{lo};
+and.b32 y, x, 0x000F000F;
+mul.lo.u32 y, y, 0x1040;
+and.b32 y, y, 0x81C081C0;
+mov.b32 s, 0x7E807E80;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, y, s, z;
+}}"""
+
+
+def _e2m1_to_bf16(codes_array):
+    """Inline Mosaic GPU: an int4 FragmentedArray of E2M1 codes -> bf16 values, register for
+    register (same layout), up to 8 codes (32 bits) per group of registers."""
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    i32 = ir.IntegerType.get_signless(32)
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    indices = [idx for idx, _ in np.ndenumerate(codes_array.registers)]
+    [n] = ir.VectorType(codes_array.registers.flat[0].type).shape
+    if n % 2 or n > 8:
+        raise NotImplementedError(f"E2M1 decode: {n} codes per register (2, 4 or 8 handled)")
+    per_group = 8 // n
+    out = np.empty_like(codes_array.registers)
+    for start in range(0, len(indices), per_group):
+        group = indices[start:start + per_group]
+        packed = utils.vector_concat([codes_array.registers[idx] for idx in group])
+        bits = utils.bitcast(packed, ir.IntegerType.get_signless(4 * n * len(group)))
+        if 4 * n * len(group) < 32:
+            bits = arith.extui(i32, bits)
+        shifted = arith.shrui(bits, arith.constant(i32, 4))
+        pairs = [utils.bitcast(llvm.inline_asm(i32, [bits, shifted],
+                                               _E2M1_PAIR_ASM.format(lo=p, hi=p + 4),
+                                               "=r,r,r"), bf16x2)
+                 for p in range(n * len(group) // 2)]
+        for j, idx in enumerate(group):
+            out[idx] = utils.vector_concat(pairs[j * n // 2:(j + 1) * n // 2])
+    return fa.FragmentedArray(_registers=out, _layout=codes_array.layout, _is_signed=None)
+
+
+def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: bool = False):
     """The int4 variant: codes viewed as signed int4 [rows, 256] (element 2j the low nibble of
     byte j), each K tile's [64, 256] converted to bf16 and multiplied with x's tile in one
     wgmma."""
@@ -137,7 +188,14 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int):
         i = lax.axis_index("tiles")
 
         def step(indices, c_smem, x_smem, acc_ref):
-            w = c_smem[...].astype(jnp.bfloat16)
+            if e2m1:
+                w = plgpu.inline_mgpu(
+                    arg_types=(plgpu.Layout.WGMMA,),
+                    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, width), jnp.bfloat16,
+                                                       layout=plgpu.Layout.WGMMA),
+                )(lambda ctx, codes_array: _e2m1_to_bf16(codes_array))(c_smem[...])
+            else:
+                w = c_smem[...].astype(jnp.bfloat16)
             plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
             plgpu.wgmma_wait(0)
             return acc_ref
@@ -170,12 +228,17 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int):
 def reference(x, codes, k_tiles: int, variant: str = "wait0"):
     """The same product in float32 from the tile-major codes (numpy-free jnp)."""
     import jax.numpy as jnp
-    if variant == "int4":  # signed nibbles in memory order, K tile by K tile
+    if variant in ("int4", "e2m1"):  # nibbles in memory order, K tile by K tile
         rows = codes.shape[0] // k_tiles
         lo = (codes & 15).astype(jnp.int32)
         hi = (codes >> 4).astype(jnp.int32)
         nib = jnp.stack([lo, hi], axis=-1).reshape(codes.shape[0], -1)
-        nib = jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32)
+        if variant == "int4":
+            nib = jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32)
+        else:
+            table = jnp.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
+                              jnp.float32)
+            nib = table[nib]
         w = nib.reshape(rows // TILE_ROWS, k_tiles, TILE_ROWS, -1).transpose(0, 2, 1, 3)
         return w.reshape(rows, -1) @ x.astype(jnp.float32).T
     rows = codes.shape[0] // k_tiles
