@@ -45,7 +45,10 @@ def parse_args(argv=None):
                              "conversion's cost, not the NVFP4 product); e2m1: the same "
                              "bytes as E2M1 codes in memory order, decoded by inline PTX "
                              "(the asm decoders' bit pattern, then one bf16x2 fma by "
-                             "2^126: the exact E2M1 values, block scales all 1)")
+                             "2^126: the exact E2M1 values, block scales all 1); e2m1u: "
+                             "e2m1 with the codes loaded 8 per thread (WGMMA_UPCAST_4X) and "
+                             "moved to the wgmma layout while still 4-bit, as Mosaic's int4 "
+                             "conversion does")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -62,8 +65,9 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
 
     m, k = x.shape
     half = codes.shape[1]
-    if variant in ("int4", "e2m1"):
-        return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1=variant == "e2m1")
+    if variant in ("int4", "e2m1", "e2m1u"):
+        return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages,
+                            e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast"}[variant])
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
     code_swizzle = plgpu.find_swizzle(half * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
@@ -130,6 +134,44 @@ fma.rn.bf16x2 $0, y, s, z;
 }}"""
 
 
+def _e2m1_to_bf16_upcast(codes_array):
+    """As _e2m1_to_bf16, from codes loaded in WGMMA_UPCAST_4X (8 codes, one 32-bit register per
+    thread): moved to the wgmma layout while 4-bit (Mosaic's relayout: a shuffle and a prmt per
+    32 bits), then each vector<2xi4> register, a slice of a 32-bit vector, decoded from that
+    32-bit source (its shift shared by the slices)."""
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    i32 = ir.IntegerType.get_signless(32)
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    codes_array = codes_array.to_layout(fa.WGMMA_LAYOUT)
+    shifted_of = []  # [(32-bit source, its shift)]
+    out = np.empty_like(codes_array.registers)
+    for idx, reg in np.ndenumerate(codes_array.registers):
+        op = getattr(reg.owner, "opview", None)
+        if (isinstance(op, vector.ExtractStridedSliceOp)
+                and utils.bitwidth(op.source.type) == 32 and op.strides[0].value == 1):
+            source = utils.bitcast(op.source, i32)
+            part = op.offsets[0].value // 2
+            found = [sh for src, sh in shifted_of if src == op.source]
+            if found:
+                shifted = found[0]
+            else:
+                shifted = arith.shrui(source, arith.constant(i32, 4))
+                shifted_of.append((op.source, shifted))
+        else:
+            source = arith.extui(i32, utils.bitcast(reg, ir.IntegerType.get_signless(8)))
+            shifted = arith.shrui(source, arith.constant(i32, 4))
+            part = 0
+        out[idx] = utils.bitcast(
+            llvm.inline_asm(i32, [source, shifted], _E2M1_PAIR_ASM.format(lo=part, hi=part + 4),
+                            "=r,r,r"), bf16x2)
+    return fa.FragmentedArray(_registers=out, _layout=codes_array.layout, _is_signed=None)
+
+
 def _e2m1_to_bf16(codes_array):
     """Inline Mosaic GPU: an int4 FragmentedArray of E2M1 codes -> bf16 values, register for
     register (same layout), up to 8 codes (32 bits) per group of registers."""
@@ -163,7 +205,7 @@ def _e2m1_to_bf16(codes_array):
     return fa.FragmentedArray(_registers=out, _layout=codes_array.layout, _is_signed=None)
 
 
-def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: bool = False):
+def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None):
     """The int4 variant: codes viewed as signed int4 [rows, 256] (element 2j the low nibble of
     byte j), each K tile's [64, 256] converted to bf16 and multiplied with x's tile in one
     wgmma."""
@@ -189,11 +231,13 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: bool = False):
 
         def step(indices, c_smem, x_smem, acc_ref):
             if e2m1:
+                upcast = e2m1 == "upcast"
                 w = plgpu.inline_mgpu(
-                    arg_types=(plgpu.Layout.WGMMA,),
+                    arg_types=(plgpu.Layout.WGMMA_UPCAST_4X if upcast else plgpu.Layout.WGMMA,),
                     return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, width), jnp.bfloat16,
                                                        layout=plgpu.Layout.WGMMA),
-                )(lambda ctx, codes_array: _e2m1_to_bf16(codes_array))(c_smem[...])
+                )(lambda ctx, codes_array: (_e2m1_to_bf16_upcast if upcast else _e2m1_to_bf16)(
+                    codes_array))(c_smem[...])
             else:
                 w = c_smem[...].astype(jnp.bfloat16)
             plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
@@ -228,7 +272,7 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: bool = False):
 def reference(x, codes, k_tiles: int, variant: str = "wait0"):
     """The same product in float32 from the tile-major codes (numpy-free jnp)."""
     import jax.numpy as jnp
-    if variant in ("int4", "e2m1"):  # nibbles in memory order, K tile by K tile
+    if variant in ("int4", "e2m1", "e2m1u"):  # nibbles in memory order, K tile by K tile
         rows = codes.shape[0] // k_tiles
         lo = (codes & 15).astype(jnp.int32)
         hi = (codes >> 4).astype(jnp.int32)
