@@ -48,13 +48,17 @@ def parse_args(argv=None):
                              "2^126: the exact E2M1 values, block scales all 1); e2m1u: "
                              "e2m1 with the codes loaded 8 per thread (WGMMA_UPCAST_4X) and "
                              "moved to the wgmma layout while still 4-bit, as Mosaic's int4 "
-                             "conversion does")
+                             "conversion does); nvfp4: e2m1u with NVFP4 block scales (a "
+                             "second TMA stream of [64, 16] canonical scale codes per K tile, "
+                             "each pair of weights multiplied by its (s, s) pattern in the "
+                             "decode's fma): the full NVFP4 weight decode")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
 
 
-def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"):
+def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0",
+                  scales=None):
     """y^T [N, 8] f32 = nibble values of W [N, K] @ x^T, x [8, K] bf16, codes tile-major
     [N * k_tiles, 128] uint8 (K tile kt of rows [r, r + 64) at rows r * k_tiles + kt * 64)."""
     import jax
@@ -65,9 +69,10 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
 
     m, k = x.shape
     half = codes.shape[1]
-    if variant in ("int4", "e2m1", "e2m1u"):
-        return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages,
-                            e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast"}[variant])
+    if variant in ("int4", "e2m1", "e2m1u", "nvfp4"):
+        return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, scales=scales,
+                            e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast",
+                                  "nvfp4": "upcast"}[variant])
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
     code_swizzle = plgpu.find_swizzle(half * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
@@ -134,7 +139,21 @@ fma.rn.bf16x2 $0, y, s, z;
 }}"""
 
 
-def _e2m1_to_bf16_upcast(codes_array):
+# As _E2M1_PAIR_ASM, the pair multiplied by $3, the packed bf16 (s, s) pattern of its block
+# scale times 2^118 (the "asmq" decoder's operand): e2m1 * scale * 2^-8.
+_E2M1_SCALED_PAIR_ASM = """{{
+.reg .b32 x, y, z;
+prmt.b32 x, $1, $2, 0xF{hi}F{lo};
+and.b32 y, x, 0x000F000F;
+mul.lo.u32 y, y, 0x1040;
+and.b32 y, y, 0x81C081C0;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, y, $3, z;
+}}"""
+SCALED_EXPONENT = -8  # the scaled decode's values are e2m1 * scale * 2^-8
+
+
+def _e2m1_to_bf16_upcast(codes_array, scales_ref=None):
     """As _e2m1_to_bf16, from codes loaded in WGMMA_UPCAST_4X (8 codes, one 32-bit register per
     thread): moved to the wgmma layout while 4-bit (Mosaic's relayout: a shuffle and a prmt per
     32 bits), then each vector<2xi4> register, a slice of a 32-bit vector, decoded from that
@@ -147,10 +166,15 @@ def _e2m1_to_bf16_upcast(codes_array):
 
     i32 = ir.IntegerType.get_signless(32)
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    from jax._src.lib.mlir.dialects import memref
+
     codes_array = codes_array.to_layout(fa.WGMMA_LAYOUT)
     shifted_of = []  # [(32-bit source, its shift)]
     out = np.empty_like(codes_array.registers)
-    for idx, reg in np.ndenumerate(codes_array.registers):
+    positions = codes_array.layout.thread_idxs(codes_array.shape)
+    index = ir.IndexType.get()
+    pattern_of = {}  # (row, block) value ids -> the (s, s) pattern
+    for (idx, reg), (row, col) in zip(np.ndenumerate(codes_array.registers), positions):
         op = getattr(reg.owner, "opview", None)
         if (isinstance(op, vector.ExtractStridedSliceOp)
                 and utils.bitwidth(op.source.type) == 32 and op.strides[0].value == 1):
@@ -166,9 +190,18 @@ def _e2m1_to_bf16_upcast(codes_array):
             source = arith.extui(i32, utils.bitcast(reg, ir.IntegerType.get_signless(8)))
             shifted = arith.shrui(source, arith.constant(i32, 4))
             part = 0
-        out[idx] = utils.bitcast(
-            llvm.inline_asm(i32, [source, shifted], _E2M1_PAIR_ASM.format(lo=part, hi=part + 4),
-                            "=r,r,r"), bf16x2)
+        if scales_ref is None:
+            decoded = llvm.inline_asm(i32, [source, shifted],
+                                      _E2M1_PAIR_ASM.format(lo=part, hi=part + 4), "=r,r,r")
+        else:
+            block = arith.divui(col, arith.constant(index, 16))
+            code = arith.extui(i32, memref.load(scales_ref, [row, block]))
+            pattern = arith.addi(arith.muli(code, arith.constant(i32, 0x00100010)),
+                                 arith.constant(i32, 0x75807580))
+            decoded = llvm.inline_asm(i32, [source, shifted, pattern],
+                                      _E2M1_SCALED_PAIR_ASM.format(lo=part, hi=part + 4),
+                                      "=r,r,r,r")
+        out[idx] = utils.bitcast(decoded, bf16x2)
     return fa.FragmentedArray(_registers=out, _layout=codes_array.layout, _is_signed=None)
 
 
@@ -205,7 +238,8 @@ def _e2m1_to_bf16(codes_array):
     return fa.FragmentedArray(_registers=out, _layout=codes_array.layout, _is_signed=None)
 
 
-def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None):
+def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None,
+                 scales=None):
     """The int4 variant: codes viewed as signed int4 [rows, 256] (element 2j the low nibble of
     byte j), each K tile's [64, 256] converted to bf16 and multiplied with x's tile in one
     wgmma."""
@@ -226,11 +260,24 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)),
                     plgpu.SwizzleTransform(x_swizzle))
 
-    def body(x_gmem, codes_gmem, out_gmem, out_smem):
+    with_scales = scales is not None
+
+    def body(x_gmem, codes_gmem, *rest):
+        scales_gmem = rest[0] if with_scales else None
+        out_gmem, out_smem = rest[-2:]
         i = lax.axis_index("tiles")
 
-        def step(indices, c_smem, x_smem, acc_ref):
-            if e2m1:
+        def step(indices, c_smem, *refs):
+            s_smem = refs[0] if with_scales else None
+            x_smem, acc_ref = refs[-2:]
+            if with_scales:
+                w = plgpu.inline_mgpu(
+                    arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType()),
+                    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, width), jnp.bfloat16,
+                                                       layout=plgpu.Layout.WGMMA),
+                )(lambda ctx, codes_array, scales_ref: _e2m1_to_bf16_upcast(
+                    codes_array, scales_ref))(c_smem[...], s_smem)
+            elif e2m1:
                 upcast = e2m1 == "upcast"
                 w = plgpu.inline_mgpu(
                     arg_types=(plgpu.Layout.WGMMA_UPCAST_4X if upcast else plgpu.Layout.WGMMA,),
@@ -250,10 +297,14 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
                 in_specs=[
                     plgpu.BlockSpec((TILE_ROWS, width), lambda kt: (i * k_tiles + kt, 0),
                                     transforms=code_transforms),
+                    *([plgpu.BlockSpec((TILE_ROWS, 16), lambda kt: (i * k_tiles + kt, 0))]
+                      if with_scales else []),
                     plgpu.BlockSpec((m, width), lambda kt: (0, kt), transforms=x_transforms)],
-                max_concurrent_steps=stages, init_carry=acc_ref)(codes_gmem, x_gmem)
+                max_concurrent_steps=stages, init_carry=acc_ref)(
+                    codes_gmem, *([scales_gmem] if with_scales else []), x_gmem)
             plgpu.wgmma_wait(0)
-            out_smem[...] = acc_ref[...]
+            acc = acc_ref[...]
+            out_smem[...] = acc * (2.0 ** -SCALED_EXPONENT) if with_scales else acc
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)])
             plgpu.wait_smem_to_gmem(0)
@@ -266,13 +317,21 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
         scratch_types=[plgpu.SMEM((TILE_ROWS, m), jnp.float32)],
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(x, nibbles)
+    return kernel(x, nibbles, *([scales] if with_scales else []))
 
 
-def reference(x, codes, k_tiles: int, variant: str = "wait0"):
+def scale_values(scale_codes):
+    """Canonical UE5M3 scale codes (pallas_kernels/nvfp4_matmul.py) -> float32 values."""
+    import jax.numpy as jnp
+    codes = scale_codes.astype(jnp.int32)
+    value = (1.0 + (codes & 7) / 8.0) * jnp.exp2(((codes >> 3) - 10).astype(jnp.float32))
+    return jnp.where(codes == 255, 0.0, value)
+
+
+def reference(x, codes, k_tiles: int, variant: str = "wait0", scales=None):
     """The same product in float32 from the tile-major codes (numpy-free jnp)."""
     import jax.numpy as jnp
-    if variant in ("int4", "e2m1", "e2m1u"):  # nibbles in memory order, K tile by K tile
+    if variant in ("int4", "e2m1", "e2m1u", "nvfp4"):  # nibbles in memory order, by K tile
         rows = codes.shape[0] // k_tiles
         lo = (codes & 15).astype(jnp.int32)
         hi = (codes >> 4).astype(jnp.int32)
@@ -283,6 +342,9 @@ def reference(x, codes, k_tiles: int, variant: str = "wait0"):
             table = jnp.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
                               jnp.float32)
             nib = table[nib]
+            if variant == "nvfp4":  # one scale per 16 nibbles of a row
+                expanded = jnp.repeat(scale_values(scales), 16, axis=1)
+                nib = nib * expanded
         w = nib.reshape(rows // TILE_ROWS, k_tiles, TILE_ROWS, -1).transpose(0, 2, 1, 3)
         return w.reshape(rows, -1) @ x.astype(jnp.float32).T
     rows = codes.shape[0] // k_tiles
@@ -312,20 +374,27 @@ def main(argv=None):
         count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
         codes = [jax.random.bits(jax.random.fold_in(key, i), (n * k_tiles, 128), jnp.uint8)
                  for i in range(count)]
+        scales = [jnp.where(jax.random.uniform(jax.random.fold_in(key, 1000 + i),
+                                               (n * k_tiles, 16)) < 0.01, 255,
+                            jax.random.randint(jax.random.fold_in(key, 2000 + i),
+                                               (n * k_tiles, 16), 8, 152)).astype(jnp.uint8)
+                  for i in range(count)]
         x = jax.random.normal(jax.random.fold_in(key, 99), (8, args.k), jnp.bfloat16)
         for variant, stages in ((v, int(s)) for v in common.split_list(args.variants)
                                 for s in common.split_list(args.stages)):
             row = {"tiles": tiles, "k": args.k, "variant": variant, "stages": stages,
                    "MB_codes": nbytes / 1e6}
             try:
-                fn = jax.jit(lambda x, cs, stages=stages, variant=variant: [
-                    decode_matmul(x, c, k_tiles=k_tiles, stages=stages, variant=variant)
-                    for c in cs])
-                y = fn(x, codes)[0]
-                ref = reference(x, codes[0], k_tiles, variant)
+                with_scales = variant == "nvfp4"
+                fn = jax.jit(lambda x, cs, ss, stages=stages, variant=variant: [
+                    decode_matmul(x, c, k_tiles=k_tiles, stages=stages, variant=variant,
+                                  scales=s if with_scales else None)
+                    for c, s in zip(cs, ss)])
+                y = fn(x, codes, scales)[0]
+                ref = reference(x, codes[0], k_tiles, variant, scales[0])
                 row["max_rel_err"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
-                _, call_us, _ = kernel_profile.traced_device_us(fn, (x, codes), args.repeats,
-                                                                count, None)
+                _, call_us, _ = kernel_profile.traced_device_us(fn, (x, codes, scales),
+                                                                args.repeats, count, None)
                 row.update(us=call_us, TB_s_codes=nbytes / call_us / 1e6)
             except Exception as e:
                 traceback.print_exc()
