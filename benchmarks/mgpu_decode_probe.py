@@ -51,7 +51,8 @@ def parse_args(argv=None):
                              "conversion does); nvfp4: e2m1u with NVFP4 block scales (a "
                              "second TMA stream of [64, 16] canonical scale codes per K tile, "
                              "each pair of weights multiplied by its (s, s) pattern in the "
-                             "decode's fma): the full NVFP4 weight decode")
+                             "decode's fma): the full NVFP4 weight decode; e2m1u_half: "
+                             "e2m1u with half a K tile (128 codes per row) per pipeline step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -69,7 +70,10 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
 
     m, k = x.shape
     half = codes.shape[1]
-    if variant in ("int4", "e2m1", "e2m1u", "nvfp4"):
+    if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half"):
+        if variant == "e2m1u_half":
+            return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
+                                splits=2)
         return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, scales=scales,
                             e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast",
                                   "nvfp4": "upcast"}[variant])
@@ -239,7 +243,7 @@ def _e2m1_to_bf16(codes_array):
 
 
 def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None,
-                 scales=None):
+                 scales=None, splits: int = 1):
     """The int4 variant: codes viewed as signed int4 [rows, 256] (element 2j the low nibble of
     byte j), each K tile's [64, 256] converted to bf16 and multiplied with x's tile in one
     wgmma."""
@@ -250,9 +254,10 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, _ = x.shape
-    width = 2 * codes.shape[1]
+    full = 2 * codes.shape[1]  # nibbles per row of a K tile
+    width = full // splits  # nibbles per pipeline step
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
-    nibbles = lax.bitcast_convert_type(codes, jnp.int4).reshape(codes.shape[0], width)
+    nibbles = lax.bitcast_convert_type(codes, jnp.int4).reshape(codes.shape[0], full)
     code_swizzle = plgpu.find_swizzle(width * 4, "lhs")
     x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
     code_transforms = (plgpu.TilingTransform((8, code_swizzle * 2)),
@@ -293,9 +298,10 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
 
         def scope(acc_ref):
             plgpu.emit_pipeline(
-                step, grid=(k_tiles,),
+                step, grid=(k_tiles * splits,),
                 in_specs=[
-                    plgpu.BlockSpec((TILE_ROWS, width), lambda kt: (i * k_tiles + kt, 0),
+                    plgpu.BlockSpec((TILE_ROWS, width),
+                                    lambda kt: (i * k_tiles + kt // splits, kt % splits),
                                     transforms=code_transforms),
                     *([plgpu.BlockSpec((TILE_ROWS, 16), lambda kt: (i * k_tiles + kt, 0))]
                       if with_scales else []),
@@ -331,7 +337,7 @@ def scale_values(scale_codes):
 def reference(x, codes, k_tiles: int, variant: str = "wait0", scales=None):
     """The same product in float32 from the tile-major codes (numpy-free jnp)."""
     import jax.numpy as jnp
-    if variant in ("int4", "e2m1", "e2m1u", "nvfp4"):  # nibbles in memory order, by K tile
+    if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half"):  # memory order, by K tile
         rows = codes.shape[0] // k_tiles
         lo = (codes & 15).astype(jnp.int32)
         hi = (codes >> 4).astype(jnp.int32)
