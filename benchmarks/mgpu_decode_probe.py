@@ -52,7 +52,9 @@ def parse_args(argv=None):
                              "second TMA stream of [64, 16] canonical scale codes per K tile, "
                              "each pair of weights multiplied by its (s, s) pattern in the "
                              "decode's fma): the full NVFP4 weight decode; e2m1u_half: "
-                             "e2m1u with half a K tile (128 codes per row) per pipeline step")
+                             "e2m1u with half a K tile (128 codes per row) per pipeline step; "
+                             "e2m1u_x2 / nvfp4_x2: two K tiles per pipeline step, one wgmma "
+                             "wait per step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -70,10 +72,15 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
 
     m, k = x.shape
     half = codes.shape[1]
-    if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half"):
+    if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half", "e2m1u_x2", "nvfp4_x2"):
         if variant == "e2m1u_half":
             return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
                                 splits=2)
+        if variant.endswith("_x2"):
+            if k_tiles % 2:
+                raise ValueError(f"{variant}: an even number of K tiles, got {k_tiles}")
+            return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
+                                scales=scales, per_step=2)
         return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, scales=scales,
                             e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast",
                                   "nvfp4": "upcast"}[variant])
@@ -243,7 +250,7 @@ def _e2m1_to_bf16(codes_array):
 
 
 def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None,
-                 scales=None, splits: int = 1):
+                 scales=None, splits: int = 1, per_step: int = 1):
     """The int4 variant: codes viewed as signed int4 [rows, 256] (element 2j the low nibble of
     byte j), each K tile's [64, 256] converted to bf16 and multiplied with x's tile in one
     wgmma."""
@@ -272,9 +279,20 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
         out_gmem, out_smem = rest[-2:]
         i = lax.axis_index("tiles")
 
-        def step(indices, c_smem, *refs):
-            s_smem = refs[0] if with_scales else None
-            x_smem, acc_ref = refs[-2:]
+        def step(indices, c_all, *refs):
+            s_all = refs[0] if with_scales else None
+            x_all, acc_ref = refs[-2:]
+            for t in range(per_step):  # K tiles of this step: decode, then wgmma each
+                rows_t = pl.ds(t * TILE_ROWS, TILE_ROWS)
+                c_smem = c_all.at[rows_t] if per_step > 1 else c_all
+                s_smem = None if s_all is None else (
+                    s_all.at[rows_t] if per_step > 1 else s_all)
+                x_smem = x_all.at[:, pl.ds(t * width, width)] if per_step > 1 else x_all
+                decode_and_multiply(c_smem, s_smem, x_smem, acc_ref)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        def decode_and_multiply(c_smem, s_smem, x_smem, acc_ref):
             if with_scales:
                 w = plgpu.inline_mgpu(
                     arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType()),
@@ -293,19 +311,20 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
             else:
                 w = c_smem[...].astype(jnp.bfloat16)
             plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc_ref
 
         def scope(acc_ref):
             plgpu.emit_pipeline(
-                step, grid=(k_tiles * splits,),
+                step, grid=(k_tiles * splits // per_step,),
                 in_specs=[
-                    plgpu.BlockSpec((TILE_ROWS, width),
-                                    lambda kt: (i * k_tiles + kt // splits, kt % splits),
+                    plgpu.BlockSpec((TILE_ROWS * per_step, width),
+                                    lambda kt: ((i * k_tiles) // per_step + kt // splits,
+                                                kt % splits),
                                     transforms=code_transforms),
-                    *([plgpu.BlockSpec((TILE_ROWS, 16), lambda kt: (i * k_tiles + kt, 0))]
+                    *([plgpu.BlockSpec((TILE_ROWS * per_step, 16),
+                                       lambda kt: ((i * k_tiles) // per_step + kt, 0))]
                       if with_scales else []),
-                    plgpu.BlockSpec((m, width), lambda kt: (0, kt), transforms=x_transforms)],
+                    plgpu.BlockSpec((m, width * per_step), lambda kt: (0, kt),
+                                    transforms=x_transforms)],
                 max_concurrent_steps=stages, init_carry=acc_ref)(
                     codes_gmem, *([scales_gmem] if with_scales else []), x_gmem)
             plgpu.wgmma_wait(0)
@@ -337,7 +356,7 @@ def scale_values(scale_codes):
 def reference(x, codes, k_tiles: int, variant: str = "wait0", scales=None):
     """The same product in float32 from the tile-major codes (numpy-free jnp)."""
     import jax.numpy as jnp
-    if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half"):  # memory order, by K tile
+    if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half", "e2m1u_x2", "nvfp4_x2"):
         rows = codes.shape[0] // k_tiles
         lo = (codes & 15).astype(jnp.int32)
         hi = (codes >> 4).astype(jnp.int32)
@@ -348,7 +367,7 @@ def reference(x, codes, k_tiles: int, variant: str = "wait0", scales=None):
             table = jnp.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
                               jnp.float32)
             nib = table[nib]
-            if variant == "nvfp4":  # one scale per 16 nibbles of a row
+            if variant.startswith("nvfp4"):  # one scale per 16 nibbles of a row
                 expanded = jnp.repeat(scale_values(scales), 16, axis=1)
                 nib = nib * expanded
         w = nib.reshape(rows // TILE_ROWS, k_tiles, TILE_ROWS, -1).transpose(0, 2, 1, 3)
@@ -391,7 +410,7 @@ def main(argv=None):
             row = {"tiles": tiles, "k": args.k, "variant": variant, "stages": stages,
                    "MB_codes": nbytes / 1e6}
             try:
-                with_scales = variant == "nvfp4"
+                with_scales = variant.startswith("nvfp4")
                 fn = jax.jit(lambda x, cs, ss, stages=stages, variant=variant: [
                     decode_matmul(x, c, k_tiles=k_tiles, stages=stages, variant=variant,
                                   scales=s if with_scales else None)
