@@ -399,10 +399,13 @@ def main(argv=None):
         count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
         codes = [jax.random.bits(jax.random.fold_in(key, i), (n * k_tiles, 128), jnp.uint8)
                  for i in range(count)]
+        # Canonical scale codes in [8, 151) and 1% zero codes (255); some codes in that range
+        # are no e4m3 value (no repack makes them), but the kernel's pattern arithmetic and
+        # scale_values agree on every one.
         scales = [jnp.where(jax.random.uniform(jax.random.fold_in(key, 1000 + i),
                                                (n * k_tiles, 16)) < 0.01, 255,
                             jax.random.randint(jax.random.fold_in(key, 2000 + i),
-                                               (n * k_tiles, 16), 8, 152)).astype(jnp.uint8)
+                                               (n * k_tiles, 16), 8, 151)).astype(jnp.uint8)
                   for i in range(count)]
         x = jax.random.normal(jax.random.fold_in(key, 99), (8, args.k), jnp.bfloat16)
         for variant, stages in ((v, int(s)) for v in common.split_list(args.variants)

@@ -210,13 +210,50 @@ def test_stream_probe_smoke_and_mosaic_lowering(tmp_path):
             assert "mosaic_gpu" in text, variant
         import mgpu_decode_probe  # the decode + wgmma probe lowers too (its GPU-only check)
         x = jax.ShapeDtypeStruct((8, 20 * 256), jnp.bfloat16)
-        for variant in ("wait0", "int4"):
-            fn = jax.jit(lambda x, c, variant=variant: mgpu_decode_probe.decode_matmul(
-                x, c, k_tiles=20, stages=4, variant=variant))
-            text = fn.trace(x, codes).lower(lowering_platforms=("cuda",)).as_text()
+        for variant in ("wait0", "int4", "e2m1u", "nvfp4"):
+            fn = jax.jit(lambda x, c, s, variant=variant: mgpu_decode_probe.decode_matmul(
+                x, c, k_tiles=20, stages=4, variant=variant,
+                scales=s if variant == "nvfp4" else None))
+            text = fn.trace(x, codes, scales).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text, variant
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+
+def test_mgpu_decode_probe_reference():
+    """The GPU probe's float32 reference (what its kernels are checked against) equals a float64
+    numpy product of the E2M1 table and the canonical scale codes' values (the kernel layout's
+    code -> e4m3 table, pallas_kernels.nvfp4_matmul), codes in memory order, tile-major rows."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    from pallas_kernels import nvfp4_matmul
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import mgpu_decode_probe as probe
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    k_tiles = 2
+    codes = jax.random.bits(jax.random.key(1), (64 * k_tiles * 2, 128), jnp.uint8)
+    valid = np.unique(nvfp4_matmul._E4M3_TO_CODE[nvfp4_matmul._E4M3_TO_CODE >= 0])  # + 255
+    scale_codes = jax.random.choice(jax.random.key(3), jnp.asarray(valid, jnp.uint8),
+                                    (64 * k_tiles * 2, 16))
+    x = jax.random.normal(jax.random.key(2), (8, 256 * k_tiles), jnp.float32)
+    bytes_ = nvfp4_matmul._CODE_TO_E4M3[np.asarray(scale_codes)]
+    values = bytes_.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    values[np.asarray(scale_codes) == 255] = 0.0
+    np.testing.assert_array_equal(np.asarray(probe.scale_values(scale_codes), np.float64),
+                                  values)
+    table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    c = np.asarray(codes).reshape(2, k_tiles, 64, 128)  # [row blocks, K tiles, rows, bytes]
+    nib = np.stack([c & 15, c >> 4], -1).reshape(2, k_tiles, 64, 256)
+    w = table[nib] * np.repeat(values.reshape(2, k_tiles, 64, 16), 16, axis=-1)
+    w = w.transpose(0, 2, 1, 3).reshape(128, 256 * k_tiles)
+    expected = w @ np.asarray(x, np.float64).T
+    got = np.asarray(probe.reference(x, codes, k_tiles, "nvfp4", scale_codes), np.float64)
+    assert np.abs(got - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
 def test_triton_ir_parsing():
