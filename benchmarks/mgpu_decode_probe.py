@@ -64,7 +64,6 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
                   scales=None):
     """y^T [N, 8] f32 = nibble values of W [N, K] @ x^T, x [8, K] bf16, codes tile-major
     [N * k_tiles, 128] uint8 (K tile kt of rows [r, r + 64) at rows r * k_tiles + kt * 64)."""
-    import jax
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
@@ -119,12 +118,31 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
                                     delay_release=1 if variant == "wait1" else 0)],
                 max_concurrent_steps=stages, init_carry=acc_ref)(codes_gmem, x_gmem)
             plgpu.wgmma_wait(0)
-            out_smem[...] = acc_ref[...]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)])
-            plgpu.wait_smem_to_gmem(0)
+            _store_tile(acc_ref[...], out_smem, out_gmem, i)
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m), jnp.float32))
+
+    return _launch(body, tiles, m, x, codes)
+
+
+def _store_tile(acc, out_smem, out_gmem, i):
+    """A program's result acc [64, M] f32 -> output rows [64 i, 64 i + 64) (through shared
+    memory and a TMA store)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    out_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _launch(body, tiles: int, m: int, *inputs):
+    """One program per 64-row tile (grid axis "tiles"), one warpgroup each, a [64, M] float32
+    shared-memory buffer for the result; output y^T [64 * tiles, M] float32."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((tiles * TILE_ROWS, m), jnp.float32),
@@ -132,7 +150,7 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
         scratch_types=[plgpu.SMEM((TILE_ROWS, m), jnp.float32)],
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(x, codes)
+    return kernel(*inputs)
 
 
 # 8 E2M1 codes (a 32-bit register, code i in bits 4i..4i+3; $1 = the register, $2 = it shifted
@@ -254,7 +272,6 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
     """The int4 variant: codes viewed as signed int4 [rows, 256] (element 2j the low nibble of
     byte j), each K tile's [64, 256] converted to bf16 and multiplied with x's tile in one
     wgmma."""
-    import jax
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
@@ -329,20 +346,12 @@ def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None
                     codes_gmem, *([scales_gmem] if with_scales else []), x_gmem)
             plgpu.wgmma_wait(0)
             acc = acc_ref[...]
-            out_smem[...] = acc * (2.0 ** -SCALED_EXPONENT) if with_scales else acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)])
-            plgpu.wait_smem_to_gmem(0)
+            _store_tile(acc * (2.0 ** -SCALED_EXPONENT) if with_scales else acc, out_smem,
+                        out_gmem, i)
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m), jnp.float32))
 
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((tiles * TILE_ROWS, m), jnp.float32),
-        grid=(tiles,), grid_names=("tiles",),
-        scratch_types=[plgpu.SMEM((TILE_ROWS, m), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(x, nibbles, *([scales] if with_scales else []))
+    return _launch(body, tiles, m, x, nibbles, *([scales] if with_scales else []))
 
 
 def scale_values(scale_codes):
