@@ -58,8 +58,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.e2m1_decode import E2M1_DECODERS
 
 N_MULTIPLE = 128
-# Triton load eviction hints the fused kernel accepts (MatmulConfig.weight_eviction, ...).
-EVICTION_POLICIES = (None, "evict_first", "evict_last")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,8 +291,6 @@ class MatmulConfig:
     clamp_rows: when M is not a multiple of block_m, read activation rows min(r, M-1) (a gather
     with no mask; the extra rows repeat the last one and are not stored) instead of masked
     loads. Off by default: masked rows were as fast or faster on most H100 layer shapes.
-    weight_eviction / x_eviction: Triton's L2 eviction hint on the loads of the codes and
-    scales / of the activations (None: no hint).
     """
     block_m: int = 16
     block_n: int = 64
@@ -306,14 +302,6 @@ class MatmulConfig:
     path: str = "fused"
     group_dots: bool = False
     clamp_rows: bool = False
-    weight_eviction: str | None = None
-    x_eviction: str | None = None
-
-    def __post_init__(self):
-        for name in ("weight_eviction", "x_eviction"):
-            if getattr(self, name) not in EVICTION_POLICIES:
-                raise ValueError(f"MatmulConfig.{name}={getattr(self, name)!r}: one of "
-                                 f"{EVICTION_POLICIES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,7 +349,6 @@ class DecodeTuning:
     swiglu_next_lora: the fused SwiGLU launch also computes the down projection's LoRA
       x @ A from its output tiles (blockwise_matmul_swiglu's next_lora_a), so the model runs
       no separate x @ A product for it; False: the model computes it (comparisons).
-    weight_eviction, x_eviction: as in MatmulConfig (L2 eviction hints; None: none).
     """
     target_programs: int = 640
     min_tiles_per_split: int = 4
@@ -373,8 +360,6 @@ class DecodeTuning:
     weight_as_lhs: bool | None = None
     decoder: str | None = None
     swiglu_next_lora: bool = True
-    weight_eviction: str | None = None
-    x_eviction: str | None = None
 
 
 _DECODE_TUNING = DecodeTuning()
@@ -398,10 +383,6 @@ def set_decode_tuning(tuning: DecodeTuning | None = None, **fields) -> DecodeTun
     if tuning.block_n < 16 or tuning.block_n > TILE_ROWS or tuning.block_n & (tuning.block_n - 1):
         raise ValueError(f"DecodeTuning.block_n={tuning.block_n}: a power of two from 16 to "
                          f"{TILE_ROWS} (the kernel layout's row blocks)")
-    for name in ("weight_eviction", "x_eviction"):
-        if getattr(tuning, name) not in EVICTION_POLICIES:
-            raise ValueError(f"DecodeTuning.{name}={getattr(tuning, name)!r}: one of "
-                             f"{EVICTION_POLICIES}")
     if tuning.max_split < 1 or tuning.min_tiles_per_split < 1:
         raise ValueError(f"DecodeTuning {tuning}: max_split and min_tiles_per_split must be "
                          ">= 1")
@@ -423,7 +404,7 @@ def parse_tuning(text: str) -> dict:
             if value.lower() not in ("true", "false", "none"):
                 raise ValueError(f"decode tuning {item!r}: true, false or none")
             fields[name] = None if value.lower() == "none" else value.lower() == "true"
-        elif name in ("decoder", "weight_eviction", "x_eviction"):
+        elif name == "decoder":
             fields[name] = None if value.lower() == "none" else value
         elif name == "swiglu_next_lora":
             if value.lower() not in ("true", "false", "1", "0"):
@@ -494,9 +475,7 @@ def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str,
                         num_warps=tuning.num_warps if decode else 4,
                         num_stages=tuning.num_stages if decode else 3,
                         decoder=tuning.decoder if decode and _decoder_fits(tuning.decoder, fmt)
-                        else None,
-                        weight_eviction=tuning.weight_eviction if decode else None,
-                        x_eviction=tuning.x_eviction if decode else None)
+                        else None)
 
 
 def default_transposed_config(m: int, packed: PackedWeight) -> TransposedConfig:
@@ -535,12 +514,10 @@ def _edge_masks(start_r, size_r, limit_r, start_c, size_c, limit_c, ragged_r, ra
     return _and_masks(rows, cols)
 
 
-def _load(ref_view, mask, other=0.0, eviction: str | None = None):
-    if mask is None and eviction is None:
-        return ref_view[...]
+def _load(ref_view, mask, other=0.0):
     if mask is None:
-        return plgpu.load(ref_view, eviction_policy=eviction)
-    return plgpu.load(ref_view, mask=mask, other=other, eviction_policy=eviction)
+        return ref_view[...]
+    return plgpu.load(ref_view, mask=mask, other=other)
 
 
 def _store(ref_view, value, mask):
@@ -601,7 +578,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
                     clamp_rows: bool = False, lora_scale: float | None = None,
                     down_column: int = 0, swiglu_n: int | None = None,
                     pair_view: tuple[int, int] | None = None, next_a_ref=None,
-                    shares_ref=None, eviction: tuple[str | None, str | None] = (None, None)):
+                    shares_ref=None):
     """The [bm, bn] output tile (pid_m, pid_n) of split pid_s of y = x @ W^T for one weight;
     program_ids = (pid_m, pid_n, pid_s). The LoRA epilogue reads down_ref's columns
     [down_column, down_column + r) with r = lora_b_ref's rows.
@@ -616,10 +593,7 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
 
     next_a_ref / shares_ref (swiglu_n only): the next layer's LoRA A [swiglu_n, r'] and the
     [N tiles, M, r'] float32 output of this tile's share of (SwiGLU output) @ A
-    (_swiglu_epilogue).
-
-    eviction: the L2 eviction hints of the (codes and scales, activation) loads of the K loop
-    (MatmulConfig.weight_eviction, x_eviction)."""
+    (_swiglu_epilogue)."""
     half = tile_k // 2
     g = half // spec.scale_block
     pid_m, pid_n, pid_s = program_ids
@@ -627,7 +601,6 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     n0 = pl.multiple_of(pid_n * bn, bn)
     w0 = pl.multiple_of(pair_row(n0, pair_view), bn)  # the tile's first row in codes / scales
     ragged_m, ragged_k = m % bm != 0, k % tile_k != 0
-    weight_eviction, x_eviction = eviction
 
     def load_x(c0, width):
         if ragged_m and clamp_rows:
@@ -636,11 +609,10 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
             if ragged_k:
                 mask = jnp.broadcast_to(cols < k, (bm, width))
                 cols = jnp.minimum(cols, k - 1)
-                return plgpu.load(x_ref.at[rows, cols], mask=mask, other=0.0,
-                                  eviction_policy=x_eviction)
-            return _load(x_ref.at[rows, cols], None, eviction=x_eviction)
+                return plgpu.load(x_ref.at[rows, cols], mask=mask, other=0.0)
+            return x_ref[rows, cols]
         mask = _edge_masks(r0, bm, m, c0, width, k, ragged_m, ragged_k)
-        return _load(x_ref.at[pl.ds(r0, bm), pl.ds(c0, width)], mask, eviction=x_eviction)
+        return _load(x_ref.at[pl.ds(r0, bm), pl.ds(c0, width)], mask)
 
     def group_body(t, acc):
         # One dot per scale block: codes of block gi of both planes share bytes [gi*B, gi*B+B).
@@ -663,9 +635,9 @@ def _matmul_program(x_ref, codes_ref, scales_ref, ts_ref, down_ref, lora_b_ref, 
     def load_tile(kt):
         """Codes, the two planes' scales and activations of K tile kt (loads only)."""
         row = pl.multiple_of(tile_row(w0, kt, k_tiles), bn)
-        c = _load(codes_ref.at[pl.ds(row, bn), pl.ds(0, half)], None, eviction=weight_eviction)
-        s_lo = _load(scales_ref.at[pl.ds(row, bn), pl.ds(0, g)], None, eviction=weight_eviction)
-        s_hi = _load(scales_ref.at[pl.ds(row, bn), pl.ds(g, g)], None, eviction=weight_eviction)
+        c = codes_ref[pl.ds(row, bn), pl.ds(0, half)]
+        s_lo = scales_ref[pl.ds(row, bn), pl.ds(0, g)]
+        s_hi = scales_ref[pl.ds(row, bn), pl.ds(g, g)]
         xs = tuple(load_x(pl.multiple_of(kt * tile_k + p * half, half), half)
                    for p in range(2))
         return c, s_lo, s_hi, xs
@@ -949,7 +921,6 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
         m=m, n=packed.n, k=k, bm=bm, bn=bn, tile_k=packed.tile_k, tiles_per_split=k_tiles,
         k_tiles=k_tiles, split=1, weight_as_lhs=config.weight_as_lhs,
         poisoned=bool(poison_output), clamp_rows=config.clamp_rows,
-        eviction=(config.weight_eviction, config.x_eviction),
         lora_scale=lora_scale if has_lora else None, swiglu_n=out_n, with_shares=with_shares)
     aux = tuple(jnp.asarray(a) for a in spec.aux_arrays())
     result = _launch(kernel, out_shape, (_cdiv(m, bm), packed.n // bn, 1),
@@ -1171,7 +1142,7 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         tile_k=packed.tile_k, tiles_per_split=tiles_per_split, k_tiles=k_tiles, split=split,
         weight_as_lhs=config.weight_as_lhs, poisoned=poisoned, group_dots=config.group_dots,
         clamp_rows=config.clamp_rows, lora_scale=float(lora_scale) if has_lora else None,
-        pair_view=packed.pair_view, eviction=(config.weight_eviction, config.x_eviction))
+        pair_view=packed.pair_view)
     if config.group_dots and spec.decode_values is None:
         raise ValueError(f"{spec.name} has no group-scaled decoder")
     if split == 1:
@@ -1325,8 +1296,7 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
         poisoned=bool(poison_output), spec=spec,
         decoder=_resolve_decoder(spec, config.decoder, interpret), m=m, k=k, bm=bm, bn=bn,
         tile_k=packed[0].tile_k, tiles_per_split=_cdiv(k_tiles, split), k_tiles=k_tiles,
-        split=split, weight_as_lhs=config.weight_as_lhs, clamp_rows=config.clamp_rows,
-        eviction=(config.weight_eviction, config.x_eviction))
+        split=split, weight_as_lhs=config.weight_as_lhs, clamp_rows=config.clamp_rows)
     if split == 1:
         out_shape = tuple(jax.ShapeDtypeStruct((m, p.n), jnp.bfloat16) for p in packed)
     else:

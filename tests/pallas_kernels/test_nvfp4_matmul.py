@@ -218,31 +218,6 @@ def test_decode_tuning_drives_the_default_config():
     assert bw.decode_tuning() == previous
 
 
-@pytest.mark.parametrize("m,split", [(5, 1), (8, 2)])
-def test_eviction_hints_change_no_bits(m, split):
-    """L2 eviction hints on the weight and activation loads (MatmulConfig.weight_eviction,
-    x_eviction) are hints only: the same output bits as without them; unknown hints are
-    refused by name."""
-    seed = kc.fresh_seed()
-    _, x, packed = kc.random_problem(NVFP4, seed, m, 96, 3 * 128, 128)
-    plain = bw.MatmulConfig(block_m=16, block_n=32, split_k=split, weight_as_lhs=False)
-    hinted = dataclasses.replace(plain, weight_eviction="evict_first", x_eviction="evict_last")
-    y0 = bw.blockwise_matmul(x, packed, spec=nv.NVFP4, config=plain, interpret=True)
-    y1 = bw.blockwise_matmul(x, packed, spec=nv.NVFP4, config=hinted, interpret=True)
-    np.testing.assert_array_equal(np.asarray(y0, np.float32), np.asarray(y1, np.float32),
-                                  err_msg=f"seed={seed}")
-    with pytest.raises(ValueError, match="weight_eviction"):
-        bw.MatmulConfig(weight_eviction="evict_normal_please")
-    with pytest.raises(ValueError, match="x_eviction"):
-        bw.set_decode_tuning(x_eviction="first")
-    previous = bw.set_decode_tuning(**bw.parse_tuning("weight_eviction=evict_first"))
-    try:
-        assert bw.default_matmul_config(8, packed).weight_eviction == "evict_first"
-        assert bw.default_matmul_config(32, packed).weight_eviction is None  # decode M only
-    finally:
-        bw.set_decode_tuning(previous)
-
-
 @pytest.mark.parametrize("m,split,lora", [(3, 1, False), (5, 2, True), (20, 3, True)])
 def test_grouped_matmul_equals_single_launches(m, split, lora):
     """q/k/v-like weights of different N (one ragged) in one launch: each output equals the
