@@ -36,8 +36,9 @@ def parse_args(argv=None):
     parser.add_argument("--k", type=int, default=5120)
     parser.add_argument("--stages", default="2,4")
     parser.add_argument("--variants", default="wait0",
-                        help="wait0: wgmma_wait(0) in every step; wait1: wait(1), the "
-                             "activation tiles released one step late (delay_release=1); "
+                        help="wait0: the kernel-layout planes as bf16 nibble values, "
+                             "wgmma_wait(0) in every step (session 19 call i also tried "
+                             "wait(1), at commit 633a24f: wrong results, removed); "
                              "oneplane: wait0 with the low plane only (half the arithmetic, "
                              "not the same product); int4: the code bytes read as signed int4 "
                              "[64, 256] (memory order) and converted by Mosaic GPU's fast "
@@ -73,14 +74,14 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
     half = codes.shape[1]
     if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half", "e2m1u_x2", "nvfp4_x2"):
         if variant == "e2m1u_half":
-            return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
+            return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
                                 splits=2)
         if variant.endswith("_x2"):
             if k_tiles % 2:
                 raise ValueError(f"{variant}: an even number of K tiles, got {k_tiles}")
-            return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
+            return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
                                 scales=scales, per_step=2)
-        return _int4_matmul(x, codes, k_tiles=k_tiles, stages=stages, scales=scales,
+        return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, scales=scales,
                             e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast",
                                   "nvfp4": "upcast"}[variant])
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
@@ -104,7 +105,7 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
             for p, w in enumerate(planes):
                 xt = plgpu.transpose_ref(x_smem.at[:, pl.ds(p * half, half)], (1, 0))
                 plgpu.wgmma(acc_ref, w, xt)
-            plgpu.wgmma_wait(1 if variant == "wait1" else 0)
+            plgpu.wgmma_wait(0)
             return acc_ref
 
         def scope(acc_ref):
@@ -114,8 +115,7 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
                     plgpu.BlockSpec((TILE_ROWS, half), lambda kt: (i * k_tiles + kt, 0),
                                     transforms=code_transforms),
                     plgpu.BlockSpec((m, 2 * half), lambda kt: (0, kt),
-                                    transforms=x_transforms,
-                                    delay_release=1 if variant == "wait1" else 0)],
+                                    transforms=x_transforms)],
                 max_concurrent_steps=stages, init_carry=acc_ref)(codes_gmem, x_gmem)
             plgpu.wgmma_wait(0)
             _store_tile(acc_ref[...], out_smem, out_gmem, i)
@@ -267,11 +267,13 @@ def _e2m1_to_bf16(codes_array):
     return fa.FragmentedArray(_registers=out, _layout=codes_array.layout, _is_signed=None)
 
 
-def _int4_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None,
+def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None,
                  scales=None, splits: int = 1, per_step: int = 1):
-    """The int4 variant: codes viewed as signed int4 [rows, 256] (element 2j the low nibble of
-    byte j), each K tile's [64, 256] converted to bf16 and multiplied with x's tile in one
-    wgmma."""
+    """The int4 / e2m1 / e2m1u / nvfp4 variants: codes viewed as 4-bit [rows, 256] in memory
+    order (element 2j the low nibble of byte j); each K tile's [64, 256] turned into bf16 (by
+    Mosaic's signed int4 conversion, or decoded as E2M1 by inline PTX, with `scales` [rows, 16]
+    canonical codes when given) and multiplied with x's tile in one wgmma; `splits` /
+    `per_step`: a half / two K tiles per pipeline step."""
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
@@ -396,7 +398,6 @@ def main(argv=None):
     args = parse_args(argv)
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
 
     k_tiles = args.k // 256
     rows = []
