@@ -27,6 +27,8 @@ import _common as common
 import kernel_profile
 
 TILE_ROWS = 64
+MEMORY_ORDER_VARIANTS = ("int4", "e2m1", "e2m1u", "nvfp4", "nvfp4f", "e2m1u_half", "e2m1u_x2",
+                         "nvfp4_x2")
 
 
 def parse_args(argv=None):
@@ -55,7 +57,9 @@ def parse_args(argv=None):
                              "decode's fma): the full NVFP4 weight decode; e2m1u_half: "
                              "e2m1u with half a K tile (128 codes per row) per pipeline step; "
                              "e2m1u_x2 / nvfp4_x2: two K tiles per pipeline step, one wgmma "
-                             "wait per step")
+                             "wait per step; nvfp4f: nvfp4 with each tile's scales stored "
+                             "after its codes (one TMA stream, fuse_scales) and one 16-byte "
+                             "shared-memory load per row of a thread")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -72,7 +76,7 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
 
     m, k = x.shape
     half = codes.shape[1]
-    if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half", "e2m1u_x2", "nvfp4_x2"):
+    if variant in MEMORY_ORDER_VARIANTS:
         if variant == "e2m1u_half":
             return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
                                 splits=2)
@@ -81,6 +85,9 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
                 raise ValueError(f"{variant}: an even number of K tiles, got {k_tiles}")
             return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
                                 scales=scales, per_step=2)
+        if variant == "nvfp4f":
+            return _memory_order_matmul(x, fuse_scales(codes, scales), k_tiles=k_tiles,
+                                        stages=stages, e2m1="upcast", fused=True)
         return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, scales=scales,
                             e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast",
                                   "nvfp4": "upcast"}[variant])
@@ -181,12 +188,60 @@ fma.rn.bf16x2 $0, y, $3, z;
 }}"""
 SCALED_EXPONENT = -8  # the scaled decode's values are e2m1 * scale * 2^-8
 
+SCALE_LINES = 8  # a tile's [64, 16] scale codes as 8 lines of 128 bytes after its 64 code rows
 
-def _e2m1_to_bf16_upcast(codes_array, scales_ref=None):
+
+def fuse_scales(codes, scales):
+    """Tile-major codes [T * 64, 128] and scale codes [T * 64, 16] (T = row tiles x K tiles)
+    -> one buffer [T * 72, 128]: each tile's 64 code rows, then its scales row-major as 8 lines
+    (line l = scale rows 8l .. 8l + 7), so one TMA copy brings both."""
+    import jax.numpy as jnp
+    t = codes.shape[0] // TILE_ROWS
+    return jnp.concatenate([codes.reshape(t, TILE_ROWS, 128),
+                            scales.reshape(t, SCALE_LINES, 128)], axis=1).reshape(-1, 128)
+
+
+def _tile_scale_patterns(tile_ref, rows):
+    """The (s, s) bf16x2 patterns of a thread's rows from a fused tile in shared memory (128-byte
+    swizzle: line L's 16-byte chunk j is stored at chunk j ^ (L % 8)): per row one 16-byte load
+    of its 16 scale codes, then per code (byte b) pattern = code * 0x00100010 + 0x75807580.
+    rows: {h: row index}; returns {(h, block): i32}."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import utils
+
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    vec4 = ir.VectorType.get((4,), i32)
+
+    def const(v):
+        return arith.constant(i32, v)
+
+    base = utils.memref_ptr(tile_ref)
+    patterns = {}
+    for h, row in rows.items():
+        r = arith.index_cast(i32, row)
+        line = arith.shrui(r, const(3))
+        chunk = arith.xori(arith.andi(r, const(7)), line)
+        offset = arith.addi(const(TILE_ROWS * 128),
+                            arith.addi(arith.muli(line, const(128)),
+                                       arith.muli(chunk, const(16))))
+        words = llvm.load(vec4, utils.getelementptr(base, [offset], i8), alignment=16)
+        for b in range(16):
+            word = llvm.extractelement(words, const(b // 4))
+            code = arith.andi(arith.shrui(word, const(8 * (b % 4))), const(255))
+            patterns[(h, b)] = arith.addi(arith.muli(code, const(0x00100010)),
+                                          const(0x75807580))
+    return patterns
+
+
+def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None):
     """As _e2m1_to_bf16, from codes loaded in WGMMA_UPCAST_4X (8 codes, one 32-bit register per
     thread): moved to the wgmma layout while 4-bit (Mosaic's relayout: a shuffle and a prmt per
     32 bits), then each vector<2xi4> register, a slice of a 32-bit vector, decoded from that
-    32-bit source (its shift shared by the slices)."""
+    32-bit source (its shift shared by the slices). `scales_ref`: [64, 16] scale codes, one
+    shared-memory load per register; `tile_ref`: the fused tile (fuse_scales), one 16-byte load
+    per row of the thread."""
     import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -200,9 +255,17 @@ def _e2m1_to_bf16_upcast(codes_array, scales_ref=None):
     codes_array = codes_array.to_layout(fa.WGMMA_LAYOUT)
     shifted_of = []  # [(32-bit source, its shift)]
     out = np.empty_like(codes_array.registers)
-    positions = codes_array.layout.thread_idxs(codes_array.shape)
+    positions = list(codes_array.layout.thread_idxs(codes_array.shape))
     index = ir.IndexType.get()
-    pattern_of = {}  # (row, block) value ids -> the (s, s) pattern
+    patterns = None
+    if tile_ref is not None:
+        # WGMMA layout of [64, 256]: register (0, c, 0, 0, h, 0...) holds row 16 w + 8 h + lane/4,
+        # columns 8 c + 2 (lane % 4) + {0, 1}: its scale block is c // 2.
+        if codes_array.registers.shape != (1, 32, 1, 1, 2, 1, 1, 1, 1):
+            raise NotImplementedError(f"registers {codes_array.registers.shape}")
+        rows = {idx[4]: row for (idx, _), (row, _) in
+                zip(np.ndenumerate(codes_array.registers), positions) if idx[1] == 0}
+        patterns = _tile_scale_patterns(tile_ref, rows)
     for (idx, reg), (row, col) in zip(np.ndenumerate(codes_array.registers), positions):
         op = getattr(reg.owner, "opview", None)
         if (isinstance(op, vector.ExtractStridedSliceOp)
@@ -219,7 +282,11 @@ def _e2m1_to_bf16_upcast(codes_array, scales_ref=None):
             source = arith.extui(i32, utils.bitcast(reg, ir.IntegerType.get_signless(8)))
             shifted = arith.shrui(source, arith.constant(i32, 4))
             part = 0
-        if scales_ref is None:
+        if patterns is not None:
+            decoded = llvm.inline_asm(i32, [source, shifted, patterns[(idx[4], idx[1] // 2)]],
+                                      _E2M1_SCALED_PAIR_ASM.format(lo=part, hi=part + 4),
+                                      "=r,r,r,r")
+        elif scales_ref is None:
             decoded = llvm.inline_asm(i32, [source, shifted],
                                       _E2M1_PAIR_ASM.format(lo=part, hi=part + 4), "=r,r,r")
         else:
@@ -268,12 +335,13 @@ def _e2m1_to_bf16(codes_array):
 
 
 def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None,
-                 scales=None, splits: int = 1, per_step: int = 1):
+                 scales=None, splits: int = 1, per_step: int = 1, fused: bool = False):
     """The int4 / e2m1 / e2m1u / nvfp4 variants: codes viewed as 4-bit [rows, 256] in memory
     order (element 2j the low nibble of byte j); each K tile's [64, 256] turned into bf16 (by
     Mosaic's signed int4 conversion, or decoded as E2M1 by inline PTX, with `scales` [rows, 16]
     canonical codes when given) and multiplied with x's tile in one wgmma; `splits` /
-    `per_step`: a half / two K tiles per pipeline step."""
+    `per_step`: a half / two K tiles per pipeline step; `fused`: codes is fuse_scales' buffer
+    (scales inside each tile, one TMA stream)."""
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
@@ -282,7 +350,10 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
     m, _ = x.shape
     full = 2 * codes.shape[1]  # nibbles per row of a K tile
     width = full // splits  # nibbles per pipeline step
-    tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
+    tile_rows = TILE_ROWS + SCALE_LINES if fused else TILE_ROWS  # buffer rows per K tile
+    if fused and (splits != 1 or per_step != 1):
+        raise ValueError("fused tiles: one K tile per step")
+    tiles = codes.shape[0] // (tile_rows * k_tiles)
     nibbles = lax.bitcast_convert_type(codes, jnp.int4).reshape(codes.shape[0], full)
     code_swizzle = plgpu.find_swizzle(width * 4, "lhs")
     x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
@@ -312,7 +383,16 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
             return acc_ref
 
         def decode_and_multiply(c_smem, s_smem, x_smem, acc_ref):
-            if with_scales:
+            if fused:
+                w = plgpu.inline_mgpu(
+                    arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,
+                               plgpu.RefType(transforms=code_transforms)),
+                    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, width), jnp.bfloat16,
+                                                       layout=plgpu.Layout.WGMMA),
+                )(lambda ctx, codes_array, tile_ref: _e2m1_to_bf16_upcast(
+                    codes_array, tile_ref=tile_ref))(
+                        c_smem.at[pl.ds(0, TILE_ROWS)][...], c_smem)
+            elif with_scales:
                 w = plgpu.inline_mgpu(
                     arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType()),
                     return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, width), jnp.bfloat16,
@@ -335,7 +415,7 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
             plgpu.emit_pipeline(
                 step, grid=(k_tiles * splits // per_step,),
                 in_specs=[
-                    plgpu.BlockSpec((TILE_ROWS * per_step, width),
+                    plgpu.BlockSpec((tile_rows * per_step, width),
                                     lambda kt: ((i * k_tiles) // per_step + kt // splits,
                                                 kt % splits),
                                     transforms=code_transforms),
@@ -348,7 +428,8 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
                     codes_gmem, *([scales_gmem] if with_scales else []), x_gmem)
             plgpu.wgmma_wait(0)
             acc = acc_ref[...]
-            _store_tile(acc * (2.0 ** -SCALED_EXPONENT) if with_scales else acc, out_smem,
+            _store_tile(acc * (2.0 ** -SCALED_EXPONENT) if with_scales or fused else acc,
+                        out_smem,
                         out_gmem, i)
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m), jnp.float32))
@@ -367,7 +448,7 @@ def scale_values(scale_codes):
 def reference(x, codes, k_tiles: int, variant: str = "wait0", scales=None):
     """The same product in float32 from the tile-major codes (numpy-free jnp)."""
     import jax.numpy as jnp
-    if variant in ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half", "e2m1u_x2", "nvfp4_x2"):
+    if variant in MEMORY_ORDER_VARIANTS:
         rows = codes.shape[0] // k_tiles
         lo = (codes & 15).astype(jnp.int32)
         hi = (codes >> 4).astype(jnp.int32)
