@@ -27,8 +27,8 @@ import _common as common
 import kernel_profile
 
 TILE_ROWS = 64
-MEMORY_ORDER_VARIANTS = ("int4", "e2m1", "e2m1u", "nvfp4", "nvfp4f", "e2m1u_half", "e2m1u_x2",
-                         "nvfp4_x2")
+MEMORY_ORDER_VARIANTS = ("int4", "e2m1", "e2m1u", "nvfp4", "nvfp4f", "nvfp4g", "e2m1u_half",
+                         "e2m1u_x2", "nvfp4_x2")
 
 
 def parse_args(argv=None):
@@ -59,14 +59,19 @@ def parse_args(argv=None):
                              "e2m1u_x2 / nvfp4_x2: two K tiles per pipeline step, one wgmma "
                              "wait per step; nvfp4f: nvfp4 with each tile's scales stored "
                              "after its codes (one TMA stream, fuse_scales) and one 16-byte "
-                             "shared-memory load per row of a thread")
+                             "shared-memory load per row of a thread; nvfp4g: nvfp4f with "
+                             "each scale pattern from a byte permute and a multiply-add")
+    parser.add_argument("--settings", default="plain",
+                        help="';'-separated, memory-order variants only: plain, wait1 (the "
+                             "wgmma left in flight one step, buffers released a step late), "
+                             "nab (unsafe_no_auto_barriers), wait1+nab")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
 
 
 def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0",
-                  scales=None):
+                  scales=None, wait1: bool = False, no_auto_barriers: bool = False):
     """y^T [N, 8] f32 = nibble values of W [N, K] @ x^T, x [8, K] bf16, codes tile-major
     [N * k_tiles, 128] uint8 (K tile kt of rows [r, r + 64) at rows r * k_tiles + kt * 64)."""
     import jax.numpy as jnp
@@ -85,10 +90,12 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
                 raise ValueError(f"{variant}: an even number of K tiles, got {k_tiles}")
             return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
                                 scales=scales, per_step=2)
-        if variant == "nvfp4f":  # codes: fuse_scales' buffer (built outside the timed call)
+        if variant in ("nvfp4f", "nvfp4g"):  # codes: fuse_scales' buffer (built outside)
             return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages,
-                                        e2m1="upcast", fused=True)
+                                        e2m1="upcast", fused=True, prmt=variant == "nvfp4g",
+                                        wait1=wait1, no_auto_barriers=no_auto_barriers)
         return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, scales=scales,
+                                    wait1=wait1, no_auto_barriers=no_auto_barriers,
                             e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast",
                                   "nvfp4": "upcast"}[variant])
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
@@ -144,7 +151,7 @@ def _store_tile(acc, out_smem, out_gmem, i):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _launch(body, tiles: int, m: int, *inputs):
+def _launch(body, tiles: int, m: int, *inputs, no_auto_barriers: bool = False):
     """One program per 64-row tile (grid axis "tiles"), one warpgroup each, a [64, M] float32
     shared-memory buffer for the result; output y^T [64 * tiles, M] float32."""
     import jax
@@ -156,7 +163,8 @@ def _launch(body, tiles: int, m: int, *inputs):
         grid=(tiles,), grid_names=("tiles",),
         scratch_types=[plgpu.SMEM((TILE_ROWS, m), jnp.float32)],
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            unsafe_no_auto_barriers=no_auto_barriers))
     return kernel(*inputs)
 
 
@@ -201,11 +209,19 @@ def fuse_scales(codes, scales):
                             scales.reshape(t, SCALE_LINES, 128)], axis=1).reshape(-1, 128)
 
 
-def _tile_scale_patterns(tile_ref, rows):
+_PATTERN_ASM = """{{
+.reg .b32 t;
+prmt.b32 t, $1, $2, 0x4{j}4{j};
+mad.lo.u32 $0, t, 16, 0x75807580;
+}}"""  # byte j of $1 (a scale code) -> its (s, s) pattern; $2 = 0
+
+
+def _tile_scale_patterns(tile_ref, rows, prmt: bool = False):
     """The (s, s) bf16x2 patterns of a thread's rows from a fused tile in shared memory (128-byte
     swizzle: line L's 16-byte chunk j is stored at chunk j ^ (L % 8)): per row one 16-byte load
     of its 16 scale codes, then per code (byte b) pattern = code * 0x00100010 + 0x75807580.
-    rows: {h: row index}; returns {(h, block): i32}."""
+    rows: {h: row index}; returns {(h, block): i32}. prmt: each pattern by a byte permute and
+    one multiply-add (_PATTERN_ASM) instead of shift, and, multiply, add."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils
@@ -229,13 +245,17 @@ def _tile_scale_patterns(tile_ref, rows):
         words = llvm.load(vec4, utils.getelementptr(base, [offset], i8), alignment=16)
         for b in range(16):
             word = llvm.extractelement(words, const(b // 4))
+            if prmt:
+                patterns[(h, b)] = llvm.inline_asm(i32, [word, const(0)],
+                                                   _PATTERN_ASM.format(j=b % 4), "=r,r,r")
+                continue
             code = arith.andi(arith.shrui(word, const(8 * (b % 4))), const(255))
             patterns[(h, b)] = arith.addi(arith.muli(code, const(0x00100010)),
                                           const(0x75807580))
     return patterns
 
 
-def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None):
+def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None, prmt=False):
     """As _e2m1_to_bf16, from codes loaded in WGMMA_UPCAST_4X (8 codes, one 32-bit register per
     thread): moved to the wgmma layout while 4-bit (Mosaic's relayout: a shuffle and a prmt per
     32 bits), then each vector<2xi4> register, a slice of a 32-bit vector, decoded from that
@@ -265,7 +285,7 @@ def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None):
             raise NotImplementedError(f"registers {codes_array.registers.shape}")
         rows = {idx[4]: row for (idx, _), (row, _) in
                 zip(np.ndenumerate(codes_array.registers), positions) if idx[1] == 0}
-        patterns = _tile_scale_patterns(tile_ref, rows)
+        patterns = _tile_scale_patterns(tile_ref, rows, prmt=prmt)
     for (idx, reg), (row, col) in zip(np.ndenumerate(codes_array.registers), positions):
         op = getattr(reg.owner, "opview", None)
         if (isinstance(op, vector.ExtractStridedSliceOp)
@@ -335,13 +355,16 @@ def _e2m1_to_bf16(codes_array):
 
 
 def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None,
-                 scales=None, splits: int = 1, per_step: int = 1, fused: bool = False):
+                 scales=None, splits: int = 1, per_step: int = 1, fused: bool = False,
+                 prmt: bool = False, wait1: bool = False, no_auto_barriers: bool = False):
     """The int4 / e2m1 / e2m1u / nvfp4 variants: codes viewed as 4-bit [rows, 256] in memory
     order (element 2j the low nibble of byte j); each K tile's [64, 256] turned into bf16 (by
     Mosaic's signed int4 conversion, or decoded as E2M1 by inline PTX, with `scales` [rows, 16]
     canonical codes when given) and multiplied with x's tile in one wgmma; `splits` /
     `per_step`: a half / two K tiles per pipeline step; `fused`: codes is fuse_scales' buffer
-    (scales inside each tile, one TMA stream)."""
+    (scales inside each tile, one TMA stream); `wait1`: each step leaves its wgmma in flight
+    (wgmma_wait(1), the pipeline releasing buffers a step late: delay_release=1, JAX >= 0.11);
+    `no_auto_barriers`: Mosaic GPU's unsafe_no_auto_barriers."""
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
@@ -379,7 +402,7 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
                     s_all.at[rows_t] if per_step > 1 else s_all)
                 x_smem = x_all.at[:, pl.ds(t * width, width)] if per_step > 1 else x_all
                 decode_and_multiply(c_smem, s_smem, x_smem, acc_ref)
-            plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(1 if wait1 else 0)
             return acc_ref
 
         def decode_and_multiply(c_smem, s_smem, x_smem, acc_ref):
@@ -390,7 +413,7 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
                     return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, width), jnp.bfloat16,
                                                        layout=plgpu.Layout.WGMMA),
                 )(lambda ctx, codes_array, tile_ref: _e2m1_to_bf16_upcast(
-                    codes_array, tile_ref=tile_ref))(
+                    codes_array, tile_ref=tile_ref, prmt=prmt))(
                         c_smem.at[pl.ds(0, TILE_ROWS)][...], c_smem)
             elif with_scales:
                 w = plgpu.inline_mgpu(
@@ -424,7 +447,8 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
                       if with_scales else []),
                     plgpu.BlockSpec((m, width * per_step), lambda kt: (0, kt),
                                     transforms=x_transforms)],
-                max_concurrent_steps=stages, init_carry=acc_ref)(
+                max_concurrent_steps=stages, init_carry=acc_ref,
+                **({"delay_release": 1} if wait1 else {}))(
                     codes_gmem, *([scales_gmem] if with_scales else []), x_gmem)
             plgpu.wgmma_wait(0)
             acc = acc_ref[...]
@@ -434,7 +458,8 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m), jnp.float32))
 
-    return _launch(body, tiles, m, x, nibbles, *([scales] if with_scales else []))
+    return _launch(body, tiles, m, x, nibbles, *([scales] if with_scales else []),
+                   no_auto_barriers=no_auto_barriers)
 
 
 def scale_values(scale_codes):
@@ -499,19 +524,25 @@ def main(argv=None):
                                                (n * k_tiles, 16), 8, 151)).astype(jnp.uint8)
                   for i in range(count)]
         x = jax.random.normal(jax.random.fold_in(key, 99), (8, args.k), jnp.bfloat16)
-        for variant, stages in ((v, int(s)) for v in common.split_list(args.variants)
-                                for s in common.split_list(args.stages)):
+        for variant, stages, setting in ((v, int(s), t)
+                                         for v in common.split_list(args.variants)
+                                         for s in common.split_list(args.stages)
+                                         for t in args.settings.split(";")):
             row = {"tiles": tiles, "k": args.k, "variant": variant, "stages": stages,
-                   "MB_codes": nbytes / 1e6}
+                   "setting": setting, "MB_codes": nbytes / 1e6}
+            flags = set(setting.split("+")) - {"plain"}
+            if flags - {"wait1", "nab"}:
+                raise ValueError(f"unknown setting {setting!r}")
             try:
                 with_scales = variant.startswith("nvfp4")
                 inputs = codes
-                if variant == "nvfp4f":  # scales inside the code tiles, one buffer
+                if variant in ("nvfp4f", "nvfp4g"):  # scales inside the code tiles
                     inputs = [jax.block_until_ready(fuse_scales(c, s))
                               for c, s in zip(codes, scales)]
-                fn = jax.jit(lambda x, cs, ss, stages=stages, variant=variant: [
+                fn = jax.jit(lambda x, cs, ss, stages=stages, variant=variant, flags=flags: [
                     decode_matmul(x, c, k_tiles=k_tiles, stages=stages, variant=variant,
-                                  scales=s if with_scales else None)
+                                  scales=s if with_scales else None, wait1="wait1" in flags,
+                                  no_auto_barriers="nab" in flags)
                     for c, s in zip(cs, ss)])
                 y = fn(x, inputs, scales)[0]
                 ref = reference(x, codes[0], k_tiles, variant, scales[0])
@@ -527,7 +558,8 @@ def main(argv=None):
             print(row, flush=True)
         del codes
     meta = {**common.device_info(), "jax": jax.__version__}
-    columns = [("tiles", "row tiles"), ("k", "K"), ("variant", "variant"), ("stages", "stages"), ("MB_codes", "MB codes"),
+    columns = [("tiles", "row tiles"), ("k", "K"), ("variant", "variant"), ("stages", "stages"),
+               ("setting", "setting"), ("MB_codes", "MB codes"),
                ("us", "us"), ("TB_s_codes", "TB/s codes"), ("max_rel_err", "max rel err"),
                ("error", "error")]
     text = common.header_line(
