@@ -27,8 +27,9 @@ import _common as common
 import kernel_profile
 
 TILE_ROWS = 64
-MEMORY_ORDER_VARIANTS = ("int4", "e2m1", "e2m1u", "nvfp4", "nvfp4f", "nvfp4g", "e2m1u_half",
-                         "e2m1u_x2", "nvfp4_x2")
+FUSED_VARIANTS = ("nvfp4f", "nvfp4g", "nvfp4l", "nvfp4h", "nvfp4q")  # scales stored inside the code tiles
+MEMORY_ORDER_VARIANTS = ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half", "e2m1u_x2",
+                         "nvfp4_x2") + FUSED_VARIANTS
 
 
 def parse_args(argv=None):
@@ -60,18 +61,21 @@ def parse_args(argv=None):
                              "wait per step; nvfp4f: nvfp4 with each tile's scales stored "
                              "after its codes (one TMA stream, fuse_scales) and one 16-byte "
                              "shared-memory load per row of a thread; nvfp4g: nvfp4f with "
-                             "each scale pattern from a byte permute and a multiply-add")
+                             "each scale pattern from a byte permute and a multiply-add; "
+                             "nvfp4l: nvfp4f with each pattern computed at its first use; "
+                             "nvfp4h / nvfp4q: nvfp4l decoded and multiplied in 2 / 4 column "
+                             "chunks per K tile, waiting for the previous chunk's wgmma")
     parser.add_argument("--settings", default="plain",
-                        help="';'-separated, memory-order variants only: plain, wait1 (the "
-                             "wgmma left in flight one step, buffers released a step late), "
-                             "nab (unsafe_no_auto_barriers), wait1+nab")
+                        help="';'-separated, memory-order variants only: plain or nab "
+                             "(unsafe_no_auto_barriers; session 20 call c also listed wait1, "
+                             "emit_pipeline's delay_release, which JAX 0.11.2 does not have)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
 
 
 def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0",
-                  scales=None, wait1: bool = False, no_auto_barriers: bool = False):
+                  scales=None, no_auto_barriers: bool = False):
     """y^T [N, 8] f32 = nibble values of W [N, K] @ x^T, x [8, K] bf16, codes tile-major
     [N * k_tiles, 128] uint8 (K tile kt of rows [r, r + 64) at rows r * k_tiles + kt * 64)."""
     import jax.numpy as jnp
@@ -90,12 +94,14 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
                 raise ValueError(f"{variant}: an even number of K tiles, got {k_tiles}")
             return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, e2m1="upcast",
                                 scales=scales, per_step=2)
-        if variant in ("nvfp4f", "nvfp4g"):  # codes: fuse_scales' buffer (built outside)
+        if variant in FUSED_VARIANTS:  # codes: fuse_scales' buffer (built outside)
             return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages,
                                         e2m1="upcast", fused=True, prmt=variant == "nvfp4g",
-                                        wait1=wait1, no_auto_barriers=no_auto_barriers)
+                                        lazy=variant in ("nvfp4l", "nvfp4h", "nvfp4q"),
+                                        chunks={"nvfp4h": 2, "nvfp4q": 4}.get(variant, 1),
+                                        no_auto_barriers=no_auto_barriers)
         return _memory_order_matmul(x, codes, k_tiles=k_tiles, stages=stages, scales=scales,
-                                    wait1=wait1, no_auto_barriers=no_auto_barriers,
+                                    no_auto_barriers=no_auto_barriers,
                             e2m1={"int4": None, "e2m1": "wgmma", "e2m1u": "upcast",
                                   "nvfp4": "upcast"}[variant])
     tiles = codes.shape[0] // (TILE_ROWS * k_tiles)
@@ -216,12 +222,13 @@ mad.lo.u32 $0, t, 16, 0x75807580;
 }}"""  # byte j of $1 (a scale code) -> its (s, s) pattern; $2 = 0
 
 
-def _tile_scale_patterns(tile_ref, rows, prmt: bool = False):
+def _tile_scale_patterns(tile_ref, rows, prmt: bool = False, lazy: bool = False):
     """The (s, s) bf16x2 patterns of a thread's rows from a fused tile in shared memory (128-byte
     swizzle: line L's 16-byte chunk j is stored at chunk j ^ (L % 8)): per row one 16-byte load
     of its 16 scale codes, then per code (byte b) pattern = code * 0x00100010 + 0x75807580.
-    rows: {h: row index}; returns {(h, block): i32}. prmt: each pattern by a byte permute and
-    one multiply-add (_PATTERN_ASM) instead of shift, and, multiply, add."""
+    rows: {h: row index}; returns pattern(h, block) -> i32. prmt: each pattern by a byte permute
+    and one multiply-add (_PATTERN_ASM) instead of shift, and, multiply, add; lazy: each pattern
+    emitted at its first use (shorter live ranges) instead of all 32 up front."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils
@@ -234,7 +241,7 @@ def _tile_scale_patterns(tile_ref, rows, prmt: bool = False):
         return arith.constant(i32, v)
 
     base = utils.memref_ptr(tile_ref)
-    patterns = {}
+    words = {}
     for h, row in rows.items():
         r = arith.index_cast(i32, row)
         line = arith.shrui(r, const(3))
@@ -242,26 +249,38 @@ def _tile_scale_patterns(tile_ref, rows, prmt: bool = False):
         offset = arith.addi(const(TILE_ROWS * 128),
                             arith.addi(arith.muli(line, const(128)),
                                        arith.muli(chunk, const(16))))
-        words = llvm.load(vec4, utils.getelementptr(base, [offset], i8), alignment=16)
-        for b in range(16):
-            word = llvm.extractelement(words, const(b // 4))
+        words[h] = llvm.load(vec4, utils.getelementptr(base, [offset], i8), alignment=16)
+
+    made = {}
+
+    def pattern(h, b):
+        if (h, b) not in made:
+            word = llvm.extractelement(words[h], const(b // 4))
             if prmt:
-                patterns[(h, b)] = llvm.inline_asm(i32, [word, const(0)],
-                                                   _PATTERN_ASM.format(j=b % 4), "=r,r,r")
-                continue
-            code = arith.andi(arith.shrui(word, const(8 * (b % 4))), const(255))
-            patterns[(h, b)] = arith.addi(arith.muli(code, const(0x00100010)),
+                made[(h, b)] = llvm.inline_asm(i32, [word, const(0)],
+                                               _PATTERN_ASM.format(j=b % 4), "=r,r,r")
+            else:
+                code = arith.andi(arith.shrui(word, const(8 * (b % 4))), const(255))
+                made[(h, b)] = arith.addi(arith.muli(code, const(0x00100010)),
                                           const(0x75807580))
-    return patterns
+        return made[(h, b)]
+
+    if not lazy:
+        for h in rows:
+            for b in range(16):
+                pattern(h, b)
+    return pattern
 
 
-def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None, prmt=False):
+def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None, prmt=False, lazy=False,
+                         columns=None):
     """As _e2m1_to_bf16, from codes loaded in WGMMA_UPCAST_4X (8 codes, one 32-bit register per
     thread): moved to the wgmma layout while 4-bit (Mosaic's relayout: a shuffle and a prmt per
     32 bits), then each vector<2xi4> register, a slice of a 32-bit vector, decoded from that
     32-bit source (its shift shared by the slices). `scales_ref`: [64, 16] scale codes, one
     shared-memory load per register; `tile_ref`: the fused tile (fuse_scales), one 16-byte load
-    per row of the thread."""
+    per row of the thread. `columns` (c0, c1): only the wgmma layout's column registers
+    [c0, c1) (columns [8 c0, 8 c1)) are decoded and returned."""
     import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -285,8 +304,10 @@ def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None, prmt=False
             raise NotImplementedError(f"registers {codes_array.registers.shape}")
         rows = {idx[4]: row for (idx, _), (row, _) in
                 zip(np.ndenumerate(codes_array.registers), positions) if idx[1] == 0}
-        patterns = _tile_scale_patterns(tile_ref, rows, prmt=prmt)
+        patterns = _tile_scale_patterns(tile_ref, rows, prmt=prmt, lazy=lazy)
     for (idx, reg), (row, col) in zip(np.ndenumerate(codes_array.registers), positions):
+        if columns is not None and not columns[0] <= idx[1] < columns[1]:
+            continue
         op = getattr(reg.owner, "opview", None)
         if (isinstance(op, vector.ExtractStridedSliceOp)
                 and utils.bitwidth(op.source.type) == 32 and op.strides[0].value == 1):
@@ -303,7 +324,7 @@ def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None, prmt=False
             shifted = arith.shrui(source, arith.constant(i32, 4))
             part = 0
         if patterns is not None:
-            decoded = llvm.inline_asm(i32, [source, shifted, patterns[(idx[4], idx[1] // 2)]],
+            decoded = llvm.inline_asm(i32, [source, shifted, patterns(idx[4], idx[1] // 2)],
                                       _E2M1_SCALED_PAIR_ASM.format(lo=part, hi=part + 4),
                                       "=r,r,r,r")
         elif scales_ref is None:
@@ -318,6 +339,8 @@ def _e2m1_to_bf16_upcast(codes_array, scales_ref=None, tile_ref=None, prmt=False
                                       _E2M1_SCALED_PAIR_ASM.format(lo=part, hi=part + 4),
                                       "=r,r,r,r")
         out[idx] = utils.bitcast(decoded, bf16x2)
+    if columns is not None:
+        out = out[:, columns[0]:columns[1]]
     return fa.FragmentedArray(_registers=out, _layout=codes_array.layout, _is_signed=None)
 
 
@@ -356,14 +379,16 @@ def _e2m1_to_bf16(codes_array):
 
 def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | None = None,
                  scales=None, splits: int = 1, per_step: int = 1, fused: bool = False,
-                 prmt: bool = False, wait1: bool = False, no_auto_barriers: bool = False):
+                 prmt: bool = False, lazy: bool = False, chunks: int = 1,
+                 no_auto_barriers: bool = False):
     """The int4 / e2m1 / e2m1u / nvfp4 variants: codes viewed as 4-bit [rows, 256] in memory
     order (element 2j the low nibble of byte j); each K tile's [64, 256] turned into bf16 (by
     Mosaic's signed int4 conversion, or decoded as E2M1 by inline PTX, with `scales` [rows, 16]
     canonical codes when given) and multiplied with x's tile in one wgmma; `splits` /
     `per_step`: a half / two K tiles per pipeline step; `fused`: codes is fuse_scales' buffer
-    (scales inside each tile, one TMA stream); `wait1`: each step leaves its wgmma in flight
-    (wgmma_wait(1), the pipeline releasing buffers a step late: delay_release=1, JAX >= 0.11);
+    (scales inside each tile, one TMA stream); `chunks` (fused only): each K tile decoded and
+    multiplied in that many column chunks, waiting for chunk j - 1's wgmma after issuing chunk
+    j (so about two chunks of decoded weights are live, not the whole tile);
     `no_auto_barriers`: Mosaic GPU's unsafe_no_auto_barriers."""
     import jax.numpy as jnp
     from jax import lax
@@ -402,10 +427,28 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
                     s_all.at[rows_t] if per_step > 1 else s_all)
                 x_smem = x_all.at[:, pl.ds(t * width, width)] if per_step > 1 else x_all
                 decode_and_multiply(c_smem, s_smem, x_smem, acc_ref)
-            plgpu.wgmma_wait(1 if wait1 else 0)
+            plgpu.wgmma_wait(0)
             return acc_ref
 
         def decode_and_multiply(c_smem, s_smem, x_smem, acc_ref):
+            if fused and chunks > 1:
+                codes_value = c_smem.at[pl.ds(0, TILE_ROWS)][...]
+                cols = width // chunks
+                for j in range(chunks):
+                    registers = (j * cols // 8, (j + 1) * cols // 8)
+                    w = plgpu.inline_mgpu(
+                        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,
+                                   plgpu.RefType(transforms=code_transforms)),
+                        return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, cols), jnp.bfloat16,
+                                                           layout=plgpu.Layout.WGMMA),
+                    )(lambda ctx, codes_array, tile_ref, registers=registers:
+                      _e2m1_to_bf16_upcast(codes_array, tile_ref=tile_ref, prmt=prmt,
+                                           lazy=lazy, columns=registers))(codes_value, c_smem)
+                    plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(
+                        x_smem.at[:, pl.ds(j * cols, cols)], (1, 0)))
+                    if j:
+                        plgpu.wgmma_wait(1)
+                return
             if fused:
                 w = plgpu.inline_mgpu(
                     arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,
@@ -413,7 +456,7 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
                     return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, width), jnp.bfloat16,
                                                        layout=plgpu.Layout.WGMMA),
                 )(lambda ctx, codes_array, tile_ref: _e2m1_to_bf16_upcast(
-                    codes_array, tile_ref=tile_ref, prmt=prmt))(
+                    codes_array, tile_ref=tile_ref, prmt=prmt, lazy=lazy))(
                         c_smem.at[pl.ds(0, TILE_ROWS)][...], c_smem)
             elif with_scales:
                 w = plgpu.inline_mgpu(
@@ -447,8 +490,7 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
                       if with_scales else []),
                     plgpu.BlockSpec((m, width * per_step), lambda kt: (0, kt),
                                     transforms=x_transforms)],
-                max_concurrent_steps=stages, init_carry=acc_ref,
-                **({"delay_release": 1} if wait1 else {}))(
+                max_concurrent_steps=stages, init_carry=acc_ref)(
                     codes_gmem, *([scales_gmem] if with_scales else []), x_gmem)
             plgpu.wgmma_wait(0)
             acc = acc_ref[...]
@@ -531,17 +573,17 @@ def main(argv=None):
             row = {"tiles": tiles, "k": args.k, "variant": variant, "stages": stages,
                    "setting": setting, "MB_codes": nbytes / 1e6}
             flags = set(setting.split("+")) - {"plain"}
-            if flags - {"wait1", "nab"}:
+            if flags - {"nab"}:
                 raise ValueError(f"unknown setting {setting!r}")
             try:
                 with_scales = variant.startswith("nvfp4")
                 inputs = codes
-                if variant in ("nvfp4f", "nvfp4g"):  # scales inside the code tiles
+                if variant in FUSED_VARIANTS:  # scales inside the code tiles
                     inputs = [jax.block_until_ready(fuse_scales(c, s))
                               for c, s in zip(codes, scales)]
                 fn = jax.jit(lambda x, cs, ss, stages=stages, variant=variant, flags=flags: [
                     decode_matmul(x, c, k_tiles=k_tiles, stages=stages, variant=variant,
-                                  scales=s if with_scales else None, wait1="wait1" in flags,
+                                  scales=s if with_scales else None,
                                   no_auto_barriers="nab" in flags)
                     for c, s in zip(cs, ss)])
                 y = fn(x, inputs, scales)[0]
