@@ -216,6 +216,12 @@ def test_stream_probe_smoke_and_mosaic_lowering(tmp_path):
                 scales=s if variant == "nvfp4" else None))
             text = fn.trace(x, codes, scales).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text, variant
+        packed = jax.ShapeDtypeStruct((72 * 20 * 3, 128), jnp.uint8)  # scales inside the tiles
+        for variant in ("nvfp4f", "nvfp4q", "nvfp4p"):
+            fn = jax.jit(lambda x, c, variant=variant: mgpu_decode_probe.decode_matmul(
+                x, c, k_tiles=20, stages=2, variant=variant))
+            text = fn.trace(x, packed).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text, variant
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
 
@@ -254,6 +260,59 @@ def test_mgpu_decode_probe_reference():
     expected = w @ np.asarray(x, np.float64).T
     got = np.asarray(probe.reference(x, codes, k_tiles, "nvfp4", scale_codes), np.float64)
     assert np.abs(got - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+def test_mgpu_permuted_layout_decodes_to_reference():
+    """mgpu_decode_probe's bit-permuted layout (nvfp4p): emulating the kernel's integer ops in
+    numpy (per thread and word: the rotations and masks of _PERMUTED_PAIR_ASM, the bf16x2 bit
+    pattern times 2^126 x the block scale) on permute_tiles' buffer gives every weight of the
+    float64 NVFP4 reference, in the wgmma layout's register positions."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import mgpu_decode_probe as probe
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    tiles = 3
+    codes = jax.random.bits(jax.random.key(5), (64 * tiles, 128), jnp.uint8)
+    scales = jax.random.randint(jax.random.key(6), (64 * tiles, 16), 8, 151).astype(jnp.uint8)
+    buffer = np.asarray(probe.permute_tiles(codes, scales)).reshape(tiles, 72 * 128)
+    table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    c = np.asarray(codes).reshape(tiles, 64, 128)
+    nib = np.stack([c & 15, c >> 4], -1).reshape(tiles, 64, 256)
+    scale_values = np.asarray(probe.scale_values(scales), np.float64).reshape(tiles, 64, 16)
+    expected = table[nib] * np.repeat(scale_values, 16, axis=-1)
+
+    def rotl(w, r):
+        return ((w << np.uint64(r)) | (w >> np.uint64((32 - r) % 32))) & np.uint64(0xFFFFFFFF)
+
+    def pair_bits(w, k):
+        if k < 3:
+            return rotl(w, (0, 6, 12)[k]) & np.uint64(0x81C081C0)
+        return (rotl(w, 2) & np.uint64(0x00400040)) | (rotl(w, 10) & np.uint64(0x81808180))
+
+    def bf16(bits):  # 16-bit patterns -> float64
+        return (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    words = buffer[:, :8192].view(np.uint32).reshape(tiles, 4, 128, 4)
+    got = np.full((tiles, 64, 256), np.nan)
+    for t in range(128):
+        row0, q = 16 * (t // 32) + (t % 32) // 4, t % 4
+        for i in range(16):
+            w = words[:, i // 4, t, i % 4].astype(np.uint64)
+            for k, (c_half, h) in enumerate(probe.PAIR_SLOTS):
+                bits = pair_bits(w, k)
+                col = 16 * i + 8 * c_half + 2 * q
+                scale = scale_values[:, row0 + 8 * h, i]  # the block's scale, from the buffer:
+                stored = buffer[:, 8192 + (row0 + 8 * h) * 16 + i]
+                assert (stored == np.asarray(scales).reshape(tiles, 64, 16)[:, row0 + 8 * h, i]).all()
+                for half in (0, 1):
+                    value = bf16((bits >> np.uint64(16 * half)) & np.uint64(0xFFFF)) * 2.0 ** 126
+                    got[:, row0 + 8 * h, col + half] = value * scale
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_triton_ir_parsing():
