@@ -28,7 +28,7 @@ import kernel_profile
 
 TILE_ROWS = 64
 FUSED_VARIANTS = ("nvfp4f", "nvfp4g", "nvfp4l", "nvfp4h", "nvfp4q")  # scales stored inside the code tiles
-PERMUTED_VARIANTS = ("nvfp4p", "e2m1p")  # the bit-permuted layout (permute_tiles)
+PERMUTED_VARIANTS = ("nvfp4p", "e2m1p", "nvfp4s", "e2m1s")  # permute_tiles' layout
 MEMORY_ORDER_VARIANTS = ("int4", "e2m1", "e2m1u", "nvfp4", "e2m1u_half", "e2m1u_x2",
                          "nvfp4_x2") + FUSED_VARIANTS + PERMUTED_VARIANTS
 
@@ -69,9 +69,13 @@ def parse_args(argv=None):
                              "nvfp4p: the bit-permuted layout (permute_tiles: each thread's "
                              "codes as 16 32-bit words whose bits sit where a rotation and a "
                              "mask turn them into bf16 pairs, ~2.5 integer ops per pair "
-                             "instead of ~5, no relayout); e2m1p: nvfp4p without the scales")
+                             "instead of ~5, no relayout); e2m1p: nvfp4p without the scales; "
+                             "nvfp4s / e2m1s: nvfp4p / e2m1p as stream-K over ctas= programs "
+                             "(--settings), a tile split between two programs stored as two "
+                             "pieces that XLA adds")
     parser.add_argument("--settings", default="plain",
-                        help="';'-separated, memory-order variants only: plain or nab "
+                        help="';'-separated, '+'-joined flags, memory-order variants only: "
+                             "plain, ctas=N (stream-K variants' programs, default 528), or nab "
                              "(unsafe_no_auto_barriers; session 20 call c also listed wait1, "
                              "emit_pipeline's delay_release, which JAX 0.11.2 does not have)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -80,7 +84,7 @@ def parse_args(argv=None):
 
 
 def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0",
-                  scales=None, no_auto_barriers: bool = False):
+                  scales=None, no_auto_barriers: bool = False, ctas: int = 528):
     """y^T [N, 8] f32 = nibble values of W [N, K] @ x^T, x [8, K] bf16, codes tile-major
     [N * k_tiles, 128] uint8 (K tile kt of rows [r, r + 64) at rows r * k_tiles + kt * 64)."""
     import jax.numpy as jnp
@@ -90,6 +94,10 @@ def decode_matmul(x, codes, *, k_tiles: int, stages: int, variant: str = "wait0"
 
     m, k = x.shape
     half = codes.shape[1]
+    if variant in ("nvfp4s", "e2m1s"):  # permute_tiles' buffer, stream-K
+        return _permuted_streamk_matmul(x, codes, k_tiles=k_tiles, stages=stages,
+                                        with_scales=variant == "nvfp4s", ctas=ctas,
+                                        no_auto_barriers=no_auto_barriers)
     if variant in PERMUTED_VARIANTS:  # codes: permute_tiles' buffer (built outside)
         return _permuted_matmul(x, codes, k_tiles=k_tiles, stages=stages,
                                 with_scales=variant == "nvfp4p",
@@ -672,6 +680,115 @@ def _permuted_matmul(x, packed, *, k_tiles: int, stages: int, with_scales: bool,
     return _launch(body, tiles, m, x, packed, no_auto_barriers=no_auto_barriers)
 
 
+def streamk_split_rows(tiles: int, k_tiles: int, ctas: int):
+    """Stream-K over `ctas` programs: program c takes units [c U // ctas, (c + 1) U // ctas) of
+    the U = tiles x k_tiles (row tile, K tile) units in tile-major order. Returns a bool per row
+    tile: True where a program boundary falls inside the tile (its second piece is in out_b)."""
+    import numpy as np
+    units = tiles * k_tiles
+    bounds = np.arange(1, ctas) * units // ctas
+    split = np.zeros(tiles, bool)
+    inside = bounds[bounds % k_tiles != 0]
+    split[inside // k_tiles] = True
+    return split
+
+
+def _permuted_streamk_matmul(x, packed, *, k_tiles: int, stages: int, with_scales: bool,
+                             ctas: int, no_auto_barriers: bool = False):
+    """nvfp4p as stream-K: `ctas` programs (all resident at once), each streaming a contiguous
+    range of (row tile, K tile) units through one pipeline and storing each finished piece of a
+    row tile: the piece holding the tile's first K tile to out_a, a continuation (a tile split
+    between two programs; each program covers more than a tile's K tiles, so at most 2 pieces) to
+    out_b. Steps past a program's range multiply a zero activation block. Returns (out_a, out_b,
+    split rows [rows] bool): y^T = out_a + where(split, out_b, 0)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    tiles = packed.shape[0] // ((TILE_ROWS + SCALE_LINES) * k_tiles)
+    units = tiles * k_tiles
+    if units < ctas * k_tiles:
+        raise ValueError(f"stream-K needs more than {k_tiles} units per program")
+    steps = -(-units // ctas)
+    x_padded = jnp.concatenate([x, jnp.zeros((m, 256), x.dtype)], axis=1)  # block k_tiles = 0
+    x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)),
+                    plgpu.SwizzleTransform(x_swizzle))
+    out_scale = 2.0 ** -SCALED_EXPONENT if with_scales else 1.0
+
+    def body(x_gmem, packed_gmem, out_a_gmem, out_b_gmem, out_smem):
+        cta = lax.axis_index("ctas")
+        start = cta * units // ctas
+        end = (cta + 1) * units // ctas
+
+        def step(indices, tile_smem, x_smem, acc_ref):
+            (s,) = indices
+            u = start + s
+            w = plgpu.inline_mgpu(
+                arg_types=(plgpu.RefType(),),
+                return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, 256), jnp.bfloat16,
+                                                   layout=plgpu.Layout.WGMMA),
+            )(lambda ctx, tile_ref: _decode_permuted(tile_ref, with_scales))(tile_smem)
+            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+            flush = (u < end) & ((u % k_tiles == k_tiles - 1) | (u == end - 1))
+            tile = u // k_tiles
+
+            @pl.when(flush)
+            def _store():
+                out_smem[...] = acc_ref[...] * out_scale
+                plgpu.commit_smem()
+                rows = pl.ds(tile * TILE_ROWS, TILE_ROWS)
+
+                @pl.when(tile * k_tiles >= start)
+                def _first_piece():
+                    plgpu.copy_smem_to_gmem(out_smem, out_a_gmem.at[rows])
+
+                @pl.when(tile * k_tiles < start)
+                def _continuation():
+                    plgpu.copy_smem_to_gmem(out_smem, out_b_gmem.at[rows])
+
+                plgpu.wait_smem_to_gmem(0)
+
+            acc_ref[...] = acc_ref[...] * jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
+            return acc_ref
+
+        def scope(acc_ref):
+            plgpu.emit_pipeline(
+                step, grid=(steps,),
+                in_specs=[
+                    plgpu.BlockSpec((TILE_ROWS + SCALE_LINES, 128),
+                                    lambda s: (jnp.minimum(start + s, end - 1), 0)),
+                    plgpu.BlockSpec((m, 256),
+                                    lambda s: (0, jnp.where(start + s < end,
+                                                            (start + s) % k_tiles, k_tiles)),
+                                    transforms=x_transforms)],
+                max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
+
+        pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m), jnp.float32))
+
+    out = jax.ShapeDtypeStruct((tiles * TILE_ROWS, m), jnp.float32)
+    kernel = plgpu.kernel(
+        body, out_type=(out, out), grid=(ctas,), grid_names=("ctas",),
+        scratch_types=[plgpu.SMEM((TILE_ROWS, m), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            unsafe_no_auto_barriers=no_auto_barriers))
+    out_a, out_b = kernel(x_padded, packed)
+    split = jnp.asarray(streamk_split_rows(tiles, k_tiles, ctas).repeat(TILE_ROWS))
+    return out_a, out_b, split
+
+
+def combine_streamk(parts):
+    """(out_a, out_b, split rows) -> y^T."""
+    import jax.numpy as jnp
+    out_a, out_b, split = parts
+    return out_a + jnp.where(split[:, None], out_b, 0.0)
+
+
 def scale_values(scale_codes):
     """Canonical UE5M3 scale codes (pallas_kernels/nvfp4_matmul.py) -> float32 values."""
     import jax.numpy as jnp
@@ -741,6 +858,8 @@ def main(argv=None):
             row = {"tiles": tiles, "k": args.k, "variant": variant, "stages": stages,
                    "setting": setting, "MB_codes": nbytes / 1e6}
             flags = set(setting.split("+")) - {"plain"}
+            ctas = [int(f.split("=")[1]) for f in flags if f.startswith("ctas=")]
+            flags -= {f for f in flags if f.startswith("ctas=")}
             if flags - {"nab"}:
                 raise ValueError(f"unknown setting {setting!r}")
             try:
@@ -752,12 +871,16 @@ def main(argv=None):
                 elif variant in PERMUTED_VARIANTS:
                     inputs = [jax.block_until_ready(permute_tiles(c, s))
                               for c, s in zip(codes, scales)]
-                fn = jax.jit(lambda x, cs, ss, stages=stages, variant=variant, flags=flags: [
+                fn = jax.jit(lambda x, cs, ss, stages=stages, variant=variant, flags=flags,
+                             ctas=ctas: [
                     decode_matmul(x, c, k_tiles=k_tiles, stages=stages, variant=variant,
                                   scales=s if with_scales else None,
-                                  no_auto_barriers="nab" in flags)
+                                  no_auto_barriers="nab" in flags, **dict(ctas=ctas[0])
+                                  if ctas else {})
                     for c, s in zip(cs, ss)])
                 y = fn(x, inputs, scales)[0]
+                if isinstance(y, (tuple, list)):  # stream-K: the pieces (the sum not timed)
+                    y = combine_streamk(y)
                 ref = reference(x, codes[0], k_tiles, variant, scales[0])
                 row["max_rel_err"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
                 _, call_us, _ = kernel_profile.traced_device_us(fn, (x, inputs, scales),

@@ -217,11 +217,15 @@ def test_stream_probe_smoke_and_mosaic_lowering(tmp_path):
             text = fn.trace(x, codes, scales).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text, variant
         packed = jax.ShapeDtypeStruct((72 * 20 * 3, 128), jnp.uint8)  # scales inside the tiles
-        for variant in ("nvfp4f", "nvfp4q", "nvfp4p"):
+        for variant in ("nvfp4f", "nvfp4q", "nvfp4p", "nvfp4s"):
             fn = jax.jit(lambda x, c, variant=variant: mgpu_decode_probe.decode_matmul(
-                x, c, k_tiles=20, stages=2, variant=variant))
+                x, c, k_tiles=20, stages=2, variant=variant, ctas=2))
             text = fn.trace(x, packed).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text, variant
+        # stream-K's split tiles: 3 tiles x 20 K tiles over 2 programs -> one boundary at unit
+        # 30, inside tile 1; over 3 programs the boundaries (20, 40) fall between tiles
+        assert mgpu_decode_probe.streamk_split_rows(3, 20, 2).tolist() == [False, True, False]
+        assert not mgpu_decode_probe.streamk_split_rows(3, 20, 3).any()
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
 
