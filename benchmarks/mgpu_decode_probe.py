@@ -8,9 +8,12 @@ kernel layout), per K tile of 256 the codes [64, 128] (two nibble planes) and th
 registers and multiplied on the tensor cores by wgmma with the weights as the 64-row operand
 and the batch as N = 8 (acc [64, 8] += W_plane [64, 128] @ x_plane^T [128, 8]).
 
-The weights here are the nibbles' integer values (no E2M1 table, no block scales), so the
-result is checked against that product in float32 (the only claim: the kernel computes what it
-says); the question it answers is the time.
+The first variants (wait0, int4) multiply the nibbles' integer values; the e2m1* variants decode
+E2M1, the nvfp4* variants the full NVFP4 weights (E2M1 x block scale). Each is checked against
+the same product in float32 (the only claim: the kernel computes what it says); the question it
+answers is the time. Session 20 added the variants with the scales inside the code tiles
+(nvfp4f/g/l/h/q), the bit-permuted layout (permute_tiles: nvfp4p, e2m1p) and its stream-K form
+(nvfp4s, e2m1s); RESULTS.md sessions 19 and 20 have their times.
 
     python benchmarks/mgpu_decode_probe.py --out $OUT        # GPU only
 """
@@ -634,6 +637,26 @@ def _decode_permuted(tile_ref, with_scales: bool):
     return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
+def _x_transforms():
+    """The activation tile's shared-memory transforms (128-byte swizzle, the wgmma B operand)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
+    return (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
+
+
+def _permuted_step(tile_smem, x_smem, acc_ref, with_scales: bool):
+    """One K tile of the permuted variants: decode the tile in registers, acc += W @ x^T, wait."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    w = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, 256), jnp.bfloat16,
+                                           layout=plgpu.Layout.WGMMA),
+    )(lambda ctx, tile_ref: _decode_permuted(tile_ref, with_scales))(tile_smem)
+    plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+    plgpu.wgmma_wait(0)
+
+
 def _permuted_matmul(x, packed, *, k_tiles: int, stages: int, with_scales: bool,
                      no_auto_barriers: bool = False):
     """y^T [rows, M] f32 from permute_tiles' buffer: per K tile one TMA copy of the [72, 128]
@@ -645,21 +668,13 @@ def _permuted_matmul(x, packed, *, k_tiles: int, stages: int, with_scales: bool,
 
     m, _ = x.shape
     tiles = packed.shape[0] // ((TILE_ROWS + SCALE_LINES) * k_tiles)
-    x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
-    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)),
-                    plgpu.SwizzleTransform(x_swizzle))
+    x_transforms = _x_transforms()
 
     def body(x_gmem, packed_gmem, out_gmem, out_smem):
         i = lax.axis_index("tiles")
 
         def step(indices, tile_smem, x_smem, acc_ref):
-            w = plgpu.inline_mgpu(
-                arg_types=(plgpu.RefType(),),
-                return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, 256), jnp.bfloat16,
-                                                   layout=plgpu.Layout.WGMMA),
-            )(lambda ctx, tile_ref: _decode_permuted(tile_ref, with_scales))(tile_smem)
-            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
-            plgpu.wgmma_wait(0)
+            _permuted_step(tile_smem, x_smem, acc_ref, with_scales)
             return acc_ref
 
         def scope(acc_ref):
@@ -714,9 +729,7 @@ def _permuted_streamk_matmul(x, packed, *, k_tiles: int, stages: int, with_scale
         raise ValueError(f"stream-K needs more than {k_tiles} units per program")
     steps = -(-units // ctas)
     x_padded = jnp.concatenate([x, jnp.zeros((m, 256), x.dtype)], axis=1)  # block k_tiles = 0
-    x_swizzle = plgpu.find_swizzle(64 * 16, "rhs")
-    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)),
-                    plgpu.SwizzleTransform(x_swizzle))
+    x_transforms = _x_transforms()
     out_scale = 2.0 ** -SCALED_EXPONENT if with_scales else 1.0
 
     def body(x_gmem, packed_gmem, out_a_gmem, out_b_gmem, out_smem):
@@ -727,13 +740,7 @@ def _permuted_streamk_matmul(x, packed, *, k_tiles: int, stages: int, with_scale
         def step(indices, tile_smem, x_smem, acc_ref):
             (s,) = indices
             u = start + s
-            w = plgpu.inline_mgpu(
-                arg_types=(plgpu.RefType(),),
-                return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, 256), jnp.bfloat16,
-                                                   layout=plgpu.Layout.WGMMA),
-            )(lambda ctx, tile_ref: _decode_permuted(tile_ref, with_scales))(tile_smem)
-            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
-            plgpu.wgmma_wait(0)
+            _permuted_step(tile_smem, x_smem, acc_ref, with_scales)
             flush = (u < end) & ((u % k_tiles == k_tiles - 1) | (u == end - 1))
             tile = u // k_tiles
 
