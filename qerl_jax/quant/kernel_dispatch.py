@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 import jax
@@ -419,12 +420,38 @@ def _supports(weight, compute_dtype) -> str | None:
     return None
 
 
+# Experimental (session 20): single-weight NVFP4 launches at decode M on the Mosaic GPU kernel
+# (pallas_kernels.mgpu_nvfp4), its permuted layout made from the kernel layout inside the
+# program (XLA hoists it out of the decode loop: a second copy of those weights). Off unless
+# QERL_MOSAIC_NVFP4=1 at registration (benchmarks only).
+_MOSAIC_NVFP4 = {"single": False}
+
+
+def _mosaic_refusal(x, packed, down) -> str | None:
+    from pallas_kernels import mgpu_nvfp4
+    if not _MOSAIC_NVFP4["single"]:
+        return "off"
+    if x.shape[0] > mgpu_nvfp4.MAX_M:
+        return f"M {x.shape[0]}"
+    if down is not None and down.shape[1] not in mgpu_nvfp4.LORA_RANKS:
+        return f"LoRA rank {down.shape[1]}"
+    return mgpu_nvfp4.refusal(packed) or mgpu_nvfp4.available()
+
+
 def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interpret):
     """x [M, K] bf16 @ W^T (+ scale * down [M, r] @ lora_b [r, N], the LoRA product in the
     kernel's epilogue, when down is given) -> [M, N] float32 (fused kernel, output rounded to
     bf16 inside)."""
     del compute_dtype
     packed = weight.packed()
+    if not interpret and _mosaic_refusal(x, packed, down) is None:
+        from pallas_kernels import mgpu_nvfp4
+        kwargs = dict(lora_down=down, lora_b=lora_b, lora_scale=scale) if down is not None \
+            else {}
+        y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16),
+                                         mgpu_nvfp4.permute_packed(packed),
+                                         packed.tensor_scale, n=packed.n, k=packed.k, **kwargs)
+        return y.astype(jnp.bfloat16).astype(jnp.float32)  # rounded like the fused kernel
     config = bw.default_matmul_config(x.shape[0], packed)
     return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config, interpret=interpret,
                                lora_down=down, lora_b=lora_b,
@@ -610,8 +637,9 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         if not 1 <= limit <= 64:
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
+    _MOSAIC_NVFP4["single"] = os.environ.get("QERL_MOSAIC_NVFP4", "") == "1"
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
-                grouped, fused_swiglu)
+                grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:
         return
     unregister_kernels(platform)

@@ -1,0 +1,362 @@
+"""NVFP4 decode matmul for Hopper: a Pallas Mosaic GPU kernel (TMA pipeline, E2M1 decode in
+registers, wgmma) for the sampler's small-M launches (GPU only, JAX >= 0.10; not interpretable:
+Mosaic GPU's interpret mode has no TMA rules, so the CPU suite checks its layout, its bit math
+and that it lowers for CUDA, and `benchmarks/mgpu_matmul_check.py` checks its numbers on a GPU).
+
+Permuted layout (`permute_packed`, from a PackedWeight in the kernel layout of
+pallas_kernels.blockwise_matmul, NVFP4, tile_k = 256; `permuted_dequantize` undoes it):
+  uint8 [row tiles * K tiles * 72, 128]; the 64-row tile b, K tile t is the 9216 bytes at rows
+  (b * k_tiles + t) * 72:
+  bytes [0, 8192): per thread th of the warpgroup 16 32-bit words, word i at
+    (i // 4) * 2048 + th * 16 + (i % 4) * 4 (4 conflict-free 16-byte shared-memory loads per
+    thread). Word i holds the thread's 4 bf16 pairs of columns [16 i, 16 i + 16) in the wgmma
+    register layout (PAIR_SLOTS: rows r0 = 16 (th // 32) + (th % 32) // 4 and r0 + 8, columns
+    16 i + 2 (th % 4) + {0, 1} and + 8), its 32 bits placed (source_bit) so that pair k's bf16x2
+    pattern e2m1 * 2^-126 (code bits 0-2 at bits 6-8, the sign at 15; +16 for the second column)
+    is rotl(word, r) & 0x81C081C0, r = 0, 6, 12 for k = 0, 1, 2, and
+    (rotl(word, 2) & 0x00400040) | (rotl(word, 10) & 0x81808180) for k = 3: 9 integer
+    instructions per 8 weights, no register relayout.
+  bytes [8192, 9216): the tile's canonical scale codes [64 rows, 16 blocks] (nvfp4_matmul).
+Each pair is then scaled by one fma.rn.bf16x2 with its block's (s, s) pattern
+(code * 0x00100010 + 0x75807580, the "asmq" operand): exact e2m1 * scale * 2^-8 in bf16.
+
+Kernel (`mgpu_nvfp4_matmul`): grid (row tiles, splits); program (b, s) runs K tiles
+[s K_t / splits, (s + 1) K_t / splits) through a TMA pipeline, decodes each tile and
+accumulates acc [64, M] += W_tile [64, 256] @ x_tile^T on the tensor cores (wgmma, M the N of
+the instruction), and stores acc as split s's partial of y^T. With LoRA, every program also
+multiplies its [64, r] tile of B^T by (scale * x @ A)^T (one more wgmma) and split 0 stores it.
+XLA sums the partials (y = sum_s partial_s * 2^8 / tensor_scale + lora), which it fuses into the
+consumer of y.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import blockwise_matmul as bw
+
+TILE_ROWS = 64
+TILE_K = 256
+TILE_LINES = 72  # [72, 128] bytes per tile: 64 lines of codes, 8 of scale codes
+CODE_BYTES = 8192
+SCALED_EXPONENT = -8  # the decoded weights are e2m1 * scale * 2^-8
+MAX_M = 64
+LORA_RANKS = (16, 32, 64)
+
+# (column half, row half) of pair k of a word: columns 16 i + 8 c + 2 (lane % 4) + {0, 1},
+# row r0 + 8 h.
+PAIR_SLOTS = ((0, 0), (1, 0), (0, 1), (1, 1))
+PAIR_ASM = (
+    "and.b32 t, $1, 0x81C081C0;",
+    "shf.l.wrap.b32 t, $1, $1, 6;\nand.b32 t, t, 0x81C081C0;",
+    "shf.l.wrap.b32 t, $1, $1, 12;\nand.b32 t, t, 0x81C081C0;",
+    "shf.l.wrap.b32 t, $1, $1, 2;\nand.b32 t, t, 0x00400040;\n"
+    "shf.l.wrap.b32 u, $1, $1, 10;\nand.b32 u, u, 0x81808180;\nor.b32 t, t, u;",
+)
+
+
+def source_bit(k: int, half: int, bit: int) -> int:
+    """The word bit holding code bit `bit` (0-2 magnitude, 3 sign) of pair k's weight `half`
+    (0: the first column)."""
+    target = (6 + bit if bit < 3 else 15) + 16 * half
+    rotation = (0, 6, 12)[k] if k < 3 else (2 if target % 16 == 6 else 10)
+    return (target - rotation) % 32
+
+
+def _gather_indices():
+    """(rows, cols) int32 [128 threads, 16 words, 4 pairs, 2 weights]: each word's weights."""
+    thread = np.arange(128)
+    r0, q = 16 * (thread // 32) + (thread % 32) // 4, thread % 4
+    rows = np.empty((128, 16, 4, 2), np.int32)
+    cols = np.empty((128, 16, 4, 2), np.int32)
+    for i in range(16):
+        for k, (c_half, h) in enumerate(PAIR_SLOTS):
+            for half in (0, 1):
+                rows[:, i, k, half] = r0 + 8 * h
+                cols[:, i, k, half] = 16 * i + 8 * c_half + 2 * q + half
+    return rows, cols
+
+
+def _source_bits() -> np.ndarray:
+    bits = np.array([[[source_bit(k, half, b) for b in range(4)] for half in (0, 1)]
+                     for k in range(4)], np.uint32)  # [pair, weight, code bit]
+    assert sorted(bits.ravel().tolist()) == list(range(32))
+    return bits
+
+
+def permute_tiles(codes: jax.Array, scale_codes: jax.Array) -> jax.Array:
+    """E2M1 codes [T, 64, 256] (one per byte, natural column order) and canonical scale codes
+    [T, 64, 16] of T (row tile, K tile) tiles -> the permuted layout [T * 72, 128] uint8."""
+    t = codes.shape[0]
+    if codes.shape[1:] != (TILE_ROWS, TILE_K) or scale_codes.shape != (t, TILE_ROWS, 16):
+        raise ValueError(f"permute_tiles: codes {codes.shape}, scales {scale_codes.shape}; "
+                         f"expected [T, {TILE_ROWS}, {TILE_K}] and [T, {TILE_ROWS}, 16]")
+    rows, cols = _gather_indices()
+    picked = codes[:, rows, cols].astype(jnp.uint32)  # [T, 128, 16, 4, 2]
+    bits = _source_bits()
+    words = sum(((picked >> b) & 1) << bits[:, :, b] for b in range(4))
+    words = words.sum(axis=(-2, -1), dtype=jnp.uint32)  # [T, 128, 16]
+    words = words.reshape(t, 128, 4, 4).transpose(0, 2, 1, 3)  # [T, group, thread, 4]
+    code_bytes = lax.bitcast_convert_type(words, jnp.uint8).reshape(t, CODE_BYTES)
+    return jnp.concatenate([code_bytes, scale_codes.astype(jnp.uint8).reshape(t, 1024)],
+                           axis=1).reshape(-1, 128)
+
+
+def unpermute_tiles(permuted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of permute_tiles: (codes [T, 64, 256], scale codes [T, 64, 16])."""
+    flat = permuted.reshape(-1, TILE_LINES * 128)
+    t = flat.shape[0]
+    words = lax.bitcast_convert_type(flat[:, :CODE_BYTES].reshape(t, 4, 128, 4, 4), jnp.uint32)
+    words = words.transpose(0, 2, 1, 3).reshape(t, 128, 16)[..., None, None]  # [T,128,16,1,1]
+    bits = _source_bits()
+    codes = sum((((words >> bits[:, :, b]) & 1) << b) for b in range(4)).astype(jnp.uint8)
+    rows, cols = _gather_indices()
+    out = jnp.zeros((t, TILE_ROWS, TILE_K), jnp.uint8).at[:, rows, cols].set(codes)
+    return out, flat[:, CODE_BYTES:].reshape(t, TILE_ROWS, 16)
+
+
+def refusal(packed: bw.PackedWeight) -> str | None:
+    """Why `packed` cannot take the permuted layout (None if it can)."""
+    if packed.fmt != "nvfp4":
+        return f"format {packed.fmt} (the permuted layout is NVFP4's)"
+    if packed.tile_k != TILE_K:
+        return f"tile_k {packed.tile_k} (the permuted layout has K tiles of {TILE_K})"
+    if packed.pair_view is not None:
+        return "a gate/up pair view"
+    return None
+
+
+def permute_packed(packed: bw.PackedWeight) -> jax.Array:
+    """A PackedWeight (NVFP4, tile_k 256, tile-major nibble planes) -> the permuted layout
+    [N_pad / 64 * K tiles * 72, 128] uint8 (its tensor_scale stays with the PackedWeight)."""
+    reason = refusal(packed)
+    if reason:
+        raise ValueError(f"permute_packed: {reason}")
+    t = packed.codes.shape[0] * 2 * packed.codes.shape[1] // (TILE_ROWS * TILE_K)
+    planes = packed.codes.reshape(t, TILE_ROWS, TILE_K // 2)
+    codes = jnp.concatenate([planes & 15, planes >> 4], axis=-1)  # plane order = column order
+    return permute_tiles(codes, packed.scales.reshape(t, TILE_ROWS, 16))
+
+
+def permuted_dequantize(permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
+                        k: int) -> jax.Array:
+    """The weights W [n, k] float32 of a permuted buffer (reference and prefill use)."""
+    from pallas_kernels import nvfp4_matmul
+    from pallas_kernels.e2m1_decode import e2m1_decode_reference
+    codes, scale_codes = unpermute_tiles(permuted)
+    t = codes.shape[0]
+    k_tiles = -(-k // TILE_K)
+    row_tiles = t // k_tiles
+    scales = nvfp4_matmul.scale_values_from_codes(scale_codes, 0).astype(jnp.float32)
+    w = e2m1_decode_reference(codes) * jnp.repeat(scales, 16, axis=-1)  # [T, 64, 256]
+    w = w.reshape(row_tiles, k_tiles, TILE_ROWS, TILE_K).transpose(0, 2, 1, 3)
+    w = w.reshape(row_tiles * TILE_ROWS, k_tiles * TILE_K)[:n, :k]
+    return w / jnp.asarray(tensor_scale, jnp.float32).reshape(())
+
+
+def _decode_tile(tile_ref):
+    """Inline Mosaic GPU: a permuted tile in shared memory -> the [64, 256] bf16 weights
+    (e2m1 * scale * 2^-8) in the wgmma register layout."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    vec4 = ir.VectorType.get((4,), i32)
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+
+    def const(v):
+        return arith.constant(i32, v)
+
+    tid = utils.thread_idx()
+    thread = arith.andi(tid, const(127))
+    lane = arith.andi(tid, const(31))
+    row0 = arith.addi(arith.muli(arith.andi(arith.shrui(tid, const(5)), const(3)), const(16)),
+                      arith.shrui(lane, const(2)))
+    base = utils.memref_ptr(tile_ref)
+
+    def load16(offset):
+        return llvm.load(vec4, utils.getelementptr(base, [offset], i8), alignment=16)
+
+    words = []
+    for group in range(4):
+        vec = load16(arith.addi(const(group * 2048), arith.muli(thread, const(16))))
+        words += [llvm.extractelement(vec, const(j)) for j in range(4)]
+    scale_rows, patterns = {}, {}
+
+    def pattern(h, block):  # made at first use (short live ranges)
+        if h not in scale_rows:
+            row = arith.addi(row0, const(8 * h))
+            scale_rows[h] = load16(arith.addi(const(CODE_BYTES), arith.muli(row, const(16))))
+        if (h, block) not in patterns:
+            word = llvm.extractelement(scale_rows[h], const(block // 4))
+            code = arith.andi(arith.shrui(word, const(8 * (block % 4))), const(255))
+            patterns[(h, block)] = arith.addi(arith.muli(code, const(0x00100010)),
+                                              const(0x75807580))
+        return patterns[(h, block)]
+
+    out = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, TILE_K)), dtype=object)
+    if out.shape != (1, 32, 1, 1, 2, 1, 1, 1, 1):
+        raise NotImplementedError(f"wgmma layout registers {out.shape}")
+    for i, word in enumerate(words):
+        for k, (c_half, h) in enumerate(PAIR_SLOTS):
+            asm = ("{\n.reg .b32 t, u, z;\n" + PAIR_ASM[k]
+                   + "\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 $0, t, $2, z;\n}")
+            decoded = llvm.inline_asm(i32, [word, pattern(h, i)], asm, "=r,r,r")
+            out[0, 2 * i + c_half, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(decoded, bf16x2)
+    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+
+def _swizzled(cols: int):
+    """SMEM transforms of a bf16 tile [rows, cols] read by wgmma (swizzle = its row bytes, max
+    128)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    swizzle = min(128, cols * 2)
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def default_splits(row_tiles: int, k_tiles: int, slots: int = 528) -> int:
+    """Split-K count: the most programs (row tiles x splits) that fit `slots` (132 SMs x 4
+    programs of this kernel's 118-124 registers), at least 1, at most k_tiles."""
+    return max(1, min(k_tiles, slots // row_tiles))
+
+
+def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
+                      k: int, splits: int | None = None, lora_down: jax.Array | None = None,
+                      lora_b: jax.Array | None = None, lora_scale=None,
+                      stages: int = 2) -> jax.Array:
+    """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
+
+    x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
+    lora_down [M, r] (x @ A), lora_b [r, n], r in LORA_RANKS. splits: split-K programs per row
+    tile (default_splits). GPU only (Mosaic GPU)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m = x.shape[0]
+    k_tiles = -(-k // TILE_K)
+    row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
+    if x.ndim != 2 or x.shape[1] != k or not 1 <= m <= MAX_M:
+        raise ValueError(f"mgpu_nvfp4_matmul: x {x.shape}; expected [M <= {MAX_M}, {k}]")
+    if permuted.shape != (row_tiles * k_tiles * TILE_LINES, 128) or row_tiles * TILE_ROWS < n:
+        raise ValueError(f"mgpu_nvfp4_matmul: permuted {permuted.shape} is not a [{n}, {k}] "
+                         "weight's permuted layout")
+    with_lora = lora_down is not None
+    rank = lora_down.shape[1] if with_lora else 0
+    if with_lora and (rank not in LORA_RANKS or lora_b is None or lora_b.shape != (rank, n)):
+        raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
+                         f"{None if lora_b is None else lora_b.shape}; rank in {LORA_RANKS}")
+    splits = default_splits(row_tiles, k_tiles) if splits is None else splits
+    if not 1 <= splits <= k_tiles:
+        raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
+    steps = -(-k_tiles // splits)
+    m_pad = -(-m // 8) * 8
+    # K padded to whole tiles plus one zero tile: the activation tile of a split's steps past
+    # its range (their weight tile is reloaded, the product is 0)
+    x_pad = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, (k_tiles + 1) * TILE_K - k)))
+    n_pad = row_tiles * TILE_ROWS
+    inputs = [x_pad, permuted]
+    if with_lora:
+        scale = jnp.asarray(1.0 if lora_scale is None else lora_scale, jnp.float32)
+        lora_x = jnp.pad((lora_down.astype(jnp.float32) * scale).astype(jnp.bfloat16),
+                         ((0, m_pad - m), (0, 0)))
+        lora_bt = jnp.pad(lora_b.astype(jnp.bfloat16).T, ((0, n_pad - n), (0, 0)))
+        inputs += [lora_x, lora_bt]
+
+    def body(x_gmem, packed_gmem, *refs):
+        if with_lora:
+            lora_x_gmem, lora_bt_gmem, part_gmem, lora_gmem, out_smem, lx_smem, bt_smem, \
+                barrier = refs
+        else:
+            part_gmem, out_smem = refs
+        b = lax.axis_index("tiles")
+        s = lax.axis_index("splits")
+        first = s * k_tiles // splits
+        last = (s + 1) * k_tiles // splits  # exclusive
+        rows = pl.ds(b * TILE_ROWS, TILE_ROWS)
+        if with_lora:  # in flight while the pipeline runs
+            plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
+            plgpu.copy_gmem_to_smem(lora_bt_gmem.at[rows], bt_smem, barrier)
+
+        def step(indices, tile_smem, x_smem, acc_ref):
+            w = plgpu.inline_mgpu(
+                arg_types=(plgpu.RefType(),),
+                return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, TILE_K), jnp.bfloat16,
+                                                   layout=plgpu.Layout.WGMMA),
+            )(lambda ctx, tile_ref: _decode_tile(tile_ref))(tile_smem)
+            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        def store(value, dst):
+            out_smem[...] = value
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, dst)
+            plgpu.wait_smem_to_gmem(0)
+
+        def scope(acc_ref, *lora_acc):
+            plgpu.emit_pipeline(
+                step, grid=(steps,),
+                in_specs=[
+                    plgpu.BlockSpec((TILE_LINES, 128),
+                                    lambda j: (b * k_tiles + jnp.minimum(first + j, last - 1),
+                                               0)),
+                    plgpu.BlockSpec((m_pad, TILE_K),
+                                    lambda j: (0, jnp.where(first + j < last, first + j,
+                                                            k_tiles)),
+                                    transforms=_swizzled(TILE_K))],
+                max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
+            store(acc_ref[...], part_gmem.at[s, rows])
+            if with_lora:
+                (lora_ref,) = lora_acc
+                plgpu.barrier_wait(barrier)
+                plgpu.wgmma(lora_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
+                plgpu.wgmma_wait(0)
+
+                @pl.when(s == 0)
+                def _():
+                    store(lora_ref[...], lora_gmem.at[rows])
+
+        accs = [plgpu.ACC((TILE_ROWS, m_pad), jnp.float32)] * (2 if with_lora else 1)
+        pl.run_scoped(scope, *accs)
+
+    part = jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32)
+    out_types = (part, jax.ShapeDtypeStruct((n_pad, m_pad), jnp.float32)) if with_lora \
+        else part
+    scratch = [plgpu.SMEM((TILE_ROWS, m_pad), jnp.float32)]
+    if with_lora:
+        scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
+                    plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
+                    plgpu.Barrier(num_arrivals=2)]
+    kernel = plgpu.kernel(
+        body, out_type=out_types, grid=(row_tiles, splits), grid_names=("tiles", "splits"),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    outs = kernel(*inputs)
+    partials = outs[0] if with_lora else outs
+    y_t = partials.sum(axis=0) * (2.0 ** -SCALED_EXPONENT
+                                  / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
+    if with_lora:
+        y_t = y_t + outs[1]
+    return y_t[:n, :m].T
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> str | None:
+    """None if Mosaic GPU kernels can run here, else why not."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+        from jax.experimental.mosaic.gpu import fragmented_array  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the jaxlib build
+        return f"Mosaic GPU is not importable: {e}"
+    if jax.default_backend() != "gpu":
+        return f"backend {jax.default_backend()} (Mosaic GPU kernels run on NVIDIA GPUs)"
+    return None

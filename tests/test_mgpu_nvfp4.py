@@ -1,0 +1,117 @@
+"""pallas_kernels.mgpu_nvfp4 on the CPU: its permuted layout (lossless, the same weights as the
+checkpoint's float64 dequantization), its bit math (an integer emulation of the kernel's decode
+gives those weights) and that the Mosaic GPU kernel lowers for CUDA. Its numbers are checked on
+a GPU by benchmarks/mgpu_matmul_check.py (Mosaic GPU has no interpret mode for TMA copies)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import mgpu_nvfp4 as mg
+from pallas_kernels import nvfp4_matmul
+from qerl_jax.quant.nvfp4 import nvfp4_quantize
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def _packed(n, k, seed=0):
+    w = jax.random.normal(jax.random.key(seed), (n, k), jnp.float32)
+    q = nvfp4_quantize(w)
+    return q, nvfp4_matmul.repack_nvfp4(q.codes, q.block_scales, q.tensor_scale)
+
+
+def _checkpoint_weights(q) -> np.ndarray:
+    """float64 W from the checkpoint arrays (E2M1 table x e4m3 scale / tensor scale)."""
+    codes = np.asarray(q.codes)
+    nib = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)
+    scales = np.asarray(q.block_scales.astype(jnp.float32), np.float64)
+    return E2M1[nib] * np.repeat(scales, 16, axis=1) / float(q.tensor_scale)
+
+
+@pytest.mark.parametrize("n,k", [(200, 608), (64, 256), (130, 512)])
+def test_permuted_layout_is_lossless_and_dequantizes_to_the_checkpoint(n, k):
+    q, packed = _packed(n, k)
+    permuted = mg.permute_packed(packed)
+    k_tiles = -(-k // 256)
+    assert permuted.shape == (packed.codes.shape[0] // 64 * k_tiles * 72, 128)
+    codes, scales = mg.unpermute_tiles(permuted)
+    assert jnp.array_equal(mg.permute_tiles(codes, scales), permuted)
+    got = np.asarray(mg.permuted_dequantize(permuted, packed.tensor_scale, n=n, k=k), np.float64)
+    expected = _checkpoint_weights(q)
+    np.testing.assert_allclose(got, expected, rtol=2e-7, atol=0)  # float32 division
+
+
+def test_kernel_bit_math_gives_the_weights():
+    """Integer emulation of _decode_tile (rotations, masks, bf16x2 pattern x 2^126 x scale) on
+    every thread's words gives the weights of each tile (e2m1 x block scale, before the
+    tensor scale)."""
+    q, packed = _packed(128, 512, seed=3)
+    permuted = np.asarray(mg.permute_packed(packed)).reshape(-1, 72 * 128)
+    codes, scale_codes = (np.asarray(a) for a in mg.unpermute_tiles(jnp.asarray(permuted)))
+    scale_values = np.asarray(nvfp4_matmul.scale_values_from_codes(jnp.asarray(scale_codes), 0)
+                              .astype(jnp.float32), np.float64)
+    expected = E2M1[codes] * np.repeat(scale_values, 16, axis=-1)
+
+    def rotl(w, r):
+        return ((w << np.uint64(r)) | (w >> np.uint64((32 - r) % 32))) & np.uint64(0xFFFFFFFF)
+
+    def pair_bits(w, k):
+        if k < 3:
+            return rotl(w, (0, 6, 12)[k]) & np.uint64(0x81C081C0)
+        return (rotl(w, 2) & np.uint64(0x00400040)) | (rotl(w, 10) & np.uint64(0x81808180))
+
+    def bf16(bits):
+        return (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    words = permuted[:, :8192].view(np.uint32).reshape(-1, 4, 128, 4)
+    got = np.full(expected.shape, np.nan)
+    for t in range(128):
+        row0, lane_col = 16 * (t // 32) + (t % 32) // 4, t % 4
+        for i in range(16):
+            w = words[:, i // 4, t, i % 4].astype(np.uint64)
+            for k, (c_half, h) in enumerate(mg.PAIR_SLOTS):
+                bits = pair_bits(w, k)
+                row, col = row0 + 8 * h, 16 * i + 8 * c_half + 2 * lane_col
+                scale = scale_values[:, row, i]
+                for half in (0, 1):
+                    value = bf16((bits >> np.uint64(16 * half)) & np.uint64(0xFFFF))
+                    got[:, row, col + half] = value * 2.0 ** 126 * scale
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("m,rank,splits", [(8, 0, None), (5, 32, 3), (16, 16, 1)])
+def test_kernel_lowers_for_cuda(m, rank, splits):
+    n, k = 256, 1024
+    _, packed = _packed(n, k)
+    permuted = jax.ShapeDtypeStruct(mg.permute_packed(packed).shape, jnp.uint8)
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    args = [x, permuted, packed.tensor_scale]
+    if rank:
+        args += [jax.ShapeDtypeStruct((m, rank), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((rank, n), jnp.bfloat16)]
+
+    def f(x, permuted, ts, *lora):
+        kwargs = dict(lora_down=lora[0], lora_b=lora[1], lora_scale=2.0) if lora else {}
+        return mg.mgpu_nvfp4_matmul(x, permuted, ts, n=n, k=k, splits=splits, **kwargs)
+
+    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert lowered.out_info.shape == (m, n)
+
+
+def test_refusals_and_bad_shapes():
+    q, packed = _packed(64, 256)
+    assert mg.refusal(packed) is None
+    import dataclasses
+    nf4_packed = dataclasses.replace(packed, fmt="nf4")  # (only the fields are read)
+    assert "format nf4" in mg.refusal(nf4_packed)
+    with pytest.raises(ValueError, match="format nf4"):
+        mg.permute_packed(nf4_packed)
+    permuted = mg.permute_packed(packed)
+    with pytest.raises(ValueError, match=r"x \(8, 128\)"):
+        mg.mgpu_nvfp4_matmul(jnp.zeros((8, 128), jnp.bfloat16), permuted, packed.tensor_scale,
+                             n=64, k=256)
+    with pytest.raises(ValueError, match="splits=3 for 1 K tiles"):
+        mg.mgpu_nvfp4_matmul(jnp.zeros((8, 256), jnp.bfloat16), permuted, packed.tensor_scale,
+                             n=64, k=256, splits=3)
