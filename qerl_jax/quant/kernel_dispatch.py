@@ -86,7 +86,10 @@ class KernelLayoutWeight(QuantizedWeight):
     codes, pallas_kernels/nvfp4_matmul.py; NF4: float32 absmax), both stored tile-major
     (pallas_kernels.blockwise_matmul.tile_major),
     checkpoint_tensor_scale (the QuantizedWeight's tensor_scale, or None),
-    nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None).
+    nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None),
+    mosaic_tiles (experimental, else None): the same NVFP4 weight in the Mosaic GPU kernel's
+    permuted layout (pallas_kernels.mgpu_nvfp4; a second copy, made by enable_kernels when
+    QERL_MOSAIC_NVFP4=1).
     Static: format, shape (logical N, K), dtype, tile_k, pair_view.
 
     pair_view (half_block, half) or None: kernel_codes / kernel_scales are an MLP's gate and up
@@ -102,7 +105,8 @@ class KernelLayoutWeight(QuantizedWeight):
 
     # Not dataclass fields: the base class's generated __init__/__eq__/__hash__ are bypassed.
     def __init__(self, *, kernel_codes, kernel_scales, checkpoint_tensor_scale=None,
-                 nf4_scale_codes=None, nf4_double_quant_scales=None, format: str,
+                 nf4_scale_codes=None, nf4_double_quant_scales=None, mosaic_tiles=None,
+                 format: str,
                  shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int,
                  pair_view: tuple[int, int] | None = None):
         # No value checks: JAX rebuilds this object with tracers or placeholders as leaves.
@@ -112,6 +116,7 @@ class KernelLayoutWeight(QuantizedWeight):
         set_attr(self, "checkpoint_tensor_scale", checkpoint_tensor_scale)
         set_attr(self, "nf4_scale_codes", nf4_scale_codes)
         set_attr(self, "nf4_double_quant_scales", nf4_double_quant_scales)
+        set_attr(self, "mosaic_tiles", mosaic_tiles)
         set_attr(self, "format", format)
         set_attr(self, "shape", tuple(int(d) for d in shape))
         set_attr(self, "dtype", jnp.dtype(dtype).name)
@@ -129,7 +134,7 @@ class KernelLayoutWeight(QuantizedWeight):
 
     # pytree protocol
     _CHILDREN = ("kernel_codes", "kernel_scales", "checkpoint_tensor_scale", "nf4_scale_codes",
-                 "nf4_double_quant_scales")
+                 "nf4_double_quant_scales", "mosaic_tiles")
 
     def tree_flatten_with_keys(self):
         children = tuple((jax.tree_util.GetAttrKey(name), getattr(self, name))
@@ -420,16 +425,16 @@ def _supports(weight, compute_dtype) -> str | None:
     return None
 
 
-# Experimental (session 20): single-weight NVFP4 launches at decode M on the Mosaic GPU kernel
-# (pallas_kernels.mgpu_nvfp4), its permuted layout made from the kernel layout inside the
-# program (XLA hoists it out of the decode loop: a second copy of those weights). Off unless
-# QERL_MOSAIC_NVFP4=1 at registration (benchmarks only).
+# Experimental (session 20): single-weight NVFP4 launches at decode M (the o and down
+# projections) on the Mosaic GPU kernel (pallas_kernels.mgpu_nvfp4), reading a second copy of
+# those weights in its permuted layout (KernelLayoutWeight.mosaic_tiles, made by
+# enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at registration (benchmarks only).
 _MOSAIC_NVFP4 = {"single": False}
 
 
-def _mosaic_refusal(x, packed, down) -> str | None:
+def _mosaic_refusal(x, weight, packed, down) -> str | None:
     from pallas_kernels import mgpu_nvfp4
-    if not _MOSAIC_NVFP4["single"]:
+    if not _MOSAIC_NVFP4["single"] or getattr(weight, "mosaic_tiles", None) is None:
         return "off"
     if x.shape[0] > mgpu_nvfp4.MAX_M:
         return f"M {x.shape[0]}"
@@ -444,12 +449,11 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
     bf16 inside)."""
     del compute_dtype
     packed = weight.packed()
-    if not interpret and _mosaic_refusal(x, packed, down) is None:
+    if not interpret and _mosaic_refusal(x, weight, packed, down) is None:
         from pallas_kernels import mgpu_nvfp4
         kwargs = dict(lora_down=down, lora_b=lora_b, lora_scale=scale) if down is not None \
             else {}
-        y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16),
-                                         mgpu_nvfp4.permute_packed(packed),
+        y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
                                          packed.tensor_scale, n=packed.n, k=packed.k, **kwargs)
         return y.astype(jnp.bfloat16).astype(jnp.float32)  # rounded like the fused kernel
     config = bw.default_matmul_config(x.shape[0], packed)
@@ -771,9 +775,31 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
             node.set_value(to_kernel_layout(value, tile_k=tile_k, donate=donate))
             count += 1
     pairs = pair_mlp_weights(model_or_state) if pair_mlp else 0
+    if _MOSAIC_NVFP4["single"] and not interpret:
+        _add_mosaic_tiles(model_or_state)
     logger.info("enable_kernels: %d quantized weights in the kernel layout, %d MLP gate/up "
                 "pairs (%s, interpret=%s)", count, pairs, platform, interpret)
     return model_or_state
+
+
+def _add_mosaic_tiles(model: nnx.Module) -> None:
+    """Experimental: each unpaired NVFP4 KernelLayoutWeight also gets its permuted-layout copy
+    (mosaic_tiles) for the Mosaic GPU kernel (see _MOSAIC_NVFP4)."""
+    from pallas_kernels import mgpu_nvfp4
+    permute = jax.jit(mgpu_nvfp4.permute_packed)
+    count = 0
+    for _, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Variable):
+            continue
+        value = node.get_value()
+        if (isinstance(value, KernelLayoutWeight) and value.mosaic_tiles is None
+                and mgpu_nvfp4.refusal(value.packed()) is None):
+            children, aux = value.tree_flatten()
+            children = children[:-1] + (permute(value.packed()),)
+            node.set_value(KernelLayoutWeight.tree_unflatten(aux, children))
+            count += 1
+    logger.info("enable_kernels: %d NVFP4 weights also in the Mosaic GPU permuted layout "
+                "(experimental, QERL_MOSAIC_NVFP4=1)", count)
 
 
 def disable_kernels(model_or_state):
