@@ -224,8 +224,10 @@ def _swizzled(cols: int):
 
 def default_splits(row_tiles: int, k_tiles: int, slots: int = 528) -> int:
     """Split-K count: the most programs (row tiles x splits) that fit `slots` (132 SMs x 4
-    programs of this kernel's 118-124 registers), at least 1, at most k_tiles."""
-    return max(1, min(k_tiles, slots // row_tiles))
+    programs of this kernel's 118-124 registers) with the splits dividing the K tiles evenly
+    (no out-of-range steps, so no zero activation tile to pad in), at least 1."""
+    most = max(1, min(k_tiles, slots // row_tiles))
+    return max(s for s in range(1, most + 1) if k_tiles % s == 0)
 
 
 def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
@@ -258,16 +260,23 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
     steps = -(-k_tiles // splits)
     m_pad = -(-m // 8) * 8
-    # K padded to whole tiles plus one zero tile: the activation tile of a split's steps past
-    # its range (their weight tile is reloaded, the product is 0)
-    x_pad = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, (k_tiles + 1) * TILE_K - k)))
+    # K padded to whole tiles, plus one zero tile when the splits are uneven: the activation
+    # tile of a split's steps past its range (their weight tile is reloaded, the product is 0);
+    # no copy of x at all for M % 8 == 0, K % 256 == 0 and even splits (the model's shapes)
+    k_pad = (k_tiles + (k_tiles % splits != 0)) * TILE_K
+    x_pad = x.astype(jnp.bfloat16)
+    if (m_pad, k_pad) != (m, k):
+        x_pad = jnp.pad(x_pad, ((0, m_pad - m), (0, k_pad - k)))
     n_pad = row_tiles * TILE_ROWS
     inputs = [x_pad, permuted]
     if with_lora:
         scale = jnp.asarray(1.0 if lora_scale is None else lora_scale, jnp.float32)
-        lora_x = jnp.pad((lora_down.astype(jnp.float32) * scale).astype(jnp.bfloat16),
-                         ((0, m_pad - m), (0, 0)))
-        lora_bt = jnp.pad(lora_b.astype(jnp.bfloat16).T, ((0, n_pad - n), (0, 0)))
+        lora_x = (lora_down.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+        if m_pad != m:
+            lora_x = jnp.pad(lora_x, ((0, m_pad - m), (0, 0)))
+        lora_bt = lora_b.astype(jnp.bfloat16).T  # B^T tiles [64, r]: wgmma's A operand
+        if n_pad != n:
+            lora_bt = jnp.pad(lora_bt, ((0, n_pad - n), (0, 0)))
         inputs += [lora_x, lora_bt]
 
     def body(x_gmem, packed_gmem, *refs):
