@@ -3,15 +3,27 @@
 --check: y = x @ W^T / tensor_scale (+ scale * down @ B) for random NVFP4 checkpoints (the whole
 e4m3 scale range, kernels.py's random_checkpoint) over M, LoRA ranks, split counts and shapes,
 against a float64 numpy product of the checkpoint's weights (the E2M1 table x e4m3 scale /
-tensor scale) and of the LoRA term with the kernel's bf16 roundings (bf16(scale x down) @
-bf16(B)); the bound is 1e-5 x (|x| @ |W|^T + |lora x| @ |B|) per element (float32
-accumulation over K <= 27648 of exact products).
+tensor scale) and of the LoRA term with the kernel's bf16 roundings (bf16(down) @ its LoRA
+operand, mgpu_nvfp4.lora_operand, rescaled by 2^8 / tensor scale; that operand's scale folding
+is checked against float64 on the CPU, tests/test_mgpu_nvfp4.py); the bound is 1e-5 x
+(|x| @ |W|^T + the same product of absolute values) per element (float32 accumulation over
+K <= 27648 of exact products). Cases marked "prepared" pass the operand made ahead (lora_bt,
+as the sampler does), the others pass B and the LoRA scale.
 --profile: device time per call (all device events of the call: the kernel and XLA's split-K
-sum; profiler trace, weights streamed from HBM as in kernel_profile.py) of the Mosaic GPU
-kernel and of the fused Triton kernel (bw.blockwise_matmul, default decode config), both with a
-rank-32 LoRA, at the 32B shapes.
+sum, rescale and transpose; profiler trace, weights streamed from HBM as in kernel_profile.py) of the Mosaic GPU
+kernel (LoRA operand made ahead, as in the sampler) and of the fused Triton kernel
+(bw.blockwise_matmul, default decode config), both with a rank-32 LoRA, at the 32B shapes.
+--sampler PRESET: the sampler end to end (common.build_sampling_model: random NVFP4 weights,
+rank-32 LoRA with nonzero B, the kernel hook) without and with QERL_MOSAIC_NVFP4=1 (the same
+model rebuilt from the same seed; the o and down projections' decode launches then take this
+kernel, with their LoRA operands made once per rollout): batch 8, prompt 64, 64 sampled tokens
+at temperature 1 from the same key. Reported: the length of the common token prefix of each
+row and the largest |log-prob difference| on it; ok when every row agrees on its first 16
+tokens and the log-probs there differ by at most 0.05 (both paths round each projection's
+output to bf16; they differ in summation order).
 
-    python benchmarks/mgpu_matmul_check.py --check --profile --out $OUT      # GPU only
+    python benchmarks/mgpu_matmul_check.py --check --profile --sampler qwen2p5_1p5b \
+        --out $OUT      # GPU only
 """
 
 from __future__ import annotations
@@ -26,10 +38,11 @@ import traceback
 import _common as common
 import kernel_profile
 
-CHECK_CASES = [  # (n, k, m, rank, splits)
-    (256, 1024, 8, 0, None), (256, 1024, 5, 32, 3), (200, 608, 1, 16, 1),
-    (1024, 5120, 16, 32, None), (640, 2304, 64, 64, 2), (5120, 27648, 8, 32, None),
-    (5120, 5120, 8, 32, 4), (384, 4096, 3, 0, 16)]
+CHECK_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
+    (256, 1024, 8, 0, None, False), (256, 1024, 5, 32, 3, False), (200, 608, 1, 16, 1, True),
+    (1024, 5120, 16, 32, None, False), (640, 2304, 64, 64, 2, True),
+    (5120, 27648, 8, 32, None, True), (5120, 5120, 8, 32, 4, False),
+    (384, 4096, 3, 0, 16, False)]
 PROFILE_SHAPES = [("q/o", 5120, 5120), ("down", 5120, 27648), ("gate|up", 55296, 5120)]
 
 
@@ -38,6 +51,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sampler", default=None, metavar="PRESET")
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
@@ -46,7 +60,6 @@ def parse_args(argv=None):
 
 def _inputs(key, n, k, m, rank):
     import jax
-    import jax.numpy as jnp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernels as kernel_bench
     ckpt = kernel_bench.random_checkpoint("nvfp4", n, k, jax.random.fold_in(key, 1))
@@ -54,7 +67,7 @@ def _inputs(key, n, k, m, rank):
     return ckpt, x, down, lora_b
 
 
-def check_case(key, n, k, m, rank, splits):
+def check_case(key, n, k, m, rank, splits, prepared):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -64,7 +77,13 @@ def check_case(key, n, k, m, rank, splits):
     ckpt, x, down, lora_b = _inputs(key, n, k, m, rank)
     packed = nvfp4_matmul.repack_nvfp4(*ckpt)
     permuted = mg.permute_packed(packed)
-    kwargs = dict(lora_down=down, lora_b=lora_b, lora_scale=2.0) if rank else {}
+    operand = None
+    kwargs = {}
+    if rank:
+        operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0,
+                                  n_pad=packed.codes.shape[0])
+        kwargs = dict(lora_down=down, lora_bt=operand) if prepared else dict(
+            lora_down=down, lora_b=lora_b, lora_scale=2.0)
     fn = jax.jit(lambda x, p, ts, kw: mg.mgpu_nvfp4_matmul(x, p, ts, n=n, k=k, splits=splits,
                                                           **kw))
     y = np.asarray(fn(x, permuted, packed.tensor_scale, kwargs), np.float64)
@@ -73,12 +92,14 @@ def check_case(key, n, k, m, rank, splits):
     ref = x64 @ w.T
     bound = np.abs(x64) @ np.abs(w).T
     if rank:
-        lx = np.asarray((down.astype(jnp.float32) * 2.0).astype(jnp.bfloat16)
-                        .astype(jnp.float32), np.float64)
-        b64 = np.asarray(lora_b.astype(jnp.float32), np.float64)
-        ref, bound = ref + lx @ b64, bound + np.abs(lx) @ np.abs(b64)
+        lx = np.asarray(down.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+        bt = np.asarray(operand.astype(jnp.float32), np.float64)[:n]
+        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(packed.tensor_scale).reshape(()))
+        ref = ref + (lx @ bt.T) * rescale
+        bound = bound + (np.abs(lx) @ np.abs(bt).T) * rescale
     excess = np.abs(y - ref) / (1e-5 * bound + 1e-30)
     return {"n": n, "k": k, "m": m, "rank": rank, "splits": splits or "default",
+            "prepared": prepared,
             "max_err_over_bound": float(excess.max()), "finite": bool(np.isfinite(y).all()),
             "ok": bool(np.isfinite(y).all() and excess.max() <= 1.0)}
 
@@ -109,17 +130,49 @@ def profile_shape(key, name, n, k, m, repeats):
     permuted = [jax.block_until_ready(mg.permute_packed(w))
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
+    operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
     for splits in (None,):
-        fn = jax.jit(lambda x, ps, d, b: [mg.mgpu_nvfp4_matmul(
-            x, p, ts, n=n, k=k, splits=splits, lora_down=d, lora_b=b, lora_scale=2.0)
-            for p in ps])
-        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, lora_b),
+        fn = jax.jit(lambda x, ps, d, bt: [mg.mgpu_nvfp4_matmul(
+            x, p, ts, n=n, k=k, splits=splits, lora_down=d, lora_bt=bt) for p in ps])
+        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
                                                         repeats, count, None)
         rows.append({"shape": name, "n": n, "k": k,
                      "kernel": f"Mosaic GPU permuted (LoRA r32), splits "
                                f"{splits or mg.default_splits(-(-n // 64), -(-k // 256))}",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
     return rows
+
+
+def sampler_agreement(preset: str) -> dict:
+    """Rollouts of one random model without and with the Mosaic dispatch (see --sampler)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from qerl_jax import sampling
+
+    config = sampling.SamplingConfig(max_new_tokens=64, temperature=1.0, eos_token_ids=(),
+                                     num_generations=1, prompt_bucket=64)
+    rollouts = {}
+    for flag in ("0", "1"):
+        os.environ["QERL_MOSAIC_NVFP4"] = flag
+        architecture, graphdef, states, info = common.build_sampling_model(preset, "nvfp4",
+                                                                           seed=0)
+        tokens = jax.random.randint(jax.random.key(7), (8, 64), 0, architecture.vocab_size,
+                                    jnp.int32)
+        rollout = sampling.generate_from_states(graphdef, states, tokens,
+                                                jnp.ones((8, 64), jnp.bool_),
+                                                jax.random.key(8), config)
+        rollouts[flag] = jax.device_get((rollout.tokens, rollout.logprobs))
+        del states
+    os.environ["QERL_MOSAIC_NVFP4"] = "0"
+    (t0, l0), (t1, l1) = rollouts["0"], rollouts["1"]
+    differs = np.asarray(t0) != np.asarray(t1)
+    prefix = np.where(differs.any(1), differs.argmax(1), differs.shape[1])
+    gaps = [float(np.abs(np.asarray(l0)[i, :p] - np.asarray(l1)[i, :p]).max(initial=0.0))
+            for i, p in enumerate(prefix)]
+    return {"preset": preset, "common_prefix": " ".join(map(str, prefix)),
+            "max_logprob_gap": max(gaps),
+            "ok": bool(prefix.min() >= 16 and max(gaps) <= 0.05)}
 
 
 def main(argv=None):
@@ -136,7 +189,7 @@ def main(argv=None):
                 row = check_case(key, *case)
             except Exception as e:
                 traceback.print_exc()
-                row = dict(zip(("n", "k", "m", "rank", "splits"), case), ok=False,
+                row = dict(zip(("n", "k", "m", "rank", "splits", "prepared"), case), ok=False,
                            error=common.describe_error(e))
             checks.append(row)
             print(row, flush=True)
@@ -144,8 +197,22 @@ def main(argv=None):
         sections.append(f"### Check: {passed} of {len(checks)} cases within the bound\n\n"
                         + common.markdown_table(checks, [
                             ("n", "N"), ("k", "K"), ("m", "M"), ("rank", "LoRA rank"),
-                            ("splits", "splits"), ("max_err_over_bound", "max err / bound"),
+                            ("splits", "splits"), ("prepared", "operand made ahead"),
+                            ("max_err_over_bound", "max err / bound"),
                             ("finite", "finite"), ("ok", "ok"), ("error", "error")]))
+    sampler = None
+    if args.sampler:
+        try:
+            sampler = sampler_agreement(args.sampler)
+        except Exception as e:
+            traceback.print_exc()
+            sampler = {"preset": args.sampler, "ok": False, "error": common.describe_error(e)}
+        print(sampler, flush=True)
+        sections.append("### Sampler without / with QERL_MOSAIC_NVFP4=1\n\n"
+                        + common.markdown_table([sampler], [
+                            ("preset", "preset"), ("common_prefix", "common token prefix per row"),
+                            ("max_logprob_gap", "max |log-prob gap| on it"), ("ok", "ok"),
+                            ("error", "error")]))
     if args.profile:
         for name, n, k in PROFILE_SHAPES:
             try:
@@ -164,8 +231,9 @@ def main(argv=None):
         + "\n\n".join(sections)
     print(text, flush=True)
     common.write_outputs(args.out, "mgpu_matmul_check", text,
-                         {"argv": sys.argv, "checks": checks, "profiles": profiles, **meta})
-    if args.check and not all(r["ok"] for r in checks):
+                         {"argv": sys.argv, "checks": checks, "profiles": profiles,
+                          "sampler": sampler, **meta})
+    if (args.check and not all(r["ok"] for r in checks)) or (sampler and not sampler["ok"]):
         raise SystemExit(1)
 
 

@@ -23,10 +23,13 @@ Each pair is then scaled by one fma.rn.bf16x2 with its block's (s, s) pattern
 Kernel (`mgpu_nvfp4_matmul`): grid (row tiles, splits); program (b, s) runs K tiles
 [s K_t / splits, (s + 1) K_t / splits) through a TMA pipeline, decodes each tile and
 accumulates acc [64, M] += W_tile [64, 256] @ x_tile^T on the tensor cores (wgmma, M the N of
-the instruction), and stores acc as split s's partial of y^T. With LoRA, every program also
-multiplies its [64, r] tile of B^T by (scale * x @ A)^T (one more wgmma) and split 0 stores it.
-XLA sums the partials (y = sum_s partial_s * 2^8 / tensor_scale + lora), which it fuses into the
-consumer of y.
+the instruction), and stores acc as split s's partial of y^T. With LoRA, split 0 also adds its
+[64, r] tile of the LoRA operand (`lora_operand`: B^T scaled by lora_scale * tensor_scale * 2^-8,
+so one factor rescales both products) times (x @ A)^T into acc (one more wgmma) before storing.
+y = (sum_s partial_s)^T * 2^8 / tensor_scale, the sum written as elementwise adds so that XLA
+fuses it, the rescale and the transpose into the consumer of y (no reduction kernel per call).
+The LoRA operand is made once per rollout where the caller can (kernel_dispatch's
+mosaic_lora_bt), else per call.
 """
 
 from __future__ import annotations
@@ -230,31 +233,61 @@ def default_splits(row_tiles: int, k_tiles: int, slots: int = 528) -> int:
     return max(s for s in range(1, most + 1) if k_tiles % s == 0)
 
 
+def lora_operand(lora_b: jax.Array, tensor_scale: jax.Array, lora_scale=1.0, *,
+                 n_pad: int | None = None) -> jax.Array:
+    """The kernel's LoRA operand bf16 [n_pad, r] = (lora_scale * tensor_scale * 2^-8) * B^T,
+    zero rows past N, from lora_b [r, N] (wgmma's A operand: [64, r] tiles of B^T, scaled so
+    that the weight product's rescale 2^8 / tensor_scale also gives lora_scale * (x A) B)."""
+    if lora_b.ndim != 2 or lora_b.shape[0] not in LORA_RANKS:
+        raise ValueError(f"lora_operand: lora_b {lora_b.shape}; expected [r, N], r in "
+                         f"{LORA_RANKS}")
+    n = lora_b.shape[1]
+    n_pad = -(-n // TILE_ROWS) * TILE_ROWS if n_pad is None else n_pad
+    if n_pad < n or n_pad % TILE_ROWS:
+        raise ValueError(f"lora_operand: n_pad={n_pad} for N={n} (a multiple of {TILE_ROWS})")
+    factor = (jnp.asarray(lora_scale, jnp.float32) * 2.0 ** SCALED_EXPONENT
+              * jnp.asarray(tensor_scale, jnp.float32).reshape(()))
+    bt = (lora_b.astype(jnp.float32) * factor).T.astype(jnp.bfloat16)
+    return jnp.pad(bt, ((0, n_pad - n), (0, 0))) if n_pad != n else bt
+
+
 def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
                       k: int, splits: int | None = None, lora_down: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
-                      stages: int = 2) -> jax.Array:
+                      lora_bt: jax.Array | None = None, stages: int = 2) -> jax.Array:
     """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
-    lora_down [M, r] (x @ A), lora_b [r, n], r in LORA_RANKS. splits: split-K programs per row
-    tile (default_splits). GPU only (Mosaic GPU)."""
+    lora_down [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
+    LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
+    splits: split-K programs per row tile (default_splits). GPU only (Mosaic GPU)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m = x.shape[0]
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
+    n_pad = row_tiles * TILE_ROWS
     if x.ndim != 2 or x.shape[1] != k or not 1 <= m <= MAX_M:
         raise ValueError(f"mgpu_nvfp4_matmul: x {x.shape}; expected [M <= {MAX_M}, {k}]")
-    if permuted.shape != (row_tiles * k_tiles * TILE_LINES, 128) or row_tiles * TILE_ROWS < n:
+    if permuted.shape != (row_tiles * k_tiles * TILE_LINES, 128) or n_pad < n:
         raise ValueError(f"mgpu_nvfp4_matmul: permuted {permuted.shape} is not a [{n}, {k}] "
                          "weight's permuted layout")
     with_lora = lora_down is not None
-    rank = lora_down.shape[1] if with_lora else 0
-    if with_lora and (rank not in LORA_RANKS or lora_b is None or lora_b.shape != (rank, n)):
-        raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
-                         f"{None if lora_b is None else lora_b.shape}; rank in {LORA_RANKS}")
+    if with_lora:
+        if lora_bt is None:
+            if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
+                raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
+                                 f"{None if lora_b is None else lora_b.shape}; expected B "
+                                 f"[{lora_down.shape[-1]}, {n}] (or lora_bt)")
+            lora_bt = lora_operand(lora_b, tensor_scale,
+                                   1.0 if lora_scale is None else lora_scale, n_pad=n_pad)
+        rank = lora_down.shape[1]
+        if (lora_down.shape != (m, rank) or rank not in LORA_RANKS
+                or lora_bt.shape != (n_pad, rank)):
+            raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
+                             f"{lora_bt.shape}; expected [{m}, r] and [{n_pad}, r], r in "
+                             f"{LORA_RANKS}")
     splits = default_splits(row_tiles, k_tiles) if splits is None else splits
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
@@ -267,22 +300,16 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
     x_pad = x.astype(jnp.bfloat16)
     if (m_pad, k_pad) != (m, k):
         x_pad = jnp.pad(x_pad, ((0, m_pad - m), (0, k_pad - k)))
-    n_pad = row_tiles * TILE_ROWS
     inputs = [x_pad, permuted]
     if with_lora:
-        scale = jnp.asarray(1.0 if lora_scale is None else lora_scale, jnp.float32)
-        lora_x = (lora_down.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+        lora_x = lora_down.astype(jnp.bfloat16)
         if m_pad != m:
             lora_x = jnp.pad(lora_x, ((0, m_pad - m), (0, 0)))
-        lora_bt = lora_b.astype(jnp.bfloat16).T  # B^T tiles [64, r]: wgmma's A operand
-        if n_pad != n:
-            lora_bt = jnp.pad(lora_bt, ((0, n_pad - n), (0, 0)))
-        inputs += [lora_x, lora_bt]
+        inputs += [lora_x, lora_bt.astype(jnp.bfloat16)]
 
     def body(x_gmem, packed_gmem, *refs):
         if with_lora:
-            lora_x_gmem, lora_bt_gmem, part_gmem, lora_gmem, out_smem, lx_smem, bt_smem, \
-                barrier = refs
+            lora_x_gmem, lora_bt_gmem, part_gmem, out_smem, lx_smem, bt_smem, barrier = refs
         else:
             part_gmem, out_smem = refs
         b = lax.axis_index("tiles")
@@ -290,9 +317,11 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         first = s * k_tiles // splits
         last = (s + 1) * k_tiles // splits  # exclusive
         rows = pl.ds(b * TILE_ROWS, TILE_ROWS)
-        if with_lora:  # in flight while the pipeline runs
-            plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
-            plgpu.copy_gmem_to_smem(lora_bt_gmem.at[rows], bt_smem, barrier)
+        if with_lora:  # split 0's LoRA operands, in flight while the pipeline runs
+            @pl.when(s == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
+                plgpu.copy_gmem_to_smem(lora_bt_gmem.at[rows], bt_smem, barrier)
 
         def step(indices, tile_smem, x_smem, acc_ref):
             w = plgpu.inline_mgpu(
@@ -304,13 +333,7 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
             plgpu.wgmma_wait(0)
             return acc_ref
 
-        def store(value, dst):
-            out_smem[...] = value
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, dst)
-            plgpu.wait_smem_to_gmem(0)
-
-        def scope(acc_ref, *lora_acc):
+        def scope(acc_ref):
             plgpu.emit_pipeline(
                 step, grid=(steps,),
                 in_specs=[
@@ -322,39 +345,33 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
                                                             k_tiles)),
                                     transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
-            store(acc_ref[...], part_gmem.at[s, rows])
             if with_lora:
-                (lora_ref,) = lora_acc
-                plgpu.barrier_wait(barrier)
-                plgpu.wgmma(lora_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
-                plgpu.wgmma_wait(0)
-
                 @pl.when(s == 0)
                 def _():
-                    store(lora_ref[...], lora_gmem.at[rows])
+                    plgpu.barrier_wait(barrier)
+                    plgpu.wgmma(acc_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
+                    plgpu.wgmma_wait(0)
+            out_smem[...] = acc_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, part_gmem.at[s, rows])
+            plgpu.wait_smem_to_gmem(0)
 
-        accs = [plgpu.ACC((TILE_ROWS, m_pad), jnp.float32)] * (2 if with_lora else 1)
-        pl.run_scoped(scope, *accs)
+        pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
-    part = jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32)
-    out_types = (part, jax.ShapeDtypeStruct((n_pad, m_pad), jnp.float32)) if with_lora \
-        else part
     scratch = [plgpu.SMEM((TILE_ROWS, m_pad), jnp.float32)]
     if with_lora:
+        rank = lora_bt.shape[1]
         scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
                     plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
                     plgpu.Barrier(num_arrivals=2)]
     kernel = plgpu.kernel(
-        body, out_type=out_types, grid=(row_tiles, splits), grid_names=("tiles", "splits"),
-        scratch_types=scratch,
+        body, out_type=jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32),
+        grid=(row_tiles, splits), grid_names=("tiles", "splits"), scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    outs = kernel(*inputs)
-    partials = outs[0] if with_lora else outs
-    y_t = partials.sum(axis=0) * (2.0 ** -SCALED_EXPONENT
-                                  / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
-    if with_lora:
-        y_t = y_t + outs[1]
+    partials = kernel(*inputs)
+    y_t = functools.reduce(jnp.add, [partials[i] for i in range(splits)])  # fusable adds
+    y_t = y_t * (2.0 ** -SCALED_EXPONENT / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
     return y_t[:n, :m].T
 
 

@@ -20,6 +20,7 @@ from qerl_jax.models.layers import Linear, LoRAParam, RMSNorm
 from qerl_jax.models.safetensors_io import save_safetensors
 from qerl_jax.models.transformer import MLP, Attention, CausalLM
 from qerl_jax.quant import prepare_swiglu_lora_b
+from qerl_jax.quant.kernel_dispatch import with_mosaic_lora_operand
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -124,7 +125,18 @@ def stack_grouped_adapters(model: CausalLM) -> int:
     also gets `pair_lora_b`, its fused SwiGLU launch's LoRA B (linear_op.prepare_swiglu_lora_b:
     B_gate and B_up in the pair's column order, 4.6 MiB per 7B layer at rank 32), which the
     launch would otherwise rebuild at every token.
+
+    Experimental (QERL_MOSAIC_NVFP4=1): a Linear whose weight has the Mosaic GPU layout also
+    gets its adapter's Mosaic LoRA operand (kernel_dispatch.with_mosaic_lora_operand: B^T with
+    the scales folded in), which the launch would otherwise transpose at every token.
     """
+    for _, layer in _named_modules(model, Linear):
+        if layer.lora_a is not None:
+            weight = layer.weight.get_value()
+            prepared = with_mosaic_lora_operand(
+                weight, layer.lora_b.get_value(), layer.lora_scale)
+            if prepared is not weight:
+                layer.weight.set_value(prepared)
     count = 0
     for _, module in _named_modules(model, (Attention, MLP)):
         projections = _grouped_projections(module)

@@ -80,8 +80,32 @@ def test_kernel_bit_math_gives_the_weights():
     np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.parametrize("m,rank,splits", [(8, 0, None), (5, 32, 3), (16, 16, 1)])
-def test_kernel_lowers_for_cuda(m, rank, splits):
+def test_lora_operand_folds_the_scales_into_b_transposed():
+    """Split 0 adds lora_operand(B) @ down^T into the weight accumulator, which is rescaled by
+    2^8 / tensor_scale: that must give lora_scale * down @ B (float64 reference; tolerance:
+    the operand's bf16 rounding, 2^-8 relative per term) and zero rows past N."""
+    rank, n, m = 32, 200, 5
+    b = np.asarray(jax.random.normal(jax.random.key(1), (rank, n)), np.float64)
+    down = np.asarray(jax.random.normal(jax.random.key(2), (m, rank)), np.float64)
+    tensor_scale, lora_scale = 1234.5, 0.75
+    bt = mg.lora_operand(jnp.asarray(b, jnp.float32), jnp.asarray([tensor_scale], jnp.float32),
+                         lora_scale)
+    assert bt.shape == (256, rank) and bt.dtype == jnp.bfloat16
+    bt = np.asarray(bt.astype(jnp.float32), np.float64)
+    assert not bt[n:].any()
+    got = (bt[:n] @ down.T).T * 2.0 ** -mg.SCALED_EXPONENT / tensor_scale
+    expected = lora_scale * down @ b
+    bound = 2.0 ** -8 * lora_scale * np.abs(down) @ np.abs(b)
+    assert np.all(np.abs(got - expected) <= bound)
+    with pytest.raises(ValueError, match=r"lora_b \(24, 200\)"):
+        mg.lora_operand(jnp.zeros((24, n)), jnp.ones((1,)))
+    with pytest.raises(ValueError, match="n_pad=100"):
+        mg.lora_operand(jnp.zeros((rank, n)), jnp.ones((1,)), n_pad=100)
+
+
+@pytest.mark.parametrize("m,rank,splits,prepared", [(8, 0, None, False), (5, 32, 3, False),
+                                                    (16, 16, 1, False), (8, 32, None, True)])
+def test_kernel_lowers_for_cuda(m, rank, splits, prepared):
     n, k = 256, 1024
     _, packed = _packed(n, k)
     permuted = jax.ShapeDtypeStruct(mg.permute_packed(packed).shape, jnp.uint8)
@@ -89,10 +113,14 @@ def test_kernel_lowers_for_cuda(m, rank, splits):
     args = [x, permuted, packed.tensor_scale]
     if rank:
         args += [jax.ShapeDtypeStruct((m, rank), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((rank, n), jnp.bfloat16)]
+                 jax.ShapeDtypeStruct((n, rank) if prepared else (rank, n), jnp.bfloat16)]
 
     def f(x, permuted, ts, *lora):
-        kwargs = dict(lora_down=lora[0], lora_b=lora[1], lora_scale=2.0) if lora else {}
+        kwargs = {}
+        if lora and prepared:
+            kwargs = dict(lora_down=lora[0], lora_bt=lora[1])
+        elif lora:
+            kwargs = dict(lora_down=lora[0], lora_b=lora[1], lora_scale=2.0)
         return mg.mgpu_nvfp4_matmul(x, permuted, ts, n=n, k=k, splits=splits, **kwargs)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
@@ -115,3 +143,33 @@ def test_refusals_and_bad_shapes():
     with pytest.raises(ValueError, match="splits=3 for 1 K tiles"):
         mg.mgpu_nvfp4_matmul(jnp.zeros((8, 256), jnp.bfloat16), permuted, packed.tensor_scale,
                              n=64, k=256, splits=3)
+    with pytest.raises(ValueError, match=r"operand \(192, 32\)"):
+        mg.mgpu_nvfp4_matmul(jnp.zeros((8, 256), jnp.bfloat16), permuted, packed.tensor_scale,
+                             n=64, k=256, lora_down=jnp.zeros((8, 32), jnp.bfloat16),
+                             lora_bt=jnp.zeros((192, 32), jnp.bfloat16))
+
+
+def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
+    """kernel_dispatch.with_mosaic_lora_operand (the sampler's per-rollout preparation): with
+    the experimental flag on and a Mosaic copy present, the weight carries lora_operand(B) as a
+    pytree child (it survives flatten/unflatten); otherwise the weight is returned as it is."""
+    from qerl_jax.quant import kernel_dispatch as kd
+    n, k, rank = 192, 512, 16
+    w = jax.random.normal(jax.random.key(4), (n, k), jnp.float32)
+    weight = kd.to_kernel_layout(nvfp4_quantize(w), tile_k=256)
+    b = jax.random.normal(jax.random.key(5), (rank, n), jnp.float32)
+    monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
+    assert kd.with_mosaic_lora_operand(weight, b, 0.5) is weight  # no Mosaic copy
+    weight = kd._replace_children(weight, mosaic_tiles=mg.permute_packed(weight.packed()))
+    prepared = kd.with_mosaic_lora_operand(weight, b, 0.5)
+    expected = mg.lora_operand(b, weight.packed().tensor_scale, 0.5,
+                               n_pad=weight.packed().codes.shape[0])
+    assert jnp.array_equal(prepared.mosaic_lora_operand, expected)
+    assert prepared.mosaic_tiles is weight.mosaic_tiles
+    rebuilt = jax.tree.map(lambda leaf: leaf, prepared)
+    assert jnp.array_equal(rebuilt.mosaic_lora_operand, expected)
+    assert kd._prepared_lora_operand(prepared, jnp.zeros((8, rank))) is not None
+    assert kd._prepared_lora_operand(prepared, jnp.zeros((8, 32))) is None
+    assert kd.with_mosaic_lora_operand(weight, jnp.zeros((24, n)), 0.5) is weight  # rank
+    monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", False)
+    assert kd.with_mosaic_lora_operand(weight, b, 0.5) is weight

@@ -90,6 +90,11 @@ class KernelLayoutWeight(QuantizedWeight):
     mosaic_tiles (experimental, else None): the same NVFP4 weight in the Mosaic GPU kernel's
     permuted layout (pallas_kernels.mgpu_nvfp4; a second copy, made by enable_kernels when
     QERL_MOSAIC_NVFP4=1).
+    mosaic_lora_operand (experimental, else None): bf16 [N_pad, r], the Mosaic GPU kernel's
+    operand for this layer's LoRA B (pallas_kernels.mgpu_nvfp4.lora_operand: B^T with the LoRA
+    and tensor scales folded in), made once per rollout on the sampler's merged copy
+    (qerl_jax.lora.stack_grouped_adapters via `with_mosaic_lora_operand`) so the decode loop
+    does not transpose B at every token.
     Static: format, shape (logical N, K), dtype, tile_k, pair_view.
 
     pair_view (half_block, half) or None: kernel_codes / kernel_scales are an MLP's gate and up
@@ -106,7 +111,7 @@ class KernelLayoutWeight(QuantizedWeight):
     # Not dataclass fields: the base class's generated __init__/__eq__/__hash__ are bypassed.
     def __init__(self, *, kernel_codes, kernel_scales, checkpoint_tensor_scale=None,
                  nf4_scale_codes=None, nf4_double_quant_scales=None, mosaic_tiles=None,
-                 format: str,
+                 mosaic_lora_operand=None, format: str,
                  shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int,
                  pair_view: tuple[int, int] | None = None):
         # No value checks: JAX rebuilds this object with tracers or placeholders as leaves.
@@ -117,6 +122,7 @@ class KernelLayoutWeight(QuantizedWeight):
         set_attr(self, "nf4_scale_codes", nf4_scale_codes)
         set_attr(self, "nf4_double_quant_scales", nf4_double_quant_scales)
         set_attr(self, "mosaic_tiles", mosaic_tiles)
+        set_attr(self, "mosaic_lora_operand", mosaic_lora_operand)
         set_attr(self, "format", format)
         set_attr(self, "shape", tuple(int(d) for d in shape))
         set_attr(self, "dtype", jnp.dtype(dtype).name)
@@ -134,7 +140,7 @@ class KernelLayoutWeight(QuantizedWeight):
 
     # pytree protocol
     _CHILDREN = ("kernel_codes", "kernel_scales", "checkpoint_tensor_scale", "nf4_scale_codes",
-                 "nf4_double_quant_scales", "mosaic_tiles")
+                 "nf4_double_quant_scales", "mosaic_tiles", "mosaic_lora_operand")
 
     def tree_flatten_with_keys(self):
         children = tuple((jax.tree_util.GetAttrKey(name), getattr(self, name))
@@ -443,6 +449,37 @@ def _mosaic_refusal(x, weight, packed, down) -> str | None:
     return mgpu_nvfp4.refusal(packed) or mgpu_nvfp4.available()
 
 
+def _prepared_lora_operand(weight, down):
+    """The weight's per-rollout Mosaic LoRA operand if it fits this launch's rank, else None."""
+    operand = getattr(weight, "mosaic_lora_operand", None)
+    if operand is None or operand.shape[1] != down.shape[1]:
+        return None
+    return operand
+
+
+def _replace_children(weight: KernelLayoutWeight, **children) -> KernelLayoutWeight:
+    """The same KernelLayoutWeight with some pytree children replaced."""
+    values, aux = weight.tree_flatten()
+    named = dict(zip(KernelLayoutWeight._CHILDREN, values), **children)
+    return KernelLayoutWeight.tree_unflatten(aux, tuple(named[name]
+                                                       for name in KernelLayoutWeight._CHILDREN))
+
+
+def with_mosaic_lora_operand(weight, lora_b: jax.Array, lora_scale: float):
+    """Experimental (QERL_MOSAIC_NVFP4=1): the weight carrying its adapter's Mosaic GPU LoRA
+    operand (mosaic_lora_operand, from lora_b [r, N] and the LoRA scale) when the Mosaic kernel
+    would take its decode launches, else the weight unchanged. For the sampler's merged copy,
+    before its decode loop (qerl_jax.lora.stack_grouped_adapters); never on a trained state."""
+    from pallas_kernels import mgpu_nvfp4
+    if (not _MOSAIC_NVFP4["single"] or getattr(weight, "mosaic_tiles", None) is None
+            or lora_b.ndim != 2 or lora_b.shape[0] not in mgpu_nvfp4.LORA_RANKS):
+        return weight
+    packed = weight.packed()
+    operand = mgpu_nvfp4.lora_operand(lora_b, packed.tensor_scale, lora_scale,
+                                      n_pad=packed.codes.shape[0])
+    return _replace_children(weight, mosaic_lora_operand=operand)
+
+
 def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interpret):
     """x [M, K] bf16 @ W^T (+ scale * down [M, r] @ lora_b [r, N], the LoRA product in the
     kernel's epilogue, when down is given) -> [M, N] float32 (fused kernel, output rounded to
@@ -451,8 +488,11 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
     packed = weight.packed()
     if not interpret and _mosaic_refusal(x, weight, packed, down) is None:
         from pallas_kernels import mgpu_nvfp4
-        kwargs = dict(lora_down=down, lora_b=lora_b, lora_scale=scale) if down is not None \
-            else {}
+        kwargs = {}
+        if down is not None and _prepared_lora_operand(weight, down) is not None:
+            kwargs = dict(lora_down=down, lora_bt=weight.mosaic_lora_operand)
+        elif down is not None:
+            kwargs = dict(lora_down=down, lora_b=lora_b, lora_scale=scale)
         y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
                                          packed.tensor_scale, n=packed.n, k=packed.k, **kwargs)
         return y.astype(jnp.bfloat16).astype(jnp.float32)  # rounded like the fused kernel
@@ -794,9 +834,7 @@ def _add_mosaic_tiles(model: nnx.Module) -> None:
         value = node.get_value()
         if (isinstance(value, KernelLayoutWeight) and value.mosaic_tiles is None
                 and mgpu_nvfp4.refusal(value.packed()) is None):
-            children, aux = value.tree_flatten()
-            children = children[:-1] + (permute(value.packed()),)
-            node.set_value(KernelLayoutWeight.tree_unflatten(aux, children))
+            node.set_value(_replace_children(value, mosaic_tiles=permute(value.packed())))
             count += 1
     logger.info("enable_kernels: %d NVFP4 weights also in the Mosaic GPU permuted layout "
                 "(experimental, QERL_MOSAIC_NVFP4=1)", count)
