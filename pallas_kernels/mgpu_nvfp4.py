@@ -23,11 +23,14 @@ Each pair is then scaled by one fma.rn.bf16x2 with its block's (s, s) pattern
 Kernel (`mgpu_nvfp4_matmul`): grid (row tiles, splits); program (b, s) runs K tiles
 [s K_t / splits, (s + 1) K_t / splits) through a TMA pipeline, decodes each tile and
 accumulates acc [64, M] += W_tile [64, 256] @ x_tile^T on the tensor cores (wgmma, M the N of
-the instruction), and stores acc as split s's partial of y^T. With LoRA, split 0 also adds its
+the instruction), and stores acc transposed (through shared memory, one TMA copy) as split
+s's partial of y [M, N], so the consumers of y keep their row-major layout (with y^T partials
+XLA laid the residual stream out as [N, M] and transposed it back before every norm, session 21
+call m's HLO). With LoRA, split 0 also adds its
 [64, r] tile of the LoRA operand (`lora_operand`: B^T scaled by lora_scale * tensor_scale * 2^-8,
 so one factor rescales both products) times (x @ A)^T into acc (one more wgmma) before storing.
-y = (sum_s partial_s)^T * 2^8 / tensor_scale, the sum written as elementwise adds so that XLA
-fuses it, the rescale and the transpose into the consumer of y (no reduction kernel per call).
+y = (sum_s partial_s) * 2^8 / tensor_scale, the sum written as elementwise adds so that XLA
+fuses it and the rescale into the consumer of y (the residual add; no kernel of its own).
 The LoRA operand is made once per rollout where the caller can (kernel_dispatch's
 mosaic_lora_bt), else per call.
 """
@@ -217,6 +220,14 @@ def _decode_tile(tile_ref):
     return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
+def _store_transposed(acc, dst_ref) -> None:
+    """Inline Mosaic GPU: acc [64, M] (any register layout) -> shared memory dst [M, 64]
+    transposed, one 4-byte store per element (2 KiB at M = 8), so the kernel writes y, not
+    y^T, and XLA keeps the residual stream row-major."""
+    from jax._src.lib.mlir.dialects import memref
+    acc.foreach(lambda value, index: memref.store(value, dst_ref, [index[1], index[0]]))
+
+
 def _swizzled(cols: int):
     """SMEM transforms of a bf16 tile [rows, cols] read by wgmma (swizzle = its row bytes, max
     128)."""
@@ -351,28 +362,29 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
                     plgpu.barrier_wait(barrier)
                     plgpu.wgmma(acc_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
                     plgpu.wgmma_wait(0)
-            out_smem[...] = acc_ref[...]
+            plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+                lambda ctx, acc, dst: _store_transposed(acc, dst))(acc_ref[...], out_smem)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, part_gmem.at[s, rows])
+            plgpu.copy_smem_to_gmem(out_smem, part_gmem.at[s, :, rows])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
-    scratch = [plgpu.SMEM((TILE_ROWS, m_pad), jnp.float32)]
+    scratch = [plgpu.SMEM((m_pad, TILE_ROWS), jnp.float32)]
     if with_lora:
         rank = lora_bt.shape[1]
         scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
                     plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
                     plgpu.Barrier(num_arrivals=2)]
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32),
+        body, out_type=jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32),
         grid=(row_tiles, splits), grid_names=("tiles", "splits"), scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     partials = kernel(*inputs)
-    y_t = functools.reduce(jnp.add, [partials[i] for i in range(splits)])  # fusable adds
-    y_t = y_t * (2.0 ** -SCALED_EXPONENT / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
-    return y_t[:n, :m].T
+    y = functools.reduce(jnp.add, [partials[i] for i in range(splits)])  # fusable adds
+    y = y * (2.0 ** -SCALED_EXPONENT / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
+    return y[:m, :n]
 
 
 @functools.lru_cache(maxsize=None)
