@@ -10,9 +10,10 @@ is checked against float64 on the CPU, tests/test_mgpu_nvfp4.py); the bound is 1
 K <= 27648 of exact products). Cases marked "prepared" pass the operand made ahead (lora_bt,
 as the sampler does), the others pass B and the LoRA scale.
 --profile: device time per call (all device events of the call: the kernel and XLA's split-K
-sum, rescale and transpose; profiler trace, weights streamed from HBM as in kernel_profile.py) of the Mosaic GPU
+sum and rescale; profiler trace, weights streamed from HBM as in kernel_profile.py) of the Mosaic GPU
 kernel (LoRA operand made ahead, as in the sampler) and of the fused Triton kernel
-(bw.blockwise_matmul, default decode config), both with a rank-32 LoRA, at the 32B shapes.
+(bw.blockwise_matmul, default decode config), both with a rank-32 LoRA, at the 32B shapes;
+with --sweep also other split-K counts (SWEEP_SPLITS).
 --sampler PRESET: the sampler end to end (common.build_sampling_model: random NVFP4 weights,
 rank-32 LoRA with nonzero B, the kernel hook) without and with QERL_MOSAIC_NVFP4=1 (the same
 model rebuilt from the same seed; the o and down projections' decode launches then take this
@@ -47,6 +48,7 @@ CHECK_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     (5120, 27648, 8, 32, None, True), (5120, 5120, 8, 32, 4, False),
     (384, 4096, 3, 0, 16, False)]
 PROFILE_SHAPES = [("q/o", 5120, 5120), ("down", 5120, 27648), ("gate|up", 55296, 5120)]
+SWEEP_SPLITS = {"q/o": (10, 20), "down": (9, 12, 27), "gate|up": (2,)}  # --sweep: besides default
 
 
 def parse_args(argv=None):
@@ -55,6 +57,8 @@ def parse_args(argv=None):
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sampler", default=None, metavar="PRESET")
+    parser.add_argument("--sweep", action="store_true",
+                        help="--profile also times the split-K counts of SWEEP_SPLITS")
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
@@ -107,7 +111,7 @@ def check_case(key, n, k, m, rank, splits, prepared):
             "ok": bool(np.isfinite(y).all() and excess.max() <= 1.0)}
 
 
-def profile_shape(key, name, n, k, m, repeats):
+def profile_shape(key, name, n, k, m, repeats, sweep=False):
     import jax
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
@@ -134,7 +138,7 @@ def profile_shape(key, name, n, k, m, repeats):
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
-    for splits in (None,):
+    for splits in (None, *(SWEEP_SPLITS[name] if sweep else ())):
         fn = jax.jit(lambda x, ps, d, bt: [mg.mgpu_nvfp4_matmul(
             x, p, ts, n=n, k=k, splits=splits, lora_down=d, lora_bt=bt) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
@@ -235,7 +239,7 @@ def main(argv=None):
     if args.profile:
         for name, n, k in PROFILE_SHAPES:
             try:
-                profiles += profile_shape(key, name, n, k, args.m, args.repeats)
+                profiles += profile_shape(key, name, n, k, args.m, args.repeats, args.sweep)
             except Exception as e:
                 traceback.print_exc()
                 profiles.append({"shape": name, "n": n, "k": k,
