@@ -13,11 +13,14 @@ as the sampler does), the others pass B and the LoRA scale.
 sum and rescale; profiler trace, weights streamed from HBM as in kernel_profile.py) of the Mosaic GPU
 kernel (LoRA operand made ahead, as in the sampler) and of the fused Triton kernel
 (bw.blockwise_matmul, default decode config), both with a rank-32 LoRA, at the 32B shapes;
-with --sweep also other split-K counts (SWEEP_SPLITS).
+with --sweep also other split-K counts (SWEEP_SPLITS). Then the fused SwiGLU launch of a 32B
+gate/up pair with the next layer's LoRA product (swiglu_rows): the Mosaic path checked against
+Triton's fused kernel (within 2^-7 of the largest output) and both timed.
 --sampler PRESET: the sampler end to end (common.build_sampling_model: random NVFP4 weights,
 rank-32 LoRA with nonzero B, the kernel hook) without and with QERL_MOSAIC_NVFP4=1 (the same
-model rebuilt from the same seed; the o and down projections' decode launches then take this
-kernel, with their LoRA operands made once per rollout), and on the XLA path (no kernels) as the
+model rebuilt from the same seed; the o and down projections' decode launches and the gate/up
+pairs' fused SwiGLU launches then take this kernel, with their LoRA operands made once per
+rollout), and on the XLA path (no kernels) as the
 noise floor: batch 8, prompt 64, 64 sampled tokens at temperature 1 from the same key. Reported
 per pair of paths: the common token prefix of each row and the largest |log-prob difference|
 on it. A random model's next-token distribution is nearly uniform over 151k ids, so summation
@@ -150,6 +153,73 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False):
     return rows
 
 
+def swiglu_rows(key, m: int, repeats: int, profile: bool) -> list[dict]:
+    """The fused SwiGLU launch of a 32B gate/up pair with the next layer's LoRA product
+    (kernel_dispatch._fused_forward_swiglu, as the sampler calls it, LoRA operands made ahead):
+    Triton's fused kernel against the Mosaic GPU path (kernel + XLA's SwiGLU and next-LoRA
+    product). Check: equal within 2^-7 of the largest |output| (bf16 outputs summed in
+    different orders); with profile, device time per call (all events, weights from HBM)."""
+    import jax
+    import jax.numpy as jnp
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import kernels as kernel_bench
+    from pallas_kernels import mgpu_nvfp4 as mg
+    from qerl_jax.quant import kernel_dispatch as kd
+    from qerl_jax.quant.nvfp4 import nvfp4_quantize
+
+    n, k, rank = 27648, 5120, 32
+    keys = jax.random.split(jax.random.fold_in(key, 7), 8)
+    gate, up = (kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k)) * 0.02),
+                                    tile_k=256) for i in (0, 1))
+    views = kd.pair_gate_up(gate, up)
+    del gate, up
+    tiles = mg.permute_packed(kd._whole_pair(views[0]))
+    views = tuple(kd._replace_children(v, mosaic_tiles=tiles) for v in views)
+    x = jax.random.normal(keys[2], (m, k), jnp.bfloat16)
+    down = (jax.random.normal(keys[3], (m, 2 * rank)) * 0.1).astype(jnp.bfloat16)
+    lora_bs = tuple((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
+                    for i in (4, 5))
+    next_a = (jax.random.normal(keys[6], (n, rank)) * 0.01).astype(jnp.bfloat16)
+    pair_b = kd._pair_lora_b(views, lora_bs)
+    saved = kd._MOSAIC_NVFP4["single"]
+    try:
+        kd._MOSAIC_NVFP4["single"] = True
+        prepared = (kd.with_mosaic_pair_lora_operand(*views, *lora_bs, 1.0), views[1])
+
+        def make(flag):
+            kd._MOSAIC_NVFP4["single"] = flag  # read when the function is traced
+            fn = jax.jit(lambda x, vs, d: [kd._fused_forward_swiglu(
+                x, v, d, lora_bs, (1.0, 1.0), pair_b, compute_dtype=jnp.bfloat16,
+                interpret=False, next_lora_a=next_a) for v in vs])
+            jax.block_until_ready(fn(x, [prepared], down))  # traced now, with this flag
+            return fn
+
+        triton, mosaic = make(False), make(True)
+        (want, want_next), = triton(x, [prepared], down)
+        (got, got_next), = mosaic(x, [prepared], down)
+        errors = [float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
+                        / (2.0 ** -7 * float(jnp.abs(b.astype(jnp.float32)).max())))
+                  for a, b in ((got, want), (got_next, want_next))]
+        rows = [{"shape": "gate|up SwiGLU + next LoRA", "n": n, "k": k,
+                 "kernel": "check: Mosaic vs Triton, max err / (2^-7 max|y|), output / next",
+                 "call_us": f"{errors[0]:.3g} / {errors[1]:.3g}",
+                 "ok": bool(max(errors) <= 1.0)}]
+        if profile:
+            nbytes = 2 * kernel_profile.weight_bytes("nvfp4", n, k)
+            count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
+            weights = kernel_bench.copies(list(prepared), count)
+            for name, fn in (("Triton fused SwiGLU (LoRA r32, next LoRA)", triton),
+                             ("Mosaic GPU permuted + XLA SwiGLU / next LoRA", mosaic)):
+                _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down), repeats,
+                                                                count, None)
+                rows.append({"shape": "gate|up SwiGLU + next LoRA", "n": n, "k": k,
+                             "kernel": name, "call_us": call_us,
+                             "TB_s": nbytes / call_us / 1e6})
+    finally:
+        kd._MOSAIC_NVFP4["single"] = saved
+    return rows
+
+
 def _agreement(a, b) -> tuple[np.ndarray, float]:
     """(common token prefix per row, max |log-prob difference| on those prefixes)."""
     (ta, la), (tb, lb) = a, b
@@ -245,9 +315,16 @@ def main(argv=None):
                 profiles.append({"shape": name, "n": n, "k": k,
                                  "error": common.describe_error(e)})
             print(profiles[-1], flush=True)
+        try:
+            profiles += swiglu_rows(key, args.m, args.repeats, profile=True)
+        except Exception as e:
+            traceback.print_exc()
+            profiles.append({"shape": "gate|up SwiGLU + next LoRA", "ok": False,
+                             "error": common.describe_error(e)})
+        print(profiles[-1], flush=True)
         sections.append(f"### Device time per call, M = {args.m}\n\n" + common.markdown_table(
             profiles, [("shape", "shape"), ("n", "N"), ("k", "K"), ("kernel", "kernel"),
-                       ("call_us", "us per call"), ("TB_s", "weight TB/s"),
+                       ("call_us", "us per call"), ("TB_s", "weight TB/s"), ("ok", "ok"),
                        ("error", "error")]))
     text = common.header_line(
         f"Mosaic GPU NVFP4 matmul, {time.perf_counter() - started:.0f} s", [meta]) + "\n\n" \
@@ -257,7 +334,8 @@ def main(argv=None):
                          {"argv": sys.argv, "checks": checks, "profiles": profiles,
                           "sampler": sampler, **meta})
     if (args.check and not all(r["ok"] for r in checks)) or (
-            sampler and not all(r["ok"] for r in sampler)):
+            sampler and not all(r["ok"] for r in sampler)) or not all(
+            r.get("ok", True) for r in profiles):
         raise SystemExit(1)
 
 

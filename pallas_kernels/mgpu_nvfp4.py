@@ -272,6 +272,32 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
     lora_down [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
     LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
     splits: split-K programs per row tile (default_splits). GPU only (Mosaic GPU)."""
+    if lora_down is not None and lora_bt is None:
+        if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
+            raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
+                             f"{None if lora_b is None else lora_b.shape}; expected B "
+                             f"[{lora_down.shape[-1]}, {n}] (or lora_bt)")
+        lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
+                               n_pad=_padded_rows(permuted, k))
+    y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
+                        lora_bt=lora_bt, stages=stages)
+    return y[:, :n] * (2.0 ** -SCALED_EXPONENT
+                       / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
+
+
+def _padded_rows(permuted: jax.Array, k: int) -> int:
+    """N_pad of a permuted buffer of a weight with k columns."""
+    return permuted.shape[0] // (TILE_LINES * -(-k // TILE_K)) * TILE_ROWS
+
+
+def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
+                    splits: int | None = None, lora_down: jax.Array | None = None,
+                    lora_bt: jax.Array | None = None, stages: int = 2) -> jax.Array:
+    """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
+    (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (the split-K partials summed by
+    elementwise adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's;
+    rows of the permuted buffer past n are whatever it holds (zeros for permute_packed's
+    padding)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -286,15 +312,8 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
                          "weight's permuted layout")
     with_lora = lora_down is not None
     if with_lora:
-        if lora_bt is None:
-            if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
-                raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
-                                 f"{None if lora_b is None else lora_b.shape}; expected B "
-                                 f"[{lora_down.shape[-1]}, {n}] (or lora_bt)")
-            lora_bt = lora_operand(lora_b, tensor_scale,
-                                   1.0 if lora_scale is None else lora_scale, n_pad=n_pad)
         rank = lora_down.shape[1]
-        if (lora_down.shape != (m, rank) or rank not in LORA_RANKS
+        if (lora_down.shape != (m, rank) or rank not in LORA_RANKS or lora_bt is None
                 or lora_bt.shape != (n_pad, rank)):
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{lora_bt.shape}; expected [{m}, r] and [{n_pad}, r], r in "
@@ -382,9 +401,64 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     partials = kernel(*inputs)
-    y = functools.reduce(jnp.add, [partials[i] for i in range(splits)])  # fusable adds
-    y = y * (2.0 ** -SCALED_EXPONENT / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
-    return y[:m, :n]
+    return functools.reduce(jnp.add, [partials[i, :m] for i in range(splits)])  # fusable
+
+
+def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax.Array,
+                      up_tensor_scale: jax.Array, lora_scale=1.0, *, n_pad: int,
+                      half_block: int) -> jax.Array:
+    """The LoRA operand bf16 [2 n_pad, 2r] of a gate/up pair interleaved in blocks of
+    half_block rows (kernel_dispatch.pair_gate_up): gate rows hold lora_operand(B_gate)'s
+    rows in columns [0, r), up rows lora_operand(B_up)'s in [r, 2r), zeros elsewhere (block
+    diagonal), for lora_down = x @ [A_gate | A_up]; 2r in LORA_RANKS."""
+    rank = gate_b.shape[0]
+    if up_b.shape != gate_b.shape or 2 * rank not in LORA_RANKS or n_pad % half_block:
+        raise ValueError(f"pair_lora_operand: B_gate {gate_b.shape}, B_up {up_b.shape}, "
+                         f"n_pad={n_pad}, half_block={half_block}; expected equal [r, N] with "
+                         f"2r in {LORA_RANKS}, n_pad a multiple of half_block")
+    halves = []
+    for b, ts in ((gate_b, gate_tensor_scale), (up_b, up_tensor_scale)):
+        factor = (jnp.asarray(lora_scale, jnp.float32) * 2.0 ** SCALED_EXPONENT
+                  * jnp.asarray(ts, jnp.float32).reshape(()))
+        bt = (b.astype(jnp.float32) * factor).T  # [N, r]
+        halves.append(jnp.pad(bt, ((0, n_pad - bt.shape[0]), (0, 0)))
+                      .reshape(n_pad // half_block, 1, half_block, rank))
+    zeros = jnp.zeros_like(halves[0])
+    gate_rows = jnp.concatenate([halves[0], zeros], axis=-1)
+    up_rows = jnp.concatenate([zeros, halves[1]], axis=-1)
+    return jnp.concatenate([gate_rows, up_rows], axis=1).reshape(
+        2 * n_pad, 2 * rank).astype(jnp.bfloat16)
+
+
+def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale: jax.Array,
+                      up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
+                      lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
+                      next_lora_a: jax.Array | None = None, splits: int | None = None):
+    """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
+    half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
+    each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue); the kernel
+    gives the pair's product, XLA the rest (fused). lora_bt: pair_lora_operand's, with
+    lora_down = x @ [A_gate | A_up]. next_lora_a [out_n, r]: then also returns the float32
+    product of the bf16 output with it, as blockwise_matmul_swiglu's next_lora_a."""
+    m = x.shape[0]
+    n_pad2 = _padded_rows(permuted_pair, k)
+    if n_pad2 % (2 * half_block) or out_n > n_pad2 // 2:
+        raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
+                         f"[{out_n}, {k}] halves in blocks of {half_block}")
+    y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
+                        lora_bt=lora_bt)
+    y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
+    halves = []
+    for half, ts in enumerate((gate_tensor_scale, up_tensor_scale)):
+        scale = 2.0 ** -SCALED_EXPONENT / jnp.asarray(ts, jnp.float32).reshape(())
+        value = y[:, :, half].reshape(m, -1)[:, :out_n] * scale
+        halves.append(value.astype(jnp.bfloat16).astype(jnp.float32))
+    gate, up = halves
+    out = (gate / (1.0 + jnp.exp(-gate)) * up).astype(jnp.bfloat16)
+    if next_lora_a is None:
+        return out
+    return out, jnp.dot(out, next_lora_a.astype(jnp.bfloat16),
+                        preferred_element_type=jnp.float32)
 
 
 @functools.lru_cache(maxsize=None)

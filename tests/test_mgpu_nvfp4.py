@@ -173,3 +173,90 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
     assert kd.with_mosaic_lora_operand(weight, jnp.zeros((24, n)), 0.5) is weight  # rank
     monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", False)
     assert kd.with_mosaic_lora_operand(weight, b, 0.5) is weight
+
+
+def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
+                        stages=2):
+    """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
+    numbers are checked on the GPU by benchmarks/mgpu_matmul_check.py)."""
+    del splits, stages
+    n_pad = mg._padded_rows(permuted, k)
+    raw = mg.permuted_dequantize(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
+                                 n=n_pad, k=k)  # e2m1 x block scale x 2^-8
+    y = x.astype(jnp.float32) @ raw.T
+    if lora_down is not None:
+        y = y + (lora_down.astype(jnp.bfloat16).astype(jnp.float32)
+                 @ lora_bt.astype(jnp.float32).T)
+    return y
+
+
+def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch):
+    """kernel_dispatch's Mosaic SwiGLU path (a gate/up pair's permuted copy, the pair LoRA
+    operand, de-interleaving, per-half tensor scales, bf16 roundings, next-layer LoRA product)
+    with the kernel replaced by a jnp reference, against the Triton fused SwiGLU launch
+    (interpreted) on the same pair: equal within bf16 rounding of the outputs (2^-7 of the
+    largest |output|; the two sum in different orders). The prepared operand
+    (with_mosaic_pair_lora_operand, as the sampler makes it) gives the same numbers."""
+    from qerl_jax.quant import kernel_dispatch as kd
+    n, k, rank, m = 96, 512, 16, 5
+    keys = jax.random.split(jax.random.key(6), 8)
+    gate, up = (kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))),
+                                    tile_k=256) for i in (0, 1))
+    views = kd.pair_gate_up(gate, up)
+    tiles = mg.permute_packed(kd._whole_pair(views[0]))
+    views = tuple(kd._replace_children(v, mosaic_tiles=tiles) for v in views)
+    x = jax.random.normal(keys[2], (m, k)).astype(jnp.bfloat16)
+    a = jax.random.normal(keys[3], (k, 2 * rank)) * 0.05
+    down = (x.astype(jnp.float32) @ a).astype(jnp.bfloat16)
+    lora_bs = (jax.random.normal(keys[4], (rank, n)), jax.random.normal(keys[5], (rank, n)))
+    next_a = jax.random.normal(keys[6], (n, 8)) * 0.1
+    scales = (0.5, 0.5)
+
+    def launch(weights, interpret):
+        return kd._fused_forward_swiglu(x, weights, down, lora_bs, scales, None,
+                                        compute_dtype=jnp.bfloat16, interpret=interpret,
+                                        next_lora_a=next_a)
+
+    expected, expected_next = launch(views, True)  # Triton, interpreted
+    monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
+    monkeypatch.setattr(mg, "available", lambda: None)
+    monkeypatch.setattr(mg, "matmul_unscaled", _reference_unscaled)
+    assert kd._mosaic_swiglu_refusal(x, views[0], down, lora_bs) is None
+    got, got_next = launch(views, False)
+    assert got.shape == expected.shape == (m, n) and got.dtype == jnp.bfloat16
+    top = float(jnp.abs(expected.astype(jnp.float32)).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                               rtol=0, atol=2.0 ** -7 * top)
+    top_next = float(jnp.abs(expected_next).max())
+    np.testing.assert_allclose(np.asarray(got_next), np.asarray(expected_next), rtol=0,
+                               atol=2.0 ** -7 * top_next)
+    prepared = kd.with_mosaic_pair_lora_operand(*views, *lora_bs, scales[0])
+    assert prepared is not views[0] and prepared.mosaic_lora_operand.shape == (2 * 128, 32)
+    again, again_next = launch((prepared, views[1]), False)
+    assert jnp.array_equal(again, got) and jnp.array_equal(again_next, got_next)
+    # the single-weight path leaves pair views alone; ranks the pair operand cannot take
+    assert kd.with_mosaic_lora_operand(views[0], lora_bs[0], 0.5) is views[0]
+    assert kd._mosaic_swiglu_refusal(x, views[0], jnp.zeros((m, 48)), lora_bs) is not None
+
+
+def test_swiglu_lowers_for_cuda():
+    from qerl_jax.quant import kernel_dispatch as kd
+    n, k, m = 128, 512, 8
+    gate, up = (kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(i),
+                                                                      (n, k))), tile_k=256)
+                for i in (0, 1))
+    view = kd.pair_gate_up(gate, up)[0]
+    tiles = jax.ShapeDtypeStruct(mg.permute_packed(kd._whole_pair(view)).shape, jnp.uint8)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), tiles,
+            jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
+            jax.ShapeDtypeStruct((m, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2 * n, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n, 32), jnp.bfloat16))
+
+    def f(x, tiles, ts_g, ts_u, down, operand, next_a):
+        return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
+                                    lora_down=down, lora_bt=operand, next_lora_a=next_a)
+
+    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert [o.shape for o in lowered.out_info] == [(m, n), (m, 32)]

@@ -431,16 +431,18 @@ def _supports(weight, compute_dtype) -> str | None:
     return None
 
 
-# Experimental (session 20): single-weight NVFP4 launches at decode M (the o and down
-# projections) on the Mosaic GPU kernel (pallas_kernels.mgpu_nvfp4), reading a second copy of
-# those weights in its permuted layout (KernelLayoutWeight.mosaic_tiles, made by
-# enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at registration (benchmarks only).
+# Experimental (sessions 20-21): single-weight NVFP4 launches at decode M (the o and down
+# projections) and the fused SwiGLU launches of gate/up pairs on the Mosaic GPU kernel
+# (pallas_kernels.mgpu_nvfp4), reading a second copy of those weights in its permuted layout
+# (KernelLayoutWeight.mosaic_tiles, made by enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at
+# registration (benchmarks only).
 _MOSAIC_NVFP4 = {"single": False}
 
 
 def _mosaic_refusal(x, weight, packed, down) -> str | None:
     from pallas_kernels import mgpu_nvfp4
-    if not _MOSAIC_NVFP4["single"] or getattr(weight, "mosaic_tiles", None) is None:
+    if (not _MOSAIC_NVFP4["single"] or getattr(weight, "mosaic_tiles", None) is None
+            or weight.pair_view is not None):
         return "off"
     if x.shape[0] > mgpu_nvfp4.MAX_M:
         return f"M {x.shape[0]}"
@@ -472,12 +474,30 @@ def with_mosaic_lora_operand(weight, lora_b: jax.Array, lora_scale: float):
     before its decode loop (qerl_jax.lora.stack_grouped_adapters); never on a trained state."""
     from pallas_kernels import mgpu_nvfp4
     if (not _MOSAIC_NVFP4["single"] or getattr(weight, "mosaic_tiles", None) is None
-            or lora_b.ndim != 2 or lora_b.shape[0] not in mgpu_nvfp4.LORA_RANKS):
+            or weight.pair_view is not None or lora_b.ndim != 2
+            or lora_b.shape[0] not in mgpu_nvfp4.LORA_RANKS):
         return weight
     packed = weight.packed()
     operand = mgpu_nvfp4.lora_operand(lora_b, packed.tensor_scale, lora_scale,
                                       n_pad=packed.codes.shape[0])
     return _replace_children(weight, mosaic_lora_operand=operand)
+
+
+def with_mosaic_pair_lora_operand(gate, up, gate_b: jax.Array, up_b: jax.Array,
+                                  lora_scale: float):
+    """Experimental (QERL_MOSAIC_NVFP4=1): the gate pair view carrying the pair's Mosaic GPU
+    LoRA operand (mgpu_nvfp4.pair_lora_operand of B_gate and B_up [r, N]) when the Mosaic
+    SwiGLU launch would take the pair, else the gate view unchanged (as
+    with_mosaic_lora_operand, for the sampler's merged copy)."""
+    from pallas_kernels import mgpu_nvfp4
+    if (not _MOSAIC_NVFP4["single"] or getattr(gate, "mosaic_tiles", None) is None
+            or gate.pair_view is None or getattr(up, "pair_view", None) is None
+            or gate_b.shape != up_b.shape or 2 * gate_b.shape[0] not in mgpu_nvfp4.LORA_RANKS):
+        return gate
+    operand = mgpu_nvfp4.pair_lora_operand(
+        gate_b, up_b, gate.kernel_divisor(), up.kernel_divisor(), lora_scale,
+        n_pad=gate.kernel_codes.shape[0] // 2, half_block=gate.pair_view[0])
+    return _replace_children(gate, mosaic_lora_operand=operand)
 
 
 def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interpret):
@@ -562,6 +582,21 @@ def _pair_lora_b(weights, lora_bs):
                                 gate.pair_view[0])
 
 
+def _mosaic_swiglu_refusal(x, gate, down, lora_bs) -> str | None:
+    """Why the Mosaic GPU kernel does not take this fused SwiGLU launch (experimental), or
+    None: the flag, the pair's permuted copy, M, the LoRA ranks (equal, 2r a kernel rank)."""
+    from pallas_kernels import mgpu_nvfp4
+    if not _MOSAIC_NVFP4["single"] or getattr(gate, "mosaic_tiles", None) is None:
+        return "off"
+    if x.ndim != 2 or x.shape[0] > mgpu_nvfp4.MAX_M:
+        return f"x {x.shape}"
+    if down is not None and (lora_bs[0].shape != lora_bs[1].shape
+                             or down.shape[-1] not in mgpu_nvfp4.LORA_RANKS
+                             or down.shape[-1] != 2 * lora_bs[0].shape[0]):
+        return f"LoRA down {down.shape}, B {[b.shape for b in lora_bs]}"
+    return mgpu_nvfp4.available()
+
+
 def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, compute_dtype,
                           interpret, next_lora_a=None):
     """silu(x @ Wg^T + LoRA_g) * (x @ Wu^T + LoRA_u) [M, N] bf16 for pair views (gate, up) in
@@ -570,6 +605,20 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
     del compute_dtype
     gate, up = weights
     half_block = gate.pair_view[0]
+    if not interpret and _mosaic_swiglu_refusal(x, gate, down, lora_bs) is None:
+        from pallas_kernels import mgpu_nvfp4
+        lora = {}
+        if down is not None:
+            operand = _prepared_lora_operand(gate, down)
+            if operand is None:
+                operand = mgpu_nvfp4.pair_lora_operand(
+                    lora_bs[0], lora_bs[1], gate.kernel_divisor(), up.kernel_divisor(),
+                    scales[0], n_pad=gate.kernel_codes.shape[0] // 2, half_block=half_block)
+            lora = dict(lora_down=down, lora_bt=operand)
+        return mgpu_nvfp4.mgpu_nvfp4_swiglu(
+            x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_divisor(),
+            up.kernel_divisor(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
+            next_lora_a=next_lora_a, **lora)
     # the two divisors go to the kernel as they are: a [2] array of them would be built at
     # every decode step (a concatenate kernel per layer inside the sampler's loop)
     pair = bw.PackedWeight(codes=gate.kernel_codes, scales=gate.kernel_scales,
@@ -822,22 +871,41 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
     return model_or_state
 
 
+def _whole_pair(weight: KernelLayoutWeight) -> bw.PackedWeight:
+    """The interleaved gate/up pair a pair view reads, as one PackedWeight [2 N_pad, K] (no
+    tensor scale: each half keeps its own)."""
+    return bw.PackedWeight(codes=weight.kernel_codes, scales=weight.kernel_scales,
+                           tensor_scale=None, fmt=weight.format, n=weight.kernel_codes.shape[0],
+                           k=weight.shape[1], tile_k=weight.tile_k)
+
+
 def _add_mosaic_tiles(model: nnx.Module) -> None:
-    """Experimental: each unpaired NVFP4 KernelLayoutWeight also gets its permuted-layout copy
-    (mosaic_tiles) for the Mosaic GPU kernel (see _MOSAIC_NVFP4)."""
+    """Experimental: each NVFP4 KernelLayoutWeight also gets its permuted-layout copy
+    (mosaic_tiles) for the Mosaic GPU kernel (see _MOSAIC_NVFP4); the two views of a gate/up
+    pair share one permuted copy of the whole interleaved pair."""
     from pallas_kernels import mgpu_nvfp4
     permute = jax.jit(mgpu_nvfp4.permute_packed)
-    count = 0
+    count, pairs = 0, {}
     for _, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Variable):
             continue
         value = node.get_value()
-        if (isinstance(value, KernelLayoutWeight) and value.mosaic_tiles is None
-                and mgpu_nvfp4.refusal(value.packed()) is None):
-            node.set_value(_replace_children(value, mosaic_tiles=permute(value.packed())))
-            count += 1
-    logger.info("enable_kernels: %d NVFP4 weights also in the Mosaic GPU permuted layout "
-                "(experimental, QERL_MOSAIC_NVFP4=1)", count)
+        if not isinstance(value, KernelLayoutWeight) or value.mosaic_tiles is not None:
+            continue
+        packed = value.packed() if value.pair_view is None else _whole_pair(value)
+        if mgpu_nvfp4.refusal(packed) is not None:
+            continue
+        if value.pair_view is None:
+            tiles = permute(packed)
+        else:
+            key = id(value.kernel_codes)
+            if key not in pairs:
+                pairs[key] = permute(packed)
+            tiles = pairs[key]
+        node.set_value(_replace_children(value, mosaic_tiles=tiles))
+        count += 1
+    logger.info("enable_kernels: %d NVFP4 weights (%d gate/up pairs) also in the Mosaic GPU "
+                "permuted layout (experimental, QERL_MOSAIC_NVFP4=1)", count, len(pairs))
 
 
 def disable_kernels(model_or_state):
