@@ -621,9 +621,7 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
             next_lora_a=next_lora_a, **lora)
     # the two divisors go to the kernel as they are: a [2] array of them would be built at
     # every decode step (a concatenate kernel per layer inside the sampler's loop)
-    pair = bw.PackedWeight(codes=gate.kernel_codes, scales=gate.kernel_scales,
-                           tensor_scale=None, fmt=gate.format, n=gate.kernel_codes.shape[0],
-                           k=gate.shape[1], tile_k=gate.tile_k)
+    pair = _whole_pair(gate)
     lora = {}
     if down is not None:
         lora = dict(lora_down=down, lora_ranks=tuple(b.shape[0] for b in lora_bs),
