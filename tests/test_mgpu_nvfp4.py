@@ -260,3 +260,31 @@ def test_swiglu_lowers_for_cuda():
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     assert [o.shape for o in lowered.out_info] == [(m, n), (m, 32)]
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_permuted_copies_are_made_for_the_launches_that_read_them(grouped):
+    """_add_mosaic_tiles (enable_kernels with QERL_MOSAIC_NVFP4=1 on a GPU): o/down and the
+    gate/up pair get permuted copies (the pair's two views one shared copy, equal to the whole
+    pair's permute_packed); q/k/v only when they are not read by a grouped launch."""
+    from qerl_jax.models.config import tiny_qwen2
+    from qerl_jax.models.transformer import init_model
+    from qerl_jax.quant import kernel_dispatch as kd
+    from qerl_jax.quant.model_quantization import quantize_model
+    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
+    quantize_model(model, "nvfp4")
+    kd.enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
+    try:
+        kd._add_mosaic_tiles(model, grouped=grouped)
+        for layer in model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+                assert (proj.weight.get_value().mosaic_tiles is None) == grouped
+            for proj in (attention.o_proj, mlp.down_proj):
+                weight = proj.weight.get_value()
+                assert jnp.array_equal(weight.mosaic_tiles, mg.permute_packed(weight.packed()))
+            gate, up = mlp.gate_proj.weight.get_value(), mlp.up_proj.weight.get_value()
+            assert gate.pair_view is not None and gate.mosaic_tiles is up.mosaic_tiles
+            assert jnp.array_equal(gate.mosaic_tiles, mg.permute_packed(kd._whole_pair(gate)))
+    finally:
+        kd.unregister_kernels("cpu")

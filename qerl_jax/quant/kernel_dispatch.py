@@ -863,7 +863,7 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
             count += 1
     pairs = pair_mlp_weights(model_or_state) if pair_mlp else 0
     if _MOSAIC_NVFP4["single"] and not interpret:
-        _add_mosaic_tiles(model_or_state)
+        _add_mosaic_tiles(model_or_state, grouped=grouped)
     logger.info("enable_kernels: %d quantized weights in the kernel layout, %d MLP gate/up "
                 "pairs (%s, interpret=%s)", count, pairs, platform, interpret)
     return model_or_state
@@ -877,15 +877,22 @@ def _whole_pair(weight: KernelLayoutWeight) -> bw.PackedWeight:
                            k=weight.shape[1], tile_k=weight.tile_k)
 
 
-def _add_mosaic_tiles(model: nnx.Module) -> None:
+# the attention projections that share one grouped launch at decode (Triton only)
+_GROUPED_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True) -> None:
     """Experimental: each NVFP4 KernelLayoutWeight also gets its permuted-layout copy
     (mosaic_tiles) for the Mosaic GPU kernel (see _MOSAIC_NVFP4); the two views of a gate/up
-    pair share one permuted copy of the whole interleaved pair."""
+    pair share one permuted copy of the whole interleaved pair. With grouped launches, q/k/v
+    get none (their grouped launch stays on the Triton kernel)."""
     from pallas_kernels import mgpu_nvfp4
     permute = jax.jit(mgpu_nvfp4.permute_packed)
     count, pairs = 0, {}
-    for _, node in nnx.iter_graph(model):
+    for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Variable):
+            continue
+        if grouped and any(name in path for name in _GROUPED_PROJECTIONS):
             continue
         value = node.get_value()
         if not isinstance(value, KernelLayoutWeight) or value.mosaic_tiles is not None:
