@@ -20,19 +20,23 @@ pallas_kernels.blockwise_matmul, NVFP4, tile_k = 256; `permuted_dequantize` undo
 Each pair is then scaled by one fma.rn.bf16x2 with its block's (s, s) pattern
 (code * 0x00100010 + 0x75807580, the "asmq" operand): exact e2m1 * scale * 2^-8 in bf16.
 
-Kernel (`mgpu_nvfp4_matmul`): grid (row tiles, splits); program (b, s) runs K tiles
+Kernel (`matmul_unscaled`): grid (row tiles, splits); program (b, s) runs K tiles
 [s K_t / splits, (s + 1) K_t / splits) through a TMA pipeline, decodes each tile and
 accumulates acc [64, M] += W_tile [64, 256] @ x_tile^T on the tensor cores (wgmma, M the N of
 the instruction), and stores acc transposed (through shared memory, one TMA copy) as split
 s's partial of y [M, N], so the consumers of y keep their row-major layout (with y^T partials
 XLA laid the residual stream out as [N, M] and transposed it back before every norm, session 21
-call m's HLO). With LoRA, split 0 also adds its
-[64, r] tile of the LoRA operand (`lora_operand`: B^T scaled by lora_scale * tensor_scale * 2^-8,
-so one factor rescales both products) times (x @ A)^T into acc (one more wgmma) before storing.
-y = (sum_s partial_s) * 2^8 / tensor_scale, the sum written as elementwise adds so that XLA
-fuses it and the rescale into the consumer of y (the residual add; no kernel of its own).
-The LoRA operand is made once per rollout where the caller can (kernel_dispatch's
-mosaic_lora_bt), else per call.
+call m's HLO). With LoRA, split 0 also adds its [64, r] tile of the LoRA operand
+(`lora_operand`: B^T scaled by lora_scale * tensor_scale * 2^-8, so one factor rescales both
+products) times (x @ A)^T into acc (one more wgmma) before storing. The partials are summed by
+elementwise adds, which XLA fuses into the consumer of y (no kernel of its own).
+
+`mgpu_nvfp4_matmul`: y = that sum * 2^8 / tensor_scale (one weight). `mgpu_nvfp4_swiglu`: a
+gate/up pair interleaved in blocks of 32 rows (kernel_dispatch.pair_gate_up) in one launch,
+its LoRA operand block diagonal (`pair_lora_operand`); XLA splits the halves, applies each
+half's tensor scale and computes silu(gate) * up and the next layer's LoRA x @ A. The LoRA
+operands are made once per rollout where the caller can (KernelLayoutWeight.mosaic_lora_operand,
+qerl_jax.lora.stack_grouped_adapters), else per call.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """pallas_kernels.mgpu_nvfp4 on the CPU: its permuted layout (lossless, the same weights as the
 checkpoint's float64 dequantization), its bit math (an integer emulation of the kernel's decode
-gives those weights) and that the Mosaic GPU kernel lowers for CUDA. Its numbers are checked on
-a GPU by benchmarks/mgpu_matmul_check.py (Mosaic GPU has no interpret mode for TMA copies)."""
+gives those weights), the LoRA operands' scale folding (float64), that the Mosaic GPU kernel and
+the SwiGLU path lower for CUDA, and kernel_dispatch's experimental Mosaic path (which weights
+get copies and operands; the SwiGLU launch with a jnp stand-in for the kernel against the
+interpreted Triton launch). The kernel's numbers are checked on a GPU by
+benchmarks/mgpu_matmul_check.py (Mosaic GPU has no interpret mode for TMA copies)."""
 
 import jax
 import jax.numpy as jnp
