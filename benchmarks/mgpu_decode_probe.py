@@ -524,117 +524,27 @@ def _memory_order_matmul(x, codes, *, k_tiles: int, stages: int, e2m1: str | Non
                    no_auto_barriers=no_auto_barriers)
 
 
-# The bit-permuted layout. A thread's 32-bit word holds its 4 bf16 pairs of one 16-column block
-# (pair k = PAIR_SLOTS[k]: (column offset 0 / 8, row r0 / r0 + 8)); pair k's bf16x2 bit pattern
-# (the "asm" decoders' e2m1 * 2^-126: code bits 0-2 at 6-8, bit 3 at 15; +16 for the second
-# column) is rotl(word, r) & 0x81C081C0 with r = 0, 6, 12 for k = 0, 1, 2, and for k = 3
-# (rotl(word, 2) & 0x00400040) | (rotl(word, 10) & 0x81808180): the 4 pairs' bits tile the word.
-PAIR_SLOTS = ((0, 0), (1, 0), (0, 1), (1, 1))  # (column half c % 2, row half h)
-_PERMUTED_PAIR_ASM = [
-    "and.b32 t, $1, 0x81C081C0;",
-    "shf.l.wrap.b32 t, $1, $1, 6;\nand.b32 t, t, 0x81C081C0;",
-    "shf.l.wrap.b32 t, $1, $1, 12;\nand.b32 t, t, 0x81C081C0;",
-    "shf.l.wrap.b32 t, $1, $1, 2;\nand.b32 t, t, 0x00400040;\n"
-    "shf.l.wrap.b32 u, $1, $1, 10;\nand.b32 u, u, 0x81808180;\nor.b32 t, t, u;",
-]
-
-
-def _permuted_source_bit(k: int, half: int, bit: int) -> int:
-    """The word bit holding code bit `bit` of pair k's weight `half` (0: first column)."""
-    target = (6 + bit if bit < 3 else 15) + 16 * half
-    rotation = (0, 6, 12)[k] if k < 3 else (2 if target % 16 == 6 else 10)
-    return (target - rotation) % 32
+# The bit-permuted layout is the library's (pallas_kernels/mgpu_nvfp4.py: its module docstring
+# describes the words, PAIR_SLOTS the pairs, _decode_tile the inline decode).
 
 
 def permute_tiles(codes, scales):
-    """Tile-major codes [T * 64, 128] (memory order) and scale codes [T * 64, 16] -> the
-    bit-permuted buffer [T * 72, 128]: per tile, thread t's word i (its pairs of columns
-    [16 i, 16 i + 16)) at byte (i // 4) * 2048 + t * 16 + (i % 4) * 4, then the scale codes
-    [64, 16] row-major."""
+    """Tile-major codes [T * 64, 128] (memory order, two nibbles a byte) and scale codes
+    [T * 64, 16] -> the bit-permuted buffer [T * 72, 128] (mgpu_nvfp4.permute_tiles)."""
     import jax.numpy as jnp
-    import numpy as np
-    from jax import lax
+    from pallas_kernels import mgpu_nvfp4
 
     t = codes.shape[0] // TILE_ROWS
     c = codes.reshape(t, TILE_ROWS, 128)
     nib = jnp.stack([c & 15, c >> 4], axis=-1).reshape(t, TILE_ROWS, 256)
-    thread = np.arange(128)
-    r0, q = 16 * (thread // 32) + (thread % 32) // 4, thread % 4
-    rows = np.empty((128, 16, 4, 2), np.int32)
-    cols = np.empty((128, 16, 4, 2), np.int32)
-    for i in range(16):
-        for k, (c_half, h) in enumerate(PAIR_SLOTS):
-            for half in (0, 1):
-                rows[:, i, k, half] = r0 + 8 * h
-                cols[:, i, k, half] = 16 * i + 8 * c_half + 2 * q + half
-    picked = nib[:, rows, cols].astype(jnp.uint32)  # [t, 128, 16, 4, 2]
-    shifts = np.array([[[_permuted_source_bit(k, half, b) for b in range(4)]
-                        for half in (0, 1)] for k in range(4)], np.uint32)  # [4, 2, 4]
-    assert sorted(shifts.ravel().tolist()) == list(range(32))
-    words = sum(((picked >> b) & 1) << shifts[:, :, b] for b in range(4))
-    words = words.sum(axis=(-2, -1), dtype=jnp.uint32)  # [t, 128, 16]
-    words = words.reshape(t, 128, 4, 4).transpose(0, 2, 1, 3)  # [t, group, thread, 4]
-    code_bytes = lax.bitcast_convert_type(words, jnp.uint8).reshape(t, 8192)
-    return jnp.concatenate([code_bytes, scales.reshape(t, 1024)], axis=1).reshape(-1, 128)
+    return mgpu_nvfp4.permute_tiles(nib, scales.reshape(t, TILE_ROWS, 16))
 
 
 def _decode_permuted(tile_ref, with_scales: bool):
     """Inline Mosaic GPU: a bit-permuted tile in shared memory -> the [64, 256] bf16 weights in
     the wgmma layout (e2m1 * scale * 2^-8 with scales, the exact e2m1 values without)."""
-    import numpy as np
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils
-
-    i32 = ir.IntegerType.get_signless(32)
-    i8 = ir.IntegerType.get_signless(8)
-    vec4 = ir.VectorType.get((4,), i32)
-    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-
-    def const(v):
-        return arith.constant(i32, v)
-
-    tid = utils.thread_idx()
-    thread = arith.andi(tid, const(127))
-    lane = arith.andi(tid, const(31))
-    row0 = arith.addi(arith.muli(arith.andi(arith.shrui(tid, const(5)), const(3)), const(16)),
-                      arith.shrui(lane, const(2)))
-    base = utils.memref_ptr(tile_ref)
-
-    def load16(offset):
-        return llvm.load(vec4, utils.getelementptr(base, [offset], i8), alignment=16)
-
-    words = []
-    for group in range(4):
-        vec = load16(arith.addi(const(group * 2048), arith.muli(thread, const(16))))
-        words += [llvm.extractelement(vec, const(j)) for j in range(4)]
-    scale_rows = {}
-    made = {}
-
-    def pattern(h, block):
-        if not with_scales:
-            return const(0x7E807E80)  # 2^126: the exact e2m1 values
-        if h not in scale_rows:
-            row = arith.addi(row0, const(8 * h))
-            scale_rows[h] = load16(arith.addi(const(8192), arith.muli(row, const(16))))
-        if (h, block) not in made:
-            word = llvm.extractelement(scale_rows[h], const(block // 4))
-            code = arith.andi(arith.shrui(word, const(8 * (block % 4))), const(255))
-            made[(h, block)] = arith.addi(arith.muli(code, const(0x00100010)),
-                                          const(0x75807580))
-        return made[(h, block)]
-
-    out = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, 256)), dtype=object)
-    if out.shape != (1, 32, 1, 1, 2, 1, 1, 1, 1):
-        raise NotImplementedError(f"registers {out.shape}")
-    for i, word in enumerate(words):
-        for k, (c_half, h) in enumerate(PAIR_SLOTS):
-            asm = ("{\n.reg .b32 t, u, z;\n" + _PERMUTED_PAIR_ASM[k]
-                   + "\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 $0, t, $2, z;\n}")
-            decoded = llvm.inline_asm(i32, [word, pattern(h, i)], asm, "=r,r,r")
-            out[0, 2 * i + c_half, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(decoded, bf16x2)
-    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+    from pallas_kernels import mgpu_nvfp4
+    return mgpu_nvfp4._decode_tile(tile_ref, with_scales=with_scales)
 
 
 def _x_transforms():

@@ -169,9 +169,10 @@ def permuted_dequantize(permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
     return w / jnp.asarray(tensor_scale, jnp.float32).reshape(())
 
 
-def _decode_tile(tile_ref):
+def _decode_tile(tile_ref, with_scales: bool = True):
     """Inline Mosaic GPU: a permuted tile in shared memory -> the [64, 256] bf16 weights
-    (e2m1 * scale * 2^-8) in the wgmma register layout."""
+    (e2m1 * scale * 2^-8) in the wgmma register layout; with_scales=False (the probes' e2m1
+    variants): the exact e2m1 values, the scale codes unread."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -202,6 +203,8 @@ def _decode_tile(tile_ref):
     scale_rows, patterns = {}, {}
 
     def pattern(h, block):  # made at first use (short live ranges)
+        if not with_scales:
+            return const(0x7E807E80)  # 2^126: the exact e2m1 values
         if h not in scale_rows:
             row = arith.addi(row0, const(8 * h))
             scale_rows[h] = load16(arith.addi(const(CODE_BYTES), arith.muli(row, const(16))))
@@ -320,7 +323,8 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
         if (lora_down.shape != (m, rank) or rank not in LORA_RANKS or lora_bt is None
                 or lora_bt.shape != (n_pad, rank)):
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
-                             f"{lora_bt.shape}; expected [{m}, r] and [{n_pad}, r], r in "
+                             f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
+                             f"and [{n_pad}, r], r in "
                              f"{LORA_RANKS}")
     splits = default_splits(row_tiles, k_tiles) if splits is None else splits
     if not 1 <= splits <= k_tiles:

@@ -146,6 +146,9 @@ def test_refusals_and_bad_shapes():
     with pytest.raises(ValueError, match="splits=3 for 1 K tiles"):
         mg.mgpu_nvfp4_matmul(jnp.zeros((8, 256), jnp.bfloat16), permuted, packed.tensor_scale,
                              n=64, k=256, splits=3)
+    with pytest.raises(ValueError, match="operand None"):
+        mg.matmul_unscaled(jnp.zeros((8, 256), jnp.bfloat16), permuted, n=64, k=256,
+                           lora_down=jnp.zeros((8, 32), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"operand \(192, 32\)"):
         mg.mgpu_nvfp4_matmul(jnp.zeros((8, 256), jnp.bfloat16), permuted, packed.tensor_scale,
                              n=64, k=256, lora_down=jnp.zeros((8, 32), jnp.bfloat16),

@@ -509,10 +509,10 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
     if not interpret and _mosaic_refusal(x, weight, packed, down) is None:
         from pallas_kernels import mgpu_nvfp4
         kwargs = {}
-        if down is not None and _prepared_lora_operand(weight, down) is not None:
-            kwargs = dict(lora_down=down, lora_bt=weight.mosaic_lora_operand)
-        elif down is not None:
-            kwargs = dict(lora_down=down, lora_b=lora_b, lora_scale=scale)
+        if down is not None:
+            operand = _prepared_lora_operand(weight, down)
+            kwargs = (dict(lora_down=down, lora_bt=operand) if operand is not None
+                      else dict(lora_down=down, lora_b=lora_b, lora_scale=scale))
         y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
                                          packed.tensor_scale, n=packed.n, k=packed.k, **kwargs)
         return y.astype(jnp.bfloat16).astype(jnp.float32)  # rounded like the fused kernel
