@@ -8,12 +8,16 @@ operand, mgpu_nvfp4.lora_operand, rescaled by 2^8 / tensor scale; that operand's
 is checked against float64 on the CPU, tests/test_mgpu_nvfp4.py); the bound is 1e-5 x
 (|x| @ |W|^T + the same product of absolute values) per element (float32 accumulation over
 K <= 27648 of exact products). Cases marked "prepared" pass the operand made ahead (lora_bt,
-as the sampler does), the others pass B and the LoRA scale.
+as the sampler does), the others pass B and the LoRA scale. Some split counts do not divide
+the K tiles (the kernel skips a program's surplus last step). Grouped cases: three weights
+stacked as the dispatch's grouped q|k|v launch (check_group_case).
 --profile: device time per call (all device events of the call: the kernel and XLA's split-K
 sum and rescale; profiler trace, weights streamed from HBM as in kernel_profile.py) of the Mosaic GPU
 kernel (LoRA operand made ahead, as in the sampler) and of the fused Triton kernel
-(bw.blockwise_matmul, default decode config), both with a rank-32 LoRA, at the 32B shapes;
-with --sweep also other split-K counts (SWEEP_SPLITS). Then the fused SwiGLU launch of a 32B
+(bw.blockwise_matmul, default decode config), both with a rank-32 LoRA, at the decode launch
+shapes of --sizes (q/o, down, the gate|up pair as one weight, and q|k|v: Triton's grouped
+launch against the kernel on the three weights stacked with a block-diagonal rank-96 operand);
+with --sweep also other split-K counts (sweep_splits). With 32b, the fused SwiGLU launch of a 32B
 gate/up pair with the next layer's LoRA product (swiglu_rows): the Mosaic path checked against
 Triton's fused kernel (within 2^-7 of the largest output) and both timed.
 --sampler PRESET: the sampler end to end (common.build_sampling_model: random NVFP4 weights,
@@ -49,9 +53,32 @@ CHECK_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     (256, 1024, 8, 0, None, False), (256, 1024, 5, 32, 3, False), (200, 608, 1, 16, 1, True),
     (1024, 5120, 16, 32, None, False), (640, 2304, 64, 64, 2, True),
     (5120, 27648, 8, 32, None, True), (5120, 5120, 8, 32, 4, False),
-    (384, 4096, 3, 0, 16, False)]
-PROFILE_SHAPES = [("q/o", 5120, 5120), ("down", 5120, 27648), ("gate|up", 55296, 5120)]
-SWEEP_SPLITS = {"q/o": (10, 20), "down": (9, 12, 27), "gate|up": (2,)}  # --sweep: besides default
+    (384, 4096, 3, 0, 16, False),
+    # splits that do not divide the K tiles (7 K tiles in 3; 7B's down: 74 in 9)
+    (384, 1792, 8, 32, 3, True), (3584, 18944, 8, 32, None, True)]
+GROUP_CHECK_CASES = [  # (member Ns, k, m, rank of each, splits): grouped q|k|v launches
+    ((5120, 1024, 1024), 5120, 8, 32, None), ((256, 128, 128), 1792, 5, 16, 3),
+    ((3584, 512, 512), 3584, 8, 64, None)]
+
+
+def profile_shapes(size: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of a model size's decode launches: q/o, down, the gate|up pair (one
+    [2 I, H] weight) and q|k|v (grouped: [H + 2 kv, H])."""
+    from qerl_jax.models import config as model_config
+    arch = getattr(model_config, common.preset_name(size))()
+    h, i = arch.hidden_size, arch.intermediate_size
+    kv = arch.num_key_value_heads * arch.resolved_head_dim
+    return [("q/o", h, h), ("down", h, i), ("gate|up", 2 * i, h), ("q|k|v", h + 2 * kv, h)]
+
+
+def sweep_splits(n: int, k: int) -> list[int]:
+    """--sweep: split counts besides the default with one to two waves of programs (132-1056;
+    uneven ones included)."""
+    from pallas_kernels import mgpu_nvfp4 as mg
+    row_tiles, k_tiles = -(-n // 64), -(-k // 256)
+    default = mg.default_splits(row_tiles, k_tiles)
+    return [s for s in (1, 2, 3, 4, 6, 8, 9, 12)
+            if s != default and s <= k_tiles and 132 <= row_tiles * s <= 1056]
 
 
 def parse_args(argv=None):
@@ -61,7 +88,9 @@ def parse_args(argv=None):
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sampler", default=None, metavar="PRESET")
     parser.add_argument("--sweep", action="store_true",
-                        help="--profile also times the split-K counts of SWEEP_SPLITS")
+                        help="--profile also times other split-K counts (sweep_splits)")
+    parser.add_argument("--sizes", default="32b",
+                        help="comma-separated model sizes whose launch shapes --profile times")
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
@@ -114,6 +143,98 @@ def check_case(key, n, k, m, rank, splits, prepared):
             "ok": bool(np.isfinite(y).all() and excess.max() <= 1.0)}
 
 
+def check_group_case(key, ns, k, m, rank, splits):
+    """A grouped q|k|v launch as the dispatch runs it (kernel_dispatch._mosaic_group_forward's
+    arithmetic): the members' permuted buffers stacked (group_permuted), the block-diagonal
+    operand (group_lora_operand), one kernel call, each member's columns rescaled by its own
+    2^8 / tensor_scale; each member against its float64 product as check_case's bound."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels import mgpu_nvfp4 as mg
+    from pallas_kernels import nvfp4_matmul
+
+    members = [_inputs(jax.random.fold_in(key, i), n, k, m, rank) for i, n in enumerate(ns)]
+    x = members[0][1]
+    down = jnp.concatenate([member[2] for member in members], axis=1)
+    packed = [nvfp4_matmul.repack_nvfp4(*member[0]) for member in members]
+    tiles = mg.group_permuted([mg.permute_packed(p) for p in packed], [k] * len(ns))
+    n_pads = [p.codes.shape[0] for p in packed]
+    operand = mg.group_lora_operand([member[3] for member in members],
+                                    [p.tensor_scale for p in packed], [2.0] * len(ns), n_pads)
+    fn = jax.jit(lambda x, t, d, o: mg.matmul_unscaled(x, t, n=sum(n_pads), k=k,
+                                                       splits=splits, lora_down=d, lora_bt=o))
+    y = np.asarray(fn(x, tiles, down, operand), np.float64)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    lx = np.asarray(down.astype(jnp.float32), np.float64)
+    bt_all = np.asarray(operand.astype(jnp.float32), np.float64)
+    worst, finite, offset = 0.0, bool(np.isfinite(y).all()), 0
+    for n, member, p, n_pad in zip(ns, members, packed, n_pads):
+        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(p.tensor_scale).reshape(()))
+        got = y[:, offset:offset + n] * rescale
+        w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*member[0]), np.float64)
+        bt = bt_all[offset:offset + n]
+        ref = x64 @ w.T + (lx @ bt.T) * rescale
+        bound = np.abs(x64) @ np.abs(w).T + (np.abs(lx) @ np.abs(bt).T) * rescale
+        worst = max(worst, float((np.abs(got - ref) / (1e-5 * bound + 1e-30)).max()))
+        offset += n_pad
+    return {"n": "+".join(map(str, ns)), "k": k, "m": m, "rank": f"3 x {rank}",
+            "splits": splits or "default", "prepared": True, "max_err_over_bound": worst,
+            "finite": finite, "ok": finite and worst <= 1.0}
+
+
+def group_profile_rows(key, name, n, k, m, repeats, sweep, ns):
+    """q|k|v: Triton's grouped launch (three weights, r32 each) against the Mosaic kernel on
+    the stacked buffer with the block-diagonal rank-96 operand (+ XLA's per-member rescale)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import blockwise_matmul as bw
+    from pallas_kernels import mgpu_nvfp4 as mg
+    from pallas_kernels import nvfp4_matmul
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import kernels as kernel_bench
+
+    members = [_inputs(jax.random.fold_in(key, i), ni, k, m, 32) for i, ni in enumerate(ns)]
+    x = members[0][1]
+    down = jnp.concatenate([member[2] for member in members], axis=1)
+    lora_bs = tuple(member[3] for member in members)
+    packed = tuple(nvfp4_matmul.repack_nvfp4(*member[0]) for member in members)
+    nbytes = sum(kernel_profile.weight_bytes("nvfp4", ni, k) for ni in ns)
+    count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
+    config = bw.default_group_matmul_config(m, packed)
+    triton = kernel_bench.copies(list(packed), count)
+    fn = jax.jit(lambda x, groups, d: [bw.blockwise_matmul_group(
+        x, tuple(g), spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_bs=lora_bs,
+        lora_scales=(2.0,) * 3) for g in groups])
+    _, call_us, _ = kernel_profile.traced_device_us(fn, (x, triton, down), repeats, count,
+                                                    None)
+    rows = [{"shape": name, "n": n, "k": k, "kernel": "Triton grouped (LoRA 3 x r32)",
+             "call_us": call_us, "TB_s": nbytes / call_us / 1e6}]
+    del triton
+    n_pads = [p.codes.shape[0] for p in packed]
+    tiles = [jax.block_until_ready(mg.group_permuted([mg.permute_packed(w) for w in group],
+                                                     [k] * 3))
+             for group in kernel_bench.copies(list(packed), count)]
+    operand = mg.group_lora_operand(lora_bs, [p.tensor_scale for p in packed], [2.0] * 3,
+                                    n_pads)
+    scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
+    default = mg.default_splits(sum(n_pads) // 64, -(-k // 256))
+    for splits in (None, *(sweep_splits(sum(n_pads), k) if sweep else ())):
+        def launch(x, t, d):
+            y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, splits=splits, lora_down=d,
+                                   lora_bt=operand)
+            bounds = np.cumsum([0] + n_pads)
+            return [(y[:, a:a + ni] * s).astype(jnp.bfloat16)
+                    for a, ni, s in zip(bounds, ns, scales)]
+        fn = jax.jit(lambda x, ts, d: [launch(x, t, d) for t in ts])
+        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, tiles, down), repeats, count,
+                                                        None)
+        rows.append({"shape": name, "n": n, "k": k,
+                     "kernel": f"Mosaic GPU grouped (LoRA 3 x r32), splits {splits or default}",
+                     "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
+    return rows
+
+
 def profile_shape(key, name, n, k, m, repeats, sweep=False):
     import jax
     from pallas_kernels import blockwise_matmul as bw
@@ -141,7 +262,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False):
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
-    for splits in (None, *(SWEEP_SPLITS[name] if sweep else ())):
+    for splits in (None, *(sweep_splits(n, k) if sweep else ())):
         fn = jax.jit(lambda x, ps, d, bt: [mg.mgpu_nvfp4_matmul(
             x, p, ts, n=n, k=k, splits=splits, lora_down=d, lora_bt=bt) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
@@ -283,6 +404,16 @@ def main(argv=None):
                            error=common.describe_error(e))
             checks.append(row)
             print(row, flush=True)
+        for case in GROUP_CHECK_CASES:
+            try:
+                row = check_group_case(key, *case)
+            except Exception as e:
+                traceback.print_exc()
+                row = {"n": "+".join(map(str, case[0])), "k": case[1], "m": case[2],
+                       "rank": f"3 x {case[3]}", "splits": case[4] or "default", "ok": False,
+                       "error": common.describe_error(e)}
+            checks.append(row)
+            print(row, flush=True)
         passed = sum(r["ok"] for r in checks)
         sections.append(f"### Check: {passed} of {len(checks)} cases within the bound\n\n"
                         + common.markdown_table(checks, [
@@ -307,21 +438,31 @@ def main(argv=None):
                             ("max_logprob_gap", "max |log-prob gap| on it"), ("ok", "ok"),
                             ("error", "error")]))
     if args.profile:
-        for name, n, k in PROFILE_SHAPES:
+        for size in args.sizes.split(","):
+            for name, n, k in profile_shapes(size):
+                label = f"{size} {name}"
+                try:
+                    if name == "q|k|v":
+                        h = k
+                        kv = (n - h) // 2
+                        profiles += group_profile_rows(key, label, n, k, args.m, args.repeats,
+                                                       args.sweep, (h, kv, kv))
+                    else:
+                        profiles += profile_shape(key, label, n, k, args.m, args.repeats,
+                                                  args.sweep)
+                except Exception as e:
+                    traceback.print_exc()
+                    profiles.append({"shape": label, "n": n, "k": k,
+                                     "error": common.describe_error(e)})
+                print(profiles[-1], flush=True)
+        if "32b" in args.sizes.split(","):
             try:
-                profiles += profile_shape(key, name, n, k, args.m, args.repeats, args.sweep)
+                profiles += swiglu_rows(key, args.m, args.repeats, profile=True)
             except Exception as e:
                 traceback.print_exc()
-                profiles.append({"shape": name, "n": n, "k": k,
+                profiles.append({"shape": "gate|up SwiGLU + next LoRA", "ok": False,
                                  "error": common.describe_error(e)})
             print(profiles[-1], flush=True)
-        try:
-            profiles += swiglu_rows(key, args.m, args.repeats, profile=True)
-        except Exception as e:
-            traceback.print_exc()
-            profiles.append({"shape": "gate|up SwiGLU + next LoRA", "ok": False,
-                             "error": common.describe_error(e)})
-        print(profiles[-1], flush=True)
         sections.append(f"### Device time per call, M = {args.m}\n\n" + common.markdown_table(
             profiles, [("shape", "shape"), ("n", "N"), ("k", "K"), ("kernel", "kernel"),
                        ("call_us", "us per call"), ("TB_s", "weight TB/s"), ("ok", "ok"),

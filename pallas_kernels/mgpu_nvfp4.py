@@ -56,7 +56,8 @@ TILE_LINES = 72  # [72, 128] bytes per tile: 64 lines of codes, 8 of scale codes
 CODE_BYTES = 8192
 SCALED_EXPONENT = -8  # the decoded weights are e2m1 * scale * 2^-8
 MAX_M = 64
-LORA_RANKS = (16, 32, 64)
+LORA_RANKS = (16, 32, 64)  # one adapter's rank
+MAX_OPERAND_RANK = 192  # the LoRA operand's width: 3 x 64 (a grouped q|k|v launch)
 
 # (column half, row half) of pair k of a word: columns 16 i + 8 c + 2 (lane % 4) + {0, 1},
 # row r0 + 8 h.
@@ -236,19 +237,28 @@ def _store_transposed(acc, dst_ref) -> None:
 
 
 def _swizzled(cols: int):
-    """SMEM transforms of a bf16 tile [rows, cols] read by wgmma (swizzle = its row bytes, max
-    128)."""
+    """SMEM transforms of a bf16 tile [rows, cols] read by wgmma: the largest swizzle (128, 64
+    or 32 bytes) that divides its row bytes (cols a multiple of 16)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    swizzle = min(128, cols * 2)
+    swizzle = next(b for b in (128, 64, 32) if (cols * 2) % b == 0)
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
 def default_splits(row_tiles: int, k_tiles: int, slots: int = 528) -> int:
-    """Split-K count: the most programs (row tiles x splits) that fit `slots` (132 SMs x 4
-    programs of this kernel's 118-124 registers) with the splits dividing the K tiles evenly
-    (no out-of-range steps, so no zero activation tile to pad in), at least 1."""
+    """Split-K count: the fewest pipeline steps per program (ceil(k_tiles / splits)) with at
+    most `slots` programs (row tiles x splits; 132 SMs x 4 programs of this kernel's 118-124
+    registers), and the fewest splits giving that many steps (fewer partials to sum), at least
+    1. Splits need not divide the K tiles: a program with one tile fewer skips its last step
+    (7B's down projection has 74 K tiles = 2 x 37, whose dividing counts are 1, 2, 37, 74)."""
     most = max(1, min(k_tiles, slots // row_tiles))
-    return max(s for s in range(1, most + 1) if k_tiles % s == 0)
+    steps = -(-k_tiles // most)
+    return -(-k_tiles // steps)
+
+
+def operand_rank_ok(rank: int) -> bool:
+    """LoRA operand widths the kernel takes: a multiple of 16 (wgmma's K step) up to 256 (the
+    LORA_RANKS of one adapter, 2r of a gate/up pair, 3r of a grouped q|k|v launch)."""
+    return rank % 16 == 0 and 16 <= rank <= MAX_OPERAND_RANK
 
 
 def lora_operand(lora_b: jax.Array, tensor_scale: jax.Array, lora_scale=1.0, *,
@@ -267,6 +277,36 @@ def lora_operand(lora_b: jax.Array, tensor_scale: jax.Array, lora_scale=1.0, *,
               * jnp.asarray(tensor_scale, jnp.float32).reshape(()))
     bt = (lora_b.astype(jnp.float32) * factor).T.astype(jnp.bfloat16)
     return jnp.pad(bt, ((0, n_pad - n), (0, 0))) if n_pad != n else bt
+
+
+def group_lora_operand(lora_bs, tensor_scales, lora_scales, n_pads) -> jax.Array:
+    """The LoRA operand bf16 [sum n_pad_i, sum r_i] of weights stacked by rows in one permuted
+    buffer (a grouped q|k|v launch, `group_permuted`): weight i's rows hold
+    lora_operand(B_i, tensor_scale_i, lora_scale_i) in columns [r_0 + ... + r_{i-1}, + r_i),
+    zeros elsewhere (block diagonal), for lora_down = x @ [A_0 | A_1 | ...]."""
+    lora_bs, n_pads = tuple(lora_bs), tuple(n_pads)
+    if not (len(lora_bs) == len(tuple(tensor_scales)) == len(tuple(lora_scales)) == len(n_pads)):
+        raise ValueError("group_lora_operand: one B, tensor scale, LoRA scale and n_pad per "
+                         f"weight (got {len(lora_bs)} B)")
+    ranks = [b.shape[0] for b in lora_bs]
+    if not operand_rank_ok(sum(ranks)):
+        raise ValueError(f"group_lora_operand: ranks {ranks} sum to {sum(ranks)}; the kernel "
+                         f"takes a multiple of 16 up to {MAX_OPERAND_RANK}")
+    blocks, offset = [], 0
+    for b, ts, scale, n_pad, rank in zip(lora_bs, tensor_scales, lora_scales, n_pads, ranks):
+        operand = lora_operand(b, ts, scale, n_pad=n_pad)
+        blocks.append(jnp.pad(operand, ((0, 0), (offset, sum(ranks) - offset - rank))))
+        offset += rank
+    return jnp.concatenate(blocks, axis=0)
+
+
+def group_permuted(buffers, ks) -> jax.Array:
+    """One permuted buffer of weights sharing K stacked by rows ([W_0; W_1; ...], each padded
+    to whole 64-row tiles) from their permute_packed buffers: the tiles are row-tile-major, so
+    this is their concatenation."""
+    if len(set(ks)) != 1:
+        raise ValueError(f"group_permuted: the weights' K differ ({list(ks)})")
+    return jnp.concatenate(list(buffers), axis=0)
 
 
 def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
@@ -320,21 +360,21 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     with_lora = lora_down is not None
     if with_lora:
         rank = lora_down.shape[1]
-        if (lora_down.shape != (m, rank) or rank not in LORA_RANKS or lora_bt is None
+        if (lora_down.shape != (m, rank) or not operand_rank_ok(rank) or lora_bt is None
                 or lora_bt.shape != (n_pad, rank)):
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
-                             f"and [{n_pad}, r], r in "
-                             f"{LORA_RANKS}")
+                             f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
     splits = default_splits(row_tiles, k_tiles) if splits is None else splits
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
     steps = -(-k_tiles // splits)
+    uneven = k_tiles % splits != 0
     m_pad = -(-m // 8) * 8
-    # K padded to whole tiles, plus one zero tile when the splits are uneven: the activation
-    # tile of a split's steps past its range (their weight tile is reloaded, the product is 0);
-    # no copy of x at all for M % 8 == 0, K % 256 == 0 and even splits (the model's shapes)
-    k_pad = (k_tiles + (k_tiles % splits != 0)) * TILE_K
+    # K padded to whole tiles: no copy of x at all for M % 8 == 0 and K % 256 == 0 (the model's
+    # shapes). With uneven splits a program with one tile fewer than `steps` reloads its last
+    # tiles in its last step and skips that step's product.
+    k_pad = k_tiles * TILE_K
     x_pad = x.astype(jnp.bfloat16)
     if (m_pad, k_pad) != (m, k):
         x_pad = jnp.pad(x_pad, ((0, m_pad - m), (0, k_pad - k)))
@@ -361,7 +401,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                 plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
                 plgpu.copy_gmem_to_smem(lora_bt_gmem.at[rows], bt_smem, barrier)
 
-        def step(indices, tile_smem, x_smem, acc_ref):
+        def product(tile_smem, x_smem, acc_ref):
             w = plgpu.inline_mgpu(
                 arg_types=(plgpu.RefType(),),
                 return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, TILE_K), jnp.bfloat16,
@@ -369,6 +409,13 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             )(lambda ctx, tile_ref: _decode_tile(tile_ref))(tile_smem)
             plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
             plgpu.wgmma_wait(0)
+
+        def step(indices, tile_smem, x_smem, acc_ref):
+            if uneven:
+                pl.when(first + indices[0] < last)(
+                    lambda: product(tile_smem, x_smem, acc_ref))
+            else:
+                product(tile_smem, x_smem, acc_ref)
             return acc_ref
 
         def scope(acc_ref):
@@ -379,8 +426,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                                     lambda j: (b * k_tiles + jnp.minimum(first + j, last - 1),
                                                0)),
                     plgpu.BlockSpec((m_pad, TILE_K),
-                                    lambda j: (0, jnp.where(first + j < last, first + j,
-                                                            k_tiles)),
+                                    lambda j: (0, jnp.minimum(first + j, last - 1)),
                                     transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
             if with_lora:
@@ -418,12 +464,12 @@ def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax
     """The LoRA operand bf16 [2 n_pad, 2r] of a gate/up pair interleaved in blocks of
     half_block rows (kernel_dispatch.pair_gate_up): gate rows hold lora_operand(B_gate)'s
     rows in columns [0, r), up rows lora_operand(B_up)'s in [r, 2r), zeros elsewhere (block
-    diagonal), for lora_down = x @ [A_gate | A_up]; 2r in LORA_RANKS."""
+    diagonal), for lora_down = x @ [A_gate | A_up]; r in LORA_RANKS."""
     rank = gate_b.shape[0]
-    if up_b.shape != gate_b.shape or 2 * rank not in LORA_RANKS or n_pad % half_block:
+    if up_b.shape != gate_b.shape or rank not in LORA_RANKS or n_pad % half_block:
         raise ValueError(f"pair_lora_operand: B_gate {gate_b.shape}, B_up {up_b.shape}, "
                          f"n_pad={n_pad}, half_block={half_block}; expected equal [r, N] with "
-                         f"2r in {LORA_RANKS}, n_pad a multiple of half_block")
+                         f"r in {LORA_RANKS}, n_pad a multiple of half_block")
     halves = []
     for b, ts in ((gate_b, gate_tensor_scale), (up_b, up_tensor_scale)):
         factor = (jnp.asarray(lora_scale, jnp.float32) * 2.0 ** SCALED_EXPONENT

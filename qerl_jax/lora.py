@@ -20,7 +20,8 @@ from qerl_jax.models.layers import Linear, LoRAParam, RMSNorm
 from qerl_jax.models.safetensors_io import save_safetensors
 from qerl_jax.models.transformer import MLP, Attention, CausalLM
 from qerl_jax.quant import prepare_swiglu_lora_b
-from qerl_jax.quant.kernel_dispatch import (with_mosaic_lora_operand,
+from qerl_jax.quant.kernel_dispatch import (with_mosaic_group_lora_operand,
+                                            with_mosaic_lora_operand,
                                             with_mosaic_pair_lora_operand)
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -130,7 +131,8 @@ def stack_grouped_adapters(model: CausalLM) -> int:
     Experimental (QERL_MOSAIC_NVFP4=1): a Linear whose weight has the Mosaic GPU layout also
     gets its adapter's Mosaic LoRA operand (kernel_dispatch.with_mosaic_lora_operand: B^T with
     the scales folded in), which the launch would otherwise transpose at every token; a gate/up
-    pair's gate view gets the pair's (with_mosaic_pair_lora_operand).
+    pair's gate view gets the pair's (with_mosaic_pair_lora_operand), an attention module's q
+    projection its grouped q/k/v launch's (with_mosaic_group_lora_operand).
     """
     for _, layer in _named_modules(model, Linear):
         if layer.lora_a is not None:
@@ -147,8 +149,13 @@ def stack_grouped_adapters(model: CausalLM) -> int:
         dtype = projections[0].compute_dtype
         module.grouped_lora_a = jnp.concatenate(
             [layer.lora_a.get_value().astype(dtype) for layer in projections], axis=1)
+        weights, _, loras = zip(*(layer.operands() for layer in projections))
+        if isinstance(module, Attention):
+            prepared = with_mosaic_group_lora_operand(weights, [lora.b for lora in loras],
+                                                      [lora.scale for lora in loras])
+            if prepared is not weights[0]:
+                module.q_proj.weight.set_value(prepared)
         if isinstance(module, MLP):
-            weights, _, loras = zip(*(layer.operands() for layer in projections))
             module.pair_lora_b = prepare_swiglu_lora_b(weights, loras, compute_dtype=dtype)
             prepared = with_mosaic_pair_lora_operand(*weights, loras[0].b, loras[1].b,
                                                      loras[0].scale)

@@ -272,7 +272,8 @@ def test_swiglu_lowers_for_cuda():
 def test_permuted_copies_are_made_for_the_launches_that_read_them(grouped):
     """_add_mosaic_tiles (enable_kernels with QERL_MOSAIC_NVFP4=1 on a GPU): o/down and the
     gate/up pair get permuted copies (the pair's two views one shared copy, equal to the whole
-    pair's permute_packed); q/k/v only when they are not read by a grouped launch."""
+    pair's permute_packed); q/k/v each their own without grouped launches, else q one buffer
+    of the three stacked by rows (the grouped launch's) and k, v none."""
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
     from qerl_jax.quant import kernel_dispatch as kd
@@ -284,8 +285,15 @@ def test_permuted_copies_are_made_for_the_launches_that_read_them(grouped):
         kd._add_mosaic_tiles(model, grouped=grouped)
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
-                assert (proj.weight.get_value().mosaic_tiles is None) == grouped
+            q, k, v = (p.weight.get_value() for p in (attention.q_proj, attention.k_proj,
+                                                         attention.v_proj))
+            if grouped:  # q holds the grouped launch's buffer of [W_q; W_k; W_v]
+                assert k.mosaic_tiles is None and v.mosaic_tiles is None
+                expected = jnp.concatenate([mg.permute_packed(w.packed()) for w in (q, k, v)])
+                assert jnp.array_equal(q.mosaic_tiles, expected)
+            else:
+                for w in (q, k, v):
+                    assert jnp.array_equal(w.mosaic_tiles, mg.permute_packed(w.packed()))
             for proj in (attention.o_proj, mlp.down_proj):
                 weight = proj.weight.get_value()
                 assert jnp.array_equal(weight.mosaic_tiles, mg.permute_packed(weight.packed()))
@@ -294,3 +302,111 @@ def test_permuted_copies_are_made_for_the_launches_that_read_them(grouped):
             assert jnp.array_equal(gate.mosaic_tiles, mg.permute_packed(kd._whole_pair(gate)))
     finally:
         kd.unregister_kernels("cpu")
+
+
+def test_default_splits_at_the_model_shapes():
+    """The fewest steps per program within 528 programs, then the fewest splits; splits need
+    not divide the K tiles (7B's down projection: 74 K tiles, 9 splits of 8-9 tiles)."""
+    assert mg.default_splits(56, 74) == 9  # 7B down (N 3584, K 18944)
+    assert mg.default_splits(56, 14) == 7  # 7B q/o
+    assert mg.default_splits(592, 14) == 1  # 7B gate|up pair
+    assert mg.default_splits(80, 20) == 5  # 14B/32B q/o
+    assert mg.default_splits(112, 20) == 4  # 14B/32B q|k|v grouped
+    assert mg.default_splits(80, 54) == 6  # 14B down
+    assert mg.default_splits(80, 108) == 6  # 32B down
+    assert mg.default_splits(864, 20) == 1  # 32B gate|up pair
+    for row_tiles in (1, 7, 56, 80, 300, 600):
+        for k_tiles in (1, 3, 14, 37, 74, 108):
+            splits = mg.default_splits(row_tiles, k_tiles)
+            assert 1 <= splits <= k_tiles
+            assert row_tiles * splits <= max(528, row_tiles)
+
+
+@pytest.mark.parametrize("rank,splits", [(96, None), (48, 3), (192, 2)])
+def test_kernel_lowers_with_grouped_operands_and_uneven_splits(rank, splits):
+    """Operand widths of grouped launches (3r: 48, 96, 192; 64- and 32-byte swizzles) and
+    splits that do not divide the K tiles (the skipped last step) lower for CUDA."""
+    n, k, m = 384, 1792, 8  # 7 K tiles
+    permuted = jax.ShapeDtypeStruct((n // 64 * 7 * mg.TILE_LINES, 128), jnp.uint8)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), permuted,
+            jax.ShapeDtypeStruct((m, rank), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n, rank), jnp.bfloat16))
+
+    def f(x, permuted, down, operand):
+        return mg.matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=down,
+                                  lora_bt=operand)
+
+    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert lowered.out_info.shape == (m, n)
+
+
+def test_group_lora_operand_is_block_diagonal():
+    """group_lora_operand: member i's rows hold its lora_operand in its own columns, zeros in
+    the others' (float64 check of the folding is lora_operand's test)."""
+    keys = jax.random.split(jax.random.key(8), 3)
+    ns, rank = (192, 64, 64), 16
+    bs = [jax.random.normal(key, (rank, n)) for key, n in zip(keys, ns)]
+    tss = [jnp.asarray([3.0]), jnp.asarray([0.5]), jnp.asarray([7.0])]
+    operand = mg.group_lora_operand(bs, tss, (0.5, 0.5, 0.25), (256, 128, 128))
+    assert operand.shape == (512, 48) and operand.dtype == jnp.bfloat16
+    rows = 0
+    for i, (b, ts, scale, n_pad) in enumerate(zip(bs, tss, (0.5, 0.5, 0.25), (256, 128, 128))):
+        block = operand[rows:rows + n_pad]
+        assert jnp.array_equal(block[:, 16 * i:16 * i + 16],
+                               mg.lora_operand(b, ts, scale, n_pad=n_pad))
+        assert not jnp.any(jnp.delete(block, np.arange(16 * i, 16 * i + 16), axis=1))
+        rows += n_pad
+    with pytest.raises(ValueError, match="sum to 24"):
+        mg.group_lora_operand([jnp.zeros((8, 64))] * 3, tss, (1.0,) * 3, (64,) * 3)
+
+
+def test_mosaic_group_dispatch_matches_the_triton_launch(monkeypatch):
+    """kernel_dispatch's Mosaic grouped q/k/v path (one matmul over the stacked buffer, the
+    block-diagonal LoRA operand, each member's own tensor scale, bf16 rounding) with the kernel
+    replaced by a jnp reference, against the Triton grouped launch (interpreted) on the same
+    weights: equal within bf16 rounding of each output (2^-7 of its largest |value|). The
+    prepared operand (with_mosaic_group_lora_operand) gives the same numbers; the single-weight
+    path refuses q's grouped buffer."""
+    from qerl_jax.quant import kernel_dispatch as kd
+    k, rank, m = 512, 16, 5
+    ns = (192, 64, 64)
+    keys = jax.random.split(jax.random.key(9), 8)
+    weights = tuple(kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))
+                                                       * (i + 1)), tile_k=256)
+                    for i, n in enumerate(ns))
+    x = jax.random.normal(keys[3], (m, k)).astype(jnp.bfloat16)
+    a = jax.random.normal(keys[4], (k, 3 * rank)) * 0.05
+    down = (x.astype(jnp.float32) @ a).astype(jnp.bfloat16)
+    lora_bs = tuple(jax.random.normal(keys[5 + i], (rank, n)) for i, n in enumerate(ns))
+    scales = (0.5, 0.5, 0.5)
+
+    def launch(ws, interpret):
+        return kd._fused_forward_group(x, ws, down, lora_bs, scales,
+                                       compute_dtype=jnp.bfloat16, interpret=interpret)
+
+    expected = launch(weights, True)  # Triton, interpreted
+    monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
+    monkeypatch.setattr(mg, "available", lambda: None)
+    monkeypatch.setattr(mg, "matmul_unscaled", _reference_unscaled)
+    tiles = mg.group_permuted([mg.permute_packed(w.packed()) for w in weights], [k] * 3)
+    grouped = (kd._replace_children(weights[0], mosaic_tiles=tiles), *weights[1:])
+    assert kd._mosaic_group_refusal(x, grouped, down, lora_bs) is None
+    assert kd._mosaic_group_refusal(x, weights, down, lora_bs) == "off"
+    got = launch(grouped, False)
+    for g, e, n in zip(got, expected, ns):
+        assert g.shape == e.shape == (m, n)
+        top = float(jnp.abs(e).max())
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=0, atol=2.0 ** -7 * top)
+    prepared = kd.with_mosaic_group_lora_operand(grouped, lora_bs, scales)
+    assert prepared is not grouped[0] and prepared.mosaic_lora_operand.shape == (512, 48)  # N_pad: 128s
+    again = launch((prepared, *grouped[1:]), False)
+    assert all(jnp.array_equal(a_, g) for a_, g in zip(again, got))
+    # q's grouped buffer is not its own: the single-weight path and its operand refuse it
+    assert "grouped" in kd._mosaic_refusal(x, grouped[0], grouped[0].packed(), None)
+    assert kd.with_mosaic_lora_operand(grouped[0], lora_bs[0], 0.5) is grouped[0]
+    # ranks whose sum the kernel cannot take; a stale group (k given its own buffer)
+    assert kd.with_mosaic_group_lora_operand(grouped, [jnp.zeros((24, n)) for n in ns],
+                                             scales) is grouped[0]
+    own = kd._replace_children(weights[1], mosaic_tiles=mg.permute_packed(weights[1].packed()))
+    assert kd._mosaic_group_refusal(x, (grouped[0], own, weights[2]), down, lora_bs) == "off"

@@ -89,12 +89,14 @@ class KernelLayoutWeight(QuantizedWeight):
     nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None),
     mosaic_tiles (experimental, else None): the same NVFP4 weight in the Mosaic GPU kernel's
     permuted layout (pallas_kernels.mgpu_nvfp4; a second copy, made by enable_kernels when
-    QERL_MOSAIC_NVFP4=1).
+    QERL_MOSAIC_NVFP4=1). On the q projection of a grouped q/k/v launch it is the permuted
+    buffer of [W_q; W_k; W_v] (mgpu_nvfp4.group_permuted; k and v then hold none).
     mosaic_lora_operand (experimental, else None): bf16 [N_pad, r], the Mosaic GPU kernel's
     operand for this layer's LoRA B (pallas_kernels.mgpu_nvfp4.lora_operand: B^T with the LoRA
-    and tensor scales folded in), made once per rollout on the sampler's merged copy
-    (qerl_jax.lora.stack_grouped_adapters via `with_mosaic_lora_operand`) so the decode loop
-    does not transpose B at every token.
+    and tensor scales folded in; for a grouped q/k/v buffer the block-diagonal
+    mgpu_nvfp4.group_lora_operand [sum N_pad, sum r]), made once per rollout on the sampler's
+    merged copy (qerl_jax.lora.stack_grouped_adapters via `with_mosaic_lora_operand` /
+    `with_mosaic_group_lora_operand`) so the decode loop does not transpose B at every token.
     Static: format, shape (logical N, K), dtype, tile_k, pair_view.
 
     pair_view (half_block, half) or None: kernel_codes / kernel_scales are an MLP's gate and up
@@ -444,11 +446,20 @@ def _mosaic_refusal(x, weight, packed, down) -> str | None:
     if (not _MOSAIC_NVFP4["single"] or getattr(weight, "mosaic_tiles", None) is None
             or weight.pair_view is not None):
         return "off"
+    if weight.mosaic_tiles.shape[0] != _mosaic_rows(weight):
+        return "its permuted buffer is a grouped launch's"
     if x.shape[0] > mgpu_nvfp4.MAX_M:
         return f"M {x.shape[0]}"
     if down is not None and down.shape[1] not in mgpu_nvfp4.LORA_RANKS:
         return f"LoRA rank {down.shape[1]}"
     return mgpu_nvfp4.refusal(packed) or mgpu_nvfp4.available()
+
+
+def _mosaic_rows(weight: KernelLayoutWeight) -> int:
+    """Rows of the permuted buffer of this (not paired) weight alone."""
+    from pallas_kernels import mgpu_nvfp4
+    k_tiles = -(-weight.shape[1] // mgpu_nvfp4.TILE_K)
+    return weight.kernel_codes.shape[0] // mgpu_nvfp4.TILE_ROWS * k_tiles * mgpu_nvfp4.TILE_LINES
 
 
 def _prepared_lora_operand(weight, down):
@@ -475,7 +486,8 @@ def with_mosaic_lora_operand(weight, lora_b: jax.Array, lora_scale: float):
     from pallas_kernels import mgpu_nvfp4
     if (not _MOSAIC_NVFP4["single"] or getattr(weight, "mosaic_tiles", None) is None
             or weight.pair_view is not None or lora_b.ndim != 2
-            or lora_b.shape[0] not in mgpu_nvfp4.LORA_RANKS):
+            or lora_b.shape[0] not in mgpu_nvfp4.LORA_RANKS
+            or weight.mosaic_tiles.shape[0] != _mosaic_rows(weight)):
         return weight
     packed = weight.packed()
     operand = mgpu_nvfp4.lora_operand(lora_b, packed.tensor_scale, lora_scale,
@@ -492,12 +504,86 @@ def with_mosaic_pair_lora_operand(gate, up, gate_b: jax.Array, up_b: jax.Array,
     from pallas_kernels import mgpu_nvfp4
     if (not _MOSAIC_NVFP4["single"] or getattr(gate, "mosaic_tiles", None) is None
             or gate.pair_view is None or getattr(up, "pair_view", None) is None
-            or gate_b.shape != up_b.shape or 2 * gate_b.shape[0] not in mgpu_nvfp4.LORA_RANKS):
+            or gate_b.shape != up_b.shape or gate_b.shape[0] not in mgpu_nvfp4.LORA_RANKS):
         return gate
     operand = mgpu_nvfp4.pair_lora_operand(
         gate_b, up_b, gate.kernel_divisor(), up.kernel_divisor(), lora_scale,
         n_pad=gate.kernel_codes.shape[0] // 2, half_block=gate.pair_view[0])
     return _replace_children(gate, mosaic_lora_operand=operand)
+
+
+def _mosaic_group_layout_refusal(weights, lora_bs) -> str | None:
+    """Why the Mosaic GPU kernel cannot take a grouped launch of these weights (and LoRA Bs,
+    or None without LoRA) whatever the input, or None: the flag, the first weight holding the
+    permuted buffer of all of them stacked by rows (the others none), the LoRA ranks (each in
+    LORA_RANKS, their sum a kernel operand width)."""
+    from pallas_kernels import mgpu_nvfp4
+    first = weights[0]
+    if (not _MOSAIC_NVFP4["single"] or getattr(first, "mosaic_tiles", None) is None
+            or any(getattr(w, "pair_view", None) is not None
+                   or getattr(w, "mosaic_tiles", None) is not None for w in weights[1:])):
+        return "off"
+    if first.mosaic_tiles.shape[0] != sum(_mosaic_rows(w) for w in weights):
+        return "the first weight's permuted buffer is not the group's"
+    if lora_bs is not None and (
+            any(b.ndim != 2 or b.shape[0] not in mgpu_nvfp4.LORA_RANKS for b in lora_bs)
+            or not mgpu_nvfp4.operand_rank_ok(sum(b.shape[0] for b in lora_bs))):
+        return f"LoRA B {[b.shape for b in lora_bs]}"
+    return None
+
+
+def _mosaic_group_refusal(x, weights, down, lora_bs) -> str | None:
+    """Why the Mosaic GPU kernel does not take this grouped launch (experimental), or None:
+    _mosaic_group_layout_refusal, M, down [M, sum r_i]."""
+    from pallas_kernels import mgpu_nvfp4
+    reason = _mosaic_group_layout_refusal(weights, None if down is None else lora_bs)
+    if reason is not None:
+        return reason
+    if x.ndim != 2 or x.shape[0] > mgpu_nvfp4.MAX_M:
+        return f"x {x.shape}"
+    if down is not None and down.shape[1] != sum(b.shape[0] for b in lora_bs):
+        return f"LoRA down {down.shape}, B {[b.shape for b in lora_bs]}"
+    return mgpu_nvfp4.available()
+
+
+def with_mosaic_group_lora_operand(weights, lora_bs, lora_scales):
+    """Experimental (QERL_MOSAIC_NVFP4=1): the first weight of a grouped launch (q of q/k/v)
+    carrying the group's Mosaic GPU LoRA operand (mgpu_nvfp4.group_lora_operand of the B_i
+    [r_i, N_i] with their LoRA scales) when the Mosaic kernel would take the launch's layout,
+    else unchanged (as with_mosaic_lora_operand, for the sampler's merged copy)."""
+    from pallas_kernels import mgpu_nvfp4
+    weights = tuple(weights)
+    if _mosaic_group_layout_refusal(weights, tuple(lora_bs)) is not None:
+        return weights[0]
+    operand = mgpu_nvfp4.group_lora_operand(
+        lora_bs, [w.kernel_divisor() for w in weights], lora_scales,
+        [w.kernel_codes.shape[0] for w in weights])
+    return _replace_children(weights[0], mosaic_lora_operand=operand)
+
+
+def _mosaic_group_forward(x, weights, down, lora_bs, scales):
+    """The grouped launch on the Mosaic GPU kernel: one matmul over the stacked buffer, each
+    member's columns rescaled by its own 2^8 / tensor_scale and rounded to bf16 (as the fused
+    kernel's outputs) -> tuple of [M, N_i] float32."""
+    from pallas_kernels import mgpu_nvfp4
+    first = weights[0]
+    n_pads = [w.kernel_codes.shape[0] for w in weights]
+    lora = {}
+    if down is not None:
+        operand = _prepared_lora_operand(first, down)
+        if operand is None or operand.shape[0] != sum(n_pads):
+            operand = mgpu_nvfp4.group_lora_operand(
+                lora_bs, [w.kernel_divisor() for w in weights], scales, n_pads)
+        lora = dict(lora_down=down, lora_bt=operand)
+    y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
+                                   k=first.shape[1], **lora)
+    outputs, offset = [], 0
+    for weight, n_pad in zip(weights, n_pads):
+        scale = 2.0 ** -mgpu_nvfp4.SCALED_EXPONENT / weight.kernel_divisor().reshape(())
+        member = y[:, offset:offset + weight.shape[0]] * scale
+        outputs.append(member.astype(jnp.bfloat16).astype(jnp.float32))
+        offset += n_pad
+    return tuple(outputs)
 
 
 def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interpret):
@@ -527,6 +613,8 @@ def _fused_forward_group(x, weights, down, lora_bs, scales, *, compute_dtype, in
     side by side) for weights sharing x, in one fused-kernel launch -> tuple of [M, N_i]
     float32."""
     del compute_dtype
+    if not interpret and _mosaic_group_refusal(x, weights, down, lora_bs) is None:
+        return _mosaic_group_forward(x, weights, down, lora_bs, scales)
     packed = tuple(w.packed() for w in weights)
     config = bw.default_group_matmul_config(x.shape[0], packed)
     ys = bw.blockwise_matmul_group(x, packed, spec=weights[0].spec, config=config,
@@ -584,14 +672,14 @@ def _pair_lora_b(weights, lora_bs):
 
 def _mosaic_swiglu_refusal(x, gate, down, lora_bs) -> str | None:
     """Why the Mosaic GPU kernel does not take this fused SwiGLU launch (experimental), or
-    None: the flag, the pair's permuted copy, M, the LoRA ranks (equal, 2r a kernel rank)."""
+    None: the flag, the pair's permuted copy, M, the LoRA ranks (equal, in LORA_RANKS)."""
     from pallas_kernels import mgpu_nvfp4
     if not _MOSAIC_NVFP4["single"] or getattr(gate, "mosaic_tiles", None) is None:
         return "off"
     if x.ndim != 2 or x.shape[0] > mgpu_nvfp4.MAX_M:
         return f"x {x.shape}"
     if down is not None and (lora_bs[0].shape != lora_bs[1].shape
-                             or down.shape[-1] not in mgpu_nvfp4.LORA_RANKS
+                             or lora_bs[0].shape[0] not in mgpu_nvfp4.LORA_RANKS
                              or down.shape[-1] != 2 * lora_bs[0].shape[0]):
         return f"LoRA down {down.shape}, B {[b.shape for b in lora_bs]}"
     return mgpu_nvfp4.available()
@@ -877,22 +965,45 @@ def _whole_pair(weight: KernelLayoutWeight) -> bw.PackedWeight:
                            k=weight.shape[1], tile_k=weight.tile_k)
 
 
-# the attention projections that share one grouped launch at decode (Triton only)
+# the attention projections that share one grouped launch at decode
 _GROUPED_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True) -> None:
     """Experimental: each NVFP4 KernelLayoutWeight also gets its permuted-layout copy
     (mosaic_tiles) for the Mosaic GPU kernel (see _MOSAIC_NVFP4); the two views of a gate/up
-    pair share one permuted copy of the whole interleaved pair. With grouped launches, q/k/v
-    get none (their grouped launch stays on the Triton kernel)."""
+    pair share one permuted copy of the whole interleaved pair. With grouped launches, an
+    attention module's q projection gets the permuted buffer of [W_q; W_k; W_v] for the grouped
+    launch (mgpu_nvfp4.group_permuted) and k, v none. The buffers are made from the weights
+    as they are now: replacing a weight later needs enable_kernels on a fresh model."""
     from pallas_kernels import mgpu_nvfp4
     permute = jax.jit(mgpu_nvfp4.permute_packed)
-    count, pairs = 0, {}
-    for path, node in nnx.iter_graph(model):
-        if not isinstance(node, nnx.Variable):
-            continue
-        if grouped and any(name in path for name in _GROUPED_PROJECTIONS):
+    count, pairs, groups = 0, {}, 0
+
+    def variable(module, name):
+        layer = getattr(module, name, None)
+        node = getattr(layer, "weight", None)
+        return node if isinstance(node, nnx.Variable) else None
+
+    grouped_nodes = set()
+    if grouped:
+        for _, module in nnx.iter_graph(model):
+            nodes = [variable(module, name) for name in _GROUPED_PROJECTIONS]
+            if any(node is None for node in nodes):
+                continue
+            grouped_nodes.update(id(node) for node in nodes)
+            values = [node.get_value() for node in nodes]
+            if not all(isinstance(v, KernelLayoutWeight) and v.mosaic_tiles is None
+                       and mgpu_nvfp4.refusal(v.packed()) is None for v in values):
+                continue
+            if len({v.shape[1] for v in values}) != 1:
+                continue
+            tiles = mgpu_nvfp4.group_permuted([permute(v.packed()) for v in values],
+                                              [v.shape[1] for v in values])
+            nodes[0].set_value(_replace_children(values[0], mosaic_tiles=tiles))
+            groups += 1
+    for _, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Variable) or id(node) in grouped_nodes:
             continue
         value = node.get_value()
         if not isinstance(value, KernelLayoutWeight) or value.mosaic_tiles is not None:
@@ -909,8 +1020,9 @@ def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True) -> None:
             tiles = pairs[key]
         node.set_value(_replace_children(value, mosaic_tiles=tiles))
         count += 1
-    logger.info("enable_kernels: %d NVFP4 weights (%d gate/up pairs) also in the Mosaic GPU "
-                "permuted layout (experimental, QERL_MOSAIC_NVFP4=1)", count, len(pairs))
+    logger.info("enable_kernels: %d NVFP4 weights (%d gate/up pairs) and %d q/k/v groups also "
+                "in the Mosaic GPU permuted layout (experimental, QERL_MOSAIC_NVFP4=1)", count,
+                len(pairs), groups)
 
 
 def disable_kernels(model_or_state):
