@@ -72,13 +72,13 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
 
 
 def sweep_splits(n: int, k: int) -> list[int]:
-    """--sweep: split counts besides the default with one to two waves of programs (132-1056;
-    uneven ones included)."""
+    """--sweep: half and twice the default split count, where that makes one to two waves of
+    programs (132-1056; uneven counts included)."""
     from pallas_kernels import mgpu_nvfp4 as mg
     row_tiles, k_tiles = -(-n // 64), -(-k // 256)
     default = mg.default_splits(row_tiles, k_tiles)
-    return [s for s in (1, 2, 3, 4, 6, 8, 9, 12)
-            if s != default and s <= k_tiles and 132 <= row_tiles * s <= 1056]
+    return [s for s in (default // 2, 2 * default)
+            if s and s != default and s <= k_tiles and 132 <= row_tiles * s <= 1056]
 
 
 def parse_args(argv=None):
@@ -210,6 +210,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns):
                                                     None)
     rows = [{"shape": name, "n": n, "k": k, "kernel": "Triton grouped (LoRA 3 x r32)",
              "call_us": call_us, "TB_s": nbytes / call_us / 1e6}]
+    print(rows[-1], flush=True)
     del triton
     n_pads = [p.codes.shape[0] for p in packed]
     tiles = [jax.block_until_ready(mg.group_permuted([mg.permute_packed(w) for w in group],
@@ -232,6 +233,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns):
         rows.append({"shape": name, "n": n, "k": k,
                      "kernel": f"Mosaic GPU grouped (LoRA 3 x r32), splits {splits or default}",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -257,6 +259,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False):
                                                     count, None)
     rows.append({"shape": name, "n": n, "k": k, "kernel": "Triton fused (LoRA r32)",
                  "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
+    print(rows[-1], flush=True)
     del triton
     permuted = [jax.block_until_ready(mg.permute_packed(w))
                 for w in kernel_bench.copies(packed, count)]
@@ -271,6 +274,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False):
                      "kernel": f"Mosaic GPU permuted (LoRA r32), splits "
                                f"{splits or mg.default_splits(-(-n // 64), -(-k // 256))}",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -454,7 +458,7 @@ def main(argv=None):
                     traceback.print_exc()
                     profiles.append({"shape": label, "n": n, "k": k,
                                      "error": common.describe_error(e)})
-                print(profiles[-1], flush=True)
+                    print(profiles[-1], flush=True)
         if "32b" in args.sizes.split(","):
             try:
                 profiles += swiglu_rows(key, args.m, args.repeats, profile=True)
