@@ -54,8 +54,10 @@ CHECK_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     (1024, 5120, 16, 32, None, False), (640, 2304, 64, 64, 2, True),
     (5120, 27648, 8, 32, None, True), (5120, 5120, 8, 32, 4, False),
     (384, 4096, 3, 0, 16, False),
-    # splits that do not divide the K tiles (7 K tiles in 3; 7B's down: 74 in 9)
-    (384, 1792, 8, 32, 3, True), (3584, 18944, 8, 32, None, True)]
+    # splits that do not divide the K tiles (7 K tiles in 3); stream-K (the default below 528
+    # row tiles: 7B's down, 14B's down and gate|up pair, 32B's down above)
+    (384, 1792, 8, 32, 3, True), (3584, 18944, 8, 32, None, True),
+    (5120, 13824, 8, 32, None, False), (27648, 5120, 5, 16, None, True)]
 GROUP_CHECK_CASES = [  # (member Ns, k, m, rank of each, splits): grouped q|k|v launches
     ((5120, 1024, 1024), 5120, 8, 32, None), ((256, 128, 128), 1792, 5, 16, 3),
     ((3584, 512, 512), 3584, 8, 64, None)]
@@ -69,6 +71,22 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
     h, i = arch.hidden_size, arch.intermediate_size
     kv = arch.num_key_value_heads * arch.resolved_head_dim
     return [("q/o", h, h), ("down", h, i), ("gate|up", 2 * i, h), ("q|k|v", h + 2 * kv, h)]
+
+
+def schedules(n: int, k: int, sweep: bool) -> list[tuple[str, dict]]:
+    """(label, matmul keyword arguments) of the schedules --profile times: the default
+    (stream-K where default_programs gives a count), the default split-K count, and with
+    --sweep half and twice it."""
+    from pallas_kernels import mgpu_nvfp4 as mg
+    row_tiles, k_tiles = -(-n // 64), -(-k // 256)
+    programs = mg.default_programs(row_tiles, k_tiles)
+    splits = mg.default_splits(row_tiles, k_tiles)
+    out = [(f"stream-K {programs} programs" if programs else f"splits {splits}", {})]
+    if programs:
+        out.append((f"splits {splits}", {"splits": splits}))
+    if sweep:
+        out += [(f"splits {s}", {"splits": s}) for s in sweep_splits(n, k)]
+    return out
 
 
 def sweep_splits(n: int, k: int) -> list[int]:
@@ -219,11 +237,10 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns):
     operand = mg.group_lora_operand(lora_bs, [p.tensor_scale for p in packed], [2.0] * 3,
                                     n_pads)
     scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
-    default = mg.default_splits(sum(n_pads) // 64, -(-k // 256))
-    for splits in (None, *(sweep_splits(sum(n_pads), k) if sweep else ())):
-        def launch(x, t, d):
-            y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, splits=splits, lora_down=d,
-                                   lora_bt=operand)
+    for label, kwargs in schedules(sum(n_pads), k, sweep):
+        def launch(x, t, d, kwargs=kwargs):
+            y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_down=d, lora_bt=operand,
+                                   **kwargs)
             bounds = np.cumsum([0] + n_pads)
             return [(y[:, a:a + ni] * s).astype(jnp.bfloat16)
                     for a, ni, s in zip(bounds, ns, scales)]
@@ -231,7 +248,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns):
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, tiles, down), repeats, count,
                                                         None)
         rows.append({"shape": name, "n": n, "k": k,
-                     "kernel": f"Mosaic GPU grouped (LoRA 3 x r32), splits {splits or default}",
+                     "kernel": f"Mosaic GPU grouped (LoRA 3 x r32), {label}",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
     return rows
@@ -265,14 +282,13 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False):
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
-    for splits in (None, *(sweep_splits(n, k) if sweep else ())):
-        fn = jax.jit(lambda x, ps, d, bt: [mg.mgpu_nvfp4_matmul(
-            x, p, ts, n=n, k=k, splits=splits, lora_down=d, lora_bt=bt) for p in ps])
+    for label, kwargs in schedules(n, k, sweep):
+        fn = jax.jit(lambda x, ps, d, bt, kwargs=kwargs: [mg.mgpu_nvfp4_matmul(
+            x, p, ts, n=n, k=k, lora_down=d, lora_bt=bt, **kwargs) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
                                                         repeats, count, None)
         rows.append({"shape": name, "n": n, "k": k,
-                     "kernel": f"Mosaic GPU permuted (LoRA r32), splits "
-                               f"{splits or mg.default_splits(-(-n // 64), -(-k // 256))}",
+                     "kernel": f"Mosaic GPU permuted (LoRA r32), {label}",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
     return rows

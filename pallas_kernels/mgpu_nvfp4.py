@@ -58,6 +58,7 @@ SCALED_EXPONENT = -8  # the decoded weights are e2m1 * scale * 2^-8
 MAX_M = 64
 LORA_RANKS = (16, 32, 64)  # one adapter's rank
 MAX_OPERAND_RANK = 192  # the LoRA operand's width: 3 x 64 (a grouped q|k|v launch)
+SLOTS = 528  # programs resident at once: 132 SMs x 4 (118-124 registers per thread)
 
 # (column half, row half) of pair k of a word: columns 16 i + 8 c + 2 (lane % 4) + {0, 1},
 # row r0 + 8 h.
@@ -244,7 +245,7 @@ def _swizzled(cols: int):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def default_splits(row_tiles: int, k_tiles: int, slots: int = 528) -> int:
+def default_splits(row_tiles: int, k_tiles: int, slots: int = SLOTS) -> int:
     """Split-K count: the fewest pipeline steps per program (ceil(k_tiles / splits)) with at
     most `slots` programs (row tiles x splits; 132 SMs x 4 programs of this kernel's 118-124
     registers), and the fewest splits giving that many steps (fewer partials to sum), at least
@@ -337,14 +338,42 @@ def _padded_rows(permuted: jax.Array, k: int) -> int:
     return permuted.shape[0] // (TILE_LINES * -(-k // TILE_K)) * TILE_ROWS
 
 
+def default_programs(row_tiles: int, k_tiles: int, slots: int = SLOTS) -> int | None:
+    """Stream-K program count: `slots` (every program resident in one wave, each streaming an
+    equal share of the row tiles x K tiles units) when there are fewer row tiles than slots
+    (then no program's range is longer than a row tile's K tiles: at most one tile starts in
+    it) and at least two units per program; None (split-K, default_splits) otherwise."""
+    if row_tiles >= slots or row_tiles * k_tiles < 2 * slots:
+        return None
+    return slots
+
+
+def stream_pieces(row_tiles: int, k_tiles: int, programs: int) -> np.ndarray:
+    """pieces [row_tiles] int: how many programs' ranges of the stream-K schedule cover each
+    row tile (program p streams units [p U / P, (p + 1) U / P) of the U = row_tiles x k_tiles
+    (row tile, K tile) units in row-tile-major order)."""
+    units = row_tiles * k_tiles
+    first = np.arange(row_tiles, dtype=np.int64) * k_tiles
+    owner = lambda u: ((u + 1) * programs - 1) // units  # noqa: E731 (the program of unit u)
+    return (owner(first + k_tiles - 1) - owner(first) + 1).astype(np.int64)
+
+
 def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     splits: int | None = None, lora_down: jax.Array | None = None,
-                    lora_bt: jax.Array | None = None, stages: int = 2) -> jax.Array:
+                    lora_bt: jax.Array | None = None, stages: int = 2,
+                    programs: int | None = None) -> jax.Array:
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
-    (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (the split-K partials summed by
-    elementwise adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's;
-    rows of the permuted buffer past n are whatever it holds (zeros for permute_packed's
-    padding)."""
+    (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
+    adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
+    permuted buffer past n are whatever it holds (zeros for permute_packed's padding).
+
+    Schedule: with `splits` (or when default_programs gives None), split-K: grid (row tiles,
+    splits). Otherwise stream-K over `programs` (default_programs) programs: program p streams
+    the units [p U / P, (p + 1) U / P) of the U = row tiles x K tiles units (row-tile-major, the
+    permuted buffer's order) through one pipeline and stores each finished piece of a row tile
+    as partial j = p - (the program holding the tile's first unit); the program holding a
+    tile's first unit adds its LoRA tile. Every program runs in the one wave, so a launch with
+    fewer row tiles than slots is not left with idle SMs (14B gate|up: 432 tiles)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -365,6 +394,12 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
+    if splits is None:
+        programs = default_programs(row_tiles, k_tiles) if programs is None else programs
+        if programs is not None:
+            return _stream_k(x, permuted, m=m, k=k, row_tiles=row_tiles, k_tiles=k_tiles,
+                             programs=programs, lora_down=lora_down, lora_bt=lora_bt,
+                             stages=stages)
     splits = default_splits(row_tiles, k_tiles) if splits is None else splits
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
@@ -456,6 +491,125 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     partials = kernel(*inputs)
     return functools.reduce(jnp.add, [partials[i, :m] for i in range(splits)])  # fusable
+
+
+def _padded_inputs(x, lora_down, m_pad, k_pad):
+    """x (and lora_down) in bf16, zero-padded to m_pad rows and k_pad columns where needed (no
+    copy at the model's shapes)."""
+    m, k = x.shape
+    x_pad = x.astype(jnp.bfloat16)
+    if (m_pad, k_pad) != (m, k):
+        x_pad = jnp.pad(x_pad, ((0, m_pad - m), (0, k_pad - k)))
+    if lora_down is None:
+        return x_pad, None
+    lora_x = lora_down.astype(jnp.bfloat16)
+    if m_pad != m:
+        lora_x = jnp.pad(lora_x, ((0, m_pad - m), (0, 0)))
+    return x_pad, lora_x
+
+
+def _stream_k(x, permuted, *, m, k, row_tiles, k_tiles, programs, lora_down, lora_bt, stages):
+    """matmul_unscaled's stream-K schedule (see there) -> [M, N_pad] float32."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    units = row_tiles * k_tiles
+    if not 1 <= programs <= units or -(-units // programs) > k_tiles:
+        raise ValueError(f"mgpu_nvfp4_matmul: {programs} stream-K programs for {row_tiles} row "
+                         f"tiles x {k_tiles} K tiles (each program's range must be shorter "
+                         "than a row tile's K tiles)")
+    steps = -(-units // programs)
+    pieces = stream_pieces(row_tiles, k_tiles, programs)
+    max_pieces = int(pieces.max())
+    m_pad = -(-m // 8) * 8
+    x_pad, lora_x = _padded_inputs(x, lora_down, m_pad, k_tiles * TILE_K)
+    with_lora = lora_down is not None
+    inputs = [x_pad, permuted] + ([lora_x, lora_bt.astype(jnp.bfloat16)] if with_lora else [])
+
+    def body(x_gmem, packed_gmem, *refs):
+        if with_lora:
+            lora_x_gmem, lora_bt_gmem, part_gmem, out_smem, lx_smem, bt_smem, barrier = refs
+        else:
+            part_gmem, out_smem = refs
+        p = lax.axis_index("programs")
+        start = p * units // programs
+        end = (p + 1) * units // programs  # exclusive
+        first_tile = (start + k_tiles - 1) // k_tiles  # the one tile that starts in the range
+        starts_tile = first_tile * k_tiles < end
+        if with_lora:  # that tile's LoRA operand, in flight while the pipeline runs
+            @pl.when(starts_tile)
+            def _():
+                plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
+                plgpu.copy_gmem_to_smem(
+                    lora_bt_gmem.at[pl.ds(first_tile * TILE_ROWS, TILE_ROWS)], bt_smem, barrier)
+
+        def step(indices, tile_smem, x_smem, acc_ref):
+            u = start + indices[0]
+            valid = u < end
+
+            @pl.when(valid)
+            def _():
+                w = plgpu.inline_mgpu(
+                    arg_types=(plgpu.RefType(),),
+                    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, TILE_K), jnp.bfloat16,
+                                                       layout=plgpu.Layout.WGMMA),
+                )(lambda ctx, tile_ref: _decode_tile(tile_ref))(tile_smem)
+                plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+                plgpu.wgmma_wait(0)
+
+            tile = u // k_tiles
+            flush = valid & ((u % k_tiles == k_tiles - 1) | (u == end - 1))
+
+            @pl.when(flush)
+            def _():
+                if with_lora:
+                    @pl.when(tile * k_tiles >= start)  # this program holds the tile's start
+                    def _():
+                        plgpu.barrier_wait(barrier)
+                        plgpu.wgmma(acc_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
+                        plgpu.wgmma_wait(0)
+                plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+                    lambda ctx, acc, dst: _store_transposed(acc, dst))(acc_ref[...], out_smem)
+                plgpu.commit_smem()
+                owner = ((tile * k_tiles + 1) * programs - 1) // units
+                plgpu.copy_smem_to_gmem(
+                    out_smem, part_gmem.at[p - owner, :, pl.ds(tile * TILE_ROWS, TILE_ROWS)])
+                plgpu.wait_smem_to_gmem(0)
+
+            acc_ref[...] = acc_ref[...] * jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
+            return acc_ref
+
+        def scope(acc_ref):
+            plgpu.emit_pipeline(
+                step, grid=(steps,),
+                in_specs=[
+                    plgpu.BlockSpec((TILE_LINES, 128),
+                                    lambda j: (jnp.minimum(start + j, end - 1), 0)),
+                    plgpu.BlockSpec((m_pad, TILE_K),
+                                    lambda j: (0, jnp.minimum(start + j, end - 1) % k_tiles),
+                                    transforms=_swizzled(TILE_K))],
+                max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
+
+        pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
+
+    scratch = [plgpu.SMEM((m_pad, TILE_ROWS), jnp.float32)]
+    if with_lora:
+        rank = lora_bt.shape[1]
+        scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
+                    plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
+                    plgpu.Barrier(num_arrivals=2)]
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((max_pieces, m_pad, row_tiles * TILE_ROWS),
+                                            jnp.float32),
+        grid=(programs,), grid_names=("programs",), scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    partials = kernel(*inputs)
+    y = partials[0, :m]
+    for j in range(1, max_pieces):  # pieces a row tile does not have are left unwritten
+        present = jnp.asarray(np.repeat(pieces > j, TILE_ROWS))
+        y = y + jnp.where(present, partials[j, :m], 0.0)
+    return y
 
 
 def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax.Array,
