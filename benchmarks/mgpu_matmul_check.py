@@ -74,16 +74,16 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
 
 
 def schedules(n: int, k: int, sweep: bool) -> list[tuple[str, dict]]:
-    """(label, matmul keyword arguments) of the schedules --profile times: the default
-    (stream-K where default_programs gives a count), the default split-K count, and with
-    --sweep half and twice it."""
+    """(label, matmul keyword arguments) of the schedules --profile times: the default split-K
+    count, stream-K where default_programs gives a count, and with --sweep half and twice the
+    split count."""
     from pallas_kernels import mgpu_nvfp4 as mg
     row_tiles, k_tiles = -(-n // 64), -(-k // 256)
     programs = mg.default_programs(row_tiles, k_tiles)
     splits = mg.default_splits(row_tiles, k_tiles)
-    out = [(f"stream-K {programs} programs" if programs else f"splits {splits}", {})]
+    out = [(f"splits {splits}", {})]
     if programs:
-        out.append((f"splits {splits}", {"splits": splits}))
+        out.append((f"stream-K {programs} programs", {"programs": programs}))
     if sweep:
         out += [(f"splits {s}", {"splits": s}) for s in sweep_splits(n, k)]
     return out

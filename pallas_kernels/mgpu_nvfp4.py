@@ -313,13 +313,15 @@ def group_permuted(buffers, ks) -> jax.Array:
 def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
                       k: int, splits: int | None = None, lora_down: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
-                      lora_bt: jax.Array | None = None, stages: int = 2) -> jax.Array:
+                      lora_bt: jax.Array | None = None, stages: int = 2,
+                      programs: int | None = None) -> jax.Array:
     """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
     lora_down [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
     LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
-    splits: split-K programs per row tile (default_splits). GPU only (Mosaic GPU)."""
+    splits: split-K programs per row tile (default_splits); programs: stream-K instead
+    (matmul_unscaled). GPU only (Mosaic GPU)."""
     if lora_down is not None and lora_bt is None:
         if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
@@ -328,7 +330,7 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
                                n_pad=_padded_rows(permuted, k))
     y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, stages=stages)
+                        lora_bt=lora_bt, stages=stages, programs=programs)
     return y[:, :n] * (2.0 ** -SCALED_EXPONENT
                        / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
 
@@ -367,13 +369,16 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
     permuted buffer past n are whatever it holds (zeros for permute_packed's padding).
 
-    Schedule: with `splits` (or when default_programs gives None), split-K: grid (row tiles,
-    splits). Otherwise stream-K over `programs` (default_programs) programs: program p streams
+    Schedule: without `programs`, split-K: grid (row tiles, splits; default_splits). With
+    `programs` (default_programs gives a count, or None where it does not apply), stream-K over
+    that many programs: program p streams
     the units [p U / P, (p + 1) U / P) of the U = row tiles x K tiles units (row-tile-major, the
     permuted buffer's order) through one pipeline and stores each finished piece of a row tile
     as partial j = p - (the program holding the tile's first unit); the program holding a
     tile's first unit adds its LoRA tile. Every program runs in the one wave, so a launch with
-    fewer row tiles than slots is not left with idle SMs (14B gate|up: 432 tiles)."""
+    fewer row tiles than slots is not left with idle SMs (14B gate|up: 432 tiles). Measured on
+    the H100 (session 22 call d) the 14B rollout was slower with stream-K on every launch (1244
+    against 1266 tok/s), so it is not the default."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -394,10 +399,10 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    if splits is None:
-        programs = default_programs(row_tiles, k_tiles) if programs is None else programs
-        if programs is not None:
-            return _stream_k(x, permuted, m=m, k=k, row_tiles=row_tiles, k_tiles=k_tiles,
+    if programs is not None:
+        if splits is not None:
+            raise ValueError("mgpu_nvfp4_matmul: splits and programs (split-K or stream-K)")
+        return _stream_k(x, permuted, m=m, k=k, row_tiles=row_tiles, k_tiles=k_tiles,
                              programs=programs, lora_down=lora_down, lora_bt=lora_bt,
                              stages=stages)
     splits = default_splits(row_tiles, k_tiles) if splits is None else splits
@@ -641,7 +646,8 @@ def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax
 def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale: jax.Array,
                       up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
                       lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
-                      next_lora_a: jax.Array | None = None, splits: int | None = None):
+                      next_lora_a: jax.Array | None = None, splits: int | None = None,
+                      programs: int | None = None):
     """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
     half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
     each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue); the kernel
@@ -654,7 +660,7 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt)
+                        lora_bt=lora_bt, programs=programs)
     y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
     halves = []
     for half, ts in enumerate((gate_tensor_scale, up_tensor_scale)):

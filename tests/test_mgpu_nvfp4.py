@@ -182,10 +182,10 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
 
 
 def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
-                        stages=2):
+                        stages=2, programs=None):
     """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
     numbers are checked on the GPU by benchmarks/mgpu_matmul_check.py)."""
-    del splits, stages
+    del splits, stages, programs
     n_pad = mg._padded_rows(permuted, k)
     raw = mg.permuted_dequantize(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
                                  n=n_pad, k=k)  # e2m1 x block scale x 2^-8
@@ -441,8 +441,14 @@ def test_stream_k_pieces_cover_every_unit_once(row_tiles, k_tiles, programs):
 
 @pytest.mark.parametrize("rank", [0, 32, 96])
 def test_stream_k_kernel_lowers_for_cuda(rank):
-    """The stream-K schedule (default for fewer row tiles than slots: 14B's gate|up pair, down,
-    q|k|v) lowers for CUDA, with and without the LoRA tile."""
+    """The stream-K schedule (default_programs: fewer row tiles than slots, e.g. 14B's gate|up
+    pair) lowers for CUDA, with and without the LoRA tile; the dispatch's knob parses."""
+    from qerl_jax.quant import kernel_dispatch as kd
+    assert kd._stream_k_kinds("") == frozenset()
+    assert kd._stream_k_kinds("all") == {"single", "group", "pair"}
+    assert kd._stream_k_kinds("pair, group") == {"pair", "group"}
+    with pytest.raises(ValueError, match="QERL_MOSAIC_STREAM_K='pairs'"):
+        kd._stream_k_kinds("pairs")
     n, k, m = 27648, 5120, 8
     row_tiles, k_tiles = n // 64, k // 256
     assert mg.default_programs(row_tiles, k_tiles) == mg.SLOTS
@@ -454,7 +460,7 @@ def test_stream_k_kernel_lowers_for_cuda(rank):
 
     def f(x, permuted, *lora):
         kwargs = dict(lora_down=lora[0], lora_bt=lora[1]) if lora else {}
-        return mg.matmul_unscaled(x, permuted, n=n, k=k, **kwargs)
+        return mg.matmul_unscaled(x, permuted, n=n, k=k, programs=mg.SLOTS, **kwargs)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
