@@ -22,10 +22,9 @@ gate/up pair with the next layer's LoRA product (swiglu_rows): the Mosaic path c
 Triton's fused kernel (within 2^-7 of the largest output) and both timed.
 --sampler PRESET: the sampler end to end (common.build_sampling_model: random NVFP4 weights,
 rank-32 LoRA with nonzero B, the kernel hook) without and with QERL_MOSAIC_NVFP4=1 (the same
-model rebuilt from the same seed; the o and down projections' decode launches and the gate/up
-pairs' fused SwiGLU launches then take this kernel, with their LoRA operands made once per
-rollout), and on the XLA path (no kernels) as the
-noise floor: batch 8, prompt 64, 64 sampled tokens at temperature 1 from the same key. Reported
+model rebuilt from the same seed; the o and down projections' decode launches, the grouped
+q|k|v launches and the gate/up pairs' fused SwiGLU launches then take this kernel, with their
+LoRA operands made once per rollout), and on the XLA path (no kernels) as the noise floor: batch 8, prompt 64, 64 sampled tokens at temperature 1 from the same key. Reported
 per pair of paths: the common token prefix of each row and the largest |log-prob difference|
 on it. A random model's next-token distribution is nearly uniform over 151k ids, so summation
 order alone moves some draws (Triton vs XLA shows how much); ok when the Mosaic path's gap to

@@ -21,7 +21,8 @@ Each pair is then scaled by one fma.rn.bf16x2 with its block's (s, s) pattern
 (code * 0x00100010 + 0x75807580, the "asmq" operand): exact e2m1 * scale * 2^-8 in bf16.
 
 Kernel (`matmul_unscaled`): grid (row tiles, splits); program (b, s) runs K tiles
-[s K_t / splits, (s + 1) K_t / splits) through a TMA pipeline, decodes each tile and
+[s K_t / splits, (s + 1) K_t / splits) (the splits need not divide K_t: a program with one
+tile fewer skips its surplus last step) through a TMA pipeline, decodes each tile and
 accumulates acc [64, M] += W_tile [64, 256] @ x_tile^T on the tensor cores (wgmma, M the N of
 the instruction), and stores acc transposed (through shared memory, one TMA copy) as split
 s's partial of y [M, N], so the consumers of y keep their row-major layout (with y^T partials
@@ -31,7 +32,12 @@ call m's HLO). With LoRA, split 0 also adds its [64, r] tile of the LoRA operand
 products) times (x @ A)^T into acc (one more wgmma) before storing. The partials are summed by
 elementwise adds, which XLA fuses into the consumer of y (no kernel of its own).
 
-`mgpu_nvfp4_matmul`: y = that sum * 2^8 / tensor_scale (one weight). `mgpu_nvfp4_swiglu`: a
+Stream-K (`programs=`, off by default: no faster on the H100, session 22) is the other
+schedule: every program in one wave, each an equal share of the (row tile, K tile) units.
+
+`mgpu_nvfp4_matmul`: y = that sum * 2^8 / tensor_scale (one weight). A grouped q|k|v launch is
+one matmul_unscaled over the three weights stacked by rows (`group_permuted`) with a
+block-diagonal LoRA operand (`group_lora_operand`); the caller rescales each member's columns. `mgpu_nvfp4_swiglu`: a
 gate/up pair interleaved in blocks of 32 rows (kernel_dispatch.pair_gate_up) in one launch,
 its LoRA operand block diagonal (`pair_lora_operand`); XLA splits the halves, applies each
 half's tensor scale and computes silu(gate) * up and the next layer's LoRA x @ A. The LoRA

@@ -1,9 +1,11 @@
 """pallas_kernels.mgpu_nvfp4 on the CPU: its permuted layout (lossless, the same weights as the
 checkpoint's float64 dequantization), its bit math (an integer emulation of the kernel's decode
-gives those weights), the LoRA operands' scale folding (float64), that the Mosaic GPU kernel and
-the SwiGLU path lower for CUDA, and kernel_dispatch's experimental Mosaic path (which weights
-get copies and operands; the SwiGLU launch with a jnp stand-in for the kernel against the
-interpreted Triton launch). The kernel's numbers are checked on a GPU by
+gives those weights), the LoRA operands' scale folding (float64), the split-K counts and the
+stream-K schedule (against a brute-force one), that the Mosaic GPU kernel (split-K, uneven
+splits, stream-K, grouped operand widths) and the SwiGLU path lower for CUDA, and
+kernel_dispatch's experimental Mosaic path (which weights get copies and operands; the SwiGLU
+and grouped q|k|v launches with a jnp stand-in for the kernel against the interpreted Triton
+launches). The kernel's numbers are checked on a GPU by
 benchmarks/mgpu_matmul_check.py (Mosaic GPU has no interpret mode for TMA copies)."""
 
 import jax

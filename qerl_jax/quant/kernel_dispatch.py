@@ -433,8 +433,9 @@ def _supports(weight, compute_dtype) -> str | None:
     return None
 
 
-# Experimental (sessions 20-21): single-weight NVFP4 launches at decode M (the o and down
-# projections) and the fused SwiGLU launches of gate/up pairs on the Mosaic GPU kernel
+# Experimental (sessions 20-22): single-weight NVFP4 launches at decode M (the o and down
+# projections), the grouped q|k|v launches and the fused SwiGLU launches of gate/up pairs on the
+# Mosaic GPU kernel
 # (pallas_kernels.mgpu_nvfp4), reading a second copy of those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at
 # registration (benchmarks only).
