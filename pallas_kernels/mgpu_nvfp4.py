@@ -346,6 +346,55 @@ def _padded_rows(permuted: jax.Array, k: int) -> int:
     return permuted.shape[0] // (TILE_LINES * -(-k // TILE_K)) * TILE_ROWS
 
 
+def _tile_product(tile_smem, x_smem, acc_ref) -> None:
+    """Inside a kernel: acc [64, M] += the decoded weight tile [64, 256] @ x_tile^T (wgmma)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    w = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, TILE_K), jnp.bfloat16,
+                                           layout=plgpu.Layout.WGMMA),
+    )(lambda ctx, tile_ref: _decode_tile(tile_ref))(tile_smem)
+    plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+    plgpu.wgmma_wait(0)
+
+
+def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
+    """Inside a kernel: acc += the LoRA operand's tile [64, r] @ (x A)^T, once its copy is in."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu.barrier_wait(barrier)
+    plgpu.wgmma(acc_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
+    plgpu.wgmma_wait(0)
+
+
+def _store_partial(acc_ref, out_smem, dst) -> None:
+    """Inside a kernel: acc [64, M] stored transposed into dst [M, 64] of a partial (through
+    shared memory, one TMA copy); dst may be a function making that ref (traced after the
+    shared-memory store)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+        lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, dst() if callable(dst) else dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _launch(body, out_shape, grid, grid_names, m_pad, lora_bt):
+    """plgpu.kernel of a schedule's body: out float32 `out_shape`, shared memory for the
+    transposed store and (with lora_bt) the LoRA operands' tiles and their barrier."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    scratch = [plgpu.SMEM((m_pad, TILE_ROWS), jnp.float32)]
+    if lora_bt is not None:
+        rank = lora_bt.shape[1]
+        scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
+                    plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
+                    plgpu.Barrier(num_arrivals=2)]
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32), grid=grid,
+        grid_names=grid_names, scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+
 def default_programs(row_tiles: int, k_tiles: int, slots: int = SLOTS) -> int | None:
     """Stream-K program count: `slots` (every program resident in one wave, each streaming an
     equal share of the row tiles x K tiles units) when there are fewer row tiles than slots
@@ -420,16 +469,8 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     # K padded to whole tiles: no copy of x at all for M % 8 == 0 and K % 256 == 0 (the model's
     # shapes). With uneven splits a program with one tile fewer than `steps` reloads its last
     # tiles in its last step and skips that step's product.
-    k_pad = k_tiles * TILE_K
-    x_pad = x.astype(jnp.bfloat16)
-    if (m_pad, k_pad) != (m, k):
-        x_pad = jnp.pad(x_pad, ((0, m_pad - m), (0, k_pad - k)))
-    inputs = [x_pad, permuted]
-    if with_lora:
-        lora_x = lora_down.astype(jnp.bfloat16)
-        if m_pad != m:
-            lora_x = jnp.pad(lora_x, ((0, m_pad - m), (0, 0)))
-        inputs += [lora_x, lora_bt.astype(jnp.bfloat16)]
+    x_pad, lora_x = _padded_inputs(x, lora_down, m_pad, k_tiles * TILE_K)
+    inputs = [x_pad, permuted] + ([lora_x, lora_bt.astype(jnp.bfloat16)] if with_lora else [])
 
     def body(x_gmem, packed_gmem, *refs):
         if with_lora:
@@ -447,21 +488,12 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                 plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
                 plgpu.copy_gmem_to_smem(lora_bt_gmem.at[rows], bt_smem, barrier)
 
-        def product(tile_smem, x_smem, acc_ref):
-            w = plgpu.inline_mgpu(
-                arg_types=(plgpu.RefType(),),
-                return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, TILE_K), jnp.bfloat16,
-                                                   layout=plgpu.Layout.WGMMA),
-            )(lambda ctx, tile_ref: _decode_tile(tile_ref))(tile_smem)
-            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
-            plgpu.wgmma_wait(0)
-
         def step(indices, tile_smem, x_smem, acc_ref):
             if uneven:
                 pl.when(first + indices[0] < last)(
-                    lambda: product(tile_smem, x_smem, acc_ref))
+                    lambda: _tile_product(tile_smem, x_smem, acc_ref))
             else:
-                product(tile_smem, x_smem, acc_ref)
+                _tile_product(tile_smem, x_smem, acc_ref)
             return acc_ref
 
         def scope(acc_ref):
@@ -476,30 +508,13 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                                     transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
             if with_lora:
-                @pl.when(s == 0)
-                def _():
-                    plgpu.barrier_wait(barrier)
-                    plgpu.wgmma(acc_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
-                    plgpu.wgmma_wait(0)
-            plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-                lambda ctx, acc, dst: _store_transposed(acc, dst))(acc_ref[...], out_smem)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, part_gmem.at[s, :, rows])
-            plgpu.wait_smem_to_gmem(0)
+                pl.when(s == 0)(lambda: _lora_product(acc_ref, bt_smem, lx_smem, barrier))
+            _store_partial(acc_ref, out_smem, part_gmem.at[s, :, rows])
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
-    scratch = [plgpu.SMEM((m_pad, TILE_ROWS), jnp.float32)]
-    if with_lora:
-        rank = lora_bt.shape[1]
-        scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
-                    plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
-                    plgpu.Barrier(num_arrivals=2)]
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32),
-        grid=(row_tiles, splits), grid_names=("tiles", "splits"), scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    kernel = _launch(body, (splits, m_pad, n_pad), (row_tiles, splits), ("tiles", "splits"),
+                     m_pad, lora_bt if with_lora else None)
     partials = kernel(*inputs)
     return functools.reduce(jnp.add, [partials[i, :m] for i in range(splits)])  # fusable
 
@@ -558,34 +573,20 @@ def _stream_k(x, permuted, *, m, k, row_tiles, k_tiles, programs, lora_down, lor
             u = start + indices[0]
             valid = u < end
 
-            @pl.when(valid)
-            def _():
-                w = plgpu.inline_mgpu(
-                    arg_types=(plgpu.RefType(),),
-                    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, TILE_K), jnp.bfloat16,
-                                                       layout=plgpu.Layout.WGMMA),
-                )(lambda ctx, tile_ref: _decode_tile(tile_ref))(tile_smem)
-                plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
-                plgpu.wgmma_wait(0)
-
+            pl.when(valid)(lambda: _tile_product(tile_smem, x_smem, acc_ref))
             tile = u // k_tiles
             flush = valid & ((u % k_tiles == k_tiles - 1) | (u == end - 1))
 
             @pl.when(flush)
             def _():
-                if with_lora:
-                    @pl.when(tile * k_tiles >= start)  # this program holds the tile's start
-                    def _():
-                        plgpu.barrier_wait(barrier)
-                        plgpu.wgmma(acc_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
-                        plgpu.wgmma_wait(0)
-                plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-                    lambda ctx, acc, dst: _store_transposed(acc, dst))(acc_ref[...], out_smem)
-                plgpu.commit_smem()
-                owner = ((tile * k_tiles + 1) * programs - 1) // units
-                plgpu.copy_smem_to_gmem(
-                    out_smem, part_gmem.at[p - owner, :, pl.ds(tile * TILE_ROWS, TILE_ROWS)])
-                plgpu.wait_smem_to_gmem(0)
+                if with_lora:  # when this program holds the tile's first unit
+                    pl.when(tile * k_tiles >= start)(
+                        lambda: _lora_product(acc_ref, bt_smem, lx_smem, barrier))
+                def piece():  # j = p - the program holding the tile's first unit
+                    owner = ((tile * k_tiles + 1) * programs - 1) // units
+                    return part_gmem.at[p - owner, :, pl.ds(tile * TILE_ROWS, TILE_ROWS)]
+
+                _store_partial(acc_ref, out_smem, piece)
 
             acc_ref[...] = acc_ref[...] * jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
             return acc_ref
@@ -603,18 +604,8 @@ def _stream_k(x, permuted, *, m, k, row_tiles, k_tiles, programs, lora_down, lor
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
-    scratch = [plgpu.SMEM((m_pad, TILE_ROWS), jnp.float32)]
-    if with_lora:
-        rank = lora_bt.shape[1]
-        scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
-                    plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
-                    plgpu.Barrier(num_arrivals=2)]
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((max_pieces, m_pad, row_tiles * TILE_ROWS),
-                                            jnp.float32),
-        grid=(programs,), grid_names=("programs",), scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    kernel = _launch(body, (max_pieces, m_pad, row_tiles * TILE_ROWS), (programs,),
+                     ("programs",), m_pad, lora_bt if with_lora else None)
     partials = kernel(*inputs)
     y = partials[0, :m]
     for j in range(1, max_pieces):  # pieces a row tile does not have are left unwritten
