@@ -53,8 +53,8 @@ CHECK_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     (1024, 5120, 16, 32, None, False), (640, 2304, 64, 64, 2, True),
     (5120, 27648, 8, 32, None, True), (5120, 5120, 8, 32, 4, False),
     (384, 4096, 3, 0, 16, False),
-    # splits that do not divide the K tiles (7 K tiles in 3); stream-K (the default below 528
-    # row tiles: 7B's down, 14B's down and gate|up pair, 32B's down above)
+    # splits that do not divide the K tiles (7 K tiles in 3; 7B's down: 74 in 9), 14B's down
+    # (LoRA operand made in the call) and gate|up pair shapes
     (384, 1792, 8, 32, 3, True), (3584, 18944, 8, 32, None, True),
     (5120, 13824, 8, 32, None, False), (27648, 5120, 5, 16, None, True)]
 GROUP_CHECK_CASES = [  # (member Ns, k, m, rank of each, splits): grouped q|k|v launches
@@ -74,15 +74,10 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
 
 def schedules(n: int, k: int, sweep: bool) -> list[tuple[str, dict]]:
     """(label, matmul keyword arguments) of the schedules --profile times: the default split-K
-    count, stream-K where default_programs gives a count, and with --sweep half and twice the
-    split count."""
+    count, and with --sweep half and twice it."""
     from pallas_kernels import mgpu_nvfp4 as mg
-    row_tiles, k_tiles = -(-n // 64), -(-k // 256)
-    programs = mg.default_programs(row_tiles, k_tiles)
-    splits = mg.default_splits(row_tiles, k_tiles)
+    splits = mg.default_splits(-(-n // 64), -(-k // 256))
     out = [(f"splits {splits}", {})]
-    if programs:
-        out.append((f"stream-K {programs} programs", {"programs": programs}))
     if sweep:
         out += [(f"splits {s}", {"splits": s}) for s in sweep_splits(n, k)]
     return out

@@ -32,13 +32,14 @@ call m's HLO). With LoRA, split 0 also adds its [64, r] tile of the LoRA operand
 products) times (x @ A)^T into acc (one more wgmma) before storing. The partials are summed by
 elementwise adds, which XLA fuses into the consumer of y (no kernel of its own).
 
-Stream-K (`programs=`, off by default: no faster on the H100, session 22) is the other
-schedule: every program in one wave, each an equal share of the (row tile, K tile) units.
+A stream-K schedule (every program in one wave, each an equal share of the (row tile, K tile)
+units) was tried in session 22 and removed: correct on the H100 but no faster (RESULTS.md
+"Session 22"; the code is at commit 7d89713).
 
 `mgpu_nvfp4_matmul`: y = that sum * 2^8 / tensor_scale (one weight). A grouped q|k|v launch is
 one matmul_unscaled over the three weights stacked by rows (`group_permuted`) with a
-block-diagonal LoRA operand (`group_lora_operand`); the caller rescales each member's columns. `mgpu_nvfp4_swiglu`: a
-gate/up pair interleaved in blocks of 32 rows (kernel_dispatch.pair_gate_up) in one launch,
+block-diagonal LoRA operand (`group_lora_operand`); the caller rescales each member's columns.
+`mgpu_nvfp4_swiglu`: a gate/up pair interleaved in blocks of 32 rows (kernel_dispatch.pair_gate_up) in one launch,
 its LoRA operand block diagonal (`pair_lora_operand`); XLA splits the halves, applies each
 half's tensor scale and computes silu(gate) * up and the next layer's LoRA x @ A. The LoRA
 operands are made once per rollout where the caller can (KernelLayoutWeight.mosaic_lora_operand,
@@ -263,8 +264,9 @@ def default_splits(row_tiles: int, k_tiles: int, slots: int = SLOTS) -> int:
 
 
 def operand_rank_ok(rank: int) -> bool:
-    """LoRA operand widths the kernel takes: a multiple of 16 (wgmma's K step) up to 256 (the
-    LORA_RANKS of one adapter, 2r of a gate/up pair, 3r of a grouped q|k|v launch)."""
+    """LoRA operand widths the kernel takes: a multiple of 16 (wgmma's K step) up to
+    MAX_OPERAND_RANK (the LORA_RANKS of one adapter, 2r of a gate/up pair, 3r of a grouped
+    q|k|v launch)."""
     return rank % 16 == 0 and 16 <= rank <= MAX_OPERAND_RANK
 
 
@@ -319,15 +321,13 @@ def group_permuted(buffers, ks) -> jax.Array:
 def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
                       k: int, splits: int | None = None, lora_down: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
-                      lora_bt: jax.Array | None = None, stages: int = 2,
-                      programs: int | None = None) -> jax.Array:
+                      lora_bt: jax.Array | None = None, stages: int = 2) -> jax.Array:
     """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
     lora_down [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
     LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
-    splits: split-K programs per row tile (default_splits); programs: stream-K instead
-    (matmul_unscaled). GPU only (Mosaic GPU)."""
+    splits: split-K programs per row tile (default_splits). GPU only (Mosaic GPU)."""
     if lora_down is not None and lora_bt is None:
         if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
@@ -336,7 +336,7 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
                                n_pad=_padded_rows(permuted, k))
     y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, stages=stages, programs=programs)
+                        lora_bt=lora_bt, stages=stages)
     return y[:, :n] * (2.0 ** -SCALED_EXPONENT
                        / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
 
@@ -368,13 +368,12 @@ def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
 
 def _store_partial(acc_ref, out_smem, dst) -> None:
     """Inside a kernel: acc [64, M] stored transposed into dst [M, 64] of a partial (through
-    shared memory, one TMA copy); dst may be a function making that ref (traced after the
-    shared-memory store)."""
+    shared memory, one TMA copy)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
         lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, dst() if callable(dst) else dst)
+    plgpu.copy_smem_to_gmem(out_smem, dst)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -395,45 +394,14 @@ def _launch(body, out_shape, grid, grid_names, m_pad, lora_bt):
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
-def default_programs(row_tiles: int, k_tiles: int, slots: int = SLOTS) -> int | None:
-    """Stream-K program count: `slots` (every program resident in one wave, each streaming an
-    equal share of the row tiles x K tiles units) when there are fewer row tiles than slots
-    (then no program's range is longer than a row tile's K tiles: at most one tile starts in
-    it) and at least two units per program; None (split-K, default_splits) otherwise."""
-    if row_tiles >= slots or row_tiles * k_tiles < 2 * slots:
-        return None
-    return slots
-
-
-def stream_pieces(row_tiles: int, k_tiles: int, programs: int) -> np.ndarray:
-    """pieces [row_tiles] int: how many programs' ranges of the stream-K schedule cover each
-    row tile (program p streams units [p U / P, (p + 1) U / P) of the U = row_tiles x k_tiles
-    (row tile, K tile) units in row-tile-major order)."""
-    units = row_tiles * k_tiles
-    first = np.arange(row_tiles, dtype=np.int64) * k_tiles
-    owner = lambda u: ((u + 1) * programs - 1) // units  # noqa: E731 (the program of unit u)
-    return (owner(first + k_tiles - 1) - owner(first) + 1).astype(np.int64)
-
-
 def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     splits: int | None = None, lora_down: jax.Array | None = None,
-                    lora_bt: jax.Array | None = None, stages: int = 2,
-                    programs: int | None = None) -> jax.Array:
+                    lora_bt: jax.Array | None = None, stages: int = 2) -> jax.Array:
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
     (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
-    permuted buffer past n are whatever it holds (zeros for permute_packed's padding).
-
-    Schedule: without `programs`, split-K: grid (row tiles, splits; default_splits). With
-    `programs` (default_programs gives a count, or None where it does not apply), stream-K over
-    that many programs: program p streams
-    the units [p U / P, (p + 1) U / P) of the U = row tiles x K tiles units (row-tile-major, the
-    permuted buffer's order) through one pipeline and stores each finished piece of a row tile
-    as partial j = p - (the program holding the tile's first unit); the program holding a
-    tile's first unit adds its LoRA tile. Every program runs in the one wave, so a launch with
-    fewer row tiles than slots is not left with idle SMs (14B gate|up: 432 tiles). Measured on
-    the H100 (session 22 call d) the 14B rollout was slower with stream-K on every launch (1244
-    against 1266 tok/s), so it is not the default."""
+    permuted buffer past n are whatever it holds (zeros for permute_packed's padding). Grid
+    (row tiles, splits): the split-K schedule of the module docstring."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -454,12 +422,6 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    if programs is not None:
-        if splits is not None:
-            raise ValueError("mgpu_nvfp4_matmul: splits and programs (split-K or stream-K)")
-        return _stream_k(x, permuted, m=m, k=k, row_tiles=row_tiles, k_tiles=k_tiles,
-                             programs=programs, lora_down=lora_down, lora_bt=lora_bt,
-                             stages=stages)
     splits = default_splits(row_tiles, k_tiles) if splits is None else splits
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
@@ -534,86 +496,6 @@ def _padded_inputs(x, lora_down, m_pad, k_pad):
     return x_pad, lora_x
 
 
-def _stream_k(x, permuted, *, m, k, row_tiles, k_tiles, programs, lora_down, lora_bt, stages):
-    """matmul_unscaled's stream-K schedule (see there) -> [M, N_pad] float32."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    units = row_tiles * k_tiles
-    if not 1 <= programs <= units or -(-units // programs) > k_tiles:
-        raise ValueError(f"mgpu_nvfp4_matmul: {programs} stream-K programs for {row_tiles} row "
-                         f"tiles x {k_tiles} K tiles (each program's range must be shorter "
-                         "than a row tile's K tiles)")
-    steps = -(-units // programs)
-    pieces = stream_pieces(row_tiles, k_tiles, programs)
-    max_pieces = int(pieces.max())
-    m_pad = -(-m // 8) * 8
-    x_pad, lora_x = _padded_inputs(x, lora_down, m_pad, k_tiles * TILE_K)
-    with_lora = lora_down is not None
-    inputs = [x_pad, permuted] + ([lora_x, lora_bt.astype(jnp.bfloat16)] if with_lora else [])
-
-    def body(x_gmem, packed_gmem, *refs):
-        if with_lora:
-            lora_x_gmem, lora_bt_gmem, part_gmem, out_smem, lx_smem, bt_smem, barrier = refs
-        else:
-            part_gmem, out_smem = refs
-        p = lax.axis_index("programs")
-        start = p * units // programs
-        end = (p + 1) * units // programs  # exclusive
-        first_tile = (start + k_tiles - 1) // k_tiles  # the one tile that starts in the range
-        starts_tile = first_tile * k_tiles < end
-        if with_lora:  # that tile's LoRA operand, in flight while the pipeline runs
-            @pl.when(starts_tile)
-            def _():
-                plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
-                plgpu.copy_gmem_to_smem(
-                    lora_bt_gmem.at[pl.ds(first_tile * TILE_ROWS, TILE_ROWS)], bt_smem, barrier)
-
-        def step(indices, tile_smem, x_smem, acc_ref):
-            u = start + indices[0]
-            valid = u < end
-
-            pl.when(valid)(lambda: _tile_product(tile_smem, x_smem, acc_ref))
-            tile = u // k_tiles
-            flush = valid & ((u % k_tiles == k_tiles - 1) | (u == end - 1))
-
-            @pl.when(flush)
-            def _():
-                if with_lora:  # when this program holds the tile's first unit
-                    pl.when(tile * k_tiles >= start)(
-                        lambda: _lora_product(acc_ref, bt_smem, lx_smem, barrier))
-                def piece():  # j = p - the program holding the tile's first unit
-                    owner = ((tile * k_tiles + 1) * programs - 1) // units
-                    return part_gmem.at[p - owner, :, pl.ds(tile * TILE_ROWS, TILE_ROWS)]
-
-                _store_partial(acc_ref, out_smem, piece)
-
-            acc_ref[...] = acc_ref[...] * jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
-            return acc_ref
-
-        def scope(acc_ref):
-            plgpu.emit_pipeline(
-                step, grid=(steps,),
-                in_specs=[
-                    plgpu.BlockSpec((TILE_LINES, 128),
-                                    lambda j: (jnp.minimum(start + j, end - 1), 0)),
-                    plgpu.BlockSpec((m_pad, TILE_K),
-                                    lambda j: (0, jnp.minimum(start + j, end - 1) % k_tiles),
-                                    transforms=_swizzled(TILE_K))],
-                max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
-
-        pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
-
-    kernel = _launch(body, (max_pieces, m_pad, row_tiles * TILE_ROWS), (programs,),
-                     ("programs",), m_pad, lora_bt if with_lora else None)
-    partials = kernel(*inputs)
-    y = partials[0, :m]
-    for j in range(1, max_pieces):  # pieces a row tile does not have are left unwritten
-        present = jnp.asarray(np.repeat(pieces > j, TILE_ROWS))
-        y = y + jnp.where(present, partials[j, :m], 0.0)
-    return y
-
-
 def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax.Array,
                       up_tensor_scale: jax.Array, lora_scale=1.0, *, n_pad: int,
                       half_block: int) -> jax.Array:
@@ -643,8 +525,7 @@ def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax
 def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale: jax.Array,
                       up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
                       lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
-                      next_lora_a: jax.Array | None = None, splits: int | None = None,
-                      programs: int | None = None):
+                      next_lora_a: jax.Array | None = None, splits: int | None = None):
     """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
     half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
     each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue); the kernel
@@ -657,7 +538,7 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, programs=programs)
+                        lora_bt=lora_bt)
     y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
     halves = []
     for half, ts in enumerate((gate_tensor_scale, up_tensor_scale)):

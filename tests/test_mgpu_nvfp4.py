@@ -1,8 +1,8 @@
 """pallas_kernels.mgpu_nvfp4 on the CPU: its permuted layout (lossless, the same weights as the
 checkpoint's float64 dequantization), its bit math (an integer emulation of the kernel's decode
-gives those weights), the LoRA operands' scale folding (float64), the split-K counts and the
-stream-K schedule (against a brute-force one), that the Mosaic GPU kernel (split-K, uneven
-splits, stream-K, grouped operand widths) and the SwiGLU path lower for CUDA, and
+gives those weights), the LoRA operands' scale folding (float64), the split-K counts, that the
+Mosaic GPU kernel (split-K, uneven splits, grouped operand widths) and the SwiGLU path lower
+for CUDA, and
 kernel_dispatch's experimental Mosaic path (which weights get copies and operands; the SwiGLU
 and grouped q|k|v launches with a jnp stand-in for the kernel against the interpreted Triton
 launches). The kernel's numbers are checked on a GPU by
@@ -184,10 +184,10 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
 
 
 def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
-                        stages=2, programs=None):
+                        stages=2):
     """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
     numbers are checked on the GPU by benchmarks/mgpu_matmul_check.py)."""
-    del splits, stages, programs
+    del splits, stages
     n_pad = mg._padded_rows(permuted, k)
     raw = mg.permuted_dequantize(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
                                  n=n_pad, k=k)  # e2m1 x block scale x 2^-8
@@ -412,62 +412,3 @@ def test_mosaic_group_dispatch_matches_the_triton_launch(monkeypatch):
                                              scales) is grouped[0]
     own = kd._replace_children(weights[1], mosaic_tiles=mg.permute_packed(weights[1].packed()))
     assert kd._mosaic_group_refusal(x, (grouped[0], own, weights[2]), down, lora_bs) == "off"
-
-
-@pytest.mark.parametrize("row_tiles,k_tiles,programs", [(432, 20, 528), (80, 54, 528),
-                                                         (80, 20, 528), (7, 5, 12), (3, 4, 3)])
-def test_stream_k_pieces_cover_every_unit_once(row_tiles, k_tiles, programs):
-    """The stream-K schedule by brute force: program p's range [p U / P, (p + 1) U / P) split
-    at row-tile ends gives pieces; piece j of a tile (j = p - the program holding the tile's
-    first unit, the kernel's store index) is written by exactly one program, j < stream_pieces
-    for the written ones (the others are masked out of the sum), every unit is in one piece,
-    and a range holds at most one tile's first unit (the one LoRA tile a program prefetches)."""
-    units = row_tiles * k_tiles
-    bounds = [p * units // programs for p in range(programs + 1)]
-    owner = np.searchsorted(bounds, np.arange(units), side="right") - 1
-    pieces = mg.stream_pieces(row_tiles, k_tiles, programs)
-    written = {}
-    covered = np.zeros(units, int)
-    for p in range(programs):
-        start, end = bounds[p], bounds[p + 1]
-        assert sum(1 for u in range(start, end) if u % k_tiles == 0) <= 1
-        covered[start:end] += 1
-        for tile in sorted({u // k_tiles for u in range(start, end)}):
-            j = p - owner[tile * k_tiles]
-            assert j == p - ((tile * k_tiles + 1) * programs - 1) // units  # the kernel's index
-            assert (tile, j) not in written and 0 <= j < pieces[tile]
-            written[(tile, j)] = p
-    assert np.all(covered == 1)
-    assert len(written) == int(pieces.sum())
-
-
-@pytest.mark.parametrize("rank", [0, 32, 96])
-def test_stream_k_kernel_lowers_for_cuda(rank):
-    """The stream-K schedule (default_programs: fewer row tiles than slots, e.g. 14B's gate|up
-    pair) lowers for CUDA, with and without the LoRA tile; the dispatch's knob parses."""
-    from qerl_jax.quant import kernel_dispatch as kd
-    assert kd._stream_k_kinds("") == frozenset()
-    assert kd._stream_k_kinds("all") == {"single", "group", "pair"}
-    assert kd._stream_k_kinds("pair, group") == {"pair", "group"}
-    with pytest.raises(ValueError, match="QERL_MOSAIC_STREAM_K='pairs'"):
-        kd._stream_k_kinds("pairs")
-    n, k, m = 27648, 5120, 8
-    row_tiles, k_tiles = n // 64, k // 256
-    assert mg.default_programs(row_tiles, k_tiles) == mg.SLOTS
-    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-            jax.ShapeDtypeStruct((row_tiles * k_tiles * mg.TILE_LINES, 128), jnp.uint8)]
-    if rank:
-        args += [jax.ShapeDtypeStruct((m, rank), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((n, rank), jnp.bfloat16)]
-
-    def f(x, permuted, *lora):
-        kwargs = dict(lora_down=lora[0], lora_bt=lora[1]) if lora else {}
-        return mg.matmul_unscaled(x, permuted, n=n, k=k, programs=mg.SLOTS, **kwargs)
-
-    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert "mosaic_gpu" in text and lowered.out_info.shape == (m, n)
-    with pytest.raises(ValueError, match="shorter than a row tile"):
-        mg.matmul_unscaled(jnp.zeros((m, 512), jnp.bfloat16),
-                           jnp.zeros((2 * 2 * mg.TILE_LINES, 128), jnp.uint8), n=128, k=512,
-                           programs=1)

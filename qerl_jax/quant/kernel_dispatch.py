@@ -439,32 +439,7 @@ def _supports(weight, compute_dtype) -> str | None:
 # (pallas_kernels.mgpu_nvfp4), reading a second copy of those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at
 # registration (benchmarks only).
-_MOSAIC_NVFP4 = {"single": False, "stream_k": frozenset()}
-# Which Mosaic launches take the kernel's stream-K schedule (mgpu_nvfp4.default_programs, where
-# it applies) instead of split-K: QERL_MOSAIC_STREAM_K, comma-separated of "single" (o, down),
-# "group" (q|k|v), "pair" (gate/up SwiGLU) or "all"; none by default (session 22 call d: stream-K
-# on every launch made the 14B rollout slower).
-_STREAM_K_KINDS = ("single", "group", "pair")
-
-
-def _stream_k_kinds(value: str) -> frozenset:
-    kinds = {part.strip() for part in value.split(",") if part.strip()}
-    if "all" in kinds:
-        kinds = set(_STREAM_K_KINDS)
-    unknown = kinds - set(_STREAM_K_KINDS)
-    if unknown:
-        raise ValueError(f"QERL_MOSAIC_STREAM_K={value!r}: unknown {sorted(unknown)}; expected "
-                         f"a comma-separated subset of {_STREAM_K_KINDS} or 'all'")
-    return frozenset(kinds)
-
-
-def _mosaic_programs(kind: str, permuted, k: int) -> int | None:
-    """The stream-K program count of a Mosaic launch of this kind, or None (split-K)."""
-    from pallas_kernels import mgpu_nvfp4
-    if kind not in _MOSAIC_NVFP4["stream_k"]:
-        return None
-    k_tiles = -(-k // mgpu_nvfp4.TILE_K)
-    return mgpu_nvfp4.default_programs(mgpu_nvfp4._padded_rows(permuted, k) // 64, k_tiles)
+_MOSAIC_NVFP4 = {"single": False}
 
 
 def _mosaic_refusal(x, weight, packed, down) -> str | None:
@@ -601,9 +576,8 @@ def _mosaic_group_forward(x, weights, down, lora_bs, scales):
             operand = mgpu_nvfp4.group_lora_operand(
                 lora_bs, [w.kernel_divisor() for w in weights], scales, n_pads)
         lora = dict(lora_down=down, lora_bt=operand)
-    y = mgpu_nvfp4.matmul_unscaled(
-        x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads), k=first.shape[1],
-        programs=_mosaic_programs("group", first.mosaic_tiles, first.shape[1]), **lora)
+    y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
+                                   k=first.shape[1], **lora)
     outputs, offset = [], 0
     for weight, n_pad in zip(weights, n_pads):
         scale = 2.0 ** -mgpu_nvfp4.SCALED_EXPONENT / weight.kernel_divisor().reshape(())
@@ -626,10 +600,8 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
             operand = _prepared_lora_operand(weight, down)
             kwargs = (dict(lora_down=down, lora_bt=operand) if operand is not None
                       else dict(lora_down=down, lora_b=lora_b, lora_scale=scale))
-        y = mgpu_nvfp4.mgpu_nvfp4_matmul(
-            x.astype(jnp.bfloat16), weight.mosaic_tiles, packed.tensor_scale, n=packed.n,
-            k=packed.k, programs=_mosaic_programs("single", weight.mosaic_tiles, packed.k),
-            **kwargs)
+        y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
+                                         packed.tensor_scale, n=packed.n, k=packed.k, **kwargs)
         return y.astype(jnp.bfloat16).astype(jnp.float32)  # rounded like the fused kernel
     config = bw.default_matmul_config(x.shape[0], packed)
     return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config, interpret=interpret,
@@ -735,8 +707,7 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
         return mgpu_nvfp4.mgpu_nvfp4_swiglu(
             x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_divisor(),
             up.kernel_divisor(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
-            next_lora_a=next_lora_a,
-            programs=_mosaic_programs("pair", gate.mosaic_tiles, gate.shape[1]), **lora)
+            next_lora_a=next_lora_a, **lora)
     # the two divisors go to the kernel as they are: a [2] array of them would be built at
     # every decode step (a concatenate kernel per layer inside the sampler's loop)
     pair = _whole_pair(gate)
@@ -847,9 +818,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
     _MOSAIC_NVFP4["single"] = os.environ.get("QERL_MOSAIC_NVFP4", "") == "1"
-    _MOSAIC_NVFP4["stream_k"] = _stream_k_kinds(os.environ.get("QERL_MOSAIC_STREAM_K", ""))
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
-                grouped, fused_swiglu, _MOSAIC_NVFP4["single"], _MOSAIC_NVFP4["stream_k"])
+                grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:
         return
     unregister_kernels(platform)
