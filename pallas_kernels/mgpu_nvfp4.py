@@ -49,6 +49,7 @@ qerl_jax.lora.stack_grouped_adapters), else per call.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +347,66 @@ def _padded_rows(permuted: jax.Array, k: int) -> int:
     return permuted.shape[0] // (TILE_LINES * -(-k // TILE_K)) * TILE_ROWS
 
 
+class L2Prefetch(NamedTuple):
+    """Another launch's weights for a kernel to prefetch into L2 once its own K loop is done
+    (`cp.async.bulk.prefetch.tensor`, a hint: results do not change), so that launch's first
+    loads hit L2 while the small XLA kernels between the two run.
+
+    buffer: that launch's permuted buffer; row_tiles, k_tiles, splits: its grid (its programs
+    (b, s) start at K tile s * k_tiles // splits); ahead: tiles prefetched from each of its
+    programs' first (1-3; at most its fewest steps, k_tiles // splits); contiguous_lines: if
+    > 0, instead the buffer's first contiguous_lines lines (72 per tile) in boxes of 216."""
+    buffer: jax.Array
+    row_tiles: int
+    k_tiles: int
+    splits: int
+    ahead: int = 2
+    contiguous_lines: int = 0
+
+
+def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, ahead: int = 2,
+                    contiguous_lines: int = 0) -> L2Prefetch:
+    """The L2Prefetch plan of a launch of matmul_unscaled over `permuted` (a [N, k] weight's
+    buffer) with `splits` (default_splits when None)."""
+    k_tiles = -(-k // TILE_K)
+    row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
+    splits = default_splits(row_tiles, k_tiles) if splits is None else splits
+    if not 1 <= ahead <= 3:
+        raise ValueError(f"l2_prefetch_for: ahead={ahead} (1-3 tiles: a TMA box has at most "
+                         f"256 lines)")
+    if contiguous_lines < 0 or contiguous_lines > permuted.shape[0]:
+        raise ValueError(f"l2_prefetch_for: contiguous_lines={contiguous_lines} for a buffer "
+                         f"of {permuted.shape[0]} lines")
+    return L2Prefetch(permuted, row_tiles, k_tiles, splits, min(ahead, k_tiles // splits),
+                      contiguous_lines)
+
+
+def _issue_l2_prefetch(plan: L2Prefetch, buffer_gmem, program, programs: int) -> None:
+    """Inside a kernel: program `program` of `programs` issues its share of the plan's
+    prefetches (one TMA box each)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if plan.contiguous_lines:
+        box = min(3 * TILE_LINES, plan.contiguous_lines)
+        boxes = -(-plan.contiguous_lines // box)
+
+        def line_of(q):
+            return jnp.minimum(q * box, plan.contiguous_lines - box)
+    else:
+        box = plan.ahead * TILE_LINES
+        boxes = plan.row_tiles * plan.splits
+
+        def line_of(q):
+            b, s = q // plan.splits, q % plan.splits
+            return (b * plan.k_tiles + s * plan.k_tiles // plan.splits) * TILE_LINES
+    for j in range(-(-boxes // programs)):
+        q = program + j * programs
+
+        @pl.when(q < boxes)
+        def _():
+            plgpu.async_prefetch(buffer_gmem.at[pl.ds(line_of(q), box)])
+
+
 def _tile_product(tile_smem, x_smem, acc_ref) -> None:
     """Inside a kernel: acc [64, M] += the decoded weight tile [64, 256] @ x_tile^T (wgmma)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -396,12 +457,14 @@ def _launch(body, out_shape, grid, grid_names, m_pad, lora_bt):
 
 def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     splits: int | None = None, lora_down: jax.Array | None = None,
-                    lora_bt: jax.Array | None = None, stages: int = 2) -> jax.Array:
+                    lora_bt: jax.Array | None = None, stages: int = 2,
+                    l2_prefetch: L2Prefetch | None = None) -> jax.Array:
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
     (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
     permuted buffer past n are whatever it holds (zeros for permute_packed's padding). Grid
-    (row tiles, splits): the split-K schedule of the module docstring."""
+    (row tiles, splits): the split-K schedule of the module docstring. l2_prefetch: another
+    launch's first tiles, prefetched into L2 by each program after its K loop."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -432,9 +495,17 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     # shapes). With uneven splits a program with one tile fewer than `steps` reloads its last
     # tiles in its last step and skips that step's product.
     x_pad, lora_x = _padded_inputs(x, lora_down, m_pad, k_tiles * TILE_K)
-    inputs = [x_pad, permuted] + ([lora_x, lora_bt.astype(jnp.bfloat16)] if with_lora else [])
+    inputs = [x_pad, permuted]
+    if l2_prefetch is not None:  # the body takes it right after the permuted buffer
+        if l2_prefetch.buffer.ndim != 2 or l2_prefetch.buffer.shape[1] != 128:
+            raise ValueError(f"mgpu_nvfp4_matmul: l2_prefetch buffer {l2_prefetch.buffer.shape}"
+                             " is not a permuted buffer [lines, 128]")
+        inputs.append(l2_prefetch.buffer)
+    inputs += [lora_x, lora_bt.astype(jnp.bfloat16)] if with_lora else []
 
     def body(x_gmem, packed_gmem, *refs):
+        if l2_prefetch is not None:
+            prefetch_gmem, *refs = refs
         if with_lora:
             lora_x_gmem, lora_bt_gmem, part_gmem, out_smem, lx_smem, bt_smem, barrier = refs
         else:
@@ -469,6 +540,9 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                                     lambda j: (0, jnp.minimum(first + j, last - 1)),
                                     transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
+            if l2_prefetch is not None:
+                _issue_l2_prefetch(l2_prefetch, prefetch_gmem, b * splits + s,
+                                   row_tiles * splits)
             if with_lora:
                 pl.when(s == 0)(lambda: _lora_product(acc_ref, bt_smem, lx_smem, barrier))
             _store_partial(acc_ref, out_smem, part_gmem.at[s, :, rows])
