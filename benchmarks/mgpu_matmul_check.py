@@ -17,7 +17,8 @@ kernel (LoRA operand made ahead, as in the sampler) and of the fused Triton kern
 (bw.blockwise_matmul, default decode config), both with a rank-32 LoRA, at the decode launch
 shapes of --sizes (q/o, down, the gate|up pair as one weight, and q|k|v: Triton's grouped
 launch against the kernel on the three weights stacked with a block-diagonal rank-96 operand);
-with --sweep also other split-K counts (sweep_splits). With 32b, the fused SwiGLU launch of a 32B
+with --sweep also other split-K counts (sweep_splits), with --stages other pipeline depths
+(default 2). With 32b, the fused SwiGLU launch of a 32B
 gate/up pair with the next layer's LoRA product (swiglu_rows): the Mosaic path checked against
 Triton's fused kernel (within 2^-7 of the largest output) and both timed.
 --sampler PRESET: the sampler end to end (common.build_sampling_model: random NVFP4 weights,
@@ -72,15 +73,18 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
     return [("q/o", h, h), ("down", h, i), ("gate|up", 2 * i, h), ("q|k|v", h + 2 * kv, h)]
 
 
-def schedules(n: int, k: int, sweep: bool) -> list[tuple[str, dict]]:
+def schedules(n: int, k: int, sweep: bool, stages=(2,)) -> list[tuple[str, dict]]:
     """(label, matmul keyword arguments) of the schedules --profile times: the default split-K
-    count, and with --sweep half and twice it."""
+    count, and with --sweep half and twice it; each at every pipeline depth in `stages`
+    (--stages; 2, the kernel's default, unlabelled)."""
     from pallas_kernels import mgpu_nvfp4 as mg
     splits = mg.default_splits(-(-n // 64), -(-k // 256))
     out = [(f"splits {splits}", {})]
     if sweep:
         out += [(f"splits {s}", {"splits": s}) for s in sweep_splits(n, k)]
-    return out
+    return [(label if depth == 2 else f"{label}, stages {depth}",
+             kwargs if depth == 2 else {**kwargs, "stages": depth})
+            for depth in stages for label, kwargs in out]
 
 
 def sweep_splits(n: int, k: int) -> list[int]:
@@ -101,6 +105,8 @@ def parse_args(argv=None):
     parser.add_argument("--sampler", default=None, metavar="PRESET")
     parser.add_argument("--sweep", action="store_true",
                         help="--profile also times other split-K counts (sweep_splits)")
+    parser.add_argument("--stages", default="2",
+                        help="comma-separated pipeline depths --profile times (default 2)")
     parser.add_argument("--sizes", default="32b",
                         help="comma-separated model sizes whose launch shapes --profile times")
     parser.add_argument("--m", type=int, default=8)
@@ -195,7 +201,7 @@ def check_group_case(key, ns, k, m, rank, splits):
             "finite": finite, "ok": finite and worst <= 1.0}
 
 
-def group_profile_rows(key, name, n, k, m, repeats, sweep, ns):
+def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,)):
     """q|k|v: Triton's grouped launch (three weights, r32 each) against the Mosaic kernel on
     the stacked buffer with the block-diagonal rank-96 operand (+ XLA's per-member rescale)."""
     import jax
@@ -231,7 +237,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns):
     operand = mg.group_lora_operand(lora_bs, [p.tensor_scale for p in packed], [2.0] * 3,
                                     n_pads)
     scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
-    for label, kwargs in schedules(sum(n_pads), k, sweep):
+    for label, kwargs in schedules(sum(n_pads), k, sweep, stages):
         def launch(x, t, d, kwargs=kwargs):
             y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_down=d, lora_bt=operand,
                                    **kwargs)
@@ -248,7 +254,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns):
     return rows
 
 
-def profile_shape(key, name, n, k, m, repeats, sweep=False):
+def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,)):
     import jax
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
@@ -276,7 +282,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False):
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
-    for label, kwargs in schedules(n, k, sweep):
+    for label, kwargs in schedules(n, k, sweep, stages):
         fn = jax.jit(lambda x, ps, d, bt, kwargs=kwargs: [mg.mgpu_nvfp4_matmul(
             x, p, ts, n=n, k=k, lora_down=d, lora_bt=bt, **kwargs) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
@@ -452,6 +458,7 @@ def main(argv=None):
                             ("max_logprob_gap", "max |log-prob gap| on it"), ("ok", "ok"),
                             ("error", "error")]))
     if args.profile:
+        stages = tuple(int(depth) for depth in args.stages.split(","))
         for size in args.sizes.split(","):
             for name, n, k in profile_shapes(size):
                 label = f"{size} {name}"
@@ -460,10 +467,10 @@ def main(argv=None):
                         h = k
                         kv = (n - h) // 2
                         profiles += group_profile_rows(key, label, n, k, args.m, args.repeats,
-                                                       args.sweep, (h, kv, kv))
+                                                       args.sweep, (h, kv, kv), stages)
                     else:
                         profiles += profile_shape(key, label, n, k, args.m, args.repeats,
-                                                  args.sweep)
+                                                  args.sweep, stages)
                 except Exception as e:
                     traceback.print_exc()
                     profiles.append({"shape": label, "n": n, "k": k,
