@@ -58,6 +58,7 @@ CHECK_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     # (LoRA operand made in the call) and gate|up pair shapes
     (384, 1792, 8, 32, 3, True), (3584, 18944, 8, 32, None, True),
     (5120, 13824, 8, 32, None, False), (27648, 5120, 5, 16, None, True)]
+TRITON_ROWS = True  # --profile also times the Triton kernel (not with --mosaic-only)
 GROUP_CHECK_CASES = [  # (member Ns, k, m, rank of each, splits): grouped q|k|v launches
     ((5120, 1024, 1024), 5120, 8, 32, None), ((256, 128, 128), 1792, 5, 16, 3),
     ((3584, 512, 512), 3584, 8, 64, None)]
@@ -105,6 +106,8 @@ def parse_args(argv=None):
     parser.add_argument("--sampler", default=None, metavar="PRESET")
     parser.add_argument("--sweep", action="store_true",
                         help="--profile also times other split-K counts (sweep_splits)")
+    parser.add_argument("--mosaic-only", action="store_true",
+                        help="--profile times the Mosaic GPU kernel only (no Triton rows)")
     parser.add_argument("--stages", default="2",
                         help="comma-separated pipeline depths --profile times (default 2)")
     parser.add_argument("--sizes", default="32b",
@@ -220,16 +223,18 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,)):
     nbytes = sum(kernel_profile.weight_bytes("nvfp4", ni, k) for ni in ns)
     count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
     config = bw.default_group_matmul_config(m, packed)
-    triton = kernel_bench.copies(list(packed), count)
-    fn = jax.jit(lambda x, groups, d: [bw.blockwise_matmul_group(
-        x, tuple(g), spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_bs=lora_bs,
-        lora_scales=(2.0,) * 3) for g in groups])
-    _, call_us, _ = kernel_profile.traced_device_us(fn, (x, triton, down), repeats, count,
-                                                    None)
-    rows = [{"shape": name, "n": n, "k": k, "kernel": "Triton grouped (LoRA 3 x r32)",
-             "call_us": call_us, "TB_s": nbytes / call_us / 1e6}]
-    print(rows[-1], flush=True)
-    del triton
+    rows = []
+    if TRITON_ROWS:
+        triton = kernel_bench.copies(list(packed), count)
+        fn = jax.jit(lambda x, groups, d: [bw.blockwise_matmul_group(
+            x, tuple(g), spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_bs=lora_bs,
+            lora_scales=(2.0,) * 3) for g in groups])
+        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, triton, down), repeats, count,
+                                                        None)
+        rows.append({"shape": name, "n": n, "k": k, "kernel": "Triton grouped (LoRA 3 x r32)",
+                     "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
+        print(rows[-1], flush=True)
+        del triton
     n_pads = [p.codes.shape[0] for p in packed]
     tiles = [jax.block_until_ready(mg.group_permuted([mg.permute_packed(w) for w in group],
                                                      [k] * 3))
@@ -267,17 +272,18 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,)):
     nbytes = kernel_profile.weight_bytes("nvfp4", n, k)
     count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
     rows = []
-    triton = kernel_bench.copies(packed, count)
-    config = bw.default_matmul_config(m, packed)
-    fn = jax.jit(lambda x, ws, d, b: [bw.blockwise_matmul(
-        x, w, spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_b=b, lora_scale=2.0)
-        for w in ws])
-    _, call_us, _ = kernel_profile.traced_device_us(fn, (x, triton, down, lora_b), repeats,
-                                                    count, None)
-    rows.append({"shape": name, "n": n, "k": k, "kernel": "Triton fused (LoRA r32)",
-                 "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
-    print(rows[-1], flush=True)
-    del triton
+    if TRITON_ROWS:
+        triton = kernel_bench.copies(packed, count)
+        config = bw.default_matmul_config(m, packed)
+        fn = jax.jit(lambda x, ws, d, b: [bw.blockwise_matmul(
+            x, w, spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_b=b,
+            lora_scale=2.0) for w in ws])
+        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, triton, down, lora_b), repeats,
+                                                        count, None)
+        rows.append({"shape": name, "n": n, "k": k, "kernel": "Triton fused (LoRA r32)",
+                     "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
+        print(rows[-1], flush=True)
+        del triton
     permuted = [jax.block_until_ready(mg.permute_packed(w))
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
@@ -412,7 +418,8 @@ def main(argv=None):
     key = jax.random.key(0)
     started = time.perf_counter()
     sections = []
-    meta = {**common.device_info(), "jax": jax.__version__}
+    meta = {**common.device_info(), "jax": jax.__version__,
+            "QERL_MOSAIC_EPILOGUE": os.environ.get("QERL_MOSAIC_EPILOGUE", "tma")}
     checks, profiles = [], []
     if args.check:
         for case in CHECK_CASES:
@@ -458,6 +465,8 @@ def main(argv=None):
                             ("max_logprob_gap", "max |log-prob gap| on it"), ("ok", "ok"),
                             ("error", "error")]))
     if args.profile:
+        global TRITON_ROWS
+        TRITON_ROWS = not args.mosaic_only
         stages = tuple(int(depth) for depth in args.stages.split(","))
         for size in args.sizes.split(","):
             for name, n, k in profile_shapes(size):

@@ -427,15 +427,31 @@ def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
     plgpu.wgmma_wait(0)
 
 
+EPILOGUES = ("tma", "tma_read", "direct")
+
+
+def _epilogue() -> str:
+    import os
+    epilogue = os.environ.get("QERL_MOSAIC_EPILOGUE", "tma")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"QERL_MOSAIC_EPILOGUE={epilogue!r}; expected one of {EPILOGUES}")
+    return epilogue
+
+
 def _store_partial(acc_ref, out_smem, dst) -> None:
     """Inside a kernel: acc [64, M] stored transposed into dst [M, 64] of a partial (through
     shared memory, one TMA copy)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    epilogue = _epilogue()
+    if epilogue == "direct":  # 4-byte global stores straight from the registers, no wait
+        plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+            lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], dst)
+        return
     plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
         lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, dst)
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=epilogue == "tma_read")
 
 
 def _launch(body, out_shape, grid, grid_names, m_pad, lora_bt):
