@@ -418,8 +418,7 @@ def main(argv=None):
     key = jax.random.key(0)
     started = time.perf_counter()
     sections = []
-    meta = {**common.device_info(), "jax": jax.__version__,
-            "QERL_MOSAIC_EPILOGUE": os.environ.get("QERL_MOSAIC_EPILOGUE", "tma")}
+    meta = {**common.device_info(), "jax": jax.__version__}
     checks, profiles = [], []
     if args.check:
         for case in CHECK_CASES:

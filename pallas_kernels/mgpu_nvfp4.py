@@ -322,7 +322,8 @@ def group_permuted(buffers, ks) -> jax.Array:
 def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
                       k: int, splits: int | None = None, lora_down: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
-                      lora_bt: jax.Array | None = None, stages: int = 2) -> jax.Array:
+                      lora_bt: jax.Array | None = None, stages: int = 2,
+                      l2_prefetch: L2Prefetch | None = None) -> jax.Array:
     """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
@@ -337,7 +338,7 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
                                n_pad=_padded_rows(permuted, k))
     y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, stages=stages)
+                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch)
     return y[:, :n] * (2.0 ** -SCALED_EXPONENT
                        / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
 
@@ -427,31 +428,16 @@ def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
     plgpu.wgmma_wait(0)
 
 
-EPILOGUES = ("tma", "tma_read", "direct")
-
-
-def _epilogue() -> str:
-    import os
-    epilogue = os.environ.get("QERL_MOSAIC_EPILOGUE", "tma")
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"QERL_MOSAIC_EPILOGUE={epilogue!r}; expected one of {EPILOGUES}")
-    return epilogue
-
-
 def _store_partial(acc_ref, out_smem, dst) -> None:
     """Inside a kernel: acc [64, M] stored transposed into dst [M, 64] of a partial (through
-    shared memory, one TMA copy)."""
+    shared memory, one TMA copy). Waiting for the shared-memory read only, or storing from the
+    registers without a wait, was no faster (session 23 call c)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    epilogue = _epilogue()
-    if epilogue == "direct":  # 4-byte global stores straight from the registers, no wait
-        plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-            lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], dst)
-        return
     plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
         lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, dst)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=epilogue == "tma_read")
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _launch(body, out_shape, grid, grid_names, m_pad, lora_bt):
@@ -615,7 +601,8 @@ def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax
 def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale: jax.Array,
                       up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
                       lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
-                      next_lora_a: jax.Array | None = None, splits: int | None = None):
+                      next_lora_a: jax.Array | None = None, splits: int | None = None,
+                      l2_prefetch: L2Prefetch | None = None):
     """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
     half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
     each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue); the kernel
@@ -628,7 +615,7 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt)
+                        lora_bt=lora_bt, l2_prefetch=l2_prefetch)
     y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
     halves = []
     for half, ts in enumerate((gate_tensor_scale, up_tensor_scale)):

@@ -184,10 +184,11 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
 
 
 def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
-                        stages=2):
+                        stages=2, l2_prefetch=None):
     """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
-    numbers are checked on the GPU by benchmarks/mgpu_matmul_check.py)."""
-    del splits, stages
+    numbers are checked on the GPU by benchmarks/mgpu_matmul_check.py; an L2 prefetch is a
+    hint that changes no result)."""
+    del splits, stages, l2_prefetch
     n_pad = mg._padded_rows(permuted, k)
     raw = mg.permuted_dequantize(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
                                  n=n_pad, k=k)  # e2m1 x block scale x 2^-8
@@ -412,3 +413,71 @@ def test_mosaic_group_dispatch_matches_the_triton_launch(monkeypatch):
                                              scales) is grouped[0]
     own = kd._replace_children(weights[1], mosaic_tiles=mg.permute_packed(weights[1].packed()))
     assert kd._mosaic_group_refusal(x, (grouped[0], own, weights[2]), down, lora_bs) == "off"
+
+
+def test_l2_prefetch_plans_and_lowering():
+    """l2_prefetch_for: the next launch's grid and the tiles per program (at most its fewest
+    steps); bad plans are refused; a launch with a plan lowers for CUDA (each mode)."""
+    permuted = jnp.zeros((16 * 7 * mg.TILE_LINES, 128), jnp.uint8)  # N 1024, 7 K tiles
+    plan = mg.l2_prefetch_for(permuted, k=1792)
+    assert (plan.row_tiles, plan.k_tiles, plan.splits) == (16, 7, mg.default_splits(16, 7))
+    assert mg.l2_prefetch_for(permuted, k=1792, splits=7, ahead=3).ahead == 1  # 1 step each
+    assert mg.l2_prefetch_for(permuted, k=1792, splits=2, ahead=3).ahead == 3
+    with pytest.raises(ValueError, match="ahead=4"):
+        mg.l2_prefetch_for(permuted, k=1792, ahead=4)
+    with pytest.raises(ValueError, match="contiguous_lines"):
+        mg.l2_prefetch_for(permuted, k=1792, contiguous_lines=permuted.shape[0] + 1)
+    n, k, m = 384, 1792, 8
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n // 64 * 7 * mg.TILE_LINES, 128), jnp.uint8),
+            jax.ShapeDtypeStruct(permuted.shape, jnp.uint8),
+            jax.ShapeDtypeStruct((m, 32), jnp.bfloat16), jax.ShapeDtypeStruct((n, 32),
+                                                                              jnp.bfloat16))
+    for mode in (dict(ahead=1), dict(ahead=3, splits=2), dict(contiguous_lines=5000)):
+        def f(x, p, q, d, o, mode=mode):
+            return mg.matmul_unscaled(x, p, n=n, k=k, splits=3, lora_down=d, lora_bt=o,
+                                      l2_prefetch=mg.l2_prefetch_for(q, k=k, **mode))
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text() and lowered.out_info.shape == (m, n)
+
+
+def test_link_mosaic_prefetch_chains_the_decode_launches(monkeypatch):
+    """link_mosaic_prefetch (QERL_MOSAIC_PREFETCH): in decode order each Mosaic launch's weight
+    holds the next launch's permuted buffer (the same array, no copy) and its K: q|k|v -> o ->
+    gate|up -> down -> the next layer's q|k|v; the last down none. Off without the knob. The
+    pytree round trip keeps the link."""
+    from qerl_jax.models.config import tiny_qwen2
+    from qerl_jax.models.transformer import init_model
+    from qerl_jax.quant import kernel_dispatch as kd
+    from qerl_jax.quant.model_quantization import quantize_model
+    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
+    quantize_model(model, "nvfp4")
+    kd.enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
+    try:
+        kd._add_mosaic_tiles(model, grouped=True)
+        monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
+        assert kd.link_mosaic_prefetch(model) == 0  # QERL_MOSAIC_PREFETCH unset
+        monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_ahead", 1)
+        layers = list(model.layers)
+        assert kd.link_mosaic_prefetch(model) == 4 * len(layers) - 1
+        chain = []
+        for layer in layers:
+            chain += [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                      layer.mlp.down_proj]
+        for proj, following in zip(chain, chain[1:] + [None]):
+            weight = proj.weight.get_value()
+            if following is None:
+                assert weight.mosaic_prefetch is None and kd._prefetch_plan(weight) is None
+                continue
+            target = following.weight.get_value()
+            assert weight.mosaic_prefetch is target.mosaic_tiles
+            assert weight.mosaic_prefetch_k == target.shape[1]
+            plan = kd._prefetch_plan(weight)
+            assert plan.buffer is target.mosaic_tiles and plan.ahead == 1
+            leaves, treedef = jax.tree_util.tree_flatten(weight)
+            again = jax.tree_util.tree_unflatten(treedef, leaves)
+            assert again.mosaic_prefetch_k == weight.mosaic_prefetch_k
+        up = layers[0].mlp.up_proj.weight.get_value()
+        assert up.mosaic_prefetch is None  # the pair's launch is the gate view's
+    finally:
+        kd.unregister_kernels("cpu")

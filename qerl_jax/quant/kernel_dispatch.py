@@ -97,7 +97,10 @@ class KernelLayoutWeight(QuantizedWeight):
     mgpu_nvfp4.group_lora_operand [sum N_pad, sum r]), made once per rollout on the sampler's
     merged copy (qerl_jax.lora.stack_grouped_adapters via `with_mosaic_lora_operand` /
     `with_mosaic_group_lora_operand`) so the decode loop does not transpose B at every token.
-    Static: format, shape (logical N, K), dtype, tile_k, pair_view.
+    mosaic_prefetch (experimental, else None): the next decode launch's permuted buffer (the
+    same array, not a copy), whose first tiles this weight's Mosaic launch prefetches into L2
+    (`link_mosaic_prefetch`, on the sampler's merged copy); mosaic_prefetch_k (static) its K.
+    Static: format, shape (logical N, K), dtype, tile_k, pair_view, mosaic_prefetch_k.
 
     pair_view (half_block, half) or None: kernel_codes / kernel_scales are an MLP's gate and up
     interleaved in blocks of half_block rows ([2 N_pad, ...], `pair_gate_up`), and this weight
@@ -113,9 +116,9 @@ class KernelLayoutWeight(QuantizedWeight):
     # Not dataclass fields: the base class's generated __init__/__eq__/__hash__ are bypassed.
     def __init__(self, *, kernel_codes, kernel_scales, checkpoint_tensor_scale=None,
                  nf4_scale_codes=None, nf4_double_quant_scales=None, mosaic_tiles=None,
-                 mosaic_lora_operand=None, format: str,
+                 mosaic_lora_operand=None, mosaic_prefetch=None, format: str,
                  shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int,
-                 pair_view: tuple[int, int] | None = None):
+                 pair_view: tuple[int, int] | None = None, mosaic_prefetch_k: int = 0):
         # No value checks: JAX rebuilds this object with tracers or placeholders as leaves.
         set_attr = object.__setattr__
         set_attr(self, "kernel_codes", kernel_codes)
@@ -125,6 +128,8 @@ class KernelLayoutWeight(QuantizedWeight):
         set_attr(self, "nf4_double_quant_scales", nf4_double_quant_scales)
         set_attr(self, "mosaic_tiles", mosaic_tiles)
         set_attr(self, "mosaic_lora_operand", mosaic_lora_operand)
+        set_attr(self, "mosaic_prefetch", mosaic_prefetch)
+        set_attr(self, "mosaic_prefetch_k", int(mosaic_prefetch_k))
         set_attr(self, "format", format)
         set_attr(self, "shape", tuple(int(d) for d in shape))
         set_attr(self, "dtype", jnp.dtype(dtype).name)
@@ -142,22 +147,27 @@ class KernelLayoutWeight(QuantizedWeight):
 
     # pytree protocol
     _CHILDREN = ("kernel_codes", "kernel_scales", "checkpoint_tensor_scale", "nf4_scale_codes",
-                 "nf4_double_quant_scales", "mosaic_tiles", "mosaic_lora_operand")
+                 "nf4_double_quant_scales", "mosaic_tiles", "mosaic_lora_operand",
+                 "mosaic_prefetch")
+
+    def _aux(self):
+        return (self.format, self.shape, self.dtype, self.tile_k, self.pair_view,
+                self.mosaic_prefetch_k)
 
     def tree_flatten_with_keys(self):
         children = tuple((jax.tree_util.GetAttrKey(name), getattr(self, name))
                          for name in self._CHILDREN)
-        return children, (self.format, self.shape, self.dtype, self.tile_k, self.pair_view)
+        return children, self._aux()
 
     def tree_flatten(self):
-        return tuple(getattr(self, name) for name in self._CHILDREN), (
-            self.format, self.shape, self.dtype, self.tile_k, self.pair_view)
+        return tuple(getattr(self, name) for name in self._CHILDREN), self._aux()
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        format_name, shape, dtype, tile_k, pair_view = aux
+        format_name, shape, dtype, tile_k, pair_view, prefetch_k = aux
         return cls(**dict(zip(cls._CHILDREN, children)), format=format_name, shape=shape,
-                   dtype=dtype, tile_k=tile_k, pair_view=pair_view)
+                   dtype=dtype, tile_k=tile_k, pair_view=pair_view,
+                   mosaic_prefetch_k=prefetch_k)
 
     # the kernels' view
     @property
@@ -439,7 +449,7 @@ def _supports(weight, compute_dtype) -> str | None:
 # (pallas_kernels.mgpu_nvfp4), reading a second copy of those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at
 # registration (benchmarks only).
-_MOSAIC_NVFP4 = {"single": False}
+_MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0}
 
 
 def _mosaic_refusal(x, weight, packed, down) -> str | None:
@@ -477,6 +487,47 @@ def _replace_children(weight: KernelLayoutWeight, **children) -> KernelLayoutWei
     named = dict(zip(KernelLayoutWeight._CHILDREN, values), **children)
     return KernelLayoutWeight.tree_unflatten(aux, tuple(named[name]
                                                        for name in KernelLayoutWeight._CHILDREN))
+
+
+def _prefetch_plan(weight):
+    """The mgpu_nvfp4.L2Prefetch of a weight linked by link_mosaic_prefetch, else None."""
+    target = getattr(weight, "mosaic_prefetch", None)
+    if target is None or not _MOSAIC_NVFP4["prefetch_ahead"]:
+        return None
+    from pallas_kernels import mgpu_nvfp4
+    return mgpu_nvfp4.l2_prefetch_for(target, k=weight.mosaic_prefetch_k,
+                                      ahead=_MOSAIC_NVFP4["prefetch_ahead"])
+
+
+def link_mosaic_prefetch(model) -> int:
+    """Experimental (QERL_MOSAIC_NVFP4=1 and QERL_MOSAIC_PREFETCH=N, N in 1-3): in decode order
+    (each layer's q|k|v, o, gate|up and down launches, then the next layer's), each weight whose
+    launch runs on the Mosaic GPU kernel gets the next such launch's permuted buffer
+    (mosaic_prefetch, the same array) and its K; the launch then prefetches the first N K tiles
+    of each of that launch's programs into L2 after its own K loop (mgpu_nvfp4.L2Prefetch).
+    In place, on the sampler's merged copy (like stack_grouped_adapters); returns the links
+    made (0 when off)."""
+    if not (_MOSAIC_NVFP4["single"] and _MOSAIC_NVFP4["prefetch_ahead"]):
+        return 0
+    chain = []
+    for layer in getattr(model, "layers", ()):
+        attention, mlp = layer.self_attn, layer.mlp
+        chain += [attention.q_proj.weight, attention.o_proj.weight, mlp.gate_proj.weight,
+                  mlp.down_proj.weight]
+    count = 0
+    for node, following in zip(chain, chain[1:]):
+        value, target = node.get_value(), following.get_value()
+        if not (isinstance(value, KernelLayoutWeight) and isinstance(target, KernelLayoutWeight)
+                and value.mosaic_tiles is not None and target.mosaic_tiles is not None):
+            continue
+        children, aux = value.tree_flatten()
+        named = dict(zip(KernelLayoutWeight._CHILDREN, children),
+                     mosaic_prefetch=target.mosaic_tiles)
+        node.set_value(KernelLayoutWeight.tree_unflatten(
+            aux[:-1] + (target.shape[1],),
+            tuple(named[name] for name in KernelLayoutWeight._CHILDREN)))
+        count += 1
+    return count
 
 
 def with_mosaic_lora_operand(weight, lora_b: jax.Array, lora_scale: float):
@@ -577,7 +628,7 @@ def _mosaic_group_forward(x, weights, down, lora_bs, scales):
                 lora_bs, [w.kernel_divisor() for w in weights], scales, n_pads)
         lora = dict(lora_down=down, lora_bt=operand)
     y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
-                                   k=first.shape[1], **lora)
+                                   k=first.shape[1], l2_prefetch=_prefetch_plan(first), **lora)
     outputs, offset = [], 0
     for weight, n_pad in zip(weights, n_pads):
         scale = 2.0 ** -mgpu_nvfp4.SCALED_EXPONENT / weight.kernel_divisor().reshape(())
@@ -601,7 +652,8 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
             kwargs = (dict(lora_down=down, lora_bt=operand) if operand is not None
                       else dict(lora_down=down, lora_b=lora_b, lora_scale=scale))
         y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
-                                         packed.tensor_scale, n=packed.n, k=packed.k, **kwargs)
+                                         packed.tensor_scale, n=packed.n, k=packed.k,
+                                         l2_prefetch=_prefetch_plan(weight), **kwargs)
         return y.astype(jnp.bfloat16).astype(jnp.float32)  # rounded like the fused kernel
     config = bw.default_matmul_config(x.shape[0], packed)
     return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config, interpret=interpret,
@@ -707,7 +759,7 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
         return mgpu_nvfp4.mgpu_nvfp4_swiglu(
             x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_divisor(),
             up.kernel_divisor(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
-            next_lora_a=next_lora_a, **lora)
+            next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate), **lora)
     # the two divisors go to the kernel as they are: a [2] array of them would be built at
     # every decode step (a concatenate kernel per layer inside the sampler's loop)
     pair = _whole_pair(gate)
@@ -818,6 +870,11 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
     _MOSAIC_NVFP4["single"] = os.environ.get("QERL_MOSAIC_NVFP4", "") == "1"
+    ahead = os.environ.get("QERL_MOSAIC_PREFETCH", "0")
+    if ahead not in ("0", "1", "2", "3"):
+        raise ValueError(f"QERL_MOSAIC_PREFETCH={ahead!r}: 0 (off) or the K tiles to prefetch "
+                         "per program of the next launch, 1-3")
+    _MOSAIC_NVFP4["prefetch_ahead"] = int(ahead)
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
                 grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:
