@@ -356,19 +356,23 @@ class L2Prefetch(NamedTuple):
     buffer: that launch's permuted buffer; row_tiles, k_tiles, splits: its grid (its programs
     (b, s) start at K tile s * k_tiles // splits); ahead: tiles prefetched from each of its
     programs' first (1-3; at most its fewest steps, k_tiles // splits); contiguous_lines: if
-    > 0, instead the buffer's first contiguous_lines lines (72 per tile) in boxes of 216."""
+    > 0, instead the buffer's first contiguous_lines lines (72 per tile) in boxes of 216.
+    extra: another 2-D array to prefetch whole (the next launch's LoRA A, read by XLA's x @ A
+    before that launch), in boxes of up to 256 rows, or None."""
     buffer: jax.Array
     row_tiles: int
     k_tiles: int
     splits: int
     ahead: int = 2
     contiguous_lines: int = 0
+    extra: jax.Array | None = None
 
 
 def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, ahead: int = 2,
-                    contiguous_lines: int = 0) -> L2Prefetch:
+                    contiguous_lines: int = 0, extra: jax.Array | None = None) -> L2Prefetch:
     """The L2Prefetch plan of a launch of matmul_unscaled over `permuted` (a [N, k] weight's
-    buffer) with `splits` (default_splits when None)."""
+    buffer) with `splits` (default_splits when None), and `extra` ([rows, cols], a row of a
+    multiple of 16 bytes and at most 256 columns: a TMA box) if given."""
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
     splits = default_splits(row_tiles, k_tiles) if splits is None else splits
@@ -378,15 +382,35 @@ def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, a
     if contiguous_lines < 0 or contiguous_lines > permuted.shape[0]:
         raise ValueError(f"l2_prefetch_for: contiguous_lines={contiguous_lines} for a buffer "
                          f"of {permuted.shape[0]} lines")
+    if extra is not None and not extra_prefetchable(extra):
+        raise ValueError(f"l2_prefetch_for: extra {extra.shape} {extra.dtype} (a 2-D array with "
+                         "rows of a multiple of 16 bytes and at most 256 columns)")
     return L2Prefetch(permuted, row_tiles, k_tiles, splits, min(ahead, k_tiles // splits),
-                      contiguous_lines)
+                      contiguous_lines, extra)
 
 
-def _issue_l2_prefetch(plan: L2Prefetch, buffer_gmem, program, programs: int) -> None:
+def extra_prefetchable(array) -> bool:
+    """Whether L2Prefetch.extra can take this array (whole rows in TMA boxes)."""
+    return (array.ndim == 2 and array.shape[1] <= 256
+            and array.shape[1] * jnp.dtype(array.dtype).itemsize % 16 == 0)
+
+
+def _issue_l2_prefetch(plan: L2Prefetch, buffer_gmem, extra_gmem, program,
+                       programs: int) -> None:
     """Inside a kernel: program `program` of `programs` issues its share of the plan's
-    prefetches (one TMA box each)."""
+    prefetches (one TMA box each; the extra array's boxes by the first programs)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    if plan.extra is not None:
+        rows = plan.extra.shape[0]
+        extra_box = min(256, rows)
+        for j in range(-(-(-(-rows // extra_box)) // programs)):
+            q = program + j * programs
+
+            @pl.when(q < -(-rows // extra_box))
+            def _():
+                start = jnp.minimum(q * extra_box, rows - extra_box)
+                plgpu.async_prefetch(extra_gmem.at[pl.ds(start, extra_box)])
     if plan.contiguous_lines:
         box = min(3 * TILE_LINES, plan.contiguous_lines)
         boxes = -(-plan.contiguous_lines // box)
@@ -503,11 +527,16 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: l2_prefetch buffer {l2_prefetch.buffer.shape}"
                              " is not a permuted buffer [lines, 128]")
         inputs.append(l2_prefetch.buffer)
+        if l2_prefetch.extra is not None:
+            inputs.append(l2_prefetch.extra)
     inputs += [lora_x, lora_bt.astype(jnp.bfloat16)] if with_lora else []
 
     def body(x_gmem, packed_gmem, *refs):
+        prefetch_gmem = extra_gmem = None
         if l2_prefetch is not None:
             prefetch_gmem, *refs = refs
+            if l2_prefetch.extra is not None:
+                extra_gmem, *refs = refs
         if with_lora:
             lora_x_gmem, lora_bt_gmem, part_gmem, out_smem, lx_smem, bt_smem, barrier = refs
         else:
@@ -543,7 +572,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                                     transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
             if l2_prefetch is not None:
-                _issue_l2_prefetch(l2_prefetch, prefetch_gmem, b * splits + s,
+                _issue_l2_prefetch(l2_prefetch, prefetch_gmem, extra_gmem, b * splits + s,
                                    row_tiles * splits)
             if with_lora:
                 pl.when(s == 0)(lambda: _lora_product(acc_ref, bt_smem, lx_smem, barrier))

@@ -433,7 +433,12 @@ def test_l2_prefetch_plans_and_lowering():
             jax.ShapeDtypeStruct(permuted.shape, jnp.uint8),
             jax.ShapeDtypeStruct((m, 32), jnp.bfloat16), jax.ShapeDtypeStruct((n, 32),
                                                                               jnp.bfloat16))
-    for mode in (dict(ahead=1), dict(ahead=3, splits=2), dict(contiguous_lines=5000)):
+    extra = jnp.zeros((600, 96), jnp.bfloat16)  # a LoRA A: 3 boxes of up to 256 rows
+    assert mg.extra_prefetchable(extra) and not mg.extra_prefetchable(jnp.zeros((8, 3)))
+    with pytest.raises(ValueError, match="extra"):
+        mg.l2_prefetch_for(permuted, k=1792, extra=jnp.zeros((8, 300), jnp.bfloat16))
+    for mode in (dict(ahead=1), dict(ahead=3, splits=2), dict(contiguous_lines=5000),
+                 dict(ahead=1, extra=extra)):
         def f(x, p, q, d, o, mode=mode):
             return mg.matmul_unscaled(x, p, n=n, k=k, splits=3, lora_down=d, lora_bt=o,
                                       l2_prefetch=mg.l2_prefetch_for(q, k=k, **mode))
@@ -444,36 +449,51 @@ def test_l2_prefetch_plans_and_lowering():
 def test_link_mosaic_prefetch_chains_the_decode_launches(monkeypatch):
     """link_mosaic_prefetch (QERL_MOSAIC_PREFETCH): in decode order each Mosaic launch's weight
     holds the next launch's permuted buffer (the same array, no copy) and its K: q|k|v -> o ->
-    gate|up -> down -> the next layer's q|k|v; the last down none. Off without the knob. The
-    pytree round trip keeps the link."""
+    gate|up -> down -> the next layer's q|k|v; the last down none; and the LoRA A that the
+    x @ A before that launch reads (o's A, the MLP's and next attention's stacked A, down's
+    A: the same arrays), in the plan unless QERL_MOSAIC_PREFETCH_LORA_A=0. Off without the
+    knob. The pytree round trip keeps the link."""
+    from qerl_jax.lora import LoRAConfig, add_lora, cast_adapters_for_compute
+    from qerl_jax.lora import stack_grouped_adapters
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
     from qerl_jax.quant import kernel_dispatch as kd
     from qerl_jax.quant.model_quantization import quantize_model
     model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
     quantize_model(model, "nvfp4")
+    add_lora(model, LoRAConfig(rank=16), jax.random.key(1))
     kd.enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
     try:
         kd._add_mosaic_tiles(model, grouped=True)
         monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
+        cast_adapters_for_compute(model)
+        stack_grouped_adapters(model)
         assert kd.link_mosaic_prefetch(model) == 0  # QERL_MOSAIC_PREFETCH unset
         monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_ahead", 1)
         layers = list(model.layers)
         assert kd.link_mosaic_prefetch(model) == 4 * len(layers) - 1
         chain = []
         for layer in layers:
-            chain += [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
-                      layer.mlp.down_proj]
-        for proj, following in zip(chain, chain[1:] + [None]):
+            attention, mlp = layer.self_attn, layer.mlp
+            chain += [(attention.q_proj, attention.grouped_lora_a),
+                      (attention.o_proj, attention.o_proj.lora_a.get_value()),
+                      (mlp.gate_proj, mlp.grouped_lora_a),
+                      (mlp.down_proj, mlp.down_proj.lora_a.get_value())]
+        for (proj, _), following in zip(chain, chain[1:] + [None]):
             weight = proj.weight.get_value()
             if following is None:
                 assert weight.mosaic_prefetch is None and kd._prefetch_plan(weight) is None
                 continue
-            target = following.weight.get_value()
+            target, lora_a = following[0].weight.get_value(), following[1]
             assert weight.mosaic_prefetch is target.mosaic_tiles
+            assert weight.mosaic_prefetch_extra is lora_a
             assert weight.mosaic_prefetch_k == target.shape[1]
             plan = kd._prefetch_plan(weight)
             assert plan.buffer is target.mosaic_tiles and plan.ahead == 1
+            assert plan.extra is lora_a and mg.extra_prefetchable(lora_a)
+            monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_lora_a", False)
+            assert kd._prefetch_plan(weight).extra is None
+            monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_lora_a", True)
             leaves, treedef = jax.tree_util.tree_flatten(weight)
             again = jax.tree_util.tree_unflatten(treedef, leaves)
             assert again.mosaic_prefetch_k == weight.mosaic_prefetch_k

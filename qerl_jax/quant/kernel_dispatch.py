@@ -99,7 +99,9 @@ class KernelLayoutWeight(QuantizedWeight):
     `with_mosaic_group_lora_operand`) so the decode loop does not transpose B at every token.
     mosaic_prefetch (experimental, else None): the next decode launch's permuted buffer (the
     same array, not a copy), whose first tiles this weight's Mosaic launch prefetches into L2
-    (`link_mosaic_prefetch`, on the sampler's merged copy); mosaic_prefetch_k (static) its K.
+    (`link_mosaic_prefetch`, on the sampler's merged copy); mosaic_prefetch_k (static) its K;
+    mosaic_prefetch_extra: the LoRA A that XLA's x @ A reads before that launch (also
+    prefetched), or None.
     Static: format, shape (logical N, K), dtype, tile_k, pair_view, mosaic_prefetch_k.
 
     pair_view (half_block, half) or None: kernel_codes / kernel_scales are an MLP's gate and up
@@ -116,7 +118,8 @@ class KernelLayoutWeight(QuantizedWeight):
     # Not dataclass fields: the base class's generated __init__/__eq__/__hash__ are bypassed.
     def __init__(self, *, kernel_codes, kernel_scales, checkpoint_tensor_scale=None,
                  nf4_scale_codes=None, nf4_double_quant_scales=None, mosaic_tiles=None,
-                 mosaic_lora_operand=None, mosaic_prefetch=None, format: str,
+                 mosaic_lora_operand=None, mosaic_prefetch=None, mosaic_prefetch_extra=None,
+                 format: str,
                  shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int,
                  pair_view: tuple[int, int] | None = None, mosaic_prefetch_k: int = 0):
         # No value checks: JAX rebuilds this object with tracers or placeholders as leaves.
@@ -129,6 +132,7 @@ class KernelLayoutWeight(QuantizedWeight):
         set_attr(self, "mosaic_tiles", mosaic_tiles)
         set_attr(self, "mosaic_lora_operand", mosaic_lora_operand)
         set_attr(self, "mosaic_prefetch", mosaic_prefetch)
+        set_attr(self, "mosaic_prefetch_extra", mosaic_prefetch_extra)
         set_attr(self, "mosaic_prefetch_k", int(mosaic_prefetch_k))
         set_attr(self, "format", format)
         set_attr(self, "shape", tuple(int(d) for d in shape))
@@ -148,7 +152,7 @@ class KernelLayoutWeight(QuantizedWeight):
     # pytree protocol
     _CHILDREN = ("kernel_codes", "kernel_scales", "checkpoint_tensor_scale", "nf4_scale_codes",
                  "nf4_double_quant_scales", "mosaic_tiles", "mosaic_lora_operand",
-                 "mosaic_prefetch")
+                 "mosaic_prefetch", "mosaic_prefetch_extra")
 
     def _aux(self):
         return (self.format, self.shape, self.dtype, self.tile_k, self.pair_view,
@@ -449,7 +453,7 @@ def _supports(weight, compute_dtype) -> str | None:
 # (pallas_kernels.mgpu_nvfp4), reading a second copy of those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at
 # registration (benchmarks only).
-_MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0}
+_MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True}
 
 
 def _mosaic_refusal(x, weight, packed, down) -> str | None:
@@ -495,8 +499,12 @@ def _prefetch_plan(weight):
     if target is None or not _MOSAIC_NVFP4["prefetch_ahead"]:
         return None
     from pallas_kernels import mgpu_nvfp4
+    extra = getattr(weight, "mosaic_prefetch_extra", None)
+    if extra is not None and (not _MOSAIC_NVFP4["prefetch_lora_a"]
+                              or not mgpu_nvfp4.extra_prefetchable(extra)):
+        extra = None
     return mgpu_nvfp4.l2_prefetch_for(target, k=weight.mosaic_prefetch_k,
-                                      ahead=_MOSAIC_NVFP4["prefetch_ahead"])
+                                      ahead=_MOSAIC_NVFP4["prefetch_ahead"], extra=extra)
 
 
 def link_mosaic_prefetch(model) -> int:
@@ -504,25 +512,34 @@ def link_mosaic_prefetch(model) -> int:
     (each layer's q|k|v, o, gate|up and down launches, then the next layer's), each weight whose
     launch runs on the Mosaic GPU kernel gets the next such launch's permuted buffer
     (mosaic_prefetch, the same array) and its K; the launch then prefetches the first N K tiles
-    of each of that launch's programs into L2 after its own K loop (mgpu_nvfp4.L2Prefetch).
-    In place, on the sampler's merged copy (like stack_grouped_adapters); returns the links
+    of each of that launch's programs into L2 after its own K loop (mgpu_nvfp4.L2Prefetch),
+    and the LoRA A of the x @ A that runs before that launch (mosaic_prefetch_extra: o's A,
+    read by the attention's combine; the MLP's and the next attention's stacked A from
+    stack_grouped_adapters; down's A), when there is one (not with
+    QERL_MOSAIC_PREFETCH_LORA_A=0). In place, on the sampler's merged copy (like stack_grouped_adapters); returns the links
     made (0 when off)."""
     if not (_MOSAIC_NVFP4["single"] and _MOSAIC_NVFP4["prefetch_ahead"]):
         return 0
-    chain = []
+    def lora_a(linear):
+        variable = getattr(linear, "lora_a", None)
+        return None if variable is None else variable.get_value()
+
+    chain = []  # (weight variable, the LoRA A read by the x @ A before its launch)
     for layer in getattr(model, "layers", ()):
         attention, mlp = layer.self_attn, layer.mlp
-        chain += [attention.q_proj.weight, attention.o_proj.weight, mlp.gate_proj.weight,
-                  mlp.down_proj.weight]
+        chain += [(attention.q_proj.weight, getattr(attention, "grouped_lora_a", None)),
+                  (attention.o_proj.weight, lora_a(attention.o_proj)),
+                  (mlp.gate_proj.weight, getattr(mlp, "grouped_lora_a", None)),
+                  (mlp.down_proj.weight, lora_a(mlp.down_proj))]
     count = 0
-    for node, following in zip(chain, chain[1:]):
+    for (node, _), (following, following_a) in zip(chain, chain[1:]):
         value, target = node.get_value(), following.get_value()
         if not (isinstance(value, KernelLayoutWeight) and isinstance(target, KernelLayoutWeight)
                 and value.mosaic_tiles is not None and target.mosaic_tiles is not None):
             continue
         children, aux = value.tree_flatten()
         named = dict(zip(KernelLayoutWeight._CHILDREN, children),
-                     mosaic_prefetch=target.mosaic_tiles)
+                     mosaic_prefetch=target.mosaic_tiles, mosaic_prefetch_extra=following_a)
         node.set_value(KernelLayoutWeight.tree_unflatten(
             aux[:-1] + (target.shape[1],),
             tuple(named[name] for name in KernelLayoutWeight._CHILDREN)))
@@ -875,6 +892,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         raise ValueError(f"QERL_MOSAIC_PREFETCH={ahead!r}: 0 (off) or the K tiles to prefetch "
                          "per program of the next launch, 1-3")
     _MOSAIC_NVFP4["prefetch_ahead"] = int(ahead)
+    _MOSAIC_NVFP4["prefetch_lora_a"] = os.environ.get("QERL_MOSAIC_PREFETCH_LORA_A", "1") != "0"
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
                 grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:
