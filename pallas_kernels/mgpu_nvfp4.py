@@ -464,9 +464,70 @@ def _store_partial(acc_ref, out_smem, dst) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-def _launch(body, out_shape, grid, grid_names, m_pad, lora_bt):
-    """plgpu.kernel of a schedule's body: out float32 `out_shape`, shared memory for the
-    transposed store and (with lora_bt) the LoRA operands' tiles and their barrier."""
+class SwigluEpilogue(NamedTuple):
+    """matmul_unscaled's fused SwiGLU epilogue over a gate/up pair interleaved in blocks of 32
+    rows (each 64-row tile: gate block b, then up block b): gate_divisor / up_divisor [1] the
+    halves' tensor scales; next_lora_a bf16 [row tiles * 32, r] (zero rows past out_n) or None."""
+    gate_divisor: jax.Array
+    up_divisor: jax.Array
+    next_lora_a: jax.Array | None = None
+
+
+def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst) -> None:
+    """Inline Mosaic GPU, after acc [64, M] is stored transposed in out_smem [M, 64] (float32
+    sums of e2m1 * scale * 2^-8 products): h [M, 32] = bf16(silu(g) * u), g = bf16(out[:, :32] *
+    2^8 / ts_g), u = bf16(out[:, 32:] * 2^8 / ts_u) (blockwise_matmul_swiglu's epilogue), into
+    h_smem and h_dst (global); with a_src ([32, r], global: next_lora_a's rows of this tile),
+    also part_dst [M, r] float32 = h @ a_src, this tile's share of the next LoRA x @ A. Thread t
+    of the warpgroup computes elements t, t + 128, ... of each product (row-major)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref
+    from jax._src.lib.mlir.dialects import math as mlir_math
+    from jax.experimental.mosaic.gpu import utils
+
+    f32, bf16, index = ir.F32Type.get(), ir.BF16Type.get(), ir.IndexType.get()
+    i32 = ir.IntegerType.get_signless(32)
+
+    def at(v):
+        return arith.constant(index, v)
+
+    tid = arith.index_cast(index, arith.andi(utils.thread_idx(), arith.constant(i32, 127)))
+    m_pad = ir.MemRefType(out_smem.type).shape[0]
+    utils.warpgroup_barrier()  # every thread's transposed store is in
+    one, full = arith.constant(f32, 1.0), arith.constant(f32, 2.0 ** -SCALED_EXPONENT)
+    scale_g = arith.divf(full, memref.load(gate_ts, [at(0)]))
+    scale_u = arith.divf(full, memref.load(up_ts, [at(0)]))
+
+    def rounded(value):
+        return arith.extf(f32, arith.truncf(bf16, value))
+
+    for e in range(m_pad * 32 // 128):
+        i = arith.addi(tid, at(128 * e))
+        row, col = arith.divui(i, at(32)), arith.remui(i, at(32))
+        gate = rounded(arith.mulf(memref.load(out_smem, [row, col]), scale_g))
+        up = rounded(arith.mulf(memref.load(out_smem, [row, arith.addi(col, at(32))]), scale_u))
+        silu = arith.divf(gate, arith.addf(one, mlir_math.exp(arith.negf(gate))))
+        h = arith.truncf(bf16, arith.mulf(silu, up))
+        memref.store(h, h_smem, [row, col])
+        memref.store(h, h_dst, [row, col])
+    if a_src is None:
+        return
+    rank = ir.MemRefType(a_src.type).shape[1]
+    utils.warpgroup_barrier()  # all of h is in shared memory
+    for e in range(m_pad * rank // 128):
+        i = arith.addi(tid, at(128 * e))
+        row, col = arith.divui(i, at(rank)), arith.remui(i, at(rank))
+        total = arith.constant(f32, 0.0)
+        for j in range(32):
+            h = arith.extf(f32, memref.load(h_smem, [row, at(j)]))
+            a = arith.extf(f32, memref.load(a_src, [at(j), col]))
+            total = arith.addf(total, arith.mulf(h, a))
+        memref.store(total, part_dst, [row, col])
+
+
+def _launch(body, out_type, grid, grid_names, m_pad, lora_bt, swiglu: bool = False):
+    """plgpu.kernel of a schedule's body: outputs `out_type`, shared memory for the transposed
+    store, (with lora_bt) the LoRA operands' tiles and their barrier, (swiglu) h [m_pad, 32]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     scratch = [plgpu.SMEM((m_pad, TILE_ROWS), jnp.float32)]
     if lora_bt is not None:
@@ -474,8 +535,10 @@ def _launch(body, out_shape, grid, grid_names, m_pad, lora_bt):
         scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
                     plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
                     plgpu.Barrier(num_arrivals=2)]
+    if swiglu:
+        scratch.append(plgpu.SMEM((m_pad, TILE_ROWS // 2), jnp.bfloat16))
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32), grid=grid,
+        body, out_type=out_type, grid=grid,
         grid_names=grid_names, scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
@@ -484,13 +547,17 @@ def _launch(body, out_shape, grid, grid_names, m_pad, lora_bt):
 def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     splits: int | None = None, lora_down: jax.Array | None = None,
                     lora_bt: jax.Array | None = None, stages: int = 2,
-                    l2_prefetch: L2Prefetch | None = None) -> jax.Array:
+                    l2_prefetch: L2Prefetch | None = None,
+                    swiglu: SwigluEpilogue | None = None):
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
     (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
     permuted buffer past n are whatever it holds (zeros for permute_packed's padding). Grid
     (row tiles, splits): the split-K schedule of the module docstring. l2_prefetch: another
-    launch's first tiles, prefetched into L2 by each program after its K loop."""
+    launch's first tiles, prefetched into L2 by each program after its K loop.
+    swiglu (one split only): instead (h bf16 [M, N_pad / 2], the SwiGLU of a gate/up pair in
+    blocks of 32 rows, and with swiglu.next_lora_a the float32 [row tiles, M, r] shares of
+    h @ next_lora_a, or None) from the fused epilogue (_swiglu_epilogue)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -517,6 +584,15 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     steps = -(-k_tiles // splits)
     uneven = k_tiles % splits != 0
     m_pad = -(-m // 8) * 8
+    next_a = None if swiglu is None else swiglu.next_lora_a
+    if swiglu is not None:
+        if splits != 1:
+            raise ValueError(f"mgpu_nvfp4_matmul: the SwiGLU epilogue needs one split, not "
+                             f"{splits}")
+        if next_a is not None and (next_a.ndim != 2 or next_a.shape[0] != row_tiles * 32
+                                   or next_a.shape[1] % 16 or next_a.shape[1] > 256):
+            raise ValueError(f"mgpu_nvfp4_matmul: next_lora_a {next_a.shape}; expected "
+                             f"[{row_tiles * 32}, r], r a multiple of 16 up to 256")
     # K padded to whole tiles: no copy of x at all for M % 8 == 0 and K % 256 == 0 (the model's
     # shapes). With uneven splits a program with one tile fewer than `steps` reloads its last
     # tiles in its last step and skips that step's product.
@@ -530,6 +606,10 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
         if l2_prefetch.extra is not None:
             inputs.append(l2_prefetch.extra)
     inputs += [lora_x, lora_bt.astype(jnp.bfloat16)] if with_lora else []
+    if swiglu is not None:
+        inputs += [jnp.asarray(swiglu.gate_divisor, jnp.float32).reshape(1),
+                   jnp.asarray(swiglu.up_divisor, jnp.float32).reshape(1)]
+        inputs += [] if next_a is None else [next_a.astype(jnp.bfloat16)]
 
     def body(x_gmem, packed_gmem, *refs):
         prefetch_gmem = extra_gmem = None
@@ -538,9 +618,23 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             if l2_prefetch.extra is not None:
                 extra_gmem, *refs = refs
         if with_lora:
-            lora_x_gmem, lora_bt_gmem, part_gmem, out_smem, lx_smem, bt_smem, barrier = refs
+            lora_x_gmem, lora_bt_gmem, *refs = refs
+        if swiglu is not None:
+            gate_ts, up_ts, *refs = refs
+            next_a_gmem = None
+            if next_a is not None:
+                next_a_gmem, *refs = refs
+            h_gmem, *refs = refs
+            share_gmem = None
+            if next_a is not None:
+                share_gmem, *refs = refs
         else:
-            part_gmem, out_smem = refs
+            part_gmem, *refs = refs
+        out_smem, *refs = refs
+        if with_lora:
+            lx_smem, bt_smem, barrier, *refs = refs
+        if swiglu is not None:
+            (h_smem,) = refs
         b = lax.axis_index("tiles")
         s = lax.axis_index("splits")
         first = s * k_tiles // splits
@@ -576,12 +670,34 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                                    row_tiles * splits)
             if with_lora:
                 pl.when(s == 0)(lambda: _lora_product(acc_ref, bt_smem, lx_smem, barrier))
-            _store_partial(acc_ref, out_smem, part_gmem.at[s, :, rows])
+            if swiglu is None:
+                _store_partial(acc_ref, out_smem, part_gmem.at[s, :, rows])
+                return
+            plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+                lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
+            half = pl.ds(b * (TILE_ROWS // 2), TILE_ROWS // 2)
+            refs_in = [out_smem, h_smem, gate_ts, up_ts, h_gmem.at[:, half]]
+            if next_a is not None:
+                refs_in += [next_a_gmem.at[half], share_gmem.at[b]]
+            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs_in))(
+                lambda ctx, *r: _swiglu_epilogue(*r[:5], *(r[5:] if len(r) > 5
+                                                             else (None, None))))(*refs_in)
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
-    kernel = _launch(body, (splits, m_pad, n_pad), (row_tiles, splits), ("tiles", "splits"),
-                     m_pad, lora_bt if with_lora else None)
+    if swiglu is not None:
+        out_type = [jax.ShapeDtypeStruct((m_pad, n_pad // 2), jnp.bfloat16)]
+        if next_a is not None:
+            out_type.append(jax.ShapeDtypeStruct((row_tiles, m_pad, next_a.shape[1]),
+                                                 jnp.float32))
+        kernel = _launch(body, tuple(out_type), (row_tiles, splits), ("tiles", "splits"),
+                         m_pad, lora_bt if with_lora else None, swiglu=True)
+        outputs = kernel(*inputs)
+        h = outputs[0][:m]
+        return h, (outputs[1][:, :m] if next_a is not None else None)
+    kernel = _launch(body, jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32),
+                     (row_tiles, splits), ("tiles", "splits"), m_pad,
+                     lora_bt if with_lora else None)
     partials = kernel(*inputs)
     return functools.reduce(jnp.add, [partials[i, :m] for i in range(splits)])  # fusable
 
@@ -631,18 +747,36 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
                       up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
                       lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
                       next_lora_a: jax.Array | None = None, splits: int | None = None,
-                      l2_prefetch: L2Prefetch | None = None):
+                      l2_prefetch: L2Prefetch | None = None, fused: bool = True):
     """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
     half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
-    each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue); the kernel
-    gives the pair's product, XLA the rest (fused). lora_bt: pair_lora_operand's, with
-    lora_down = x @ [A_gate | A_up]. next_lora_a [out_n, r]: then also returns the float32
-    product of the bf16 output with it, as blockwise_matmul_swiglu's next_lora_a."""
+    each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue). lora_bt:
+    pair_lora_operand's, with lora_down = x @ [A_gate | A_up]. next_lora_a [out_n, r]: then
+    also returns the float32 product of the bf16 output with it, as blockwise_matmul_swiglu's
+    next_lora_a. With `fused` (and blocks of 32 rows, one split, r a multiple of 16) the
+    kernel's epilogue computes the SwiGLU and each row tile's share of that product
+    (SwigluEpilogue; XLA sums the shares); else the kernel gives the pair's product and XLA
+    the rest."""
     m = x.shape[0]
     n_pad2 = _padded_rows(permuted_pair, k)
     if n_pad2 % (2 * half_block) or out_n > n_pad2 // 2:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
+    row_tiles = n_pad2 // TILE_ROWS
+    resolved = default_splits(row_tiles, -(-k // TILE_K)) if splits is None else splits
+    if (fused and half_block == TILE_ROWS // 2 and resolved == 1
+            and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):
+        next_a = None
+        if next_lora_a is not None:
+            next_a = next_lora_a.astype(jnp.bfloat16)
+            if next_a.shape[0] != n_pad2 // 2:
+                next_a = jnp.pad(next_a, ((0, n_pad2 // 2 - next_a.shape[0]), (0, 0)))
+        h, shares = matmul_unscaled(
+            x, permuted_pair, n=n_pad2, k=k, splits=1, lora_down=lora_down, lora_bt=lora_bt,
+            l2_prefetch=l2_prefetch,
+            swiglu=SwigluEpilogue(gate_tensor_scale, up_tensor_scale, next_a))
+        out = h[:, :out_n]
+        return out if next_lora_a is None else (out, shares.sum(axis=0))
     y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
                         lora_bt=lora_bt, l2_prefetch=l2_prefetch)
     y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)

@@ -184,10 +184,11 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
 
 
 def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
-                        stages=2, l2_prefetch=None):
+                        stages=2, l2_prefetch=None, swiglu=None):
     """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
     numbers are checked on the GPU by benchmarks/mgpu_matmul_check.py; an L2 prefetch is a
-    hint that changes no result)."""
+    hint that changes no result); with swiglu, the fused epilogue's (h, shares) as its
+    docstring states them."""
     del splits, stages, l2_prefetch
     n_pad = mg._padded_rows(permuted, k)
     raw = mg.permuted_dequantize(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
@@ -196,7 +197,20 @@ def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_
     if lora_down is not None:
         y = y + (lora_down.astype(jnp.bfloat16).astype(jnp.float32)
                  @ lora_bt.astype(jnp.float32).T)
-    return y
+    if swiglu is None:
+        return y
+    m, tiles = x.shape[0], n_pad // 64
+    y = y.reshape(m, tiles, 2, 32)
+    halves = [(y[:, :, i].reshape(m, -1) * 2.0 ** -mg.SCALED_EXPONENT
+               / jnp.asarray(ts, jnp.float32).reshape(())).astype(jnp.bfloat16)
+              .astype(jnp.float32) for i, ts in enumerate((swiglu.gate_divisor,
+                                                           swiglu.up_divisor))]
+    h = (halves[0] / (1.0 + jnp.exp(-halves[0])) * halves[1]).astype(jnp.bfloat16)
+    if swiglu.next_lora_a is None:
+        return h, None
+    a = swiglu.next_lora_a.astype(jnp.float32).reshape(tiles, 32, -1)
+    shares = jnp.einsum("mtj,tjr->tmr", h.astype(jnp.float32).reshape(m, tiles, 32), a)
+    return h, shares
 
 
 def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch):
@@ -269,6 +283,17 @@ def test_swiglu_lowers_for_cuda():
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     assert [o.shape for o in lowered.out_info] == [(m, n), (m, 32)]
+    # one split: the fused SwiGLU epilogue (with and without the next LoRA product)
+    for with_next in (True, False):
+        def fused(x, tiles, ts_g, ts_u, down, operand, next_a, with_next=with_next):
+            return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
+                                        lora_down=down, lora_bt=operand, splits=1,
+                                        next_lora_a=next_a if with_next else None)
+        lowered = jax.jit(fused).trace(*args).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert "mosaic_gpu" in text
+        shapes = jax.tree.map(lambda o: o.shape, lowered.out_info)
+        assert shapes == (((m, n), (m, 32)) if with_next else (m, n)), shapes
 
 
 @pytest.mark.parametrize("grouped", [True, False])
@@ -501,3 +526,49 @@ def test_link_mosaic_prefetch_chains_the_decode_launches(monkeypatch):
         assert up.mosaic_prefetch is None  # the pair's launch is the gate view's
     finally:
         kd.unregister_kernels("cpu")
+
+
+def test_fused_swiglu_epilogue_plumbing(monkeypatch):
+    """mgpu_nvfp4_swiglu with one split takes the fused epilogue (SwigluEpilogue: the divisors,
+    next_lora_a padded to the row tiles' 32 rows each) and sums the row tiles' shares; with the
+    kernel replaced by a jnp stand-in that computes what _swiglu_epilogue's docstring states,
+    its outputs equal the XLA epilogue's (fused=False) within bf16 rounding. The epilogue's own
+    numbers are checked on the GPU (mgpu_matmul_check.py: the 32B SwiGLU launch against
+    Triton's, the sampler)."""
+    from qerl_jax.quant import kernel_dispatch as kd
+    n, k, m, rank = 96, 512, 5, 16  # out_n 96: the next A is padded from 96 to 128 rows
+    keys = jax.random.split(jax.random.key(12), 6)
+    gate, up = (kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))),
+                                    tile_k=256) for i in (0, 1))
+    view = kd.pair_gate_up(gate, up)[0]
+    tiles = mg.permute_packed(kd._whole_pair(view))
+    x = jax.random.normal(keys[2], (m, k)).astype(jnp.bfloat16)
+    next_a = (jax.random.normal(keys[3], (n, rank)) * 0.1).astype(jnp.bfloat16)
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(kwargs.get("swiglu"))
+        return _reference_unscaled(*args, **kwargs)
+
+    monkeypatch.setattr(mg, "matmul_unscaled", stand_in)
+    common = dict(out_n=n, k=k, half_block=32, splits=1, next_lora_a=next_a)
+    fused, fused_next = mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_divisor(),
+                                             up.kernel_divisor(), **common)
+    assert calls[-1] is not None and calls[-1].next_lora_a.shape == (128, rank)
+    plain, plain_next = mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_divisor(),
+                                             up.kernel_divisor(), fused=False, **common)
+    assert calls[-1] is None
+    assert fused.shape == plain.shape == (m, n) and fused.dtype == jnp.bfloat16
+    assert jnp.array_equal(fused, plain)  # the same roundings in the same order
+    assert fused_next.shape == plain_next.shape == (m, rank)
+    top = float(jnp.abs(plain_next).max())
+    np.testing.assert_allclose(np.asarray(fused_next), np.asarray(plain_next), rtol=0,
+                               atol=1e-5 * top)
+    # more than one split, or blocks of other than 32 rows: the XLA epilogue
+    mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_divisor(), up.kernel_divisor(), out_n=n, k=k,
+                         half_block=32, splits=2)
+    assert calls[-1] is None
+    monkeypatch.undo()  # the kernel's own argument checks
+    with pytest.raises(ValueError, match="one split"):
+        mg.matmul_unscaled(x, tiles, n=256, k=k, splits=2,
+                           swiglu=mg.SwigluEpilogue(gate.kernel_divisor(), up.kernel_divisor()))

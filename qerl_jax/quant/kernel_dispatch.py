@@ -453,7 +453,8 @@ def _supports(weight, compute_dtype) -> str | None:
 # (pallas_kernels.mgpu_nvfp4), reading a second copy of those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at
 # registration (benchmarks only).
-_MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True}
+_MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
+                 "swiglu_epilogue": True}
 
 
 def _mosaic_refusal(x, weight, packed, down) -> str | None:
@@ -776,7 +777,8 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
         return mgpu_nvfp4.mgpu_nvfp4_swiglu(
             x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_divisor(),
             up.kernel_divisor(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
-            next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate), **lora)
+            next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate),
+            fused=_MOSAIC_NVFP4["swiglu_epilogue"], **lora)
     # the two divisors go to the kernel as they are: a [2] array of them would be built at
     # every decode step (a concatenate kernel per layer inside the sampler's loop)
     pair = _whole_pair(gate)
@@ -893,6 +895,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
                          "per program of the next launch, 1-3")
     _MOSAIC_NVFP4["prefetch_ahead"] = int(ahead)
     _MOSAIC_NVFP4["prefetch_lora_a"] = os.environ.get("QERL_MOSAIC_PREFETCH_LORA_A", "1") != "0"
+    # the SwiGLU and the next LoRA x @ A in the kernel's epilogue (mgpu_nvfp4.SwigluEpilogue)
+    _MOSAIC_NVFP4["swiglu_epilogue"] = os.environ.get("QERL_MOSAIC_SWIGLU_EPILOGUE", "1") != "0"
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
                 grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:
