@@ -476,8 +476,8 @@ def test_link_mosaic_prefetch_chains_the_decode_launches(monkeypatch):
     holds the next launch's permuted buffer (the same array, no copy) and its K: q|k|v -> o ->
     gate|up -> down -> the next layer's q|k|v; the last down none; and the LoRA A that the
     x @ A before that launch reads (o's A, the MLP's and next attention's stacked A, down's
-    A: the same arrays), in the plan unless QERL_MOSAIC_PREFETCH_LORA_A=0. Off without the
-    knob. The pytree round trip keeps the link."""
+    A: the same arrays), in the plan unless QERL_MOSAIC_PREFETCH_LORA_A=0. Off with
+    QERL_MOSAIC_PREFETCH=0. The pytree round trip keeps the link."""
     from qerl_jax.lora import LoRAConfig, add_lora, cast_adapters_for_compute
     from qerl_jax.lora import stack_grouped_adapters
     from qerl_jax.models.config import tiny_qwen2
@@ -493,7 +493,8 @@ def test_link_mosaic_prefetch_chains_the_decode_launches(monkeypatch):
         monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
         cast_adapters_for_compute(model)
         stack_grouped_adapters(model)
-        assert kd.link_mosaic_prefetch(model) == 0  # QERL_MOSAIC_PREFETCH unset
+        monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_ahead", 0)
+        assert kd.link_mosaic_prefetch(model) == 0  # QERL_MOSAIC_PREFETCH=0
         monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_ahead", 1)
         layers = list(model.layers)
         assert kd.link_mosaic_prefetch(model) == 4 * len(layers) - 1

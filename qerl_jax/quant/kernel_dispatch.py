@@ -509,7 +509,8 @@ def _prefetch_plan(weight):
 
 
 def link_mosaic_prefetch(model) -> int:
-    """Experimental (QERL_MOSAIC_NVFP4=1 and QERL_MOSAIC_PREFETCH=N, N in 1-3): in decode order
+    """Experimental (QERL_MOSAIC_NVFP4=1; QERL_MOSAIC_PREFETCH=N, N in 1-3, default 1, 0 off):
+    in decode order
     (each layer's q|k|v, o, gate|up and down launches, then the next layer's), each weight whose
     launch runs on the Mosaic GPU kernel gets the next such launch's permuted buffer
     (mosaic_prefetch, the same array) and its K; the launch then prefetches the first N K tiles
@@ -889,7 +890,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
     _MOSAIC_NVFP4["single"] = os.environ.get("QERL_MOSAIC_NVFP4", "") == "1"
-    ahead = os.environ.get("QERL_MOSAIC_PREFETCH", "0")
+    ahead = os.environ.get("QERL_MOSAIC_PREFETCH", "1")  # with the flag: on unless "0"
     if ahead not in ("0", "1", "2", "3"):
         raise ValueError(f"QERL_MOSAIC_PREFETCH={ahead!r}: 0 (off) or the K tiles to prefetch "
                          "per program of the next launch, 1-3")
