@@ -40,10 +40,16 @@ units) was tried in session 22 and removed: correct on the H100 but no faster (R
 one matmul_unscaled over the three weights stacked by rows (`group_permuted`) with a
 block-diagonal LoRA operand (`group_lora_operand`); the caller rescales each member's columns.
 `mgpu_nvfp4_swiglu`: a gate/up pair interleaved in blocks of 32 rows (kernel_dispatch.pair_gate_up) in one launch,
-its LoRA operand block diagonal (`pair_lora_operand`); XLA splits the halves, applies each
-half's tensor scale and computes silu(gate) * up and the next layer's LoRA x @ A. The LoRA
-operands are made once per rollout where the caller can (KernelLayoutWeight.mosaic_lora_operand,
-qerl_jax.lora.stack_grouped_adapters), else per call.
+its LoRA operand block diagonal (`pair_lora_operand`). With one split (the model's pairs) the
+kernel's epilogue (`SwigluEpilogue`) applies each half's tensor scale, computes silu(gate) * up
+in bf16 and each row tile's share of the next layer's LoRA x @ A, which XLA sums; otherwise
+XLA does all of that. The LoRA operands are made once per rollout where the caller can
+(KernelLayoutWeight.mosaic_lora_operand, qerl_jax.lora.stack_grouped_adapters), else per call.
+
+`L2Prefetch` (`l2_prefetch=`): after its K loop each program also prefetches into L2 its share
+of another launch's first K tiles (and optionally a small array, the LoRA A that XLA's x @ A
+reads before that launch): a hint that changes no result (kernel_dispatch.link_mosaic_prefetch
+chains the sampler's launches; RESULTS.md "Session 23").
 """
 
 from __future__ import annotations
