@@ -140,7 +140,7 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
     cache = init_kv_cache(model.config, prompt_tokens.shape[0], cache_length)
-    logits, cache = prefill(model, prompt_tokens, prompt_mask, cache)
+    logits, cache = prefill(model, prompt_tokens, prompt_mask, cache, empty_cache=True)
     groups = config.num_generations
     if groups > 1:
         logits = jnp.repeat(logits, groups, axis=0)

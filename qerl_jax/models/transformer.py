@@ -120,7 +120,9 @@ class Attention(nnx.Module):
 
         Without a cache S == T. With `cached_kv` = (keys, values) each [B, S, kv_heads, D], the
         new keys/values are written at slots [cache_index, cache_index + T) and the updated
-        pair is returned. Returns (out [B, T, H], new cached_kv or None).
+        pair is returned; a mask over fewer slots than the cache's ([B, T, S'], S' < S: prefill
+        into an empty cache) makes a multi-token step attend over the first S' slots only.
+        Returns (out [B, T, H], new cached_kv or None).
 
         q/k/v go through one `apply_linears` call (one kernel launch where the quantized kernel
         can group them). A one-token step with a cache uses the decode-attention kernel
@@ -165,6 +167,10 @@ class Attention(nnx.Module):
                 down = down.sum(axis=(1, 2)).astype(self.compute_dtype)[:, None, :]
             return self.o_proj(out, lora_down=down), new_kv
         scale = 1.0 / math.sqrt(self.head_dim)
+        if mask.shape[-1] < keys.shape[1]:
+            # a mask over the cache's first slots only (prefill into an empty cache): the
+            # slots past it hold nothing, so attention reads only these
+            keys, values = keys[:, :mask.shape[-1]], values[:, :mask.shape[-1]]
         attend = functools.partial(_attend, keys=keys, values=values, scale=scale,
                                    compute_dtype=self.compute_dtype)
         if self.implementation == "cudnn" and cached_kv is None:
@@ -285,7 +291,8 @@ class CausalLM(nnx.Module):
     def hidden_states(self, tokens, positions, mask, cache: KVCache | None = None):
         """Runs the decoder stack; returns (final-normed hidden [B, T, H], new cache).
 
-        tokens/positions [B, T]; mask [B, T, S] bool (S = T, or the cache length).
+        tokens/positions [B, T]; mask [B, T, S] bool (S = T, the cache length, or the cache's
+        first S slots that a prefill into an empty cache attends to).
         """
         x = self.embed_tokens(tokens)
         config = self.config
@@ -366,13 +373,18 @@ def _cached_mask(cache: KVCache, new_valid: jax.Array, length: int) -> tuple[jax
 
 
 def prefill(model: CausalLM, tokens: jax.Array, attention_mask: jax.Array,
-            cache: KVCache) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, *, empty_cache: bool = False) -> tuple[jax.Array, KVCache]:
     """Writes a left-padded prompt batch into the cache in one pass.
 
     Args:
       tokens: [B, T] prompt ids, left-padded.
       attention_mask: [B, T], 1 for real tokens.
       cache: a cache with `index` at the first slot to write (0 for a fresh cache).
+      empty_cache: the caller's promise that the cache is fresh (index 0, nothing valid, as
+        init_kv_cache makes it): attention then reads only the prompt's T slots, not all S
+        (the rest are masked anyway; at 14B, S = 2304 and T = 256, session 23 measured ~45 ms
+        of a ~175 ms prefill spent on the masked slots). The index is traced, so this cannot
+        be checked here.
     Returns:
       (float32 logits of each sequence's last prompt token [B, vocab], updated cache).
     """
@@ -384,6 +396,8 @@ def prefill(model: CausalLM, tokens: jax.Array, attention_mask: jax.Array,
     attention_mask = attention_mask.astype(jnp.bool_)
     positions = cache.next_position[:, None] + positions_from_mask(attention_mask)
     mask, valid = _cached_mask(cache, attention_mask, length)
+    if empty_cache:
+        mask = mask[..., :length]  # Attention reads the cache's first mask.shape[-1] slots
     hidden, cache = model.hidden_states(tokens, positions, mask, cache)
     logits = model.logits(hidden[:, -1])
     cache = cache.replace(valid=valid,

@@ -74,7 +74,13 @@ def test_bf16_logits_within_tolerance(checkpoint):
     assert max_diff <= 0.1 and mean_diff <= 0.02, (max_diff, mean_diff)
 
 
-def test_prefill_then_decode_matches_full_forward(checkpoint):
+@pytest.mark.parametrize("empty_cache", [False, True])
+def test_prefill_then_decode_matches_full_forward(checkpoint, empty_cache):
+    """Prefill + cached decode against the full forward (fp32, 1e-4); with empty_cache the
+    prefill's attention reads only the prompt's slots of the fresh cache, and the cache it
+    writes is the same as without (1e-6) in every valid slot (a left-padding slot holds the
+    keys of a query with nothing to attend to, whose uniform weights then spread over fewer
+    slots; no query ever reads those slots)."""
     _, _, directory = checkpoint
     ours = load_hf_model(directory, param_dtype="float32")
     rng = np.random.default_rng(3)
@@ -87,7 +93,19 @@ def test_prefill_then_decode_matches_full_forward(checkpoint):
 
     cache = init_kv_cache(ours.config, batch_size=3, max_length=prompt_len + new_tokens + 3)
     step = jax.jit(decode_step)
-    logits, cache = jax.jit(prefill)(ours, jnp.asarray(tokens), jnp.asarray(mask), cache)
+    run_prefill = jax.jit(prefill, static_argnames=("empty_cache",))
+    logits, cache_all = run_prefill(ours, jnp.asarray(tokens), jnp.asarray(mask), cache)
+    if empty_cache:
+        logits, cache = run_prefill(ours, jnp.asarray(tokens), jnp.asarray(mask), cache,
+                                    empty_cache=True)
+        valid = np.asarray(cache.valid)
+        np.testing.assert_array_equal(valid, np.asarray(cache_all.valid))
+        assert int(cache.index) == int(cache_all.index) == prompt_len
+        for a, b in zip(cache.keys + cache.values, cache_all.keys + cache_all.values):
+            np.testing.assert_allclose(np.asarray(a)[valid], np.asarray(b)[valid], atol=1e-6,
+                                       rtol=0)
+    else:
+        cache = cache_all
     np.testing.assert_allclose(np.asarray(logits), full[:, prompt_len - 1], atol=1e-4, rtol=0)
     for i in range(new_tokens - 1):
         logits, cache = step(ours, jnp.asarray(continuation[:, i]), cache)
