@@ -573,3 +573,27 @@ def test_fused_swiglu_epilogue_plumbing(monkeypatch):
     with pytest.raises(ValueError, match="one split"):
         mg.matmul_unscaled(x, tiles, n=256, k=k, splits=2,
                            swiglu=mg.SwigluEpilogue(gate.kernel_divisor(), up.kernel_divisor()))
+
+
+def test_identical_launches_lower_to_one_kernel():
+    """Launches with the same static configuration (a model's layers) call one cached jitted
+    kernel (_split_k_kernel): a program with 8 of them holds one Mosaic GPU module, lowered
+    once; another configuration (other splits) adds a second."""
+    n, k, m = 384, 1792, 8
+    permuted = jax.ShapeDtypeStruct((n // 64 * 7 * mg.TILE_LINES, 128), jnp.uint8)
+
+    def program(x, weights, down, operand):
+        y = x
+        for i, w in enumerate(weights):
+            splits = 3 if i < 7 else 7
+            y = mg.matmul_unscaled(y, w, n=n, k=k, splits=splits, lora_down=down,
+                                   lora_bt=operand)
+            y = jnp.tile(y, (1, -(-k // n)))[:, :k].astype(jnp.bfloat16)
+        return y
+
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), [permuted] * 8,
+            jax.ShapeDtypeStruct((m, 32), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n, 32), jnp.bfloat16))
+    text = jax.jit(program).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("kernel_hash") == 2  # splits 3 (7 launches) and splits 7 (1 launch)
+    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 2
