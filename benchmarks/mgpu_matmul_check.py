@@ -58,7 +58,6 @@ CHECK_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     # (LoRA operand made in the call) and gate|up pair shapes
     (384, 1792, 8, 32, 3, True), (3584, 18944, 8, 32, None, True),
     (5120, 13824, 8, 32, None, False), (27648, 5120, 5, 16, None, True)]
-TRITON_ROWS = True  # --profile also times the Triton kernel (not with --mosaic-only)
 GROUP_CHECK_CASES = [  # (member Ns, k, m, rank of each, splits): grouped q|k|v launches
     ((5120, 1024, 1024), 5120, 8, 32, None), ((256, 128, 128), 1792, 5, 16, 3),
     ((3584, 512, 512), 3584, 8, 64, None)]
@@ -204,9 +203,10 @@ def check_group_case(key, ns, k, m, rank, splits):
             "finite": finite, "ok": finite and worst <= 1.0}
 
 
-def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,)):
-    """q|k|v: Triton's grouped launch (three weights, r32 each) against the Mosaic kernel on
-    the stacked buffer with the block-diagonal rank-96 operand (+ XLA's per-member rescale)."""
+def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), triton=True):
+    """q|k|v: Triton's grouped launch (three weights, r32 each; unless not triton) against the
+    Mosaic kernel on the stacked buffer with the block-diagonal rank-96 operand (+ XLA's
+    per-member rescale)."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels import blockwise_matmul as bw
@@ -224,17 +224,17 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,)):
     count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
     config = bw.default_group_matmul_config(m, packed)
     rows = []
-    if TRITON_ROWS:
-        triton = kernel_bench.copies(list(packed), count)
+    if triton:
+        weights = kernel_bench.copies(list(packed), count)
         fn = jax.jit(lambda x, groups, d: [bw.blockwise_matmul_group(
             x, tuple(g), spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_bs=lora_bs,
             lora_scales=(2.0,) * 3) for g in groups])
-        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, triton, down), repeats, count,
+        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down), repeats, count,
                                                         None)
         rows.append({"shape": name, "n": n, "k": k, "kernel": "Triton grouped (LoRA 3 x r32)",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
-        del triton
+        del weights
     n_pads = [p.codes.shape[0] for p in packed]
     tiles = [jax.block_until_ready(mg.group_permuted([mg.permute_packed(w) for w in group],
                                                      [k] * 3))
@@ -259,7 +259,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,)):
     return rows
 
 
-def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,)):
+def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=True):
     import jax
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
@@ -272,18 +272,18 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,)):
     nbytes = kernel_profile.weight_bytes("nvfp4", n, k)
     count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
     rows = []
-    if TRITON_ROWS:
-        triton = kernel_bench.copies(packed, count)
+    if triton:
+        weights = kernel_bench.copies(packed, count)
         config = bw.default_matmul_config(m, packed)
         fn = jax.jit(lambda x, ws, d, b: [bw.blockwise_matmul(
             x, w, spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_b=b,
             lora_scale=2.0) for w in ws])
-        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, triton, down, lora_b), repeats,
+        _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down, lora_b), repeats,
                                                         count, None)
         rows.append({"shape": name, "n": n, "k": k, "kernel": "Triton fused (LoRA r32)",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
-        del triton
+        del weights
     permuted = [jax.block_until_ready(mg.permute_packed(w))
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
@@ -474,8 +474,6 @@ def main(argv=None):
                             ("max_logprob_gap", "max |log-prob gap| on it"), ("ok", "ok"),
                             ("error", "error")]))
     if args.profile:
-        global TRITON_ROWS
-        TRITON_ROWS = not args.mosaic_only
         stages = tuple(int(depth) for depth in args.stages.split(","))
         for size in args.sizes.split(","):
             for name, n, k in profile_shapes(size):
@@ -485,10 +483,12 @@ def main(argv=None):
                         h = k
                         kv = (n - h) // 2
                         profiles += group_profile_rows(key, label, n, k, args.m, args.repeats,
-                                                       args.sweep, (h, kv, kv), stages)
+                                                       args.sweep, (h, kv, kv), stages,
+                                                       triton=not args.mosaic_only)
                     else:
                         profiles += profile_shape(key, label, n, k, args.m, args.repeats,
-                                                  args.sweep, stages)
+                                                  args.sweep, stages,
+                                                  triton=not args.mosaic_only)
                 except Exception as e:
                     traceback.print_exc()
                     profiles.append({"shape": label, "n": n, "k": k,

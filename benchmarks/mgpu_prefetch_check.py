@@ -74,14 +74,11 @@ def _permuted(key, n, k, count):
 
 
 def _wall_us(fn, args, calls, runs=10):
-    import jax
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] / calls * 1e6
+    """Median wall time per chained rep (host launch overhead included: call a found it
+    larger than the device time, so RESULTS.md reads the device column)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import kernels as kernel_bench
+    return kernel_bench.median_time(fn, args, runs) / calls * 1e6
 
 
 def _traced(fn, args, repeats, calls):

@@ -486,9 +486,13 @@ def _prepared_lora_operand(weight, down):
     return operand
 
 
-def _replace_children(weight: KernelLayoutWeight, **children) -> KernelLayoutWeight:
-    """The same KernelLayoutWeight with some pytree children replaced."""
+def _replace_children(weight: KernelLayoutWeight, *, mosaic_prefetch_k: int | None = None,
+                      **children) -> KernelLayoutWeight:
+    """The same KernelLayoutWeight with some pytree children (and mosaic_prefetch_k, the one
+    static field that changes) replaced."""
     values, aux = weight.tree_flatten()
+    if mosaic_prefetch_k is not None:
+        aux = aux[:-1] + (mosaic_prefetch_k,)
     named = dict(zip(KernelLayoutWeight._CHILDREN, values), **children)
     return KernelLayoutWeight.tree_unflatten(aux, tuple(named[name]
                                                        for name in KernelLayoutWeight._CHILDREN))
@@ -509,19 +513,20 @@ def _prefetch_plan(weight):
 
 
 def link_mosaic_prefetch(model) -> int:
-    """Experimental (QERL_MOSAIC_NVFP4=1; QERL_MOSAIC_PREFETCH=N, N in 1-3, default 1, 0 off):
-    in decode order
-    (each layer's q|k|v, o, gate|up and down launches, then the next layer's), each weight whose
-    launch runs on the Mosaic GPU kernel gets the next such launch's permuted buffer
-    (mosaic_prefetch, the same array) and its K; the launch then prefetches the first N K tiles
-    of each of that launch's programs into L2 after its own K loop (mgpu_nvfp4.L2Prefetch),
-    and the LoRA A of the x @ A that runs before that launch (mosaic_prefetch_extra: o's A,
-    read by the attention's combine; the MLP's and the next attention's stacked A from
-    stack_grouped_adapters; down's A), when there is one (not with
-    QERL_MOSAIC_PREFETCH_LORA_A=0). In place, on the sampler's merged copy (like stack_grouped_adapters); returns the links
-    made (0 when off)."""
+    """Experimental (QERL_MOSAIC_NVFP4=1; QERL_MOSAIC_PREFETCH=N, N in 1-3, default 1, 0 off).
+
+    In decode order (each layer's q|k|v, o, gate|up and down launches, then the next layer's),
+    each weight whose launch runs on the Mosaic GPU kernel gets the next such launch's permuted
+    buffer (mosaic_prefetch, the same array) and its K, and the LoRA A of the x @ A that runs
+    before that launch (mosaic_prefetch_extra: o's A, read by the attention's combine; the
+    MLP's and the next attention's stacked A from stack_grouped_adapters; down's A), if any.
+    The launch then prefetches into L2, after its own K loop, the first N K tiles of each of
+    the next launch's programs and (unless QERL_MOSAIC_PREFETCH_LORA_A=0) that A
+    (mgpu_nvfp4.L2Prefetch). In place, on the sampler's merged copy (like
+    stack_grouped_adapters); returns the links made (0 when off)."""
     if not (_MOSAIC_NVFP4["single"] and _MOSAIC_NVFP4["prefetch_ahead"]):
         return 0
+
     def lora_a(linear):
         variable = getattr(linear, "lora_a", None)
         return None if variable is None else variable.get_value()
@@ -539,12 +544,9 @@ def link_mosaic_prefetch(model) -> int:
         if not (isinstance(value, KernelLayoutWeight) and isinstance(target, KernelLayoutWeight)
                 and value.mosaic_tiles is not None and target.mosaic_tiles is not None):
             continue
-        children, aux = value.tree_flatten()
-        named = dict(zip(KernelLayoutWeight._CHILDREN, children),
-                     mosaic_prefetch=target.mosaic_tiles, mosaic_prefetch_extra=following_a)
-        node.set_value(KernelLayoutWeight.tree_unflatten(
-            aux[:-1] + (target.shape[1],),
-            tuple(named[name] for name in KernelLayoutWeight._CHILDREN)))
+        node.set_value(_replace_children(value, mosaic_prefetch=target.mosaic_tiles,
+                                         mosaic_prefetch_extra=following_a,
+                                         mosaic_prefetch_k=target.shape[1]))
         count += 1
     return count
 
