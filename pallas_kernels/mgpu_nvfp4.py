@@ -133,17 +133,55 @@ def permute_tiles(codes: jax.Array, scale_codes: jax.Array) -> jax.Array:
                            axis=1).reshape(-1, 128)
 
 
+@functools.cache
+def _unpermute_plan() -> tuple[np.ndarray, np.ndarray]:
+    """The gather that undoes permute_tiles for one tile: for each weight (r, c) of [64, 256]
+    the index of its word among the tile's 2048 32-bit words (int32 [64, 256]) and the word
+    bits of its code bits 0-3 (uint32 [64, 256, 4])."""
+    rows, cols = _gather_indices()  # [thread, word i, pair k, weight half]
+    thread, word, pair, half = np.meshgrid(np.arange(128), np.arange(16), np.arange(4),
+                                           np.arange(2), indexing="ij")
+    word_index = np.full((TILE_ROWS, TILE_K), -1, np.int32)
+    word_index[rows, cols] = (word // 4) * 512 + thread * 4 + word % 4  # byte offset / 4
+    shifts = np.zeros((TILE_ROWS, TILE_K, 4), np.uint32)
+    shifts[rows, cols] = _source_bits()[pair, half]
+    assert (word_index >= 0).all()  # every weight of the tile is in exactly one word
+    return word_index, shifts
+
+
 def unpermute_tiles(permuted: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of permute_tiles: (codes [T, 64, 256], scale codes [T, 64, 16])."""
+    """Inverse of permute_tiles: (codes [T, 64, 256], scale codes [T, 64, 16]), by a static
+    gather (one word per weight) that XLA fuses with the bit extraction."""
     flat = permuted.reshape(-1, TILE_LINES * 128)
     t = flat.shape[0]
-    words = lax.bitcast_convert_type(flat[:, :CODE_BYTES].reshape(t, 4, 128, 4, 4), jnp.uint32)
-    words = words.transpose(0, 2, 1, 3).reshape(t, 128, 16)[..., None, None]  # [T,128,16,1,1]
-    bits = _source_bits()
-    codes = sum((((words >> bits[:, :, b]) & 1) << b) for b in range(4)).astype(jnp.uint8)
-    rows, cols = _gather_indices()
-    out = jnp.zeros((t, TILE_ROWS, TILE_K), jnp.uint8).at[:, rows, cols].set(codes)
-    return out, flat[:, CODE_BYTES:].reshape(t, TILE_ROWS, 16)
+    words = lax.bitcast_convert_type(flat[:, :CODE_BYTES].reshape(t, CODE_BYTES // 4, 4),
+                                     jnp.uint32)  # [T, 2048]
+    word_index, shifts = _unpermute_plan()
+    picked = words[:, word_index]  # [T, 64, 256]
+    codes = sum(((picked >> shifts[..., b]) & 1) << b for b in range(4)).astype(jnp.uint8)
+    return codes, flat[:, CODE_BYTES:].reshape(t, TILE_ROWS, 16)
+
+
+def kernel_layout_from_permuted(permuted: jax.Array, *, rows: int, k: int,
+                                line: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The kernel layout (pallas_kernels.blockwise_matmul, tile-major, tile_k 256) of `rows`
+    weight rows (a multiple of 64) whose tiles start at line `line` of a permuted buffer
+    [lines, 128] uint8: (codes uint8 [rows, K_pad / 2] nibble planes, canonical scale codes
+    uint8 [rows, K_pad / 16]), bit for bit the PackedWeight arrays that permute_packed
+    permuted. A weight stored only in the permuted layout (kernel_dispatch's single copy)
+    gives the other kernels their operand with this (inside jit: a transient)."""
+    if rows % TILE_ROWS or permuted.ndim != 2 or permuted.shape[1] != 128:
+        raise ValueError(f"kernel_layout_from_permuted: rows {rows} (a multiple of "
+                         f"{TILE_ROWS}) of a permuted buffer {permuted.shape} ([lines, 128])")
+    k_tiles = -(-k // TILE_K)
+    lines = rows // TILE_ROWS * k_tiles * TILE_LINES
+    if line < 0 or line + lines > permuted.shape[0]:
+        raise ValueError(f"kernel_layout_from_permuted: lines [{line}, {line + lines}) of a "
+                         f"buffer of {permuted.shape[0]} ({rows} rows, K {k})")
+    codes, scale_codes = unpermute_tiles(lax.slice_in_dim(permuted, line, line + lines))
+    planes = (codes[..., :TILE_K // 2] | (codes[..., TILE_K // 2:] << 4)).astype(jnp.uint8)
+    return (planes.reshape(rows, k_tiles * TILE_K // 2),
+            scale_codes.reshape(rows, k_tiles * 16))
 
 
 def refusal(packed: bw.PackedWeight) -> str | None:

@@ -42,6 +42,17 @@ def test_permuted_layout_is_lossless_and_dequantizes_to_the_checkpoint(n, k):
     assert permuted.shape == (packed.codes.shape[0] // 64 * k_tiles * 72, 128)
     codes, scales = mg.unpermute_tiles(permuted)
     assert jnp.array_equal(mg.permute_tiles(codes, scales), permuted)
+    # back to the kernel layout (a single-copy weight's operand for the other kernels)
+    rows = packed.codes.shape[0]
+    back = mg.kernel_layout_from_permuted(permuted, rows=rows, k=k)
+    assert jnp.array_equal(back[0], packed.codes) and jnp.array_equal(back[1], packed.scales)
+    stacked = jnp.concatenate([permuted, permuted])  # a group's buffer: the second member
+    back = mg.kernel_layout_from_permuted(stacked, rows=rows, k=k, line=permuted.shape[0])
+    assert jnp.array_equal(back[0], packed.codes) and jnp.array_equal(back[1], packed.scales)
+    with pytest.raises(ValueError, match="lines"):
+        mg.kernel_layout_from_permuted(permuted, rows=rows, k=k, line=72)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mg.kernel_layout_from_permuted(permuted, rows=rows - 32, k=k)
     got = np.asarray(mg.permuted_dequantize(permuted, packed.tensor_scale, n=n, k=k), np.float64)
     expected = _checkpoint_weights(q)
     np.testing.assert_allclose(got, expected, rtol=2e-7, atol=0)  # float32 division
@@ -328,6 +339,73 @@ def test_permuted_copies_are_made_for_the_launches_that_read_them(grouped):
             gate, up = mlp.gate_proj.weight.get_value(), mlp.up_proj.weight.get_value()
             assert gate.pair_view is not None and gate.mosaic_tiles is up.mosaic_tiles
             assert jnp.array_equal(gate.mosaic_tiles, mg.permute_packed(kd._whole_pair(gate)))
+    finally:
+        kd.unregister_kernels("cpu")
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_single_copy_keeps_only_the_permuted_buffers(grouped):
+    """_add_mosaic_tiles(single_copy=True) (QERL_MOSAIC_SINGLE_COPY, the flag's default): the
+    weights given permuted buffers, and k, v of a group, drop their kernel-layout arrays and
+    read their tiles from the buffer (the same array: q/k/v the group's at lines 0, q's rows,
+    q's + k's; the pair views their pair's). Their kernel operands and checkpoint view are bit
+    for bit the ones before, so the model's logits are identical at decode M (fused kernel,
+    interpreted) and prefill M (dequantize + dot); a pytree round trip keeps the form; no
+    arrays other than the buffers remain."""
+    from flax import nnx
+
+    from qerl_jax.models.config import tiny_qwen2
+    from qerl_jax.models.transformer import init_model
+    from qerl_jax.quant import kernel_dispatch as kd
+    from qerl_jax.quant.model_quantization import quantize_model
+    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
+    quantize_model(model, "nvfp4")
+    kd.enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
+    try:
+        def weights():
+            return {path: node.get_value() for path, node in nnx.iter_graph(model)
+                    if isinstance(node, nnx.Variable)
+                    and isinstance(node.get_value(), kd.KernelLayoutWeight)}
+
+        tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, model.config.vocab_size)
+
+        def forward(model, tokens):  # split/merge: nnx.jit would write copies back (unshared)
+            graphdef, state = nnx.split(model)
+            return jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+
+        before = {path: (w.kernel_arrays(), w.codes, w.block_scales, w.tensor_scale)
+                  for path, w in weights().items()}
+        logits = [forward(model, tokens[:1, :8]), forward(model, tokens)]  # M 8 and M 80
+        kd._add_mosaic_tiles(model, grouped=grouped, single_copy=True)
+        after = weights()
+        assert all(w.single_copy and w.kernel_codes is None and w.kernel_scales is None
+                   for w in after.values())
+        for path, w in after.items():
+            (codes, scales), *checkpoint = before[path]
+            got_codes, got_scales = w.kernel_arrays()
+            assert jnp.array_equal(got_codes, codes) and jnp.array_equal(got_scales, scales)
+            for got, expected in zip((w.codes, w.block_scales, w.tensor_scale), checkpoint):
+                assert jnp.array_equal(got, expected), path
+            assert w.packed().codes.shape == codes.shape
+        for layer in model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            q, k, v = (p.weight.get_value() for p in (attention.q_proj, attention.k_proj,
+                                                         attention.v_proj))
+            if grouped:
+                assert q.kernel_source is k.kernel_source is v.kernel_source is q.mosaic_tiles
+                assert (q.kernel_source_line, k.kernel_source_line, v.kernel_source_line) == (
+                    0, kd._mosaic_rows(q), kd._mosaic_rows(q) + kd._mosaic_rows(k))
+            else:
+                assert all(w.kernel_source is w.mosaic_tiles and w.kernel_source_line == 0
+                           for w in (q, k, v))
+            gate, up = mlp.gate_proj.weight.get_value(), mlp.up_proj.weight.get_value()
+            assert gate.kernel_source is up.kernel_source is gate.mosaic_tiles
+            assert kd._swiglu_supports(8, (gate, up), None) is None
+        leaves, tree = jax.tree.flatten(q)
+        rebuilt = jax.tree.unflatten(tree, leaves)
+        assert (rebuilt.single_copy, rebuilt.kernel_source_line) == (True, q.kernel_source_line)
+        for expected, got in zip(logits, [forward(model, tokens[:1, :8]), forward(model, tokens)]):
+            assert jnp.array_equal(got, expected)
     finally:
         kd.unregister_kernels("cpu")
 

@@ -102,7 +102,15 @@ class KernelLayoutWeight(QuantizedWeight):
     (`link_mosaic_prefetch`, on the sampler's merged copy); mosaic_prefetch_k (static) its K;
     mosaic_prefetch_extra: the LoRA A that XLA's x @ A reads before that launch (also
     prefetched), or None.
-    Static: format, shape (logical N, K), dtype, tile_k, pair_view, mosaic_prefetch_k.
+    kernel_source (experimental, else None): the single-copy form (QERL_MOSAIC_NVFP4=1, unless
+    QERL_MOSAIC_SINGLE_COPY=0): kernel_codes and kernel_scales are None and the weight's only
+    copy is the permuted buffer kernel_source (its own mosaic_tiles, its pair's, or its q/k/v
+    group's: the same array), its tiles from line kernel_source_line (static) on. The other
+    kernels' operands (packed(), kernel_arrays()) and the checkpoint view are then unpermuted
+    from it where they are used (mgpu_nvfp4.kernel_layout_from_permuted; inside jit a
+    transient of one weight), bit for bit the arrays that were permuted.
+    Static: format, shape (logical N, K), dtype, tile_k, pair_view, mosaic_prefetch_k,
+    kernel_source_line.
 
     pair_view (half_block, half) or None: kernel_codes / kernel_scales are an MLP's gate and up
     interleaved in blocks of half_block rows ([2 N_pad, ...], `pair_gate_up`), and this weight
@@ -119,9 +127,10 @@ class KernelLayoutWeight(QuantizedWeight):
     def __init__(self, *, kernel_codes, kernel_scales, checkpoint_tensor_scale=None,
                  nf4_scale_codes=None, nf4_double_quant_scales=None, mosaic_tiles=None,
                  mosaic_lora_operand=None, mosaic_prefetch=None, mosaic_prefetch_extra=None,
-                 format: str,
+                 kernel_source=None, format: str,
                  shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int,
-                 pair_view: tuple[int, int] | None = None, mosaic_prefetch_k: int = 0):
+                 pair_view: tuple[int, int] | None = None, mosaic_prefetch_k: int = 0,
+                 kernel_source_line: int = 0):
         # No value checks: JAX rebuilds this object with tracers or placeholders as leaves.
         set_attr = object.__setattr__
         set_attr(self, "kernel_codes", kernel_codes)
@@ -134,6 +143,8 @@ class KernelLayoutWeight(QuantizedWeight):
         set_attr(self, "mosaic_prefetch", mosaic_prefetch)
         set_attr(self, "mosaic_prefetch_extra", mosaic_prefetch_extra)
         set_attr(self, "mosaic_prefetch_k", int(mosaic_prefetch_k))
+        set_attr(self, "kernel_source", kernel_source)
+        set_attr(self, "kernel_source_line", int(kernel_source_line))
         set_attr(self, "format", format)
         set_attr(self, "shape", tuple(int(d) for d in shape))
         set_attr(self, "dtype", jnp.dtype(dtype).name)
@@ -146,17 +157,19 @@ class KernelLayoutWeight(QuantizedWeight):
     def __repr__(self) -> str:
         return (f"KernelLayoutWeight(format={self.format!r}, shape={self.shape}, "
                 f"dtype={self.dtype!r}, tile_k={self.tile_k}, "
-                f"kernel_codes={getattr(self.kernel_codes, 'shape', None)}"
+                f"kernel_rows={self.kernel_rows}"
+                + ("" if self.kernel_source is None else ", single copy in the permuted layout")
                 + ("" if self.pair_view is None else f", pair_view={self.pair_view}") + ")")
 
     # pytree protocol
     _CHILDREN = ("kernel_codes", "kernel_scales", "checkpoint_tensor_scale", "nf4_scale_codes",
                  "nf4_double_quant_scales", "mosaic_tiles", "mosaic_lora_operand",
-                 "mosaic_prefetch", "mosaic_prefetch_extra")
+                 "mosaic_prefetch", "mosaic_prefetch_extra", "kernel_source")
+    _STATIC = ("format", "shape", "dtype", "tile_k", "pair_view", "mosaic_prefetch_k",
+               "kernel_source_line")
 
     def _aux(self):
-        return (self.format, self.shape, self.dtype, self.tile_k, self.pair_view,
-                self.mosaic_prefetch_k)
+        return tuple(getattr(self, name) for name in self._STATIC)
 
     def tree_flatten_with_keys(self):
         children = tuple((jax.tree_util.GetAttrKey(name), getattr(self, name))
@@ -168,39 +181,68 @@ class KernelLayoutWeight(QuantizedWeight):
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        format_name, shape, dtype, tile_k, pair_view, prefetch_k = aux
-        return cls(**dict(zip(cls._CHILDREN, children)), format=format_name, shape=shape,
-                   dtype=dtype, tile_k=tile_k, pair_view=pair_view,
-                   mosaic_prefetch_k=prefetch_k)
+        return cls(**dict(zip(cls._CHILDREN, children)), **dict(zip(cls._STATIC, aux)))
 
     # the kernels' view
     @property
     def spec(self) -> bw.FormatSpec:
         return SPECS[self.format]
 
+    @property
+    def kernel_rows(self) -> int:
+        """Rows N_pad of the kernel-layout arrays (2 N_pad for a gate/up pair view), static."""
+        if self.kernel_codes is not None:
+            return int(self.kernel_codes.shape[0])
+        n_pad = bw.padded_sizes(*self.shape, self.tile_k)[0]
+        return 2 * n_pad if self.pair_view is not None else n_pad
+
+    @property
+    def kernel_code_columns(self) -> int:
+        """Columns K_pad / 2 of kernel_codes, static."""
+        if self.kernel_codes is not None:
+            return int(self.kernel_codes.shape[1])
+        return bw.padded_sizes(*self.shape, self.tile_k)[1] // 2
+
+    @property
+    def single_copy(self) -> bool:
+        """True if the weight is stored only in the Mosaic permuted layout (kernel_source)."""
+        return self.kernel_codes is None and self.kernel_source is not None
+
+    def kernel_arrays(self) -> tuple[jax.Array, jax.Array]:
+        """(kernel_codes, kernel_scales), tile-major [kernel_rows, ...]: the arrays, or for a
+        single-copy weight their unpermuted form (computed: a transient inside jit)."""
+        if self.kernel_codes is not None:
+            return self.kernel_codes, self.kernel_scales
+        if self.kernel_source is None:
+            raise ValueError("KernelLayoutWeight: neither kernel_codes nor kernel_source")
+        from pallas_kernels import mgpu_nvfp4
+        return mgpu_nvfp4.kernel_layout_from_permuted(
+            self.kernel_source, rows=self.kernel_rows, k=self.shape[1],
+            line=self.kernel_source_line)
+
     def packed(self) -> bw.PackedWeight:
-        """The pallas_kernels PackedWeight (no computation: the arrays as they are, plus the
-        kernels' divisor [1]: NVFP4's tensor scale, else 1)."""
-        if self.format == "nvfp4":
-            divisor = jnp.asarray(self.checkpoint_tensor_scale, jnp.float32).reshape(1)
-        else:
-            divisor = jnp.ones((1,), jnp.float32)
-        return bw.PackedWeight(codes=self.kernel_codes, scales=self.kernel_scales,
-                               tensor_scale=divisor, fmt=self.format, n=self.shape[0],
-                               k=self.shape[1], tile_k=self.tile_k, pair_view=self.pair_view)
+        """The pallas_kernels PackedWeight: kernel_arrays() (for a stored layout the arrays as
+        they are) and the kernels' divisor [1] (NVFP4's tensor scale, else 1)."""
+        codes, scales = self.kernel_arrays()
+        return bw.PackedWeight(codes=codes, scales=scales, tensor_scale=self.kernel_divisor(),
+                               fmt=self.format, n=self.shape[0], k=self.shape[1],
+                               tile_k=self.tile_k, pair_view=self.pair_view)
 
     def kernel_divisor(self) -> jax.Array:
         """The kernels' divisor [1] (NVFP4's tensor scale, else 1), as packed() holds it."""
-        return self.packed().tensor_scale
+        if self.format == "nvfp4":
+            return jnp.asarray(self.checkpoint_tensor_scale, jnp.float32).reshape(1)
+        return jnp.ones((1,), jnp.float32)
 
     def _row_major(self, scales: bool) -> jax.Array:
         """kernel_codes (scales False) or kernel_scales stored row by row (both are stored
         tile-major, pallas_kernels.blockwise_matmul.tile_major); only that one is converted."""
-        code_cols, scale_cols = bw.tile_columns(self.kernel_codes.shape[1],
-                                                self.kernel_scales.shape[1], self.tile_k)
+        codes, block_scales = self.kernel_arrays()
+        code_cols, scale_cols = bw.tile_columns(codes.shape[1], block_scales.shape[1],
+                                                self.tile_k)
         if scales:
-            return bw.row_major(self.kernel_scales, scale_cols)
-        return bw.row_major(self.kernel_codes, code_cols)
+            return bw.row_major(block_scales, scale_cols)
+        return bw.row_major(codes, code_cols)
 
     def _own_rows(self, array: jax.Array) -> jax.Array:
         """This weight's rows [N_pad, ...] of a row-major kernel-layout array (a copy for a pair
@@ -365,6 +407,8 @@ def pair_refusal(gate, up, half_block: int = PAIR_HALF_BLOCK) -> str | None:
         return "they are not both in the kernel layout"
     if gate.pair_view is not None or up.pair_view is not None:
         return "they are pair views already"
+    if gate.kernel_codes is None or up.kernel_codes is None:
+        return "a weight is stored only in the Mosaic permuted layout (single copy)"
     described = [(w.format, w.shape, w.dtype, w.tile_k, tuple(w.kernel_codes.shape),
                   tuple(w.kernel_scales.shape)) for w in (gate, up)]
     if described[0] != described[1]:
@@ -454,7 +498,7 @@ def _supports(weight, compute_dtype) -> str | None:
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at
 # registration (benchmarks only).
 _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
-                 "swiglu_epilogue": True}
+                 "swiglu_epilogue": True, "single_copy": True}
 
 
 def _mosaic_refusal(x, weight, packed, down) -> str | None:
@@ -475,7 +519,7 @@ def _mosaic_rows(weight: KernelLayoutWeight) -> int:
     """Rows of the permuted buffer of this (not paired) weight alone."""
     from pallas_kernels import mgpu_nvfp4
     k_tiles = -(-weight.shape[1] // mgpu_nvfp4.TILE_K)
-    return weight.kernel_codes.shape[0] // mgpu_nvfp4.TILE_ROWS * k_tiles * mgpu_nvfp4.TILE_LINES
+    return weight.kernel_rows // mgpu_nvfp4.TILE_ROWS * k_tiles * mgpu_nvfp4.TILE_LINES
 
 
 def _prepared_lora_operand(weight, down):
@@ -486,16 +530,14 @@ def _prepared_lora_operand(weight, down):
     return operand
 
 
-def _replace_children(weight: KernelLayoutWeight, *, mosaic_prefetch_k: int | None = None,
-                      **children) -> KernelLayoutWeight:
-    """The same KernelLayoutWeight with some pytree children (and mosaic_prefetch_k, the one
-    static field that changes) replaced."""
-    values, aux = weight.tree_flatten()
-    if mosaic_prefetch_k is not None:
-        aux = aux[:-1] + (mosaic_prefetch_k,)
-    named = dict(zip(KernelLayoutWeight._CHILDREN, values), **children)
-    return KernelLayoutWeight.tree_unflatten(aux, tuple(named[name]
-                                                       for name in KernelLayoutWeight._CHILDREN))
+def _replace_children(weight: KernelLayoutWeight, **changes) -> KernelLayoutWeight:
+    """The same KernelLayoutWeight with some pytree children or static fields replaced."""
+    names = KernelLayoutWeight._CHILDREN + KernelLayoutWeight._STATIC
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        raise TypeError(f"_replace_children: {unknown} are not KernelLayoutWeight fields")
+    return KernelLayoutWeight(**{name: changes.get(name, getattr(weight, name))
+                                 for name in names})
 
 
 def _prefetch_plan(weight):
@@ -562,9 +604,8 @@ def with_mosaic_lora_operand(weight, lora_b: jax.Array, lora_scale: float):
             or lora_b.shape[0] not in mgpu_nvfp4.LORA_RANKS
             or weight.mosaic_tiles.shape[0] != _mosaic_rows(weight)):
         return weight
-    packed = weight.packed()
-    operand = mgpu_nvfp4.lora_operand(lora_b, packed.tensor_scale, lora_scale,
-                                      n_pad=packed.codes.shape[0])
+    operand = mgpu_nvfp4.lora_operand(lora_b, weight.kernel_divisor(), lora_scale,
+                                      n_pad=weight.kernel_rows)
     return _replace_children(weight, mosaic_lora_operand=operand)
 
 
@@ -581,7 +622,7 @@ def with_mosaic_pair_lora_operand(gate, up, gate_b: jax.Array, up_b: jax.Array,
         return gate
     operand = mgpu_nvfp4.pair_lora_operand(
         gate_b, up_b, gate.kernel_divisor(), up.kernel_divisor(), lora_scale,
-        n_pad=gate.kernel_codes.shape[0] // 2, half_block=gate.pair_view[0])
+        n_pad=gate.kernel_rows // 2, half_block=gate.pair_view[0])
     return _replace_children(gate, mosaic_lora_operand=operand)
 
 
@@ -630,7 +671,7 @@ def with_mosaic_group_lora_operand(weights, lora_bs, lora_scales):
         return weights[0]
     operand = mgpu_nvfp4.group_lora_operand(
         lora_bs, [w.kernel_divisor() for w in weights], lora_scales,
-        [w.kernel_codes.shape[0] for w in weights])
+        [w.kernel_rows for w in weights])
     return _replace_children(weights[0], mosaic_lora_operand=operand)
 
 
@@ -640,7 +681,7 @@ def _mosaic_group_forward(x, weights, down, lora_bs, scales):
     kernel's outputs) -> tuple of [M, N_i] float32."""
     from pallas_kernels import mgpu_nvfp4
     first = weights[0]
-    n_pads = [w.kernel_codes.shape[0] for w in weights]
+    n_pads = [w.kernel_rows for w in weights]
     lora = {}
     if down is not None:
         operand = _prepared_lora_operand(first, down)
@@ -704,8 +745,8 @@ def _group_supports(weights) -> str | None:
         return ("gate/up pair views (their launch is the fused SwiGLU one, "
                 "linear_op.linear_swiglu)")
     for weight in weights[1:]:
-        if (weight.format, weight.shape[1], weight.tile_k, weight.kernel_codes.shape[1]) != (
-                first.format, first.shape[1], first.tile_k, first.kernel_codes.shape[1]):
+        if (weight.format, weight.shape[1], weight.tile_k, weight.kernel_code_columns) != (
+                first.format, first.shape[1], first.tile_k, first.kernel_code_columns):
             return (f"{weight.format} {weight.shape} tile_k {weight.tile_k} vs {first.format} "
                     f"{first.shape} tile_k {first.tile_k} (a launch needs one format, K and "
                     "K tile)")
@@ -725,11 +766,13 @@ def _swiglu_supports(m, weights, scales) -> str | None:
                 "them into one pair)")
     if gate.pair_view[1] != 0 or up.pair_view != (gate.pair_view[0], 1):
         return f"pair views {gate.pair_view} / {up.pair_view} are not (gate, up) of one pair"
-    if (gate.format, gate.shape, tuple(gate.kernel_codes.shape)) != (
-            up.format, up.shape, tuple(up.kernel_codes.shape)):
+    if (gate.format, gate.shape, gate.kernel_rows, gate.single_copy) != (
+            up.format, up.shape, up.kernel_rows, up.single_copy):
         return f"gate {gate!r} and up {up!r} differ"
-    if not isinstance(gate.kernel_codes, jax.core.Tracer) and (
-            gate.kernel_codes is not up.kernel_codes or gate.kernel_scales is not up.kernel_scales):
+    stored = [(w.kernel_source,) if w.single_copy else (w.kernel_codes, w.kernel_scales)
+              for w in (gate, up)]
+    if not isinstance(stored[0][0], jax.core.Tracer) and any(
+            a is not b for a, b in zip(*stored)):
         return "gate and up are views of two different pairs"
     if scales is not None and scales[0] != scales[1]:
         return f"gate and up have different LoRA scales {scales}"
@@ -740,7 +783,7 @@ def _pair_lora_b(weights, lora_bs):
     """The fused SwiGLU launch's block-diagonal LoRA B [r_g' + r_u', 2 N_pad] bf16 of a pair's
     (B_gate, B_up) (pallas_kernels.blockwise_matmul.interleave_lora_b)."""
     gate = weights[0]
-    return bw.interleave_lora_b(lora_bs[0], lora_bs[1], gate.kernel_codes.shape[0] // 2,
+    return bw.interleave_lora_b(lora_bs[0], lora_bs[1], gate.kernel_rows // 2,
                                 gate.pair_view[0])
 
 
@@ -775,7 +818,7 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
             if operand is None:
                 operand = mgpu_nvfp4.pair_lora_operand(
                     lora_bs[0], lora_bs[1], gate.kernel_divisor(), up.kernel_divisor(),
-                    scales[0], n_pad=gate.kernel_codes.shape[0] // 2, half_block=half_block)
+                    scales[0], n_pad=gate.kernel_rows // 2, half_block=half_block)
             lora = dict(lora_down=down, lora_bt=operand)
         return mgpu_nvfp4.mgpu_nvfp4_swiglu(
             x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_divisor(),
@@ -900,6 +943,8 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
     _MOSAIC_NVFP4["prefetch_lora_a"] = os.environ.get("QERL_MOSAIC_PREFETCH_LORA_A", "1") != "0"
     # the SwiGLU and the next LoRA x @ A in the kernel's epilogue (mgpu_nvfp4.SwigluEpilogue)
     _MOSAIC_NVFP4["swiglu_epilogue"] = os.environ.get("QERL_MOSAIC_SWIGLU_EPILOGUE", "1") != "0"
+    # the permuted buffers are the weights' only copy (KernelLayoutWeight.kernel_source)
+    _MOSAIC_NVFP4["single_copy"] = os.environ.get("QERL_MOSAIC_SINGLE_COPY", "1") != "0"
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
                 grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:
@@ -1034,7 +1079,8 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
             count += 1
     pairs = pair_mlp_weights(model_or_state) if pair_mlp else 0
     if _MOSAIC_NVFP4["single"] and not interpret:
-        _add_mosaic_tiles(model_or_state, grouped=grouped)
+        _add_mosaic_tiles(model_or_state, grouped=grouped,
+                          single_copy=_MOSAIC_NVFP4["single_copy"])
     logger.info("enable_kernels: %d quantized weights in the kernel layout, %d MLP gate/up "
                 "pairs (%s, interpret=%s)", count, pairs, platform, interpret)
     return model_or_state
@@ -1043,25 +1089,34 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
 def _whole_pair(weight: KernelLayoutWeight) -> bw.PackedWeight:
     """The interleaved gate/up pair a pair view reads, as one PackedWeight [2 N_pad, K] (no
     tensor scale: each half keeps its own)."""
-    return bw.PackedWeight(codes=weight.kernel_codes, scales=weight.kernel_scales,
-                           tensor_scale=None, fmt=weight.format, n=weight.kernel_codes.shape[0],
-                           k=weight.shape[1], tile_k=weight.tile_k)
+    codes, scales = weight.kernel_arrays()
+    return bw.PackedWeight(codes=codes, scales=scales, tensor_scale=None, fmt=weight.format,
+                           n=weight.kernel_rows, k=weight.shape[1], tile_k=weight.tile_k)
 
 
 # the attention projections that share one grouped launch at decode
 _GROUPED_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
-def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True) -> None:
-    """Experimental: each NVFP4 KernelLayoutWeight also gets its permuted-layout copy
-    (mosaic_tiles) for the Mosaic GPU kernel (see _MOSAIC_NVFP4); the two views of a gate/up
-    pair share one permuted copy of the whole interleaved pair. With grouped launches, an
-    attention module's q projection gets the permuted buffer of [W_q; W_k; W_v] for the grouped
-    launch (mgpu_nvfp4.group_permuted) and k, v none. The buffers are made from the weights
-    as they are now: replacing a weight later needs enable_kernels on a fresh model."""
+def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True,
+                      single_copy: bool = False) -> None:
+    """Experimental: each NVFP4 KernelLayoutWeight also gets its permuted layout (mosaic_tiles)
+    for the Mosaic GPU kernel (see _MOSAIC_NVFP4); the two views of a gate/up pair share one
+    permuted buffer of the whole interleaved pair. With grouped launches, an attention
+    module's q projection gets the permuted buffer of [W_q; W_k; W_v] for the grouped launch
+    (mgpu_nvfp4.group_permuted) and k, v none.
+
+    single_copy=True (QERL_MOSAIC_SINGLE_COPY, default 1): the permuted buffers replace the
+    kernel-layout arrays instead of adding a copy: every weight given a buffer, and k and v of
+    a group, keep kernel_codes / kernel_scales None and read their tiles from the buffer
+    (kernel_source, from line kernel_source_line: q 0, k after q's, v after k's), so the
+    model's NVFP4 weights take the memory of one layout (the kernel layout's arrays are freed
+    once nothing else references them). The buffers are made from the weights as they are
+    now: replacing a weight later needs enable_kernels on a fresh model."""
     from pallas_kernels import mgpu_nvfp4
     permute = jax.jit(mgpu_nvfp4.permute_packed)
     count, pairs, groups = 0, {}, 0
+    sources = []  # (variable, permuted buffer holding its tiles, first line) for single_copy
 
     def variable(module, name):
         layer = getattr(module, name, None)
@@ -1077,19 +1132,25 @@ def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True) -> None:
             grouped_nodes.update(id(node) for node in nodes)
             values = [node.get_value() for node in nodes]
             if not all(isinstance(v, KernelLayoutWeight) and v.mosaic_tiles is None
-                       and mgpu_nvfp4.refusal(v.packed()) is None for v in values):
+                       and not v.single_copy and mgpu_nvfp4.refusal(v.packed()) is None
+                       for v in values):
                 continue
             if len({v.shape[1] for v in values}) != 1:
                 continue
             tiles = mgpu_nvfp4.group_permuted([permute(v.packed()) for v in values],
                                               [v.shape[1] for v in values])
             nodes[0].set_value(_replace_children(values[0], mosaic_tiles=tiles))
+            line = 0
+            for node, value in zip(nodes, values):
+                sources.append((node, tiles, line))
+                line += _mosaic_rows(value)
             groups += 1
     for _, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Variable) or id(node) in grouped_nodes:
             continue
         value = node.get_value()
-        if not isinstance(value, KernelLayoutWeight) or value.mosaic_tiles is not None:
+        if (not isinstance(value, KernelLayoutWeight) or value.mosaic_tiles is not None
+                or value.single_copy):
             continue
         packed = value.packed() if value.pair_view is None else _whole_pair(value)
         if mgpu_nvfp4.refusal(packed) is not None:
@@ -1102,10 +1163,16 @@ def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True) -> None:
                 pairs[key] = permute(packed)
             tiles = pairs[key]
         node.set_value(_replace_children(value, mosaic_tiles=tiles))
+        sources.append((node, tiles, 0))
         count += 1
+    if single_copy:
+        for node, tiles, line in sources:
+            node.set_value(_replace_children(node.get_value(), kernel_codes=None,
+                                             kernel_scales=None, kernel_source=tiles,
+                                             kernel_source_line=line))
     logger.info("enable_kernels: %d NVFP4 weights (%d gate/up pairs) and %d q/k/v groups also "
-                "in the Mosaic GPU permuted layout (experimental, QERL_MOSAIC_NVFP4=1)", count,
-                len(pairs), groups)
+                "in the Mosaic GPU permuted layout (experimental, QERL_MOSAIC_NVFP4=1)%s", count,
+                len(pairs), groups, "; it is their only copy" if single_copy else "")
 
 
 def disable_kernels(model_or_state):
