@@ -867,4 +867,8 @@ def available() -> str | None:
         return f"Mosaic GPU is not importable: {e}"
     if jax.default_backend() != "gpu":
         return f"backend {jax.default_backend()} (Mosaic GPU kernels run on NVIDIA GPUs)"
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not capability.startswith("9."):
+        return (f"compute capability {capability or 'unknown'} (the kernel's wgmma and TMA "
+                "pipeline are Hopper's, sm_90)")
     return None

@@ -1078,12 +1078,22 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
             node.set_value(to_kernel_layout(value, tile_k=tile_k, donate=donate))
             count += 1
     pairs = pair_mlp_weights(model_or_state) if pair_mlp else 0
-    if _MOSAIC_NVFP4["single"] and not interpret:
+    if _MOSAIC_NVFP4["single"] and not interpret and _mosaic_unavailable() is None:
         _add_mosaic_tiles(model_or_state, grouped=grouped,
                           single_copy=_MOSAIC_NVFP4["single_copy"])
     logger.info("enable_kernels: %d quantized weights in the kernel layout, %d MLP gate/up "
                 "pairs (%s, interpret=%s)", count, pairs, platform, interpret)
     return model_or_state
+
+
+def _mosaic_unavailable() -> str | None:
+    """Why the Mosaic GPU kernel cannot run here (logged once), or None."""
+    from pallas_kernels import mgpu_nvfp4
+    reason = mgpu_nvfp4.available()
+    if reason is not None:
+        logger.warning("QERL_MOSAIC_NVFP4=1: no Mosaic GPU NVFP4 kernel here (%s); the "
+                       "weights keep the kernel layout and the Triton kernels", reason)
+    return reason
 
 
 def _whole_pair(weight: KernelLayoutWeight) -> bw.PackedWeight:
@@ -1110,13 +1120,20 @@ def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True,
     kernel-layout arrays instead of adding a copy: every weight given a buffer, and k and v of
     a group, keep kernel_codes / kernel_scales None and read their tiles from the buffer
     (kernel_source, from line kernel_source_line: q 0, k after q's, v after k's), so the
-    model's NVFP4 weights take the memory of one layout (the kernel layout's arrays are freed
-    once nothing else references them). The buffers are made from the weights as they are
-    now: replacing a weight later needs enable_kernels on a fresh model."""
+    model's NVFP4 weights take the memory of one layout. Each weight (group, pair) is
+    converted as soon as its buffer exists, so its kernel-layout arrays are freed then (once
+    nothing else references them) and the conversion needs one weight's (or group's) memory
+    more, not a model's. The buffers are made from the weights as they are now: replacing a weight later
+    needs enable_kernels on a fresh model."""
     from pallas_kernels import mgpu_nvfp4
     permute = jax.jit(mgpu_nvfp4.permute_packed)
     count, pairs, groups = 0, {}, 0
-    sources = []  # (variable, permuted buffer holding its tiles, first line) for single_copy
+
+    def keep_only(node, tiles, line):  # the single copy: the buffer replaces the arrays
+        if single_copy:
+            node.set_value(_replace_children(node.get_value(), kernel_codes=None,
+                                             kernel_scales=None, kernel_source=tiles,
+                                             kernel_source_line=line))
 
     def variable(module, name):
         layer = getattr(module, name, None)
@@ -1142,7 +1159,7 @@ def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True,
             nodes[0].set_value(_replace_children(values[0], mosaic_tiles=tiles))
             line = 0
             for node, value in zip(nodes, values):
-                sources.append((node, tiles, line))
+                keep_only(node, tiles, line)
                 line += _mosaic_rows(value)
             groups += 1
     for _, node in nnx.iter_graph(model):
@@ -1157,19 +1174,17 @@ def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True,
             continue
         if value.pair_view is None:
             tiles = permute(packed)
-        else:
-            key = id(value.kernel_codes)
+        else:  # the pair's two views share one buffer; the entry holds its arrays until both
+            key = id(value.kernel_codes)  # views have theirs (the id stays theirs meanwhile)
             if key not in pairs:
-                pairs[key] = permute(packed)
-            tiles = pairs[key]
+                pairs[key] = [permute(packed), value.kernel_codes, 2]
+            tiles = pairs[key][0]
+            pairs[key][2] -= 1
+            if not pairs[key][2]:
+                pairs[key][1] = None
         node.set_value(_replace_children(value, mosaic_tiles=tiles))
-        sources.append((node, tiles, 0))
+        keep_only(node, tiles, 0)
         count += 1
-    if single_copy:
-        for node, tiles, line in sources:
-            node.set_value(_replace_children(node.get_value(), kernel_codes=None,
-                                             kernel_scales=None, kernel_source=tiles,
-                                             kernel_source_line=line))
     logger.info("enable_kernels: %d NVFP4 weights (%d gate/up pairs) and %d q/k/v groups also "
                 "in the Mosaic GPU permuted layout (experimental, QERL_MOSAIC_NVFP4=1)%s", count,
                 len(pairs), groups, "; it is their only copy" if single_copy else "")
