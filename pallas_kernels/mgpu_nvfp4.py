@@ -133,32 +133,26 @@ def permute_tiles(codes: jax.Array, scale_codes: jax.Array) -> jax.Array:
                            axis=1).reshape(-1, 128)
 
 
-@functools.cache
-def _unpermute_plan() -> tuple[np.ndarray, np.ndarray]:
-    """The gather that undoes permute_tiles for one tile: for each weight (r, c) of [64, 256]
-    the index of its word among the tile's 2048 32-bit words (int32 [64, 256]) and the word
-    bits of its code bits 0-3 (uint32 [64, 256, 4])."""
-    rows, cols = _gather_indices()  # [thread, word i, pair k, weight half]
-    thread, word, pair, half = np.meshgrid(np.arange(128), np.arange(16), np.arange(4),
-                                           np.arange(2), indexing="ij")
-    word_index = np.full((TILE_ROWS, TILE_K), -1, np.int32)
-    word_index[rows, cols] = (word // 4) * 512 + thread * 4 + word % 4  # byte offset / 4
-    shifts = np.zeros((TILE_ROWS, TILE_K, 4), np.uint32)
-    shifts[rows, cols] = _source_bits()[pair, half]
-    assert (word_index >= 0).all()  # every weight of the tile is in exactly one word
-    return word_index, shifts
+def _unpermute_shifts() -> np.ndarray:
+    """uint32 [c_half, h, weight half, code bit]: the word bit of each code bit of the weight
+    at column offset 8 c_half + half, row offset 8 h of a word (pair k = c_half + 2 h)."""
+    return np.array([[[[source_bit(c_half + 2 * h, half, b) for b in range(4)]
+                       for half in (0, 1)] for h in (0, 1)] for c_half in (0, 1)], np.uint32)
 
 
 def unpermute_tiles(permuted: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of permute_tiles: (codes [T, 64, 256], scale codes [T, 64, 16]), by a static
-    gather (one word per weight) that XLA fuses with the bit extraction."""
+    """Inverse of permute_tiles: (codes [T, 64, 256], scale codes [T, 64, 16]). No gather: the
+    word index (i // 4) 512 + th 4 + i % 4 of thread th = 32 w + 4 l + q splits into axes
+    [i_hi, w, l, q, i_lo], each word gives its 8 weights by shifts (rows 16 w + 8 h + l,
+    columns 64 i_hi + 16 i_lo + 8 c_half + 2 q + half), and one transpose orders them."""
     flat = permuted.reshape(-1, TILE_LINES * 128)
     t = flat.shape[0]
     words = lax.bitcast_convert_type(flat[:, :CODE_BYTES].reshape(t, CODE_BYTES // 4, 4),
-                                     jnp.uint32)  # [T, 2048]
-    word_index, shifts = _unpermute_plan()
-    picked = words[:, word_index]  # [T, 64, 256]
-    codes = sum(((picked >> shifts[..., b]) & 1) << b for b in range(4)).astype(jnp.uint8)
+                                     jnp.uint32).reshape(t, 4, 4, 8, 4, 4)
+    shifts = _unpermute_shifts()
+    words = words[..., None, None, None]  # [T, i_hi, w, l, q, i_lo, c_half, h, half]
+    codes = sum(((words >> shifts[..., b]) & 1) << b for b in range(4)).astype(jnp.uint8)
+    codes = codes.transpose(0, 2, 7, 3, 1, 5, 6, 4, 8).reshape(t, TILE_ROWS, TILE_K)
     return codes, flat[:, CODE_BYTES:].reshape(t, TILE_ROWS, 16)
 
 

@@ -1,0 +1,131 @@
+"""What does the Mosaic flag's single copy cost the kernels that read the kernel layout? (GPU)
+
+With QERL_MOSAIC_NVFP4=1 (and QERL_MOSAIC_SINGLE_COPY, its default) an NVFP4 weight is stored
+only in the Mosaic GPU kernel's permuted layout; prefill and the training passes (M > 64: the
+Pallas dequantize kernel, then one XLA dot) first rebuild the kernel layout with
+pallas_kernels.mgpu_nvfp4.kernel_layout_from_permuted, inside their jit. Per weight shape
+(the 7B / 14B launch shapes; a gate|up pair as one weight of 2 N rows) this times, wall clock
+per call (median, kernels.median_time):
+- "unpermute": kernel_layout_from_permuted (a broadcast-shift-transpose fusion);
+- "unpermute (gather)": the same by a static gather (the session 24 first version; bit for bit
+  the same arrays, checked);
+- "dequantize": the Pallas dequantize kernel on the kernel layout (what the two-copy layout
+  runs), bf16 W [N, K];
+- "unpermute + dequantize": both in one jit (what the single copy runs);
+- "XLA dequantize": bf16 W straight from the permuted buffer in jnp
+  (mgpu_nvfp4.permuted_dequantize; xla_dequantize_equal: bit for bit the Pallas kernel's W);
+and the 4-bit buffer's bytes read + written per second for the unpermute rows.
+
+    python benchmarks/unpermute_check.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import _common as common
+
+SHAPES = {"7b": {"q": (3584, 3584), "gate|up": (2 * 18944, 3584), "down": (3584, 18944)},
+          "14b": {"q|k|v": (7168, 5120), "gate|up": (2 * 13824, 5120), "down": (5120, 13824)},
+          "tiny": {"w": (256, 512)}}  # a CPU smoke run (Pallas interpreted)
+
+
+def _gather_unpermute(permuted, *, rows, k):
+    """The first formulation of kernel_layout_from_permuted: one static gather per weight."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from pallas_kernels import mgpu_nvfp4 as mg
+    rows_idx, cols_idx = mg._gather_indices()
+    thread, word, pair, half = np.meshgrid(np.arange(128), np.arange(16), np.arange(4),
+                                           np.arange(2), indexing="ij")
+    word_index = np.zeros((64, 256), np.int32)
+    word_index[rows_idx, cols_idx] = (word // 4) * 512 + thread * 4 + word % 4
+    shifts = np.zeros((64, 256, 4), np.uint32)
+    shifts[rows_idx, cols_idx] = mg._source_bits()[pair, half]
+    flat = permuted.reshape(-1, mg.TILE_LINES * 128)
+    t = flat.shape[0]
+    words = lax.bitcast_convert_type(flat[:, :mg.CODE_BYTES].reshape(t, -1, 4), jnp.uint32)
+    picked = words[:, word_index]
+    codes = sum(((picked >> shifts[..., b]) & 1) << b for b in range(4)).astype(jnp.uint8)
+    planes = (codes[..., :128] | (codes[..., 128:] << 4)).astype(jnp.uint8)
+    k_tiles = -(-k // 256)
+    return planes.reshape(rows, k_tiles * 128), flat[:, mg.CODE_BYTES:].reshape(rows, -1)
+
+
+def measure(size: str, name: str, n: int, k: int, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import median_time
+    from pallas_kernels import blockwise_matmul as bw
+    from pallas_kernels import mgpu_nvfp4 as mg
+    from pallas_kernels.nvfp4_matmul import NVFP4
+    lines = n // 64 * (-(-k // 256)) * mg.TILE_LINES
+    bits = jax.random.bits(jax.random.key(0), (lines, 128), jnp.uint8)
+    scale_codes = jnp.full((lines // mg.TILE_LINES, 8, 128), 0x38, jnp.uint8)  # scale 1.0
+    buffer = bits.reshape(-1, mg.TILE_LINES, 128).at[:, 64:].set(scale_codes).reshape(lines, 128)
+
+    def unpermute(b):
+        return mg.kernel_layout_from_permuted(b, rows=n, k=k)
+
+    def dequantize(codes, scales):
+        packed = bw.PackedWeight(codes=codes, scales=scales,
+                                 tensor_scale=jnp.ones((1,), jnp.float32), fmt="nvfp4", n=n,
+                                 k=k, tile_k=256)
+        return bw.blockwise_dequantize(packed, spec=NVFP4,
+                                       interpret=jax.default_backend() != "gpu")
+
+    fast, gather = jax.jit(unpermute), jax.jit(lambda b: _gather_unpermute(b, rows=n, k=k))
+    codes, scales = fast(buffer)
+    same = all(bool(jnp.array_equal(a, b)) for a, b in zip((codes, scales), gather(buffer)))
+    both = jax.jit(lambda b: dequantize(*unpermute(b)))
+    direct = jax.jit(lambda b: mg.permuted_dequantize(b, jnp.float32(1), n=n, k=k).astype(
+        jnp.bfloat16))
+    same_dense = bool(jnp.array_equal(direct(buffer), both(buffer)))
+    seconds = {
+        "unpermute": median_time(fast, (buffer,), repeats),
+        "unpermute (gather)": median_time(gather, (buffer,), repeats),
+        "dequantize": median_time(jax.jit(dequantize), (codes, scales), repeats),
+        "unpermute + dequantize": median_time(both, (buffer,), repeats),
+        "XLA dequantize": median_time(direct, (buffer,), repeats),
+    }
+    moved = 2 * buffer.size  # bytes read + written by an unpermute
+    row = dict(size=size, weight=name, n=n, k=k, buffer_MiB=buffer.size / 2**20,
+               gather_equal=same, xla_dequantize_equal=same_dense)
+    for label, value in seconds.items():
+        row[f"{label} us"] = 1e6 * value
+    for label in ("unpermute", "unpermute (gather)"):
+        row[f"{label} GB/s"] = moved / seconds[label] / 1e9
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="7b,14b")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = sorted(set(sizes) - set(SHAPES))
+    if unknown:
+        parser.error(f"--sizes: {unknown} not in {sorted(SHAPES)}")
+    import jax
+    begin = time.perf_counter()
+    meta = {**common.device_info(), "jax": jax.__version__}
+    rows = [measure(size, name, n, k, args.repeats)
+            for size in sizes for name, (n, k) in SHAPES[size].items()]
+    columns = [(key, key) for key in rows[0]]
+    text = common.header_line(f"Unpermuting the single copy, {time.perf_counter() - begin:.0f} s",
+                              [meta]) + "\n\n" + common.markdown_table(rows, columns)
+    print(text, flush=True)
+    common.write_outputs(args.out, "unpermute_check", text, {"rows": rows, **meta})
+    return 0 if all(row["gather_equal"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
