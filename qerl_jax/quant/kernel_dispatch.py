@@ -1,6 +1,11 @@
 """Pallas 4-bit kernels in the quantized linear op: weights repacked once, kernels picked by M.
 
     model = enable_kernels(model)                 # after quantizing / loading, before nnx.split
+
+Run the model through nnx.split / nnx.merge and jax.jit (as the sampler and trainer do): an
+nnx.jit call over the Module writes every array back as a new buffer, so arrays that views
+share (a gate/up pair's, a single-copy q/k/v group's buffer) become separate copies
+(measured on the CPU, tests/test_mgpu_nvfp4.py uses split/merge for that reason).
     enable_kernels(model, interpret=True)         # CPU tests: Pallas interpret mode
 
 `enable_kernels` (1) replaces every QuantizedWeight of the model by a `KernelLayoutWeight`, the
@@ -88,8 +93,9 @@ class KernelLayoutWeight(QuantizedWeight):
     checkpoint_tensor_scale (the QuantizedWeight's tensor_scale, or None),
     nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None),
     mosaic_tiles (experimental, else None): the same NVFP4 weight in the Mosaic GPU kernel's
-    permuted layout (pallas_kernels.mgpu_nvfp4; a second copy, made by enable_kernels when
-    QERL_MOSAIC_NVFP4=1). On the q projection of a grouped q/k/v launch it is the permuted
+    permuted layout (pallas_kernels.mgpu_nvfp4; made by enable_kernels when
+    QERL_MOSAIC_NVFP4=1 on a Hopper GPU: the weight's only copy by default, see kernel_source;
+    a second copy with QERL_MOSAIC_SINGLE_COPY=0). On the q projection of a grouped q/k/v launch it is the permuted
     buffer of [W_q; W_k; W_v] (mgpu_nvfp4.group_permuted; k and v then hold none).
     mosaic_lora_operand (experimental, else None): bf16 [N_pad, r], the Mosaic GPU kernel's
     operand for this layer's LoRA B (pallas_kernels.mgpu_nvfp4.lora_operand: B^T with the LoRA
@@ -491,12 +497,12 @@ def _supports(weight, compute_dtype) -> str | None:
     return None
 
 
-# Experimental (sessions 20-22): single-weight NVFP4 launches at decode M (the o and down
+# Experimental (sessions 20-24): single-weight NVFP4 launches at decode M (the o and down
 # projections), the grouped q|k|v launches and the fused SwiGLU launches of gate/up pairs on the
-# Mosaic GPU kernel
-# (pallas_kernels.mgpu_nvfp4), reading a second copy of those weights in its permuted layout
-# (KernelLayoutWeight.mosaic_tiles, made by enable_kernels). Off unless QERL_MOSAIC_NVFP4=1 at
-# registration (benchmarks only).
+# Mosaic GPU kernel (pallas_kernels.mgpu_nvfp4), reading those weights in its permuted layout
+# (KernelLayoutWeight.mosaic_tiles, made by enable_kernels; by default their only copy, which
+# prefill and training unpermute where they read it: KernelLayoutWeight.kernel_source). Off
+# unless QERL_MOSAIC_NVFP4=1 at registration.
 _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
                  "swiglu_epilogue": True, "single_copy": True}
 
