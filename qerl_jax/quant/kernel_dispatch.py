@@ -95,8 +95,9 @@ class KernelLayoutWeight(QuantizedWeight):
     mosaic_tiles (experimental, else None): the same NVFP4 weight in the Mosaic GPU kernel's
     permuted layout (pallas_kernels.mgpu_nvfp4; made by enable_kernels when
     QERL_MOSAIC_NVFP4=1 on a Hopper GPU: the weight's only copy by default, see kernel_source;
-    a second copy with QERL_MOSAIC_SINGLE_COPY=0). On the q projection of a grouped q/k/v launch it is the permuted
-    buffer of [W_q; W_k; W_v] (mgpu_nvfp4.group_permuted; k and v then hold none).
+    a second copy with QERL_MOSAIC_SINGLE_COPY=0). On the q projection of a grouped q/k/v
+    launch it is the permuted buffer of [W_q; W_k; W_v] (mgpu_nvfp4.group_permuted; k and v
+    then hold none).
     mosaic_lora_operand (experimental, else None): bf16 [N_pad, r], the Mosaic GPU kernel's
     operand for this layer's LoRA B (pallas_kernels.mgpu_nvfp4.lora_operand: B^T with the LoRA
     and tensor scales folded in; for a grouped q/k/v buffer the block-diagonal
@@ -1129,8 +1130,8 @@ def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True,
     model's NVFP4 weights take the memory of one layout. Each weight (group, pair) is
     converted as soon as its buffer exists, so its kernel-layout arrays are freed then (once
     nothing else references them) and the conversion needs one weight's (or group's) memory
-    more, not a model's. The buffers are made from the weights as they are now: replacing a weight later
-    needs enable_kernels on a fresh model."""
+    more, not a model's. The buffers are made from the weights as they are now: replacing a
+    weight later needs enable_kernels on a fresh model."""
     from pallas_kernels import mgpu_nvfp4
     permute = jax.jit(mgpu_nvfp4.permute_packed)
     count, pairs, groups = 0, {}, 0
