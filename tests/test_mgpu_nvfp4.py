@@ -344,14 +344,18 @@ def test_permuted_copies_are_made_for_the_launches_that_read_them(grouped):
 
 
 @pytest.mark.parametrize("grouped", [True, False])
-def test_single_copy_keeps_only_the_permuted_buffers(grouped):
+def test_single_copy_keeps_only_the_permuted_buffers(grouped, caplog):
     """_add_mosaic_tiles(single_copy=True) (QERL_MOSAIC_SINGLE_COPY, the flag's default): the
     weights given permuted buffers, and k, v of a group, drop their kernel-layout arrays and
     read their tiles from the buffer (the same array: q/k/v the group's at lines 0, q's rows,
     q's + k's; the pair views their pair's). Their kernel operands and checkpoint view are bit
     for bit the ones before, so the model's logits are identical at decode M (fused kernel,
-    interpreted) and prefill M (dequantize + dot); a pytree round trip keeps the form; no
-    arrays other than the buffers remain."""
+    interpreted) and prefill M (dequantize + dot); a pytree round trip keeps the form; the
+    kernel-layout arrays are freed (nothing keeps them alive). A small-M launch of such weights
+    on a Triton kernel (here: interpreted) logs that it unpermutes them at every call."""
+    import gc
+    import weakref
+
     from flax import nnx
 
     from qerl_jax.models.config import tiny_qwen2
@@ -373,19 +377,26 @@ def test_single_copy_keeps_only_the_permuted_buffers(grouped):
             graphdef, state = nnx.split(model)
             return jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
 
-        before = {path: (w.kernel_arrays(), w.codes, w.block_scales, w.tensor_scale)
+        def host(arrays):
+            return tuple(np.array(a, copy=True) for a in arrays)
+
+        before = {path: (host(w.kernel_arrays()), *host((w.codes, w.block_scales,
+                                                          w.tensor_scale)))
                   for path, w in weights().items()}
+        stored = [weakref.ref(a) for w in weights().values() for a in w.kernel_arrays()]
         logits = [forward(model, tokens[:1, :8]), forward(model, tokens)]  # M 8 and M 80
         kd._add_mosaic_tiles(model, grouped=grouped, single_copy=True)
+        gc.collect()
+        assert all(ref() is None for ref in stored)
         after = weights()
         assert all(w.single_copy and w.kernel_codes is None and w.kernel_scales is None
                    for w in after.values())
         for path, w in after.items():
             (codes, scales), *checkpoint = before[path]
             got_codes, got_scales = w.kernel_arrays()
-            assert jnp.array_equal(got_codes, codes) and jnp.array_equal(got_scales, scales)
+            assert np.array_equal(got_codes, codes) and np.array_equal(got_scales, scales)
             for got, expected in zip((w.codes, w.block_scales, w.tensor_scale), checkpoint):
-                assert jnp.array_equal(got, expected), path
+                assert np.array_equal(np.asarray(got), expected), path
             assert w.packed().codes.shape == codes.shape
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
@@ -404,8 +415,15 @@ def test_single_copy_keeps_only_the_permuted_buffers(grouped):
         leaves, tree = jax.tree.flatten(q)
         rebuilt = jax.tree.unflatten(tree, leaves)
         assert (rebuilt.single_copy, rebuilt.kernel_source_line) == (True, q.kernel_source_line)
-        for expected, got in zip(logits, [forward(model, tokens[:1, :8]), forward(model, tokens)]):
+        kd._SINGLE_COPY_FALLBACKS.clear()
+        with caplog.at_level("WARNING", logger=kd.__name__):
+            again = [forward(model, tokens[:1, :8]), forward(model, tokens)]
+        for expected, got in zip(logits, again):
             assert jnp.array_equal(got, expected)
+        warned = [r.getMessage() for r in caplog.records if "unpermutes them" in r.getMessage()]
+        assert any("gate|up SwiGLU launch" in m and "interpret mode" in m for m in warned)
+        assert any(("grouped launch" if grouped else "single-weight launch") in m
+                   for m in warned), warned
     finally:
         kd.unregister_kernels("cpu")
 

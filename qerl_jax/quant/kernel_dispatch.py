@@ -707,13 +707,34 @@ def _mosaic_group_forward(x, weights, down, lora_bs, scales):
     return tuple(outputs)
 
 
+_SINGLE_COPY_FALLBACKS: set = set()
+
+
+def _note_single_copy_fallback(weights, launch: str, reason: str) -> None:
+    """Logs once per (launch, shapes, reason) that a small-M launch of single-copy weights
+    (KernelLayoutWeight.kernel_source) takes a Triton kernel instead of the Mosaic one: that
+    kernel reads the kernel layout, which is then unpermuted at every call (in the sampler's
+    decode loop, at every step, unless XLA hoists it: a transient copy)."""
+    if not any(getattr(w, "single_copy", False) for w in weights):
+        return
+    key = (launch, tuple(w.shape for w in weights), reason)
+    if key in _SINGLE_COPY_FALLBACKS:
+        return
+    _SINGLE_COPY_FALLBACKS.add(key)
+    logger.warning("QERL_MOSAIC_NVFP4: the %s launch of NVFP4 weights %s, stored only in the "
+                   "permuted layout, takes the Triton kernel (%s) and unpermutes them at every "
+                   "call; QERL_MOSAIC_SINGLE_COPY=0 keeps a kernel-layout copy instead", launch,
+                   [w.shape for w in weights], reason)
+
+
 def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interpret):
     """x [M, K] bf16 @ W^T (+ scale * down [M, r] @ lora_b [r, N], the LoRA product in the
     kernel's epilogue, when down is given) -> [M, N] float32 (fused kernel, output rounded to
     bf16 inside)."""
     del compute_dtype
     packed = weight.packed()
-    if not interpret and _mosaic_refusal(x, weight, packed, down) is None:
+    refusal = "interpret mode" if interpret else _mosaic_refusal(x, weight, packed, down)
+    if refusal is None:
         from pallas_kernels import mgpu_nvfp4
         kwargs = {}
         if down is not None:
@@ -724,6 +745,7 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
                                          packed.tensor_scale, n=packed.n, k=packed.k,
                                          l2_prefetch=_prefetch_plan(weight), **kwargs)
         return y.astype(jnp.bfloat16).astype(jnp.float32)  # rounded like the fused kernel
+    _note_single_copy_fallback((weight,), "single-weight", refusal)
     config = bw.default_matmul_config(x.shape[0], packed)
     return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config, interpret=interpret,
                                lora_down=down, lora_b=lora_b,
@@ -735,8 +757,10 @@ def _fused_forward_group(x, weights, down, lora_bs, scales, *, compute_dtype, in
     side by side) for weights sharing x, in one fused-kernel launch -> tuple of [M, N_i]
     float32."""
     del compute_dtype
-    if not interpret and _mosaic_group_refusal(x, weights, down, lora_bs) is None:
+    refusal = "interpret mode" if interpret else _mosaic_group_refusal(x, weights, down, lora_bs)
+    if refusal is None:
         return _mosaic_group_forward(x, weights, down, lora_bs, scales)
+    _note_single_copy_fallback(weights, "grouped", refusal)
     packed = tuple(w.packed() for w in weights)
     config = bw.default_group_matmul_config(x.shape[0], packed)
     ys = bw.blockwise_matmul_group(x, packed, spec=weights[0].spec, config=config,
@@ -817,7 +841,8 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
     del compute_dtype
     gate, up = weights
     half_block = gate.pair_view[0]
-    if not interpret and _mosaic_swiglu_refusal(x, gate, down, lora_bs) is None:
+    refusal = "interpret mode" if interpret else _mosaic_swiglu_refusal(x, gate, down, lora_bs)
+    if refusal is None:
         from pallas_kernels import mgpu_nvfp4
         lora = {}
         if down is not None:
@@ -832,6 +857,7 @@ def _fused_forward_swiglu(x, weights, down, lora_bs, scales, pair_lora_b, *, com
             up.kernel_divisor(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
             next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate),
             fused=_MOSAIC_NVFP4["swiglu_epilogue"], **lora)
+    _note_single_copy_fallback(weights, "gate|up SwiGLU", refusal)
     # the two divisors go to the kernel as they are: a [2] array of them would be built at
     # every decode step (a concatenate kernel per layer inside the sampler's loop)
     pair = _whole_pair(gate)
