@@ -135,7 +135,11 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="7b,14b")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU smoke run: --sizes tiny --repeats 1 (Pallas interpreted)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.repeats = "tiny", 1
     sizes = [s for s in args.sizes.split(",") if s]
     unknown = sorted(set(sizes) - set(SHAPES))
     if unknown:

@@ -168,6 +168,19 @@ def test_attention_and_lora_down_profile_smoke(tmp_path):
     assert all(row["max_rel_err"] < 1e-2 and row["call_us"] > 0 for row in rows)
 
 
+def test_unpermute_check_smoke(tmp_path):
+    """unpermute_check.py --smoke (a tiny weight, Pallas interpreted): every unpermute variant
+    gives the same kernel-layout arrays and XLA's dequantize from the permuted buffer the Pallas
+    kernel's W (exit 0 only then), and every variant is timed."""
+    _finish(_start("unpermute_check.py", tmp_path / "unp"))
+    rows = json.load(open(tmp_path / "unp" / "unpermute_check.json"))["rows"]
+    assert [(row["size"], row["n"], row["k"]) for row in rows] == [("tiny", 256, 512)]
+    assert rows[0]["variants_equal"] and rows[0]["xla_dequantize_equal"]
+    assert all(rows[0][f"{label} us"] > 0 for label in (
+        "unpermute", "unpermute (gather)", "unpermute (planes first)", "dequantize",
+        "unpermute + dequantize", "XLA dequantize"))
+
+
 def test_swiglu_profile_smoke(tmp_path):
     """swiglu_profile.py on a tiny gate/up pair (interpret mode): every variant measured, and
     the interleaved launch's SwiGLU epilogue within one bf16 ulp of the grouped launch + XLA
