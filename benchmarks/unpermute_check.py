@@ -7,9 +7,9 @@ pallas_kernels.mgpu_nvfp4.kernel_layout_from_permuted, inside their jit. Per wei
 (the 7B / 14B launch shapes; a gate|up pair as one weight of 2 N rows) this times, wall clock
 per call (median, kernels.median_time):
 - "unpermute": kernel_layout_from_permuted (a broadcast-shift-transpose fusion);
-- "unpermute (gather)": the same by a static gather (the session 24 first version), and
-  "unpermute (planes first)": the two nibbles of each output byte combined before the
-  transpose (variants_equal: both bit for bit the same arrays);
+- "unpermute (planes first)": the two nibbles of each output byte combined before the
+  transpose (variants_equal: bit for bit the same arrays). Session 24 call g also timed a
+  static gather (RESULTS.md): no faster, removed;
 - "dequantize": the Pallas dequantize kernel on the kernel layout (what the two-copy layout
   runs), bf16 W [N, K];
 - "unpermute + dequantize": both in one jit (what the single copy runs);
@@ -31,30 +31,6 @@ import _common as common
 SHAPES = {"7b": {"q": (3584, 3584), "gate|up": (2 * 18944, 3584), "down": (3584, 18944)},
           "14b": {"q|k|v": (7168, 5120), "gate|up": (2 * 13824, 5120), "down": (5120, 13824)},
           "tiny": {"w": (256, 512)}}  # a CPU smoke run (Pallas interpreted)
-
-
-def _gather_unpermute(permuted, *, rows, k):
-    """The first formulation of kernel_layout_from_permuted: one static gather per weight."""
-    import jax.numpy as jnp
-    import numpy as np
-    from jax import lax
-
-    from pallas_kernels import mgpu_nvfp4 as mg
-    rows_idx, cols_idx = mg._gather_indices()
-    thread, word, pair, half = np.meshgrid(np.arange(128), np.arange(16), np.arange(4),
-                                           np.arange(2), indexing="ij")
-    word_index = np.zeros((64, 256), np.int32)
-    word_index[rows_idx, cols_idx] = (word // 4) * 512 + thread * 4 + word % 4
-    shifts = np.zeros((64, 256, 4), np.uint32)
-    shifts[rows_idx, cols_idx] = mg._source_bits()[pair, half]
-    flat = permuted.reshape(-1, mg.TILE_LINES * 128)
-    t = flat.shape[0]
-    words = lax.bitcast_convert_type(flat[:, :mg.CODE_BYTES].reshape(t, -1, 4), jnp.uint32)
-    picked = words[:, word_index]
-    codes = sum(((picked >> shifts[..., b]) & 1) << b for b in range(4)).astype(jnp.uint8)
-    planes = (codes[..., :128] | (codes[..., 128:] << 4)).astype(jnp.uint8)
-    k_tiles = -(-k // 256)
-    return planes.reshape(rows, k_tiles * 128), flat[:, mg.CODE_BYTES:].reshape(rows, -1)
 
 
 def _planes_first_unpermute(permuted, *, rows, k):
@@ -102,18 +78,17 @@ def measure(size: str, name: str, n: int, k: int, repeats: int) -> dict:
         return bw.blockwise_dequantize(packed, spec=NVFP4,
                                        interpret=jax.default_backend() != "gpu")
 
-    fast, gather = jax.jit(unpermute), jax.jit(lambda b: _gather_unpermute(b, rows=n, k=k))
+    fast = jax.jit(unpermute)
     planes_first = jax.jit(lambda b: _planes_first_unpermute(b, rows=n, k=k))
     codes, scales = fast(buffer)
-    same = all(bool(jnp.array_equal(a, b)) for variant in (gather, planes_first)
-               for a, b in zip((codes, scales), variant(buffer)))
+    same = all(bool(jnp.array_equal(a, b))
+               for a, b in zip((codes, scales), planes_first(buffer)))
     both = jax.jit(lambda b: dequantize(*unpermute(b)))
     direct = jax.jit(lambda b: mg.permuted_dequantize(b, jnp.float32(1), n=n, k=k).astype(
         jnp.bfloat16))
     same_dense = bool(jnp.array_equal(direct(buffer), both(buffer)))
     seconds = {
         "unpermute": median_time(fast, (buffer,), repeats),
-        "unpermute (gather)": median_time(gather, (buffer,), repeats),
         "unpermute (planes first)": median_time(planes_first, (buffer,), repeats),
         "dequantize": median_time(jax.jit(dequantize), (codes, scales), repeats),
         "unpermute + dequantize": median_time(both, (buffer,), repeats),
@@ -124,7 +99,7 @@ def measure(size: str, name: str, n: int, k: int, repeats: int) -> dict:
                variants_equal=same, xla_dequantize_equal=same_dense)
     for label, value in seconds.items():
         row[f"{label} us"] = 1e6 * value
-    for label in ("unpermute", "unpermute (gather)", "unpermute (planes first)"):
+    for label in ("unpermute", "unpermute (planes first)"):
         row[f"{label} GB/s"] = moved / seconds[label] / 1e9
     return row
 

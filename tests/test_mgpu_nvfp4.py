@@ -527,7 +527,7 @@ def test_mosaic_group_dispatch_matches_the_triton_launch(monkeypatch):
     again = launch((prepared, *grouped[1:]), False)
     assert all(jnp.array_equal(a_, g) for a_, g in zip(again, got))
     # q's grouped buffer is not its own: the single-weight path and its operand refuse it
-    assert "grouped" in kd._mosaic_refusal(x, grouped[0], grouped[0].packed(), None)
+    assert "grouped" in kd._mosaic_refusal(x, grouped[0], None)
     assert kd.with_mosaic_lora_operand(grouped[0], lora_bs[0], 0.5) is grouped[0]
     # ranks whose sum the kernel cannot take; a stale group (k given its own buffer)
     assert kd.with_mosaic_group_lora_operand(grouped, [jnp.zeros((24, n)) for n in ns],

@@ -508,7 +508,9 @@ _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
                  "swiglu_epilogue": True, "single_copy": True}
 
 
-def _mosaic_refusal(x, weight, packed, down) -> str | None:
+def _mosaic_refusal(x, weight, down) -> str | None:
+    """Why the Mosaic GPU kernel does not take this single-weight launch, or None (from the
+    weight's metadata only: no kernel-layout arrays, which a single copy would unpermute)."""
     from pallas_kernels import mgpu_nvfp4
     if (not _MOSAIC_NVFP4["single"] or getattr(weight, "mosaic_tiles", None) is None
             or weight.pair_view is not None):
@@ -519,7 +521,9 @@ def _mosaic_refusal(x, weight, packed, down) -> str | None:
         return f"M {x.shape[0]}"
     if down is not None and down.shape[1] not in mgpu_nvfp4.LORA_RANKS:
         return f"LoRA rank {down.shape[1]}"
-    return mgpu_nvfp4.refusal(packed) or mgpu_nvfp4.available()
+    if weight.format != "nvfp4" or weight.tile_k != mgpu_nvfp4.TILE_K:
+        return f"format {weight.format}, tile_k {weight.tile_k}"
+    return mgpu_nvfp4.available()
 
 
 def _mosaic_rows(weight: KernelLayoutWeight) -> int:
@@ -732,8 +736,7 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
     kernel's epilogue, when down is given) -> [M, N] float32 (fused kernel, output rounded to
     bf16 inside)."""
     del compute_dtype
-    packed = weight.packed()
-    refusal = "interpret mode" if interpret else _mosaic_refusal(x, weight, packed, down)
+    refusal = "interpret mode" if interpret else _mosaic_refusal(x, weight, down)
     if refusal is None:
         from pallas_kernels import mgpu_nvfp4
         kwargs = {}
@@ -742,10 +745,12 @@ def _fused_forward_lora(x, weight, down, lora_b, scale, *, compute_dtype, interp
             kwargs = (dict(lora_down=down, lora_bt=operand) if operand is not None
                       else dict(lora_down=down, lora_b=lora_b, lora_scale=scale))
         y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
-                                         packed.tensor_scale, n=packed.n, k=packed.k,
-                                         l2_prefetch=_prefetch_plan(weight), **kwargs)
+                                         weight.kernel_divisor(), n=weight.shape[0],
+                                         k=weight.shape[1], l2_prefetch=_prefetch_plan(weight),
+                                         **kwargs)
         return y.astype(jnp.bfloat16).astype(jnp.float32)  # rounded like the fused kernel
     _note_single_copy_fallback((weight,), "single-weight", refusal)
+    packed = weight.packed()
     config = bw.default_matmul_config(x.shape[0], packed)
     return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config, interpret=interpret,
                                lora_down=down, lora_b=lora_b,
