@@ -41,16 +41,12 @@ def parse_args(argv=None):
     parser.add_argument("--settings", default="base;balanced=0",
                         help="';'-separated DecodeAttentionConfig settings ('base' = defaults)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--write-timing", action="store_true",
-                        help="also time each setting with the new token's key/value (new_kv: "
-                             "its write_cache decides who writes them), in a loop as the model")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
     if args.smoke:
         args.models, args.batch, args.slots, args.lengths, args.repeats = (
             "smoke", 2, 96, "17,96", 1)
-        args.write_timing = True
     return args
 
 
@@ -105,13 +101,6 @@ def main(argv=None):
                 if not interpret or model == "smoke":
                     row["new_kv_identical"] = _new_kv_identical(q, caches[0], mask, lengths,
                                                                 scale, config, interpret)
-                if args.write_timing:
-                    row["write_us"] = {}
-                    for length in lengths:
-                        row["write_us"][str(length)], row["copy_events"] = _write_step_us(
-                            q, caches, mask, length, scale, config, interpret, args.repeats)
-                    row["write_mean_us"] = (sum(row["write_us"].values())
-                                            / len(row["write_us"]))
                 row["mean_us"] = sum(row["us"].values()) / len(row["us"])
             except Exception as e:  # a setting Triton cannot compile: record, go on
                 row["error"] = common.describe_error(e)
@@ -126,50 +115,10 @@ def main(argv=None):
                           **common.device_info()})
 
 
-def _write_step_us(q, caches, mask, length, scale, config, interpret, repeats):
-    """Device us per call of the model's decode-step attention with the new token's key/value
-    (new_kv: XLA's cache write and the kernel, or the kernel writing it, as config.write_cache
-    says), over 2 iterations of a loop that carries every cache copy (so the writes are in
-    place as in the decode loop); the loop's copies of its inputs are left out (events named
-    *copy*). Returns (us per call, names of the left-out events)."""
-    import tempfile
-    import jax
-    import jax.numpy as jnp
-    from decode_profile import device_events
-    from pallas_kernels import decode_attention as da
-    iterations = 2
-    batch, _, kv_heads, head_dim = caches[0][0].shape
-    new_k = jax.random.normal(jax.random.key(7), (batch, kv_heads, head_dim), q.dtype)
-    new_v = jax.random.normal(jax.random.key(8), (batch, kv_heads, head_dim), q.dtype)
-
-    @jax.jit
-    def run(q, caches, length):
-        def body(_, carry):
-            caches, outs = carry
-            results = [da.decode_attention(q, k, v, mask, length, scale=scale, config=config,
-                                           interpret=interpret, new_kv=(new_k, new_v))
-                       for k, v in caches]
-            return [(k, v) for _, k, v in results], [out for out, _, _ in results]
-        return jax.lax.fori_loop(0, iterations, body,
-                                 (list(caches), [jnp.zeros_like(q) for _ in caches]))
-
-    length = jnp.asarray(length, jnp.int32)
-    jax.block_until_ready(run(q, caches, length))
-    trace_dir = tempfile.mkdtemp(prefix="attention_write_")
-    with jax.profiler.trace(trace_dir):
-        for _ in range(repeats):
-            jax.block_until_ready(run(q, caches, length))
-    events, _ = device_events(trace_dir)
-    kept = [duration for name, duration in events if "copy" not in name.lower()]
-    left_out = sorted({name for name, _ in events if "copy" in name.lower()})
-    return sum(kept) / (repeats * iterations * len(caches)), left_out
-
-
 def _new_kv_identical(q, cache, mask, lengths, scale, config, interpret) -> bool:
     """Whether the kernel with new_kv (it writes the new token's key/value at slot length - 1
-    and attends to them; the slot holds NaN before) returns, at every length, the same caches
-    ('caches differ' if not) and output bits ('yes'; else the largest difference relative to
-    the largest |output|) as the kernel over the cache with that slot written by XLA."""
+    and attends to them; the slot holds NaN before) returns, at every length, the same output
+    bits as the kernel over the cache with that slot written by XLA, and the same caches."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels import decode_attention as da
@@ -191,15 +140,11 @@ def _new_kv_identical(q, cache, mask, lengths, scale, config, interpret) -> bool
         out, k2, v2 = da.decode_attention(q, keys, values, mask, length, scale=scale,
                                           config=config, interpret=interpret,
                                           new_kv=(new_k, new_v))
-        diff = jnp.max(jnp.abs(out.astype(jnp.float32) - plain.astype(jnp.float32)))
-        return (diff / jnp.max(jnp.abs(plain.astype(jnp.float32))),
-                jnp.array_equal(k2, written[0]) & jnp.array_equal(v2, written[1]))
+        return (jnp.array_equal(out, plain) & jnp.array_equal(k2, written[0])
+                & jnp.array_equal(v2, written[1]))
 
-    checks = [both(q, keys, values, jnp.asarray(length, jnp.int32)) for length in lengths]
-    if not all(bool(caches_equal) for _, caches_equal in checks):
-        return "caches differ"
-    worst = max(float(diff) for diff, _ in checks)
-    return "yes" if worst == 0 else f"max diff {worst:.1e}"
+    return all(bool(both(q, keys, values, jnp.asarray(length, jnp.int32)))
+               for length in lengths)
 
 
 def report(rows, lengths, args, elapsed) -> str:
@@ -209,20 +154,17 @@ def report(rows, lengths, args, elapsed) -> str:
         f"MiB; {elapsed:.0f} s)", [common.device_info()])
     lines = [header, "",
              "| model | setting | " + " | ".join(f"len {v}" for v in lengths)
-             + " | mean | max rel err | new_kv vs XLA write | with new_kv: "
-             + " / ".join(str(v) for v in lengths) + " / mean |",
-             "|---|---|" + "---|" * (len(lengths) + 4)]
+             + " | mean | max rel err | new_kv bit-identical |",
+             "|---|---|" + "---|" * (len(lengths) + 3)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['setting']} | failed: "
-                         f"{r['error'][:80].replace('|', '/')} |" + " |" * (len(lengths) + 3))
+                         f"{r['error'][:80].replace('|', '/')} |" + " |" * (len(lengths) + 2))
             continue
         lines.append(f"| {r['model']} | {r['setting']} | "
                      + " | ".join(f"{r['us'][str(v)]:.2f}" for v in lengths)
                      + f" | {r['mean_us']:.2f} | {r['max_rel_err']:.1e} | "
-                     + f"{r.get('new_kv_identical', '-')} | "
-                     + (" / ".join(f"{r['write_us'][str(v)]:.2f}" for v in lengths)
-                        + f" / {r['write_mean_us']:.2f}" if "write_us" in r else "-") + " |")
+                     + f"{ {True: 'yes', False: 'NO'}.get(r.get('new_kv_identical'), '-')} |")
     return "\n".join(lines)
 
 

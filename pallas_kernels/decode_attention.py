@@ -58,10 +58,9 @@ class DecodeAttentionConfig:
     cache; Triton num_warps / num_stages; lora_down: 1 = when the model asks (lora_a), the
     combine kernel also computes the o-projection's LoRA x @ A per head (decode_attention),
     0 = the model computes x @ A itself (qerl_jax.quant.kernel_dispatch.enable_decode_attention);
-    write_cache: what decode_attention does with the new token's key and value (new_kv): 0 =
-    XLA's dynamic_update_slice writes them into the cache before the kernel (the model's layout
-    before session 25); 1 or 2 = the kernel writes them and reads them from its operand, 1 =
-    in the loop block that covers their slot, 2 = added to split 0's softmax after its loop."""
+    write_cache: 1 = when the model passes the new token's key and value, the kernel writes them
+    into the cache (decode_attention's new_kv), 0 = the model writes them with XLA's
+    dynamic_update_slice first (the layout before session 25)."""
     block_s: int = 64
     splits: int | None = None
     balanced: int = 1
@@ -99,8 +98,8 @@ def set_default_config(config: DecodeAttentionConfig | None = None,
         raise ValueError(f"DecodeAttentionConfig.balanced={config.balanced}: 0 or 1")
     if config.lora_down not in (0, 1):
         raise ValueError(f"DecodeAttentionConfig.lora_down={config.lora_down}: 0 or 1")
-    if config.write_cache not in (0, 1, 2):
-        raise ValueError(f"DecodeAttentionConfig.write_cache={config.write_cache}: 0, 1 or 2")
+    if config.write_cache not in (0, 1):
+        raise ValueError(f"DecodeAttentionConfig.write_cache={config.write_cache}: 0 or 1")
     _DEFAULT_CONFIG = config
     return previous
 
@@ -141,17 +140,15 @@ def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
 def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_ref,
             keys_out_ref=None, values_out_ref=None, *, groups: int, groups_pad: int,
             kv_heads: int, slots: int, block_s: int, splits: int, blocks_per_split: int,
-            balanced: bool, scale: float, new_kv: int):
+            balanced: bool, scale: float, new_kv: bool):
     """One (batch row, kv head, split): online softmax over the split's blocks of slots.
     Writes the unnormalized float32 acc [G, D] and the row max m / sum l [G] of the split (or,
     with one split, the normalized output).
 
-    new_kv (1 or 2; 0: none): q_ref is q|k|v [B, KVH * G + 2 KVH, D], and slot length - 1
-    (clamped into the cache, as XLA's dynamic_update_slice clamps) holds the new key/value rows
-    of it, whatever the cache holds there: 1 = a block that covers the slot substitutes them,
-    2 = every block masks the slot and split 0 adds it to its softmax after the loop. Split 0
-    stores them into the cache after its loop (keys_out_ref / values_out_ref are keys_ref /
-    values_ref's buffers)."""
+    new_kv: q_ref is q|k|v [B, KVH * G + 2 KVH, D]; slot length - 1 (clamped into the cache,
+    as XLA's dynamic_update_slice clamps) takes the new key/value rows from it wherever a block
+    covers it (whatever the cache holds there), and split 0 stores them into the cache
+    (keys_out_ref / values_out_ref are keys_ref / values_ref's buffers)."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = lax.broadcasted_iota(jnp.int32, (groups_pad, 1), 0) < groups
     if new_kv:
@@ -160,6 +157,11 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
         new_key = plgpu.load(q_ref.at[b, pl.ds(key_row, 1), :])  # [1, D]
         new_value = plgpu.load(q_ref.at[b, pl.ds(key_row + kv_heads, 1), :])
         write_slot = jnp.clip(length_ref[0] - 1, 0, slots - 1)
+
+        @pl.when(split == 0)
+        def _():
+            plgpu.store(keys_out_ref.at[b, pl.ds(write_slot, 1), h, :], new_key)
+            plgpu.store(values_out_ref.at[b, pl.ds(write_slot, 1), h, :], new_value)
     else:
         q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
     visible = jnp.minimum(length_ref[0], slots)
@@ -176,19 +178,16 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
         s0 = begin + t * block_s
         slot = s0 + lax.broadcasted_iota(jnp.int32, (block_s,), 0)
         in_range = slot < visible  # visible <= slots: never past the cache either
-        read = in_range & (slot != write_slot) if new_kv == 2 else in_range
-        k = plgpu.load(keys_ref.at[b, pl.ds(s0, block_s), h, :], mask=read[:, None],
+        k = plgpu.load(keys_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
                        other=0.0)
-        v = plgpu.load(values_ref.at[b, pl.ds(s0, block_s), h, :], mask=read[:, None],
+        v = plgpu.load(values_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
                        other=0.0)
-        if new_kv == 1:  # the new slot's key/value from the operand
+        if new_kv:
             is_new = (slot == write_slot)[:, None]
             k = jnp.where(is_new, new_key, k)
             v = jnp.where(is_new, new_value, v)
         allowed = plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=in_range, other=0)
         keep = allowed != 0
-        if new_kv == 2:  # the new slot is folded in after the loop
-            keep = keep & (slot != write_slot)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale
         s = jnp.where(keep[None, :], s, _MASKED)
@@ -203,24 +202,6 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
     init = (jnp.full((groups_pad,), _MASKED, jnp.float32), jnp.zeros((groups_pad,), jnp.float32),
             jnp.zeros((groups_pad, head_dim), jnp.float32))
     m, l, acc = lax.fori_loop(0, trips, body, init)
-    if new_kv == 2:  # split 0 adds the new slot (if the mask allows it) to its softmax
-        allowed = plgpu.load(mask_ref.at[b, pl.ds(write_slot, 1)])  # [1]
-        fold = (allowed != 0) & (split == 0)
-        s_new = jnp.sum(q.astype(jnp.float32) * new_key.astype(jnp.float32), axis=1) * scale
-        m_new = jnp.maximum(m, s_new)
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s_new - m_new)
-        p_rounded = p.astype(new_value.dtype).astype(jnp.float32)
-        m = jnp.where(fold, m_new, m)
-        l = jnp.where(fold, l * alpha + p, l)
-        acc = jnp.where(fold[:, None], acc * alpha[:, None]
-                        + p_rounded[:, None] * new_value.astype(jnp.float32), acc)
-    if new_kv:  # after the loop: the stores do not hold up its first loads
-
-        @pl.when(split == 0)
-        def _():
-            plgpu.store(keys_out_ref.at[b, pl.ds(write_slot, 1), h, :], new_key)
-            plgpu.store(values_out_ref.at[b, pl.ds(write_slot, 1), h, :], new_value)
     if m_ref is None:  # one split: normalize here and write q's dtype (no combine kernel)
         l = jnp.where(l > 0, l, 1.0)  # padding rows: never stored, no 0/0
         plgpu.store(o_ref.at[b, h, pl.ds(0, groups_pad), :],
@@ -310,38 +291,26 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     splits = config.splits or default_splits(batch, kv_heads, slots, block_s)
     blocks_per_split = _cdiv(_cdiv(slots, block_s), splits)
     splits = _cdiv(_cdiv(slots, block_s), blocks_per_split)  # no split without a block
-    length = jnp.asarray(length, jnp.int32).reshape(1)
-    write_cache = config.write_cache if new_kv is not None else 0
-    if new_kv is not None and not write_cache:  # XLA writes them, the plain kernel reads them
-        start = (0, length[0] - 1, 0, 0)
-        keys = jax.lax.dynamic_update_slice(keys, new_kv[0][:, None], start)
-        values = jax.lax.dynamic_update_slice(values, new_kv[1][:, None], start)
-    result = _decode_attention(q, keys, values, mask, length, scale=float(scale),
-                               block_s=block_s, splits=splits,
-                               blocks_per_split=blocks_per_split,
-                               balanced=bool(config.balanced), num_warps=config.num_warps,
-                               num_stages=config.num_stages, interpret=interpret,
-                               lora_a=lora_a, new_kv=new_kv if write_cache else None,
-                               write_cache=write_cache)
-    if new_kv is not None and not write_cache:
-        return (*(result if isinstance(result, tuple) else (result,)), keys, values)
-    return result
+    return _decode_attention(q, keys, values, mask, jnp.asarray(length, jnp.int32).reshape(1),
+                             scale=float(scale), block_s=block_s, splits=splits,
+                             blocks_per_split=blocks_per_split,
+                             balanced=bool(config.balanced), num_warps=config.num_warps,
+                             num_stages=config.num_stages, interpret=interpret, lora_a=lora_a,
+                             new_kv=new_kv)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "blocks_per_split",
-                                             "balanced", "num_warps", "num_stages", "interpret",
-                                             "write_cache"))
+                                             "balanced", "num_warps", "num_stages", "interpret"))
 def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
                       blocks_per_split, balanced, num_warps, num_stages, interpret, lora_a,
-                      new_kv, write_cache):
+                      new_kv):
     batch, kv_heads, groups, head_dim = q.shape
     groups_pad = max(16, _next_pow2(groups))
     writes = new_kv is not None
     kernel = functools.partial(_kernel, groups=groups, groups_pad=groups_pad,
                                kv_heads=kv_heads, slots=keys.shape[1], block_s=block_s,
                                splits=splits, blocks_per_split=blocks_per_split,
-                               balanced=balanced, scale=scale,
-                               new_kv=write_cache if writes else 0)
+                               balanced=balanced, scale=scale, new_kv=writes)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
     if writes:  # one operand q|k|v [B, KVH * G + 2 KVH, D]: one XLA fusion makes it

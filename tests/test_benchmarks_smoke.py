@@ -146,11 +146,10 @@ def test_kernel_profile_smoke(tmp_path):
 
 
 def test_attention_and_lora_down_profile_smoke(tmp_path):
-    """attention_profile.py (three settings, interpret mode, with the cache-write timing), lora_down_profile.py (every way of
+    """attention_profile.py (two settings, interpret mode), lora_down_profile.py (every way of
     x @ A, the Pallas ones interpreted) and decode_attention_lora_check.py on tiny shapes: every
     row measured and within its stated error of the reference."""
-    attention = _start("attention_profile.py", tmp_path / "att", "--settings",
-                       "base;balanced=0;write_cache=2")
+    attention = _start("attention_profile.py", tmp_path / "att", "--settings", "base;balanced=0")
     lora = _start("lora_down_profile.py", tmp_path / "lora")
     shares = _start("decode_attention_lora_check.py", tmp_path / "shares")
     _finish(attention)
@@ -159,14 +158,9 @@ def test_attention_and_lora_down_profile_smoke(tmp_path):
     assert json.load(open(tmp_path / "shares" / "decode_attention_lora_check.json"))[
         "failures"] == 0
     rows = json.load(open(tmp_path / "att" / "attention_profile_b2.json"))["rows"]
-    assert [row["setting"] for row in rows] == ["base", "balanced=0", "write_cache=2"]
+    assert [row["setting"] for row in rows] == ["base", "balanced=0"]
     assert all("error" not in row and row["max_rel_err"] < 1e-2 and row["mean_us"] > 0
-               and row["write_mean_us"] > 0 for row in rows)
-    # the kernel's cache write: bit-identical to XLA's, or (folded in after the loop) close
-    assert [row["new_kv_identical"] for row in rows[:2]] == ["yes", "yes"]
-    assert rows[2]["new_kv_identical"] == "yes" or (
-        rows[2]["new_kv_identical"].startswith("max diff")
-        and float(rows[2]["new_kv_identical"].split()[-1]) <= 2.0 ** -7)
+               for row in rows)
     rows = json.load(open(tmp_path / "lora" / "lora_down_profile_m8.json"))["rows"]
     assert [row["variant"] for row in rows] == ["dot", "dot_f32", "mul_reduce", "pallas_c16",
                                                 "pallas_c16_b256", "pallas_c16_s4",

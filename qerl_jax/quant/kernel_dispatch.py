@@ -1049,8 +1049,16 @@ def enable_decode_attention(platform: str | None = None, *, interpret: bool = Fa
         return False
 
     def run(q, keys, values, mask, length, *, scale, lora_a=None, new_kv=None):
-        if lora_a is not None and not decode_attention_kernels.default_config().lora_down:
+        config = decode_attention_kernels.default_config()
+        if lora_a is not None and not config.lora_down:
             lora_a = None  # the caller then computes x @ A itself
+        if new_kv is not None and not config.write_cache:  # XLA writes them first
+            start = (0, length - 1, 0, 0)
+            keys = jax.lax.dynamic_update_slice(keys, new_kv[0][:, None], start)
+            values = jax.lax.dynamic_update_slice(values, new_kv[1][:, None], start)
+            result = decode_attention_kernels.decode_attention(
+                q, keys, values, mask, length, scale=scale, interpret=interpret, lora_a=lora_a)
+            return (*(result if isinstance(result, tuple) else (result,)), keys, values)
         return decode_attention_kernels.decode_attention(q, keys, values, mask, length,
                                                          scale=scale, interpret=interpret,
                                                          lora_a=lora_a, new_kv=new_kv)

@@ -149,7 +149,6 @@ def test_default_config_is_settable_and_parsed():
                                atol=TOLERANCE * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("write_cache", [0, 1, 2])
 @pytest.mark.parametrize("slots,length,splits,rank", [
     (96, 70, 3, None),   # the new slot inside the second split's range
     (96, 70, 3, 16),     # with the o-projection's shares (combine kernel)
@@ -157,14 +156,11 @@ def test_default_config_is_settable_and_parsed():
     (64, 64, 1, 16),     # one split (no combine), the cache's last slot; XLA's shares
     (64, 80, 2, None),   # length past the cache: the slot is clamped to the last, as XLA's DUS
 ])
-def test_new_kv_is_written_and_attended_to(slots, length, splits, rank, write_cache):
-    """new_kv: the new key/value land in the cache's slot length - 1 (clamped), bit for bit,
-    although the slot holds NaN before the call (never read). The outputs (and o-projection
-    shares) are bit-identical to the plain kernel's over the cache with that slot already
-    written (jax.lax.dynamic_update_slice, the model's XLA path) when XLA writes it
-    (write_cache=0) or the loop substitutes it (1). Folded in after the loop (2) the float32
-    sums run in another order: within 2^-7 of the largest |output| (a bf16 rounding flip), and
-    within the module's tolerance of the float64 reference."""
+def test_new_kv_is_written_and_attended_to(slots, length, splits, rank):
+    """new_kv: the kernel writes the new key/value into the cache's slot length - 1 (clamped)
+    and its outputs (and o-projection shares) are bit-identical to the plain kernel's over the
+    cache with that slot already written (jax.lax.dynamic_update_slice, the model's XLA path),
+    although the slot holds NaN before the call (never read)."""
     seed = int(np.random.default_rng().integers(1 << 31))
     rng, q, k, v = _problem(seed, 3, slots, 2, 5, 32)
     new_k = jnp.asarray(rng.standard_normal((3, 2, 32)), jnp.bfloat16)
@@ -178,7 +174,7 @@ def test_new_kv_is_written_and_attended_to(slots, length, splits, rank, write_ca
     mask = jnp.asarray(mask)
     extra = {} if rank is None else {
         "lora_a": jnp.asarray(rng.standard_normal((2 * 5 * 32, rank)), jnp.bfloat16)}
-    config = DecodeAttentionConfig(block_s=16, splits=splits, write_cache=write_cache)
+    config = DecodeAttentionConfig(block_s=16, splits=splits)
     plain = decode_attention(q, written_k, written_v, mask, length, scale=0.2, config=config,
                              interpret=True, **extra)
     plain = plain if isinstance(plain, tuple) else (plain,)
@@ -187,15 +183,8 @@ def test_new_kv_is_written_and_attended_to(slots, length, splits, rank, write_ca
     assert len(results) == len(plain)
     for got, want in zip(results, plain):
         assert got.dtype == want.dtype and got.shape == want.shape
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        if write_cache < 2:
-            np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")
-        else:
-            np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * np.abs(want).max(),
-                                       err_msg=f"seed={seed}")
-    ref = _reference(q, written_k, written_v, mask, min(length, slots), 0.2)
-    err = np.abs(np.asarray(results[0], np.float32) - ref).max() / np.abs(ref).max()
-    assert err <= TOLERANCE, f"seed={seed} relative error {err:.2e}"
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(want, np.float32), err_msg=f"seed={seed}")
     np.testing.assert_array_equal(np.asarray(keys, np.float32), np.asarray(written_k, np.float32))
     np.testing.assert_array_equal(np.asarray(values, np.float32),
                                   np.asarray(written_v, np.float32))
