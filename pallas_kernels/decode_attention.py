@@ -21,15 +21,6 @@ layout), mask [B, S] bool (True = may attend; slots >= length are never read), l
 scalar. Returns [B, KVH, G, D] in q's dtype = softmax(q k^T * scale, masked) v per (b, kv
 head), computed in float32 and rounded once.
 
-The new token's key and value (`new_kv`, the default in the model's decode step): the kernel
-also writes them into the cache (the cache buffers are aliased to two of its outputs, so XLA
-updates them in place) and attends to them from its operand, instead of XLA's two
-dynamic-update-slice kernels per layer before it. q, k and v then reach the kernel as one
-operand [B, H + 2 KVH, D] (one XLA fusion makes it: the q|k|v split sums, bias, RoPE).
-
-    out, keys, values = decode_attention(q, keys, values, mask, length, scale=...,
-                                         new_kv=(k, v))  # k, v [B, KVH, D], slot length - 1
-
 Numerics: scores and the softmax in float32, the probabilities rounded to the inputs' dtype for
 the p @ v product (float32 accumulation), as the XLA path does. A row whose visited slots are all
 masked gets the mean of their values (the XLA path, which masks with a finite minimum, gives the
@@ -57,17 +48,13 @@ class DecodeAttentionConfig:
     programs); balanced: 1 = split the used slots evenly at run time, 0 = fixed ranges of the
     cache; Triton num_warps / num_stages; lora_down: 1 = when the model asks (lora_a), the
     combine kernel also computes the o-projection's LoRA x @ A per head (decode_attention),
-    0 = the model computes x @ A itself (qerl_jax.quant.kernel_dispatch.enable_decode_attention);
-    write_cache: 1 = when the model passes the new token's key and value, the kernel writes them
-    into the cache (decode_attention's new_kv), 0 = the model writes them with XLA's
-    dynamic_update_slice first (the layout before session 25)."""
+    0 = the model computes x @ A itself (qerl_jax.quant.kernel_dispatch.enable_decode_attention)."""
     block_s: int = 64
     splits: int | None = None
     balanced: int = 1
     num_warps: int = 4
     num_stages: int = 3  # vs 2: 0.15-0.5 us less per call, 7B / 32B (RESULTS.md session 11)
     lora_down: int = 1
-    write_cache: int = 1
 
 
 _DEFAULT_CONFIG = DecodeAttentionConfig()
@@ -98,8 +85,6 @@ def set_default_config(config: DecodeAttentionConfig | None = None,
         raise ValueError(f"DecodeAttentionConfig.balanced={config.balanced}: 0 or 1")
     if config.lora_down not in (0, 1):
         raise ValueError(f"DecodeAttentionConfig.lora_down={config.lora_down}: 0 or 1")
-    if config.write_cache not in (0, 1):
-        raise ValueError(f"DecodeAttentionConfig.write_cache={config.write_cache}: 0 or 1")
     _DEFAULT_CONFIG = config
     return previous
 
@@ -137,33 +122,15 @@ def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
     return max(1, min(_cdiv(slots, block_s), _cdiv(_TARGET_PROGRAMS, batch * kv_heads)))
 
 
-def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_ref,
-            keys_out_ref=None, values_out_ref=None, *, groups: int, groups_pad: int,
-            kv_heads: int, slots: int, block_s: int, splits: int, blocks_per_split: int,
-            balanced: bool, scale: float, new_kv: bool):
+def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_ref, *,
+            groups: int, groups_pad: int, slots: int, block_s: int, splits: int,
+            blocks_per_split: int, balanced: bool, scale: float):
     """One (batch row, kv head, split): online softmax over the split's blocks of slots.
     Writes the unnormalized float32 acc [G, D] and the row max m / sum l [G] of the split (or,
-    with one split, the normalized output).
-
-    new_kv: q_ref is q|k|v [B, KVH * G + 2 KVH, D]; slot length - 1 (clamped into the cache,
-    as XLA's dynamic_update_slice clamps) takes the new key/value rows from it wherever a block
-    covers it (whatever the cache holds there), and split 0 stores them into the cache
-    (keys_out_ref / values_out_ref are keys_ref / values_ref's buffers)."""
+    with one split, the normalized output)."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = lax.broadcasted_iota(jnp.int32, (groups_pad, 1), 0) < groups
-    if new_kv:
-        q = plgpu.load(q_ref.at[b, pl.ds(h * groups, groups_pad), :], mask=rows, other=0.0)
-        key_row = kv_heads * groups + h
-        new_key = plgpu.load(q_ref.at[b, pl.ds(key_row, 1), :])  # [1, D]
-        new_value = plgpu.load(q_ref.at[b, pl.ds(key_row + kv_heads, 1), :])
-        write_slot = jnp.clip(length_ref[0] - 1, 0, slots - 1)
-
-        @pl.when(split == 0)
-        def _():
-            plgpu.store(keys_out_ref.at[b, pl.ds(write_slot, 1), h, :], new_key)
-            plgpu.store(values_out_ref.at[b, pl.ds(write_slot, 1), h, :], new_value)
-    else:
-        q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
+    q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
     visible = jnp.minimum(length_ref[0], slots)
     # Blocks per split: the used ones shared evenly (<= blocks_per_split, as visible <= slots),
     # or a fixed range of the cache.
@@ -182,10 +149,6 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
                        other=0.0)
         v = plgpu.load(values_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
                        other=0.0)
-        if new_kv:
-            is_new = (slot == write_slot)[:, None]
-            k = jnp.where(is_new, new_key, k)
-            v = jnp.where(is_new, new_value, v)
         allowed = plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=in_range, other=0)
         keep = allowed != 0
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -244,8 +207,7 @@ def _combine_kernel(o_ref, m_ref, l_ref, *refs, splits: int, splits_pad: int,
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      length: jax.Array, *, scale: float,
                      config: DecodeAttentionConfig | None = None,
-                     interpret: bool = False, lora_a: jax.Array | None = None,
-                     new_kv: tuple[jax.Array, jax.Array] | None = None):
+                     interpret: bool = False, lora_a: jax.Array | None = None):
     """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None: the
     default (set_default_config).
 
@@ -254,13 +216,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     output row (as returned, in q's dtype) times that head's D rows of lora_a, so that
     down.sum((1, 2)) is out.reshape(B, -1) @ lora_a up to the order of the float32 sums. The
     combine kernel computes it (no x @ A launch of its own); with one split (no combine) an
-    XLA product does.
-
-    new_kv = (k, v), each [B, KVH, D] in the cache's dtype: the new token's key and value for
-    slot length - 1 (clamped into the cache). Whatever keys / values hold there is not read;
-    the kernel writes k, v there and also returns the updated caches: (out, keys, values), or
-    (out, down, keys, values) with lora_a. Pass the caches as the step's last use of them
-    (inside jit XLA then updates them in place; eagerly they are copied first)."""
+    XLA product does."""
     config = config or _DEFAULT_CONFIG
     batch, kv_heads, groups, head_dim = q.shape
     if lora_a is not None and (lora_a.ndim != 2 or
@@ -271,15 +227,6 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
             keys.shape[2] != kv_heads or keys.shape[3] != head_dim:
         raise ValueError(f"decode_attention: keys {keys.shape} / values {values.shape} must be "
                          f"[B={batch}, S, KVH={kv_heads}, D={head_dim}] for q {q.shape}")
-    if new_kv is not None:
-        new_k, new_v = new_kv
-        want = (batch, kv_heads, head_dim)
-        if new_k.shape != want or new_v.shape != want:
-            raise ValueError(f"decode_attention: new_kv {new_k.shape} / {new_v.shape} must be "
-                             f"[B, KVH, D] = {list(want)}")
-        if not (new_k.dtype == new_v.dtype == keys.dtype == values.dtype == q.dtype):
-            raise ValueError(f"decode_attention: new_kv {new_k.dtype} / {new_v.dtype}, cache "
-                             f"{keys.dtype} / {values.dtype} and q {q.dtype} must share a dtype")
     slots = keys.shape[1]
     if mask.shape != (batch, slots):
         raise ValueError(f"decode_attention: mask {mask.shape} must be [B={batch}, S={slots}]")
@@ -295,52 +242,38 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
                              scale=float(scale), block_s=block_s, splits=splits,
                              blocks_per_split=blocks_per_split,
                              balanced=bool(config.balanced), num_warps=config.num_warps,
-                             num_stages=config.num_stages, interpret=interpret, lora_a=lora_a,
-                             new_kv=new_kv)
+                             num_stages=config.num_stages, interpret=interpret, lora_a=lora_a)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "blocks_per_split",
                                              "balanced", "num_warps", "num_stages", "interpret"))
 def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
-                      blocks_per_split, balanced, num_warps, num_stages, interpret, lora_a,
-                      new_kv):
+                      blocks_per_split, balanced, num_warps, num_stages, interpret, lora_a):
     batch, kv_heads, groups, head_dim = q.shape
     groups_pad = max(16, _next_pow2(groups))
-    writes = new_kv is not None
     kernel = functools.partial(_kernel, groups=groups, groups_pad=groups_pad,
-                               kv_heads=kv_heads, slots=keys.shape[1], block_s=block_s,
-                               splits=splits, blocks_per_split=blocks_per_split,
-                               balanced=balanced, scale=scale, new_kv=writes)
+                               slots=keys.shape[1], block_s=block_s, splits=splits,
+                               blocks_per_split=blocks_per_split, balanced=balanced,
+                               scale=scale)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
-    if writes:  # one operand q|k|v [B, KVH * G + 2 KVH, D]: one XLA fusion makes it
-        query = jnp.concatenate([q.reshape(batch, kv_heads * groups, head_dim),
-                                 new_kv[0], new_kv[1]], axis=1)
-        cache_out = (jax.ShapeDtypeStruct(keys.shape, keys.dtype),) * 2
-    else:
-        query, cache_out = q, ()
-    operands = (length, query, keys, values, mask.astype(jnp.int32))
     if splits == 1:
-        def single(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, *cache_refs):
-            kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, None, None,
-                   *cache_refs)
+        def single(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref):
+            kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, None, None)
 
-        outs = pl.pallas_call(single, out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                                 *cache_out),
-                              grid=(batch, kv_heads, 1), interpret=interpret,
-                              compiler_params=params, name="decode_attention_single",
-                              input_output_aliases={2: 1, 3: 2} if writes else {})(*operands)
-        out, caches = outs[0], tuple(outs[1:])
-        result = (out,) if lora_a is None else (out, _heads_times_lora_a(out, lora_a))
-        return result[0] if len(result) + len(caches) == 1 else (*result, *caches)
+        out = pl.pallas_call(single, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                             grid=(batch, kv_heads, 1), interpret=interpret,
+                             compiler_params=params, name="decode_attention_single")(
+            length, q, keys, values, mask.astype(jnp.int32))
+        return out if lora_a is None else (out, _heads_times_lora_a(out, lora_a))
     partial_shape = (batch, kv_heads, groups, splits)
     out_shape = (jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-                 jax.ShapeDtypeStruct(partial_shape, jnp.float32), *cache_out)
-    outs = pl.pallas_call(kernel, out_shape=out_shape, grid=(batch, kv_heads, splits),
-                          interpret=interpret, compiler_params=params, name="decode_attention",
-                          input_output_aliases={2: 3, 3: 4} if writes else {})(*operands)
-    (o, m, l), caches = outs[:3], tuple(outs[3:])
+                 jax.ShapeDtypeStruct(partial_shape, jnp.float32))
+    o, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(batch, kv_heads, splits),
+                             interpret=interpret, compiler_params=params,
+                             name="decode_attention")(length, q, keys, values,
+                                                      mask.astype(jnp.int32))
     rank = None if lora_a is None else lora_a.shape[1]
     with_down = rank is not None and rank & (rank - 1) == 0  # Triton: power-of-two tiles
     combine = functools.partial(_combine_kernel, splits=splits, splits_pad=_next_pow2(splits),
@@ -356,9 +289,8 @@ def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
                             name="decode_attention_combine" + ("_lora" if with_down else ""))(
         o, m, l, *((lora_a.astype(q.dtype),) if with_down else ()))
     if lora_a is not None and not with_down:
-        result = (result, _heads_times_lora_a(result, lora_a))
-    result = result if isinstance(result, tuple) else (result,)
-    return result[0] if len(result) + len(caches) == 1 else (*result, *caches)
+        return result, _heads_times_lora_a(result, lora_a)
+    return result
 
 
 def _heads_times_lora_a(out, lora_a):

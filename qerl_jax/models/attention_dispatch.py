@@ -12,11 +12,6 @@ supports; prefill and training keep the XLA path.
       q's dtype; passed only to a kernel registered with lora_down=True): the kernel may return (out, down [B, KVH, G, r] float32), each
       query head's output row times its rows of lora_a, whose sum over heads is the
       o-projection's x @ A; or out alone, and the model computes x @ A itself
-      new_kv = (k, v) (passed only to a kernel registered with writes_cache=True), each
-      [B, KVH, D] in the cache's dtype: the new token's key and value, for slot length - 1
-      (clamped into the cache), which the caller has NOT written: keys / values are the
-      caches before this step. The kernel attends to them and returns the updated caches
-      last: (out[, down], keys, values)
     supports(q, keys) -> None, or why not (then the XLA path runs; logged once)
 """
 
@@ -37,7 +32,6 @@ class DecodeAttentionKernel:
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None] | None = None
     lora_down: bool = False  # fn takes lora_a (see the module docstring)
-    writes_cache: bool = False  # fn takes new_kv and returns the updated caches
 
 
 _KERNELS: dict[str, DecodeAttentionKernel] = {}

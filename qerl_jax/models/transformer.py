@@ -45,14 +45,6 @@ def _attend(q, mask, *, keys, values, scale, compute_dtype):
                       values.astype(compute_dtype), preferred_element_type=jnp.float32)
 
 
-def _write_cache(keys_cache, values_cache, k, v, cache_index):
-    """The caches [B, S, KVH, D] with k / v [B, T, KVH, D] written at slots [cache_index,
-    cache_index + T) (XLA's dynamic_update_slice: a start past S - T is clamped)."""
-    start = (0, cache_index, 0, 0)
-    return (jax.lax.dynamic_update_slice(keys_cache, k.astype(keys_cache.dtype), start),
-            jax.lax.dynamic_update_slice(values_cache, v.astype(values_cache.dtype), start))
-
-
 def _attend_in_query_chunks(attend, q, mask, chunk: int):
     """attend(q, mask) over blocks of `chunk` queries (lax.map, each block under
     jax.checkpoint): the [B, heads, chunk, S] float32 scores of one block at a time, also in
@@ -146,40 +138,34 @@ class Attention(nnx.Module):
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
-        kernel = (decode_attention_kernel(q[:, 0], cached_kv[0])
-                  if cached_kv is not None and length == 1 else None)
-        if kernel is not None:
-            # A decode step: the kernel reads only slots [0, cache_index] of the cache, and one
-            # that writes the cache stores the new key/value there itself (no XLA
-            # dynamic-update-slice launches). With an o-projection adapter, a kernel that can
-            # also returns each head's share of its x @ A (one small launch fewer per layer);
-            # summed over the heads here.
-            keys, values = cached_kv
-            extra = {}
-            if kernel.lora_down and self.o_proj.lora_a is not None:  # rounded to q's dtype there
-                extra["lora_a"] = self.o_proj.lora_a.get_value()
-            if kernel.writes_cache:
-                extra["new_kv"] = (k[:, 0].astype(keys.dtype), v[:, 0].astype(values.dtype))
-            else:
-                keys, values = _write_cache(keys, values, k, v, cache_index)
-            result = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
-                               scale=1.0 / math.sqrt(self.head_dim), **extra)
-            result = result if isinstance(result, tuple) else (result,)
-            if kernel.writes_cache:
-                *result, keys, values = result
-            out, down = result[0], (result[1] if len(result) > 1 else None)
-            out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
-            if down is not None:  # [B, KVH, G, r] float32 -> x @ A [B, 1, r], rounded once
-                down = down.sum(axis=(1, 2)).astype(self.compute_dtype)[:, None, :]
-            return self.o_proj(out, lora_down=down), (keys, values)
         new_kv = None
         if cached_kv is not None:
-            keys, values = _write_cache(*cached_kv, k, v, cache_index)
+            keys_cache, values_cache = cached_kv
+            start = (0, cache_index, 0, 0)
+            keys = jax.lax.dynamic_update_slice(keys_cache, k.astype(keys_cache.dtype), start)
+            values = jax.lax.dynamic_update_slice(values_cache, v.astype(values_cache.dtype),
+                                                  start)
             new_kv = (keys, values)
         else:
             keys, values = k, v
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
+        kernel = (decode_attention_kernel(q[:, 0], keys)
+                  if cached_kv is not None and length == 1 else None)
+        if kernel is not None:
+            # A decode step: the kernel reads only slots [0, cache_index] of the cache. With an
+            # o-projection adapter, a kernel that can also returns each head's share of its
+            # x @ A (one small launch fewer per layer); summed over the heads here.
+            extra = {}
+            if kernel.lora_down and self.o_proj.lora_a is not None:  # rounded to q's dtype there
+                extra["lora_a"] = self.o_proj.lora_a.get_value()
+            result = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
+                               scale=1.0 / math.sqrt(self.head_dim), **extra)
+            out, down = result if isinstance(result, tuple) else (result, None)
+            out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
+            if down is not None:  # [B, KVH, G, r] float32 -> x @ A [B, 1, r], rounded once
+                down = down.sum(axis=(1, 2)).astype(self.compute_dtype)[:, None, :]
+            return self.o_proj(out, lora_down=down), new_kv
         scale = 1.0 / math.sqrt(self.head_dim)
         if mask.shape[-1] < keys.shape[1]:
             # a mask over the cache's first slots only (prefill into an empty cache): the

@@ -1048,24 +1048,16 @@ def enable_decode_attention(platform: str | None = None, *, interpret: bool = Fa
     if platform not in KERNEL_PLATFORMS and not interpret:
         return False
 
-    def run(q, keys, values, mask, length, *, scale, lora_a=None, new_kv=None):
-        config = decode_attention_kernels.default_config()
-        if lora_a is not None and not config.lora_down:
+    def run(q, keys, values, mask, length, *, scale, lora_a=None):
+        if lora_a is not None and not decode_attention_kernels.default_config().lora_down:
             lora_a = None  # the caller then computes x @ A itself
-        if new_kv is not None and not config.write_cache:  # XLA writes them first
-            start = (0, length - 1, 0, 0)
-            keys = jax.lax.dynamic_update_slice(keys, new_kv[0][:, None], start)
-            values = jax.lax.dynamic_update_slice(values, new_kv[1][:, None], start)
-            result = decode_attention_kernels.decode_attention(
-                q, keys, values, mask, length, scale=scale, interpret=interpret, lora_a=lora_a)
-            return (*(result if isinstance(result, tuple) else (result,)), keys, values)
         return decode_attention_kernels.decode_attention(q, keys, values, mask, length,
                                                          scale=scale, interpret=interpret,
-                                                         lora_a=lora_a, new_kv=new_kv)
+                                                         lora_a=lora_a)
 
     attention_dispatch.register_decode_attention(platform, attention_dispatch.DecodeAttentionKernel(
         name="pallas_decode_attention", fn=run, supports=_decode_attention_supports,
-        lora_down=True, writes_cache=True))
+        lora_down=True))
     logger.info("registered the Pallas decode attention for %s (interpret=%s)", platform,
                 interpret)
     return True

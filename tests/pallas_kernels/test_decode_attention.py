@@ -7,7 +7,6 @@ max |ref| (a few bf16 ulps of the largest output); q, k, v are bf16 inputs in bo
 """
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -147,57 +146,3 @@ def test_default_config_is_settable_and_parsed():
     ref = _reference(q, k, v, np.ones((2, 96), bool), 70, 0.25)
     np.testing.assert_allclose(np.asarray(got, np.float32), ref,
                                atol=TOLERANCE * np.abs(ref).max())
-
-
-@pytest.mark.parametrize("slots,length,splits,rank", [
-    (96, 70, 3, None),   # the new slot inside the second split's range
-    (96, 70, 3, 16),     # with the o-projection's shares (combine kernel)
-    (64, 1, 4, None),    # the first decode slot: only it is visible
-    (64, 64, 1, 16),     # one split (no combine), the cache's last slot; XLA's shares
-    (64, 80, 2, None),   # length past the cache: the slot is clamped to the last, as XLA's DUS
-])
-def test_new_kv_is_written_and_attended_to(slots, length, splits, rank):
-    """new_kv: the kernel writes the new key/value into the cache's slot length - 1 (clamped)
-    and its outputs (and o-projection shares) are bit-identical to the plain kernel's over the
-    cache with that slot already written (jax.lax.dynamic_update_slice, the model's XLA path),
-    although the slot holds NaN before the call (never read)."""
-    seed = int(np.random.default_rng().integers(1 << 31))
-    rng, q, k, v = _problem(seed, 3, slots, 2, 5, 32)
-    new_k = jnp.asarray(rng.standard_normal((3, 2, 32)), jnp.bfloat16)
-    new_v = jnp.asarray(rng.standard_normal((3, 2, 32)), jnp.bfloat16)
-    slot = min(length, slots) - 1
-    k, v = k.at[:, slot].set(jnp.nan), v.at[:, slot].set(jnp.nan)
-    written_k = jax.lax.dynamic_update_slice(k, new_k[:, None], (0, length - 1, 0, 0))
-    written_v = jax.lax.dynamic_update_slice(v, new_v[:, None], (0, length - 1, 0, 0))
-    mask = rng.random((3, slots)) < 0.8
-    mask[:, slot] = True
-    mask = jnp.asarray(mask)
-    extra = {} if rank is None else {
-        "lora_a": jnp.asarray(rng.standard_normal((2 * 5 * 32, rank)), jnp.bfloat16)}
-    config = DecodeAttentionConfig(block_s=16, splits=splits)
-    plain = decode_attention(q, written_k, written_v, mask, length, scale=0.2, config=config,
-                             interpret=True, **extra)
-    plain = plain if isinstance(plain, tuple) else (plain,)
-    *results, keys, values = decode_attention(q, k, v, mask, length, scale=0.2, config=config,
-                                              interpret=True, new_kv=(new_k, new_v), **extra)
-    assert len(results) == len(plain)
-    for got, want in zip(results, plain):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_array_equal(np.asarray(got, np.float32),
-                                      np.asarray(want, np.float32), err_msg=f"seed={seed}")
-    np.testing.assert_array_equal(np.asarray(keys, np.float32), np.asarray(written_k, np.float32))
-    np.testing.assert_array_equal(np.asarray(values, np.float32),
-                                  np.asarray(written_v, np.float32))
-    assert np.isfinite(np.asarray(results[0], np.float32)).all()
-
-
-def test_new_kv_errors_name_the_shapes():
-    _, q, k, v = _problem(3, 2, 64, 2, 2, 16)
-    mask = jnp.ones((2, 64), bool)
-    good = jnp.zeros((2, 2, 16), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"new_kv \(2, 2, 8\)"):
-        decode_attention(q, k, v, mask, 9, scale=0.25, interpret=True,
-                         new_kv=(good[..., :8], good))
-    with pytest.raises(ValueError, match="share a dtype"):
-        decode_attention(q, k, v, mask, 9, scale=0.25, interpret=True,
-                         new_kv=(good, good.astype(jnp.float32)))

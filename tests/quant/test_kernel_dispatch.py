@@ -605,10 +605,7 @@ def test_linear_group_runs_one_by_one_where_it_cannot_group(interpret_kernels, c
 def test_decode_steps_with_the_decode_attention_kernel():
     """Prefill then decode steps of a tiny bf16 model (left-padded rows, one finished row) with
     the Pallas decode attention (interpret mode) registered: every step's logits equal the XLA
-    path's within the module's model tolerance, and the kernel is in the decode program. The
-    kernel writes the new keys/values into the cache itself (its program has no cache
-    dynamic-update-slices); the logits are bit-identical to those with XLA writing them."""
-    from pallas_kernels import decode_attention as decode_attention_kernels
+    path's within the module's model tolerance, and the kernel is in the decode program."""
     from qerl_jax.models.config import preset
     from qerl_jax.models.kv_cache import init_kv_cache
     from qerl_jax.models.transformer import decode_step, init_model, prefill
@@ -630,27 +627,15 @@ def test_decode_steps_with_the_decode_attention_kernel():
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return steps
 
-    def decode_jaxpr():
-        cache = init_kv_cache(model.config, 3, 40)
-        return str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
-
     reference = run()
-    previous = decode_attention_kernels.default_config()
     try:
         assert kernel_dispatch.enable_decode_attention("cpu", interpret=True)
-        with_kernel = run()  # the kernel writes the new key/value into the cache itself
-        jaxpr = decode_jaxpr()
+        with_kernel = run()
+        cache = init_kv_cache(model.config, 3, 40)
+        jaxpr = str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
         assert "decode_attention" in jaxpr
-        decode_attention_kernels.set_default_config(previous, write_cache=0)
-        xla_writes = run()  # XLA's dynamic_update_slice writes them first
-        xla_jaxpr = decode_jaxpr()
     finally:
-        decode_attention_kernels.set_default_config(previous)
         kernel_dispatch.disable_decode_attention("cpu")
-    # the kernel's write replaces the layer's two cache updates (the valid mask's stays)
-    assert xla_jaxpr.count("dynamic_update_slice") == jaxpr.count("dynamic_update_slice") + 2
-    for got, want in zip(with_kernel, xla_writes):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for step, (got, want) in enumerate(zip(with_kernel, reference)):
         scale = float(np.abs(np.asarray(want[:2])).max())
         diff = np.abs(np.asarray(got[:2]) - np.asarray(want[:2]))  # the finished row is unused
