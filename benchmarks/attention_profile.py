@@ -39,9 +39,6 @@ def parse_args(argv=None):
     parser.add_argument("--lengths", default="256,512,768,1024,1280,1536,1792,2048,2304")
     parser.add_argument("--settings", default="base;balanced=0",
                         help="';'-separated DecodeAttentionConfig settings ('base' = defaults)")
-    parser.add_argument("--layouts", default="bskd",
-                        help="cache layouts: bskd (the model's [B, S, KVH, D]) and/or bksd "
-                             "([B, KVH, S, D], decode_attention(heads_major=True))")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
     parser.add_argument("--out", default=".")
@@ -62,9 +59,6 @@ def main(argv=None):
     settings = [s.strip() for s in args.settings.split(";") if s.strip()]
     parsed = {s: ({} if s == "base" else da.parse_config(s)) for s in settings}
     lengths = [int(v) for v in common.split_list(args.lengths)]
-    layouts = common.split_list(args.layouts)
-    if set(layouts) - {"bskd", "bksd"}:
-        raise SystemExit(f"--layouts {args.layouts}: bskd and/or bksd")
     if any(not 1 <= v <= args.slots for v in lengths):
         raise SystemExit(f"--lengths {lengths}: each must be in [1, --slots={args.slots}]")
     rows = []
@@ -84,29 +78,23 @@ def main(argv=None):
                                      jnp.bfloat16)) for i in range(count)]
         mask = jnp.ones((args.batch, args.slots), bool)
         scale = head_dim ** -0.5
-        for setting, layout in [(s, l) for l in layouts for s in settings]:
+        for setting in settings:
             config = dataclasses.replace(da.default_config(), **parsed[setting])
-            heads_major = layout == "bksd"
-            fn = jax.jit(lambda q, caches, length, config=config, heads_major=heads_major: [
+            fn = jax.jit(lambda q, caches, length, config=config: [
                 da.decode_attention(q, k, v, mask, length, scale=scale, config=config,
-                                    interpret=interpret, heads_major=heads_major)
-                for k, v in caches])
-            call_caches = caches
-            if heads_major:  # the copies in the [B, KVH, S, D] layout, made once
-                call_caches = [(k.swapaxes(1, 2), v.swapaxes(1, 2)) for k, v in caches]
+                                    interpret=interpret) for k, v in caches])
             row = {"model": model, "batch": args.batch, "slots": args.slots,
-                   "setting": setting if layout == "bskd" else f"{setting}, cache {layout}",
-                   "copies": count, "us": {}}
+                   "setting": setting, "copies": count, "us": {}}
             try:
                 for length in lengths:
                     length_arr = jnp.asarray(length, jnp.int32)
-                    got = fn(q, call_caches, length_arr)[0].astype(jnp.float32)
+                    got = fn(q, caches, length_arr)[0].astype(jnp.float32)
                     visible = jnp.arange(args.slots)[None, :] < length
                     ref = da.decode_attention_reference(q, *caches[0], mask & visible,
                                                         scale=scale)
                     error = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
                     row["max_rel_err"] = max(row.get("max_rel_err", 0.0), error)
-                    _, call_us, _ = traced_device_us(fn, (q, call_caches, length_arr),
+                    _, call_us, _ = traced_device_us(fn, (q, caches, length_arr),
                                                      args.repeats, count, None)
                     row["us"][str(length)] = call_us
                 row["mean_us"] = sum(row["us"].values()) / len(row["us"])
@@ -114,7 +102,6 @@ def main(argv=None):
                 row["error"] = common.describe_error(e)
             rows.append(row)
             print(row, flush=True)
-            del call_caches
         del caches
     elapsed = time.perf_counter() - started
     text = report(rows, lengths, args, elapsed)

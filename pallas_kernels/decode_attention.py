@@ -123,7 +123,7 @@ def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
 
 
 def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_ref, *,
-            heads_major: bool, groups: int, groups_pad: int, slots: int, block_s: int, splits: int,
+            groups: int, groups_pad: int, slots: int, block_s: int, splits: int,
             blocks_per_split: int, balanced: bool, scale: float):
     """One (batch row, kv head, split): online softmax over the split's blocks of slots.
     Writes the unnormalized float32 acc [G, D] and the row max m / sum l [G] of the split (or,
@@ -145,10 +145,10 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
         s0 = begin + t * block_s
         slot = s0 + lax.broadcasted_iota(jnp.int32, (block_s,), 0)
         in_range = slot < visible  # visible <= slots: never past the cache either
-        block = ((b, h, pl.ds(s0, block_s), slice(None)) if heads_major
-                 else (b, pl.ds(s0, block_s), h, slice(None)))
-        k = plgpu.load(keys_ref.at[block], mask=in_range[:, None], other=0.0)
-        v = plgpu.load(values_ref.at[block], mask=in_range[:, None], other=0.0)
+        k = plgpu.load(keys_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
+                       other=0.0)
+        v = plgpu.load(values_ref.at[b, pl.ds(s0, block_s), h, :], mask=in_range[:, None],
+                       other=0.0)
         allowed = plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=in_range, other=0)
         keep = allowed != 0
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -207,13 +207,9 @@ def _combine_kernel(o_ref, m_ref, l_ref, *refs, splits: int, splits_pad: int,
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      length: jax.Array, *, scale: float,
                      config: DecodeAttentionConfig | None = None,
-                     interpret: bool = False, lora_a: jax.Array | None = None,
-                     heads_major: bool = False):
+                     interpret: bool = False, lora_a: jax.Array | None = None):
     """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None: the
     default (set_default_config).
-
-    heads_major: keys / values are [B, KVH, S, D] (each head's slots contiguous) instead of
-    the default [B, S, KVH, D].
 
     lora_a [KVH * G * D, r] (the o-projection's LoRA A, rows in the order of the flattened
     output): returns (out, down) instead, down [B, KVH, G, r] float32 = each query head's
@@ -227,15 +223,11 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
                                lora_a.shape[0] != kv_heads * groups * head_dim):
         raise ValueError(f"decode_attention: lora_a {lora_a.shape} must be [KVH * G * D = "
                          f"{kv_heads * groups * head_dim}, r] for q {q.shape}")
-    head_axis, slot_axis = (1, 2) if heads_major else (2, 1)
     if keys.shape != values.shape or keys.ndim != 4 or keys.shape[0] != batch or \
-            keys.shape[head_axis] != kv_heads or keys.shape[3] != head_dim:
-        want = ("[B={batch}, KVH={kv_heads}, S, D={head_dim}]" if heads_major
-                else "[B={batch}, S, KVH={kv_heads}, D={head_dim}]").format(
-                    batch=batch, kv_heads=kv_heads, head_dim=head_dim)
+            keys.shape[2] != kv_heads or keys.shape[3] != head_dim:
         raise ValueError(f"decode_attention: keys {keys.shape} / values {values.shape} must be "
-                         f"{want} for q {q.shape}")
-    slots = keys.shape[slot_axis]
+                         f"[B={batch}, S, KVH={kv_heads}, D={head_dim}] for q {q.shape}")
+    slots = keys.shape[1]
     if mask.shape != (batch, slots):
         raise ValueError(f"decode_attention: mask {mask.shape} must be [B={batch}, S={slots}]")
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -250,22 +242,17 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
                              scale=float(scale), block_s=block_s, splits=splits,
                              blocks_per_split=blocks_per_split,
                              balanced=bool(config.balanced), num_warps=config.num_warps,
-                             num_stages=config.num_stages, interpret=interpret, lora_a=lora_a,
-                             heads_major=bool(heads_major))
+                             num_stages=config.num_stages, interpret=interpret, lora_a=lora_a)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "blocks_per_split",
-                                             "balanced", "num_warps", "num_stages", "interpret",
-                                             "heads_major"))
+                                             "balanced", "num_warps", "num_stages", "interpret"))
 def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
-                      blocks_per_split, balanced, num_warps, num_stages, interpret, lora_a,
-                      heads_major):
+                      blocks_per_split, balanced, num_warps, num_stages, interpret, lora_a):
     batch, kv_heads, groups, head_dim = q.shape
     groups_pad = max(16, _next_pow2(groups))
-    kernel = functools.partial(_kernel, heads_major=heads_major, groups=groups,
-                               groups_pad=groups_pad,
-                               slots=keys.shape[2 if heads_major else 1], block_s=block_s,
-                               splits=splits,
+    kernel = functools.partial(_kernel, groups=groups, groups_pad=groups_pad,
+                               slots=keys.shape[1], block_s=block_s, splits=splits,
                                blocks_per_split=blocks_per_split, balanced=balanced,
                                scale=scale)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
