@@ -146,8 +146,10 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
                     "bfloat16); the quantized layers use the XLA path",
                     config.model.compute_dtype)
         return
-    # the model was just built: nothing else holds it
-    enable_kernels(model, donate=True, pair_mlp=config.quant.get("gate_up_pairs", True))
+    # the model was just built: nothing else holds it; its adapters come later (their rank
+    # decides whether the NVFP4 decode launches can run the Mosaic GPU kernel)
+    enable_kernels(model, donate=True, pair_mlp=config.quant.get("gate_up_pairs", True),
+                   lora_rank=config.lora.rank)
 
 
 def make_optimizer(train: ml_collections.ConfigDict):

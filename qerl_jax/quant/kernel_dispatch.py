@@ -498,14 +498,26 @@ def _supports(weight, compute_dtype) -> str | None:
     return None
 
 
-# Experimental (sessions 20-24): single-weight NVFP4 launches at decode M (the o and down
-# projections), the grouped q|k|v launches and the fused SwiGLU launches of gate/up pairs on the
-# Mosaic GPU kernel (pallas_kernels.mgpu_nvfp4), reading those weights in its permuted layout
+# Sessions 20-25: single-weight NVFP4 launches at decode M (the o and down projections), the
+# grouped q|k|v launches and the fused SwiGLU launches of gate/up pairs on the Mosaic GPU kernel
+# (pallas_kernels.mgpu_nvfp4), reading those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels; by default their only copy, which
-# prefill and training unpermute where they read it: KernelLayoutWeight.kernel_source). Off
-# unless QERL_MOSAIC_NVFP4=1 at registration.
+# prefill and training unpermute where they read it: KernelLayoutWeight.kernel_source). On by
+# default since session 25 where the kernel runs (a Hopper GPU; LoRA ranks in
+# mgpu_nvfp4.LORA_RANKS); QERL_MOSAIC_NVFP4=0 at registration keeps the Triton kernels.
 _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
                  "swiglu_epilogue": True, "single_copy": True}
+MOSAIC_FLAG = "QERL_MOSAIC_NVFP4"
+
+
+def _mosaic_flag() -> tuple[bool, bool]:
+    """(whether the Mosaic GPU NVFP4 path is on, whether $QERL_MOSAIC_NVFP4 says so
+    explicitly): on unless the variable is "0"."""
+    value = os.environ.get(MOSAIC_FLAG, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{MOSAIC_FLAG}={value!r}: 1 (the default: the Mosaic GPU NVFP4 kernel "
+                         "where it runs) or 0 (the Triton kernels)")
+    return value != "0", value != ""
 
 
 def _mosaic_refusal(x, weight, down) -> str | None:
@@ -972,7 +984,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         if not 1 <= limit <= 64:
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
-    _MOSAIC_NVFP4["single"] = os.environ.get("QERL_MOSAIC_NVFP4", "") == "1"
+    _MOSAIC_NVFP4["single"] = _mosaic_flag()[0]
     ahead = os.environ.get("QERL_MOSAIC_PREFETCH", "1")  # with the flag: on unless "0"
     if ahead not in ("0", "1", "2", "3"):
         raise ValueError(f"QERL_MOSAIC_PREFETCH={ahead!r}: 0 (off) or the K tiles to prefetch "
@@ -1071,7 +1083,8 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
                    tile_k: int | None = None, small_m_backward: str = "dequantize",
                    lora_epilogue: bool = True, grouped: bool = True,
                    decode_attention: bool = True, donate: bool = False,
-                   pair_mlp: bool = True, fused_swiglu: bool = True):
+                   pair_mlp: bool = True, fused_swiglu: bool = True,
+                   lora_rank: int | None = None):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
     Repacks every QuantizedWeight once (kernel layout) and registers the kernels. An nnx Module
@@ -1093,6 +1106,11 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
         (to_kernel_layout(donate=True)): no second copy of the scales and codes is allocated,
         but arrays taken from the Module before the call are deleted. For a model nothing
         else references (the trainer's, just built); the default keeps them valid.
+      lora_rank: (Module only) the rank of the LoRA adapters the model will be given (the
+        trainer's config.lora.rank), if not yet added. On a Hopper GPU the NVFP4 decode
+        launches run the Mosaic GPU kernel (unless QERL_MOSAIC_NVFP4=0), which takes LoRA ranks
+        in pallas_kernels.mgpu_nvfp4.LORA_RANKS only: with another rank (this one, or an
+        adapter the model already has) the weights keep the Triton kernels.
     """
     platform = platform or jax.default_backend()
     if platform not in KERNEL_PLATFORMS and not interpret:
@@ -1116,7 +1134,8 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
             node.set_value(to_kernel_layout(value, tile_k=tile_k, donate=donate))
             count += 1
     pairs = pair_mlp_weights(model_or_state) if pair_mlp else 0
-    if _MOSAIC_NVFP4["single"] and not interpret and _mosaic_unavailable() is None:
+    if (_MOSAIC_NVFP4["single"] and not interpret and _mosaic_unavailable() is None
+            and _mosaic_ranks_refusal(model_or_state, lora_rank) is None):
         _add_mosaic_tiles(model_or_state, grouped=grouped,
                           single_copy=_MOSAIC_NVFP4["single_copy"])
     logger.info("enable_kernels: %d quantized weights in the kernel layout, %d MLP gate/up "
@@ -1125,12 +1144,33 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
 
 
 def _mosaic_unavailable() -> str | None:
-    """Why the Mosaic GPU kernel cannot run here (logged once), or None."""
+    """Why the Mosaic GPU kernel cannot run here (logged: a warning when QERL_MOSAIC_NVFP4=1
+    asked for it, else info), or None."""
     from pallas_kernels import mgpu_nvfp4
     reason = mgpu_nvfp4.available()
     if reason is not None:
-        logger.warning("QERL_MOSAIC_NVFP4=1: no Mosaic GPU NVFP4 kernel here (%s); the "
-                       "weights keep the kernel layout and the Triton kernels", reason)
+        log = logger.warning if _mosaic_flag()[1] else logger.info
+        log("%s: no Mosaic GPU NVFP4 kernel here (%s); the NVFP4 weights keep the kernel "
+            "layout and the Triton kernels", MOSAIC_FLAG, reason)
+    return reason
+
+
+def _mosaic_ranks_refusal(model: nnx.Module, lora_rank: int | None) -> str | None:
+    """Why the model's LoRA ranks (lora_rank, and those of the adapters it has) keep the
+    Triton kernels (logged), or None when the Mosaic GPU kernel takes them all."""
+    from pallas_kernels import mgpu_nvfp4
+    ranks = set() if lora_rank is None else {int(lora_rank)}
+    for _, node in nnx.iter_graph(model):
+        lora_a = getattr(node, "lora_a", None)
+        if isinstance(lora_a, nnx.Variable) and lora_a.get_value() is not None:
+            ranks.add(int(lora_a.get_value().shape[-1]))
+    other = sorted(ranks - set(mgpu_nvfp4.LORA_RANKS))
+    if not other:
+        return None
+    reason = (f"LoRA rank {other} (the Mosaic GPU kernel takes {mgpu_nvfp4.LORA_RANKS}); the "
+              "NVFP4 weights keep the Triton kernels")
+    log = logger.warning if _mosaic_flag()[1] else logger.info
+    log("%s: %s", MOSAIC_FLAG, reason)
     return reason
 
 
