@@ -502,22 +502,24 @@ def _supports(weight, compute_dtype) -> str | None:
 # grouped q|k|v launches and the fused SwiGLU launches of gate/up pairs on the Mosaic GPU kernel
 # (pallas_kernels.mgpu_nvfp4), reading those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels; by default their only copy, which
-# prefill and training unpermute where they read it: KernelLayoutWeight.kernel_source). On by
-# default since session 25 where the kernel runs (a Hopper GPU; LoRA ranks in
-# mgpu_nvfp4.LORA_RANKS); QERL_MOSAIC_NVFP4=0 at registration keeps the Triton kernels.
+# prefill and training unpermute where they read it: KernelLayoutWeight.kernel_source). Off
+# unless QERL_MOSAIC_NVFP4=1 at registration, and then only where the kernel runs (a Hopper
+# GPU; LoRA ranks in mgpu_nvfp4.LORA_RANKS). Session 25 measured it as the default: the 7B
+# GRPO step's rollout 0.24 s faster, its training 0.32 s slower (the single copy's unpermute),
+# so it stays opt-in (benchmarks/RESULTS.md, session 25).
 _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
                  "swiglu_epilogue": True, "single_copy": True}
 MOSAIC_FLAG = "QERL_MOSAIC_NVFP4"
 
 
-def _mosaic_flag() -> tuple[bool, bool]:
-    """(whether the Mosaic GPU NVFP4 path is on, whether $QERL_MOSAIC_NVFP4 says so
-    explicitly): on unless the variable is "0"."""
+def _mosaic_flag() -> bool:
+    """Whether $QERL_MOSAIC_NVFP4 turns the Mosaic GPU NVFP4 path on ("1"; unset or "0": off;
+    anything else is an error naming the variable)."""
     value = os.environ.get(MOSAIC_FLAG, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{MOSAIC_FLAG}={value!r}: 1 (the default: the Mosaic GPU NVFP4 kernel "
-                         "where it runs) or 0 (the Triton kernels)")
-    return value != "0", value != ""
+        raise ValueError(f"{MOSAIC_FLAG}={value!r}: 1 (the Mosaic GPU NVFP4 kernel where it "
+                         "runs) or 0 / unset (the Triton kernels)")
+    return value == "1"
 
 
 def _mosaic_refusal(x, weight, down) -> str | None:
@@ -984,7 +986,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         if not 1 <= limit <= 64:
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
-    _MOSAIC_NVFP4["single"] = _mosaic_flag()[0]
+    _MOSAIC_NVFP4["single"] = _mosaic_flag()
     ahead = os.environ.get("QERL_MOSAIC_PREFETCH", "1")  # with the flag: on unless "0"
     if ahead not in ("0", "1", "2", "3"):
         raise ValueError(f"QERL_MOSAIC_PREFETCH={ahead!r}: 0 (off) or the K tiles to prefetch "
@@ -1107,10 +1109,10 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
         but arrays taken from the Module before the call are deleted. For a model nothing
         else references (the trainer's, just built); the default keeps them valid.
       lora_rank: (Module only) the rank of the LoRA adapters the model will be given (the
-        trainer's config.lora.rank), if not yet added. On a Hopper GPU the NVFP4 decode
-        launches run the Mosaic GPU kernel (unless QERL_MOSAIC_NVFP4=0), which takes LoRA ranks
-        in pallas_kernels.mgpu_nvfp4.LORA_RANKS only: with another rank (this one, or an
-        adapter the model already has) the weights keep the Triton kernels.
+        trainer's config.lora.rank), if not yet added. With QERL_MOSAIC_NVFP4=1 on a Hopper GPU
+        the NVFP4 decode launches run the Mosaic GPU kernel, which takes LoRA ranks in
+        pallas_kernels.mgpu_nvfp4.LORA_RANKS only: with another rank (this one, or an adapter
+        the model already has) the weights keep the Triton kernels (a warning says so).
     """
     platform = platform or jax.default_backend()
     if platform not in KERNEL_PLATFORMS and not interpret:
@@ -1144,14 +1146,12 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
 
 
 def _mosaic_unavailable() -> str | None:
-    """Why the Mosaic GPU kernel cannot run here (logged: a warning when QERL_MOSAIC_NVFP4=1
-    asked for it, else info), or None."""
+    """Why the Mosaic GPU kernel cannot run here (logged), or None."""
     from pallas_kernels import mgpu_nvfp4
     reason = mgpu_nvfp4.available()
     if reason is not None:
-        log = logger.warning if _mosaic_flag()[1] else logger.info
-        log("%s: no Mosaic GPU NVFP4 kernel here (%s); the NVFP4 weights keep the kernel "
-            "layout and the Triton kernels", MOSAIC_FLAG, reason)
+        logger.warning("%s=1: no Mosaic GPU NVFP4 kernel here (%s); the NVFP4 weights keep the "
+                       "kernel layout and the Triton kernels", MOSAIC_FLAG, reason)
     return reason
 
 
@@ -1169,8 +1169,7 @@ def _mosaic_ranks_refusal(model: nnx.Module, lora_rank: int | None) -> str | Non
         return None
     reason = (f"LoRA rank {other} (the Mosaic GPU kernel takes {mgpu_nvfp4.LORA_RANKS}); the "
               "NVFP4 weights keep the Triton kernels")
-    log = logger.warning if _mosaic_flag()[1] else logger.info
-    log("%s: %s", MOSAIC_FLAG, reason)
+    logger.warning("%s=1: %s", MOSAIC_FLAG, reason)
     return reason
 
 
