@@ -7,15 +7,17 @@ pallas_kernels.mgpu_nvfp4.kernel_layout_from_permuted, inside their jit. Per wei
 (the 7B / 14B launch shapes; a gate|up pair as one weight of 2 N rows) this times, wall clock
 per call (median, kernels.median_time):
 - "unpermute": kernel_layout_from_permuted (a broadcast-shift-transpose fusion);
-- "unpermute (planes first)": the two nibbles of each output byte combined before the
-  transpose (variants_equal: bit for bit the same arrays). Session 24 call g also timed a
-  static gather (RESULTS.md): no faster, removed;
 - "dequantize": the Pallas dequantize kernel on the kernel layout (what the two-copy layout
   runs), bf16 W [N, K];
 - "unpermute + dequantize": both in one jit (what the single copy runs);
 - "XLA dequantize": bf16 W straight from the permuted buffer in jnp
   (mgpu_nvfp4.permuted_dequantize; xla_dequantize_equal: bit for bit the Pallas kernel's W);
-and the 4-bit buffer's bytes read + written per second for the unpermute rows.
+- "permuted dequantize (rows)" / "(scatter)": the Triton kernel that decodes the permuted
+  tiles directly (pallas_kernels.permuted_dequantize, its two store variants;
+  permuted_dequantize_equal: both bit for bit the Pallas kernel's W);
+and the 4-bit buffer's bytes read + written per second for the unpermute.
+Session 24 also timed a static gather and session 25 a "planes first" unpermute (10-20% under
+the unpermute; RESULTS.md): removed, the kernel replaces both.
 
     python benchmarks/unpermute_check.py --out $OUT
 """
@@ -33,28 +35,6 @@ SHAPES = {"7b": {"q": (3584, 3584), "gate|up": (2 * 18944, 3584), "down": (3584,
           "tiny": {"w": (256, 512)}}  # a CPU smoke run (Pallas interpreted)
 
 
-def _planes_first_unpermute(permuted, *, rows, k):
-    """kernel_layout_from_permuted with the two nibbles of each kernel-layout byte combined
-    before the transpose (the tile's column 128 p + j is nibble p of plane byte j; i_hi =
-    2 p + i_mid), so half the bytes go through it. Not measured yet (session 24)."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    from pallas_kernels import mgpu_nvfp4 as mg
-    flat = permuted.reshape(-1, mg.TILE_LINES * 128)
-    t = flat.shape[0]
-    words = lax.bitcast_convert_type(flat[:, :mg.CODE_BYTES].reshape(t, -1, 4),
-                                     jnp.uint32).reshape(t, 2, 2, 4, 8, 4, 4)
-    shifts = mg._unpermute_shifts()
-    words = words[..., None, None, None]  # [T, p, i_mid, w, l, q, i_lo, c_half, h, half]
-    codes = sum(((words >> shifts[..., b]) & 1) << b for b in range(4))
-    planes = (codes[:, 0] | (codes[:, 1] << 4)).astype(jnp.uint8)
-    # -> [T, w, h, l, i_mid, i_lo, c_half, q, half]
-    planes = planes.transpose(0, 2, 7, 3, 1, 5, 6, 4, 8)
-    k_tiles = -(-k // 256)
-    return planes.reshape(rows, k_tiles * 128), flat[:, mg.CODE_BYTES:].reshape(rows, -1)
-
-
 def measure(size: str, name: str, n: int, k: int, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -63,6 +43,7 @@ def measure(size: str, name: str, n: int, k: int, repeats: int) -> dict:
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
     from pallas_kernels.nvfp4_matmul import NVFP4
+    from pallas_kernels.permuted_dequantize import STORES, permuted_dequantize
     lines = n // 64 * (-(-k // 256)) * mg.TILE_LINES
     bits = jax.random.bits(jax.random.key(0), (lines, 128), jnp.uint8)
     scale_codes = jnp.full((lines // mg.TILE_LINES, 8, 128), 0x38, jnp.uint8)  # scale 1.0
@@ -79,28 +60,37 @@ def measure(size: str, name: str, n: int, k: int, repeats: int) -> dict:
                                        interpret=jax.default_backend() != "gpu")
 
     fast = jax.jit(unpermute)
-    planes_first = jax.jit(lambda b: _planes_first_unpermute(b, rows=n, k=k))
     codes, scales = fast(buffer)
-    same = all(bool(jnp.array_equal(a, b))
-               for a, b in zip((codes, scales), planes_first(buffer)))
     both = jax.jit(lambda b: dequantize(*unpermute(b)))
+    reference = both(buffer)
     direct = jax.jit(lambda b: mg.permuted_dequantize(b, jnp.float32(1), n=n, k=k).astype(
         jnp.bfloat16))
-    same_dense = bool(jnp.array_equal(direct(buffer), both(buffer)))
+    kernels = {store: jax.jit(lambda b, store=store: permuted_dequantize(
+        b, jnp.float32(1), n=n, k=k, store=store, interpret=jax.default_backend() != "gpu"))
+        for store in STORES}
     seconds = {
         "unpermute": median_time(fast, (buffer,), repeats),
-        "unpermute (planes first)": median_time(planes_first, (buffer,), repeats),
         "dequantize": median_time(jax.jit(dequantize), (codes, scales), repeats),
         "unpermute + dequantize": median_time(both, (buffer,), repeats),
         "XLA dequantize": median_time(direct, (buffer,), repeats),
     }
-    moved = 2 * buffer.size  # bytes read + written by an unpermute
     row = dict(size=size, weight=name, n=n, k=k, buffer_MiB=buffer.size / 2**20,
-               variants_equal=same, xla_dequantize_equal=same_dense)
+               xla_dequantize_equal=bool(jnp.array_equal(direct(buffer), reference)),
+               permuted_dequantize_equal=True)
+    for store, kernel in kernels.items():
+        try:
+            row["permuted_dequantize_equal"] &= bool(jnp.array_equal(kernel(buffer), reference))
+            seconds[f"permuted dequantize ({store})"] = median_time(kernel, (buffer,), repeats)
+        except Exception as error:  # a Triton compile failure: recorded, the others go on
+            row["permuted_dequantize_equal"] = False
+            row[f"permuted dequantize ({store}) error"] = common.describe_error(error)[:200]
     for label, value in seconds.items():
         row[f"{label} us"] = 1e6 * value
-    for label in ("unpermute", "unpermute (planes first)"):
-        row[f"{label} GB/s"] = moved / seconds[label] / 1e9
+    row["unpermute GB/s"] = 2 * buffer.size / seconds["unpermute"] / 1e9  # read + written
+    for store in STORES:
+        if f"permuted dequantize ({store})" in seconds:  # 4-bit read + bf16 written
+            row[f"permuted dequantize ({store}) GB/s"] = (
+                (buffer.size + 2 * n * k) / seconds[f"permuted dequantize ({store})"] / 1e9)
     return row
 
 
@@ -124,12 +114,13 @@ def main(argv=None) -> int:
     meta = {**common.device_info(), "jax": jax.__version__}
     rows = [measure(size, name, n, k, args.repeats)
             for size in sizes for name, (n, k) in SHAPES[size].items()]
-    columns = [(key, key) for key in rows[0]]
+    columns = [(key, key) for key in dict.fromkeys(key for row in rows for key in row)]
     text = common.header_line(f"Unpermuting the single copy, {time.perf_counter() - begin:.0f} s",
                               [meta]) + "\n\n" + common.markdown_table(rows, columns)
     print(text, flush=True)
     common.write_outputs(args.out, "unpermute_check", text, {"rows": rows, **meta})
-    return 0 if all(row["variants_equal"] and row["xla_dequantize_equal"] for row in rows) else 1
+    return 0 if all(row["xla_dequantize_equal"] and row["permuted_dequantize_equal"]
+                     for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -350,8 +350,9 @@ def test_single_copy_keeps_only_the_permuted_buffers(grouped, caplog):
     read their tiles from the buffer (the same array: q/k/v the group's at lines 0, q's rows,
     q's + k's; the pair views their pair's). Their kernel operands and checkpoint view are bit
     for bit the ones before, so the model's logits are identical at decode M (fused kernel,
-    interpreted) and prefill M (dequantize + dot); a pytree round trip keeps the form; the
-    kernel-layout arrays are freed (nothing keeps them alive). A small-M launch of such weights
+    interpreted) and prefill M (W from the permuted-dequantize kernel, then a dot: no
+    unpermute, no kernel-layout dequantize in its program); a pytree round trip keeps the form;
+    the kernel-layout arrays are freed (nothing keeps them alive). A small-M launch of such weights
     on a Triton kernel (here: interpreted) logs that it unpermutes them at every call."""
     import gc
     import weakref
@@ -420,6 +421,10 @@ def test_single_copy_keeps_only_the_permuted_buffers(grouped, caplog):
             again = [forward(model, tokens[:1, :8]), forward(model, tokens)]
         for expected, got in zip(logits, again):
             assert jnp.array_equal(got, expected)
+        # prefill M: W straight from the permuted buffers (no unpermute)
+        graphdef, state = nnx.split(model)
+        jaxpr = str(jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
+        assert "nvfp4_permuted_dequantize" in jaxpr and "nvfp4_dequantize" not in jaxpr
         warned = [r.getMessage() for r in caplog.records if "unpermutes them" in r.getMessage()]
         assert any("gate|up SwiGLU launch" in m and "interpret mode" in m for m in warned)
         assert any(("grouped launch" if grouped else "single-weight launch") in m

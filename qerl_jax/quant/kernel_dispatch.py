@@ -508,7 +508,7 @@ def _supports(weight, compute_dtype) -> str | None:
 # GRPO step's rollout 0.24 s faster, its training 0.32 s slower (the single copy's unpermute),
 # so it stays opt-in (benchmarks/RESULTS.md, session 25).
 _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
-                 "swiglu_epilogue": True, "single_copy": True}
+                 "swiglu_epilogue": True, "single_copy": True, "permuted_dequantize": "rows"}
 MOSAIC_FLAG = "QERL_MOSAIC_NVFP4"
 
 
@@ -918,7 +918,25 @@ def _fused_forward(x, weight, *, compute_dtype, interpret):
 
 
 def _pallas_dense(weight, interpret):
+    """W [N, K] bf16 from the Pallas dequantize kernel: of the kernel layout, or for a
+    single-copy NVFP4 weight straight from its permuted buffer
+    (pallas_kernels.permuted_dequantize, QERL_MOSAIC_PERMUTED_DEQUANTIZE; bit for bit the same
+    W), without unpermuting it first."""
+    store = _MOSAIC_NVFP4["permuted_dequantize"]
+    if weight.single_copy and store != "0" and _permuted_dequantize_takes(weight):
+        from pallas_kernels.permuted_dequantize import permuted_dequantize
+        return permuted_dequantize(weight.kernel_source, weight.kernel_divisor(),
+                                   n=weight.shape[0], k=weight.shape[1],
+                                   line=weight.kernel_source_line, pair_view=weight.pair_view,
+                                   store=store, interpret=interpret)
     return bw.blockwise_dequantize(weight.packed(), spec=weight.spec, interpret=interpret)
+
+
+def _permuted_dequantize_takes(weight: KernelLayoutWeight) -> bool:
+    from pallas_kernels import mgpu_nvfp4
+    from pallas_kernels.permuted_dequantize import BLOCK_ROWS
+    return (weight.format == "nvfp4" and weight.tile_k == mgpu_nvfp4.TILE_K
+            and (weight.pair_view is None or weight.pair_view[0] % BLOCK_ROWS == 0))
 
 
 def _dequantize_forward(x, weight, *, compute_dtype, interpret):
@@ -997,6 +1015,13 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
     _MOSAIC_NVFP4["swiglu_epilogue"] = os.environ.get("QERL_MOSAIC_SWIGLU_EPILOGUE", "1") != "0"
     # the permuted buffers are the weights' only copy (KernelLayoutWeight.kernel_source)
     _MOSAIC_NVFP4["single_copy"] = os.environ.get("QERL_MOSAIC_SINGLE_COPY", "1") != "0"
+    # how prefill and training get a single copy's W: the permuted-dequantize kernel ("rows",
+    # "scatter": its store variants) or "0": unpermute, then the kernel-layout dequantize
+    store = os.environ.get("QERL_MOSAIC_PERMUTED_DEQUANTIZE", "rows")
+    if store not in ("rows", "scatter", "0"):
+        raise ValueError(f"QERL_MOSAIC_PERMUTED_DEQUANTIZE={store!r}: rows (default), scatter "
+                         "or 0 (unpermute first)")
+    _MOSAIC_NVFP4["permuted_dequantize"] = store
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
                 grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:
