@@ -112,10 +112,11 @@ class KernelLayoutWeight(QuantizedWeight):
     kernel_source (experimental, else None): the single-copy form (QERL_MOSAIC_NVFP4=1, unless
     QERL_MOSAIC_SINGLE_COPY=0): kernel_codes and kernel_scales are None and the weight's only
     copy is the permuted buffer kernel_source (its own mosaic_tiles, its pair's, or its q/k/v
-    group's: the same array), its tiles from line kernel_source_line (static) on. The other
-    kernels' operands (packed(), kernel_arrays()) and the checkpoint view are then unpermuted
-    from it where they are used (mgpu_nvfp4.kernel_layout_from_permuted; inside jit a
-    transient of one weight), bit for bit the arrays that were permuted.
+    group's: the same array), its tiles from line kernel_source_line (static) on. Prefill and
+    training (M > 64) get W in bf16 straight from it (pallas_kernels.permuted_dequantize,
+    _pallas_dense); the other kernels' operands (packed(), kernel_arrays()) and the checkpoint
+    view are unpermuted from it where they are used (mgpu_nvfp4.kernel_layout_from_permuted;
+    inside jit a transient of one weight), bit for bit the arrays that were permuted.
     Static: format, shape (logical N, K), dtype, tile_k, pair_view, mosaic_prefetch_k,
     kernel_source_line.
 
@@ -502,11 +503,11 @@ def _supports(weight, compute_dtype) -> str | None:
 # grouped q|k|v launches and the fused SwiGLU launches of gate/up pairs on the Mosaic GPU kernel
 # (pallas_kernels.mgpu_nvfp4), reading those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels; by default their only copy, which
-# prefill and training unpermute where they read it: KernelLayoutWeight.kernel_source). Off
+# prefill and training dequantize directly: KernelLayoutWeight.kernel_source). Off
 # unless QERL_MOSAIC_NVFP4=1 at registration, and then only where the kernel runs (a Hopper
 # GPU; LoRA ranks in mgpu_nvfp4.LORA_RANKS). Session 25 measured it as the default: the 7B
-# GRPO step's rollout 0.24 s faster, its training 0.32 s slower (the single copy's unpermute),
-# so it stays opt-in (benchmarks/RESULTS.md, session 25).
+# GRPO step's rollout 0.24 s faster, its training 0.32 s slower (the single copy's unpermute;
+# 0.11 s with the permuted dequantize since), so it stays opt-in (RESULTS.md, session 25).
 _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
                  "swiglu_epilogue": True, "single_copy": True, "permuted_dequantize": "rows"}
 MOSAIC_FLAG = "QERL_MOSAIC_NVFP4"
