@@ -190,7 +190,8 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     """build_model repacks for the Pallas kernels only for 4-bit weights, bf16 compute and
     quant.kernels=True (a float32-compute model would unpack the kernel layout on every call),
     donating the freshly built model's checkpoint-layout buffers, with the MLPs' gate/up pairs
-    as quant.gate_up_pairs says (default on)."""
+    as quant.gate_up_pairs says (default on) and the adapters' rank to come (lora.rank: a rank
+    the Mosaic GPU kernel cannot take keeps the Triton kernels)."""
     from qerl_jax import trainer as trainer_module
     from qerl_jax.quant import kernel_dispatch
     calls = []
@@ -208,13 +209,15 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
         calls.clear()
         trainer_module._maybe_enable_kernels("model", config)
         assert len(calls) == expected, (fmt, compute_dtype, kernels)
-        assert all(options == {"donate": True, "pair_mlp": True} for _, options in calls)
+        assert all(options == {"donate": True, "pair_mlp": True,
+                               "lora_rank": config.lora.rank} for _, options in calls)
     config = _config()
     config.quant.format, config.quant.kernels, config.quant.gate_up_pairs = "nvfp4", True, False
     config.model.compute_dtype = "bfloat16"
     calls.clear()
     trainer_module._maybe_enable_kernels("model", config)
-    assert calls == [("model", {"donate": True, "pair_mlp": False})]
+    assert calls == [("model", {"donate": True, "pair_mlp": False,
+                                "lora_rank": config.lora.rank})]
 
 
 def test_reference_adapters_are_kept_only_for_the_kl_term(tmp_path, warm_cache):
