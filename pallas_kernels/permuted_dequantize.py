@@ -42,9 +42,12 @@ from pallas_kernels.nvfp4_matmul import scale_values_from_codes
 
 BLOCK_ROWS = 32  # rows per program: half a permuted tile (a gate/up pair view's block)
 _TILE_LINES = mgpu_nvfp4.TILE_LINES
-_WORD_ROWS_PER_TILE = _TILE_LINES * 2  # the buffer viewed as uint32 rows of 16 words
-_SCALE_ROWS_PER_TILE = _TILE_LINES * 8  # ... and as uint8 rows of 16 scale codes
-_CODE_SCALE_ROW = mgpu_nvfp4.CODE_BYTES // 16  # first scale row of a tile in that view
+# The kernel reads the buffer's 128-byte lines as uint32 rows of 16 words (2 per line; a
+# word block (i_hi, w) starts 32 i_hi + 8 w rows into its tile) and as uint8 rows of 16 scale
+# codes (8 per line; a tile's scale codes start CODE_BYTES / 16 rows into it, one row each).
+_WORD_ROWS_PER_LINE = 2
+_SCALE_ROWS_PER_LINE = 8
+_CODE_SCALE_ROW = mgpu_nvfp4.CODE_BYTES // 16
 STORES = ("rows", "scatter")
 
 
@@ -86,18 +89,19 @@ def _kernel(words_ref, scales_ref, ts_ref, out_ref, *, n: int, k: int, k_tiles: 
     local_rows = 16 * (i >> 3) + (i & 7)  # + 8 h: the rows of a sub-grid within the block
     lo = lax.broadcasted_iota(jnp.int32, (1, 4), 1)
     for i_hi in range(4):
-        words = words_ref[pl.ds(tile_line * 2 + i_hi * 32 + w_base * 8, 16), :]
+        words = words_ref[pl.ds(tile_line * _WORD_ROWS_PER_LINE + i_hi * 32 + w_base * 8, 16),
+                          :]  # [16 (w', l), 16 (q, i_lo)]
         col0 = kt * mgpu_nvfp4.TILE_K + 64 * i_hi
         if store == "rows":
             words = words.reshape(16, 4, 4).transpose(0, 2, 1)  # [16, i_lo, q]
         for h in (0, 1):
             rows = local_rows + 8 * h  # [16, 1]
-            codes = plgpu.load(scales_ref.at[tile_line * 8 + _CODE_SCALE_ROW + w_base * 16
-                                             + rows, 4 * i_hi + lo])  # [16, i_lo]
-            scale = scale_values_from_codes(codes, 0).astype(jnp.float32)
             out_rows = n0 + rows
+            scale_rows = (tile_line * _SCALE_ROWS_PER_LINE + _CODE_SCALE_ROW + w_base * 16
+                          + rows)
             if store == "rows":
-                scale = scale[:, :, None]
+                codes = plgpu.load(scales_ref.at[scale_rows, 4 * i_hi + lo])  # [16, i_lo]
+                scale = scale_values_from_codes(codes, 0).astype(jnp.float32)[:, :, None]
                 halves = []
                 for c_half in (0, 1):
                     pair = [_e2m1(_code(words, shifts[c_half][h][half])) * scale
@@ -110,13 +114,12 @@ def _kernel(words_ref, scales_ref, ts_ref, out_ref, *, n: int, k: int, k_tiles: 
                             mask=(out_rows < n) & (cols < k))
                 continue
             j = lax.broadcasted_iota(jnp.int32, (1, 16), 1)  # (q, i_lo) of the word block
-            scale_full = plgpu.load(scales_ref.at[tile_line * 8 + _CODE_SCALE_ROW
-                                                  + w_base * 16 + rows, 4 * i_hi + (j & 3)])
-            scale_full = scale_values_from_codes(scale_full, 0).astype(jnp.float32)
+            scale = plgpu.load(scales_ref.at[scale_rows, 4 * i_hi + (j & 3)])
+            scale = scale_values_from_codes(scale, 0).astype(jnp.float32)
             for c_half in (0, 1):
                 for half in (0, 1):
                     cols = col0 + 16 * (j & 3) + 8 * c_half + 2 * (j >> 2) + half
-                    values = _e2m1(_code(words, shifts[c_half][h][half])) * scale_full
+                    values = _e2m1(_code(words, shifts[c_half][h][half])) * scale
                     plgpu.store(out_ref.at[out_rows, cols],
                                 (values * factor).astype(out_ref.dtype),
                                 mask=(out_rows < n) & (cols < k))
@@ -156,8 +159,8 @@ def _permuted_dequantize(permuted, tensor_scale, *, n, k, k_tiles, line, pair_vi
                          interpret):
     lines = permuted.shape[0]
     words = lax.bitcast_convert_type(permuted.reshape(lines, 32, 4), jnp.uint32)
-    words = words.reshape(lines * 2, 16)
-    scale_codes = permuted.reshape(lines * 8, 16)
+    words = words.reshape(lines * _WORD_ROWS_PER_LINE, 16)
+    scale_codes = permuted.reshape(lines * _SCALE_ROWS_PER_LINE, 16)
     kernel = functools.partial(_kernel, n=n, k=k, k_tiles=k_tiles, line=line,
                                pair_view=pair_view, store=store)
     return pl.pallas_call(
