@@ -11,10 +11,11 @@ per call (median, kernels.median_time):
   runs), bf16 W [N, K];
 - "unpermute + dequantize": both in one jit (what the single copy runs);
 - "XLA dequantize": bf16 W straight from the permuted buffer in jnp
-  (mgpu_nvfp4.permuted_dequantize; xla_dequantize_equal: bit for bit the Pallas kernel's W);
-- "permuted dequantize (rows)" / "(scatter)": the Triton kernel that decodes the permuted
-  tiles directly (pallas_kernels.permuted_dequantize, its two store variants;
-  permuted_dequantize_equal: both bit for bit the Pallas kernel's W);
+  (mgpu_nvfp4.permuted_dequantize_reference; xla_dequantize_equal: bit for bit the Pallas
+  kernel's W);
+- "permuted dequantize": the Triton kernel that decodes the permuted tiles directly
+  (pallas_kernels.permuted_dequantize; permuted_dequantize_equal: bit for bit the Pallas
+  kernel's W; session 25 call f also timed a scattered-store variant, since removed);
 and the 4-bit buffer's bytes read + written per second for the unpermute.
 Session 24 also timed a static gather and session 25 a "planes first" unpermute (10-20% under
 the unpermute; RESULTS.md): removed, the kernel replaces both.
@@ -43,7 +44,7 @@ def measure(size: str, name: str, n: int, k: int, repeats: int) -> dict:
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
     from pallas_kernels.nvfp4_matmul import NVFP4
-    from pallas_kernels.permuted_dequantize import STORES, permuted_dequantize
+    from pallas_kernels.permuted_dequantize import permuted_dequantize
     lines = n // 64 * (-(-k // 256)) * mg.TILE_LINES
     bits = jax.random.bits(jax.random.key(0), (lines, 128), jnp.uint8)
     scale_codes = jnp.full((lines // mg.TILE_LINES, 8, 128), 0x38, jnp.uint8)  # scale 1.0
@@ -63,34 +64,25 @@ def measure(size: str, name: str, n: int, k: int, repeats: int) -> dict:
     codes, scales = fast(buffer)
     both = jax.jit(lambda b: dequantize(*unpermute(b)))
     reference = both(buffer)
-    direct = jax.jit(lambda b: mg.permuted_dequantize(b, jnp.float32(1), n=n, k=k).astype(
+    direct = jax.jit(lambda b: mg.permuted_dequantize_reference(b, jnp.float32(1), n=n, k=k).astype(
         jnp.bfloat16))
-    kernels = {store: jax.jit(lambda b, store=store: permuted_dequantize(
-        b, jnp.float32(1), n=n, k=k, store=store, interpret=jax.default_backend() != "gpu"))
-        for store in STORES}
+    kernel = jax.jit(lambda b: permuted_dequantize(b, jnp.float32(1), n=n, k=k,
+                                                   interpret=jax.default_backend() != "gpu"))
     seconds = {
         "unpermute": median_time(fast, (buffer,), repeats),
         "dequantize": median_time(jax.jit(dequantize), (codes, scales), repeats),
         "unpermute + dequantize": median_time(both, (buffer,), repeats),
         "XLA dequantize": median_time(direct, (buffer,), repeats),
     }
+    seconds["permuted dequantize"] = median_time(kernel, (buffer,), repeats)
     row = dict(size=size, weight=name, n=n, k=k, buffer_MiB=buffer.size / 2**20,
                xla_dequantize_equal=bool(jnp.array_equal(direct(buffer), reference)),
-               permuted_dequantize_equal=True)
-    for store, kernel in kernels.items():
-        try:
-            row["permuted_dequantize_equal"] &= bool(jnp.array_equal(kernel(buffer), reference))
-            seconds[f"permuted dequantize ({store})"] = median_time(kernel, (buffer,), repeats)
-        except Exception as error:  # a Triton compile failure: recorded, the others go on
-            row["permuted_dequantize_equal"] = False
-            row[f"permuted dequantize ({store}) error"] = common.describe_error(error)[:200]
+               permuted_dequantize_equal=bool(jnp.array_equal(kernel(buffer), reference)))
     for label, value in seconds.items():
         row[f"{label} us"] = 1e6 * value
     row["unpermute GB/s"] = 2 * buffer.size / seconds["unpermute"] / 1e9  # read + written
-    for store in STORES:
-        if f"permuted dequantize ({store})" in seconds:  # 4-bit read + bf16 written
-            row[f"permuted dequantize ({store}) GB/s"] = (
-                (buffer.size + 2 * n * k) / seconds[f"permuted dequantize ({store})"] / 1e9)
+    row["permuted dequantize GB/s"] = (  # 4-bit read + bf16 written
+        (buffer.size + 2 * n * k) / seconds["permuted dequantize"] / 1e9)
     return row
 
 
@@ -114,7 +106,7 @@ def main(argv=None) -> int:
     meta = {**common.device_info(), "jax": jax.__version__}
     rows = [measure(size, name, n, k, args.repeats)
             for size in sizes for name, (n, k) in SHAPES[size].items()]
-    columns = [(key, key) for key in dict.fromkeys(key for row in rows for key in row)]
+    columns = [(key, key) for key in rows[0]]
     text = common.header_line(f"Unpermuting the single copy, {time.perf_counter() - begin:.0f} s",
                               [meta]) + "\n\n" + common.markdown_table(rows, columns)
     print(text, flush=True)

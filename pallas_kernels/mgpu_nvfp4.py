@@ -4,7 +4,8 @@ Mosaic GPU's interpret mode has no TMA rules, so the CPU suite checks its layout
 and that it lowers for CUDA, and `benchmarks/mgpu_matmul_check.py` checks its numbers on a GPU).
 
 Permuted layout (`permute_packed`, from a PackedWeight in the kernel layout of
-pallas_kernels.blockwise_matmul, NVFP4, tile_k = 256; `permuted_dequantize` undoes it):
+pallas_kernels.blockwise_matmul, NVFP4, tile_k = 256; `unpermute_tiles` undoes it, and
+pallas_kernels.permuted_dequantize dequantizes it):
   uint8 [row tiles * K tiles * 72, 128]; the 64-row tile b, K tile t is the 9216 bytes at rows
   (b * k_tiles + t) * 72:
   bytes [0, 8192): per thread th of the warpgroup 16 32-bit words, word i at
@@ -133,7 +134,7 @@ def permute_tiles(codes: jax.Array, scale_codes: jax.Array) -> jax.Array:
                            axis=1).reshape(-1, 128)
 
 
-def _unpermute_shifts() -> np.ndarray:
+def unpermute_shifts() -> np.ndarray:
     """uint32 [c_half, h, weight half, code bit]: the word bit of each code bit of the weight
     at column offset 8 c_half + half, row offset 8 h of a word (pair k = c_half + 2 h)."""
     return np.array([[[[source_bit(c_half + 2 * h, half, b) for b in range(4)]
@@ -149,7 +150,7 @@ def unpermute_tiles(permuted: jax.Array) -> tuple[jax.Array, jax.Array]:
     t = flat.shape[0]
     words = lax.bitcast_convert_type(flat[:, :CODE_BYTES].reshape(t, CODE_BYTES // 4, 4),
                                      jnp.uint32).reshape(t, 4, 4, 8, 4, 4)
-    shifts = _unpermute_shifts()
+    shifts = unpermute_shifts()
     words = words[..., None, None, None]  # [T, i_hi, w, l, q, i_lo, c_half, h, half]
     codes = sum(((words >> shifts[..., b]) & 1) << b for b in range(4)).astype(jnp.uint8)
     codes = codes.transpose(0, 2, 7, 3, 1, 5, 6, 4, 8).reshape(t, TILE_ROWS, TILE_K)
@@ -201,9 +202,10 @@ def permute_packed(packed: bw.PackedWeight) -> jax.Array:
     return permute_tiles(codes, packed.scales.reshape(t, TILE_ROWS, 16))
 
 
-def permuted_dequantize(permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
-                        k: int) -> jax.Array:
-    """The weights W [n, k] float32 of a permuted buffer (reference and prefill use)."""
+def permuted_dequantize_reference(permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
+                                  k: int) -> jax.Array:
+    """The weights W [n, k] float32 of a permuted buffer, in jnp (a reference; the kernel is
+    pallas_kernels.permuted_dequantize)."""
     from pallas_kernels import nvfp4_matmul
     from pallas_kernels.e2m1_decode import e2m1_decode_reference
     codes, scale_codes = unpermute_tiles(permuted)

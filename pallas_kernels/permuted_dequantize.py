@@ -21,9 +21,10 @@ Numerics: value = e2m1 * block scale (exact in float32) times 1 / tensor_scale (
 rounded once to bf16: bit for bit blockwise_dequantize's W of the unpermuted weight (whose
 decoder scales by powers of two that cancel exactly).
 
-store="rows" (default) regroups each block's values in registers (reshapes, a transpose,
-two-way joins) so that every store writes 64 contiguous columns of a row; store="scatter"
-stores each (h, c_half, half) sub-grid as it comes out (2-byte scattered stores).
+Each block's values are regrouped in registers (reshapes, a transpose, two-way joins) so that
+every store writes 64 contiguous columns of a row. Storing each (h, c_half, half) sub-grid as
+it comes out (2-byte scattered stores) was as fast on the 14B q|k|v weight and 1.5-2.0x slower
+on the other five measured on the H100 (RESULTS.md, session 25); it was removed.
 """
 
 from __future__ import annotations
@@ -48,12 +49,11 @@ _TILE_LINES = mgpu_nvfp4.TILE_LINES
 _WORD_ROWS_PER_LINE = 2
 _SCALE_ROWS_PER_LINE = 8
 _CODE_SCALE_ROW = mgpu_nvfp4.CODE_BYTES // 16
-STORES = ("rows", "scatter")
 
 
 def _shifts() -> list:
     """[c_half][h][half][bit] -> the word bit of that code bit (Python ints)."""
-    return mgpu_nvfp4._unpermute_shifts().tolist()
+    return mgpu_nvfp4.unpermute_shifts().tolist()
 
 
 def _code(words, shifts):
@@ -76,7 +76,7 @@ def _e2m1(code):
 
 
 def _kernel(words_ref, scales_ref, ts_ref, out_ref, *, n: int, k: int, k_tiles: int, line: int,
-            pair_view, store: str):
+            pair_view):
     pid_n, kt = pl.program_id(0), pl.program_id(1)
     n0 = pid_n * BLOCK_ROWS
     src = bw.pair_row(n0, pair_view)  # the block's first row in the buffer's weight rows
@@ -91,43 +91,29 @@ def _kernel(words_ref, scales_ref, ts_ref, out_ref, *, n: int, k: int, k_tiles: 
     for i_hi in range(4):
         words = words_ref[pl.ds(tile_line * _WORD_ROWS_PER_LINE + i_hi * 32 + w_base * 8, 16),
                           :]  # [16 (w', l), 16 (q, i_lo)]
-        col0 = kt * mgpu_nvfp4.TILE_K + 64 * i_hi
-        if store == "rows":
-            words = words.reshape(16, 4, 4).transpose(0, 2, 1)  # [16, i_lo, q]
+        words = words.reshape(16, 4, 4).transpose(0, 2, 1)  # [16, i_lo, q]
+        cols = kt * mgpu_nvfp4.TILE_K + 64 * i_hi + lax.broadcasted_iota(jnp.int32, (1, 64), 1)
         for h in (0, 1):
             rows = local_rows + 8 * h  # [16, 1]
             out_rows = n0 + rows
             scale_rows = (tile_line * _SCALE_ROWS_PER_LINE + _CODE_SCALE_ROW + w_base * 16
                           + rows)
-            if store == "rows":
-                codes = plgpu.load(scales_ref.at[scale_rows, 4 * i_hi + lo])  # [16, i_lo]
-                scale = scale_values_from_codes(codes, 0).astype(jnp.float32)[:, :, None]
-                halves = []
-                for c_half in (0, 1):
-                    pair = [_e2m1(_code(words, shifts[c_half][h][half])) * scale
-                            for half in (0, 1)]
-                    halves.append(jnp.stack(pair, axis=-1).reshape(16, 4, 8))  # (q, half)
-                values = jnp.stack(halves, axis=-1).transpose(0, 1, 3, 2).reshape(16, 64)
-                cols = col0 + lax.broadcasted_iota(jnp.int32, (1, 64), 1)
-                plgpu.store(out_ref.at[out_rows, cols],
-                            (values * factor).astype(out_ref.dtype),
-                            mask=(out_rows < n) & (cols < k))
-                continue
-            j = lax.broadcasted_iota(jnp.int32, (1, 16), 1)  # (q, i_lo) of the word block
-            scale = plgpu.load(scales_ref.at[scale_rows, 4 * i_hi + (j & 3)])
-            scale = scale_values_from_codes(scale, 0).astype(jnp.float32)
+            codes = plgpu.load(scales_ref.at[scale_rows, 4 * i_hi + lo])  # [16, i_lo]
+            scale = scale_values_from_codes(codes, 0).astype(jnp.float32)[:, :, None]
+            halves = []
             for c_half in (0, 1):
-                for half in (0, 1):
-                    cols = col0 + 16 * (j & 3) + 8 * c_half + 2 * (j >> 2) + half
-                    values = _e2m1(_code(words, shifts[c_half][h][half])) * scale
-                    plgpu.store(out_ref.at[out_rows, cols],
-                                (values * factor).astype(out_ref.dtype),
-                                mask=(out_rows < n) & (cols < k))
+                pair = [_e2m1(_code(words, shifts[c_half][h][half])) * scale
+                        for half in (0, 1)]
+                halves.append(jnp.stack(pair, axis=-1).reshape(16, 4, 8))  # (q, half)
+            # columns 16 i_lo + 8 c_half + 2 q + half of this i_hi's 64
+            values = jnp.stack(halves, axis=-1).transpose(0, 1, 3, 2).reshape(16, 64)
+            plgpu.store(out_ref.at[out_rows, cols], (values * factor).astype(out_ref.dtype),
+                        mask=(out_rows < n) & (cols < k))
 
 
 def permuted_dequantize(permuted: jax.Array, tensor_scale: jax.Array, *, n: int, k: int,
                         line: int = 0, pair_view: tuple[int, int] | None = None,
-                        store: str = "rows", interpret: bool = False) -> jax.Array:
+                        interpret: bool = False) -> jax.Array:
     """W [n, k] bf16 of the weight whose permuted tiles start at line `line` of `permuted`
     ([lines, 128] uint8, mgpu_nvfp4's layout; tiles ordered row tile by row tile, K tiles
     inside). tensor_scale: the kernels' divisor ([1] or scalar float32). pair_view: (half_block,
@@ -136,8 +122,6 @@ def permuted_dequantize(permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
     if permuted.dtype != jnp.uint8 or permuted.ndim != 2 or permuted.shape[1] != 128:
         raise ValueError(f"permuted_dequantize: permuted {permuted.dtype}{list(permuted.shape)}"
                          " must be uint8 [lines, 128]")
-    if store not in STORES:
-        raise ValueError(f"permuted_dequantize: store={store!r}, expected one of {STORES}")
     if pair_view is not None and (pair_view[0] % BLOCK_ROWS or pair_view[1] not in (0, 1)):
         raise ValueError(f"permuted_dequantize: pair_view {pair_view} must be (a multiple of "
                          f"{BLOCK_ROWS}, 0 or 1)")
@@ -150,19 +134,18 @@ def permuted_dequantize(permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
                          f"{permuted.shape[0]} lines")
     return _permuted_dequantize(permuted, jnp.asarray(tensor_scale, jnp.float32).reshape(1),
                                 n=n, k=k, k_tiles=k_tiles, line=line, pair_view=pair_view,
-                                store=store, interpret=interpret)
+                                interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "k", "k_tiles", "line", "pair_view", "store",
+@functools.partial(jax.jit, static_argnames=("n", "k", "k_tiles", "line", "pair_view",
                                              "interpret"))
-def _permuted_dequantize(permuted, tensor_scale, *, n, k, k_tiles, line, pair_view, store,
-                         interpret):
+def _permuted_dequantize(permuted, tensor_scale, *, n, k, k_tiles, line, pair_view, interpret):
     lines = permuted.shape[0]
     words = lax.bitcast_convert_type(permuted.reshape(lines, 32, 4), jnp.uint32)
     words = words.reshape(lines * _WORD_ROWS_PER_LINE, 16)
     scale_codes = permuted.reshape(lines * _SCALE_ROWS_PER_LINE, 16)
     kernel = functools.partial(_kernel, n=n, k=k, k_tiles=k_tiles, line=line,
-                               pair_view=pair_view, store=store)
+                               pair_view=pair_view)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((n, k), jnp.bfloat16),
         grid=(-(-n // BLOCK_ROWS), k_tiles), interpret=interpret,

@@ -16,27 +16,11 @@ import pytest
 from pallas_kernels import mgpu_nvfp4 as mg
 from pallas_kernels import nvfp4_matmul
 from qerl_jax.quant.nvfp4 import nvfp4_quantize
-
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
-
-
-def _packed(n, k, seed=0):
-    w = jax.random.normal(jax.random.key(seed), (n, k), jnp.float32)
-    q = nvfp4_quantize(w)
-    return q, nvfp4_matmul.repack_nvfp4(q.codes, q.block_scales, q.tensor_scale)
-
-
-def _checkpoint_weights(q) -> np.ndarray:
-    """float64 W from the checkpoint arrays (E2M1 table x e4m3 scale / tensor scale)."""
-    codes = np.asarray(q.codes)
-    nib = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)
-    scales = np.asarray(q.block_scales.astype(jnp.float32), np.float64)
-    return E2M1[nib] * np.repeat(scales, 16, axis=1) / float(q.tensor_scale)
-
+from tests.pallas_kernels import kernel_checks as kc
 
 @pytest.mark.parametrize("n,k", [(200, 608), (64, 256), (130, 512)])
 def test_permuted_layout_is_lossless_and_dequantizes_to_the_checkpoint(n, k):
-    q, packed = _packed(n, k)
+    q, packed = kc.nvfp4_packed(n, k)
     permuted = mg.permute_packed(packed)
     k_tiles = -(-k // 256)
     assert permuted.shape == (packed.codes.shape[0] // 64 * k_tiles * 72, 128)
@@ -53,8 +37,8 @@ def test_permuted_layout_is_lossless_and_dequantizes_to_the_checkpoint(n, k):
         mg.kernel_layout_from_permuted(permuted, rows=rows, k=k, line=72)
     with pytest.raises(ValueError, match="multiple of 64"):
         mg.kernel_layout_from_permuted(permuted, rows=rows - 32, k=k)
-    got = np.asarray(mg.permuted_dequantize(permuted, packed.tensor_scale, n=n, k=k), np.float64)
-    expected = _checkpoint_weights(q)
+    got = np.asarray(mg.permuted_dequantize_reference(permuted, packed.tensor_scale, n=n, k=k), np.float64)
+    expected = kc.nvfp4_float64_weights(q)
     np.testing.assert_allclose(got, expected, rtol=2e-7, atol=0)  # float32 division
 
 
@@ -62,12 +46,12 @@ def test_kernel_bit_math_gives_the_weights():
     """Integer emulation of _decode_tile (rotations, masks, bf16x2 pattern x 2^126 x scale) on
     every thread's words gives the weights of each tile (e2m1 x block scale, before the
     tensor scale)."""
-    q, packed = _packed(128, 512, seed=3)
+    q, packed = kc.nvfp4_packed(128, 512, seed=3)
     permuted = np.asarray(mg.permute_packed(packed)).reshape(-1, 72 * 128)
     codes, scale_codes = (np.asarray(a) for a in mg.unpermute_tiles(jnp.asarray(permuted)))
     scale_values = np.asarray(nvfp4_matmul.scale_values_from_codes(jnp.asarray(scale_codes), 0)
                               .astype(jnp.float32), np.float64)
-    expected = E2M1[codes] * np.repeat(scale_values, 16, axis=-1)
+    expected = kc.E2M1[codes] * np.repeat(scale_values, 16, axis=-1)
 
     def rotl(w, r):
         return ((w << np.uint64(r)) | (w >> np.uint64((32 - r) % 32))) & np.uint64(0xFFFFFFFF)
@@ -123,7 +107,7 @@ def test_lora_operand_folds_the_scales_into_b_transposed():
                                                     (16, 16, 1, False), (8, 32, None, True)])
 def test_kernel_lowers_for_cuda(m, rank, splits, prepared):
     n, k = 256, 1024
-    _, packed = _packed(n, k)
+    _, packed = kc.nvfp4_packed(n, k)
     permuted = jax.ShapeDtypeStruct(mg.permute_packed(packed).shape, jnp.uint8)
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     args = [x, permuted, packed.tensor_scale]
@@ -145,7 +129,7 @@ def test_kernel_lowers_for_cuda(m, rank, splits, prepared):
 
 
 def test_refusals_and_bad_shapes():
-    q, packed = _packed(64, 256)
+    q, packed = kc.nvfp4_packed(64, 256)
     assert mg.refusal(packed) is None
     import dataclasses
     nf4_packed = dataclasses.replace(packed, fmt="nf4")  # (only the fields are read)
@@ -202,7 +186,7 @@ def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_
     docstring states them."""
     del splits, stages, l2_prefetch
     n_pad = mg._padded_rows(permuted, k)
-    raw = mg.permuted_dequantize(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
+    raw = mg.permuted_dequantize_reference(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
                                  n=n_pad, k=k)  # e2m1 x block scale x 2^-8
     y = x.astype(jnp.float32) @ raw.T
     if lora_down is not None:

@@ -509,7 +509,7 @@ def _supports(weight, compute_dtype) -> str | None:
 # GRPO step's rollout 0.24 s faster, its training 0.32 s slower (the single copy's unpermute;
 # 0.11 s with the permuted dequantize since), so it stays opt-in (RESULTS.md, session 25).
 _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
-                 "swiglu_epilogue": True, "single_copy": True, "permuted_dequantize": "rows"}
+                 "swiglu_epilogue": True, "single_copy": True, "permuted_dequantize": True}
 MOSAIC_FLAG = "QERL_MOSAIC_NVFP4"
 
 
@@ -923,13 +923,13 @@ def _pallas_dense(weight, interpret):
     single-copy NVFP4 weight straight from its permuted buffer
     (pallas_kernels.permuted_dequantize, QERL_MOSAIC_PERMUTED_DEQUANTIZE; bit for bit the same
     W), without unpermuting it first."""
-    store = _MOSAIC_NVFP4["permuted_dequantize"]
-    if weight.single_copy and store != "0" and _permuted_dequantize_takes(weight):
+    if (weight.single_copy and _MOSAIC_NVFP4["permuted_dequantize"]
+            and _permuted_dequantize_takes(weight)):
         from pallas_kernels.permuted_dequantize import permuted_dequantize
         return permuted_dequantize(weight.kernel_source, weight.kernel_divisor(),
                                    n=weight.shape[0], k=weight.shape[1],
                                    line=weight.kernel_source_line, pair_view=weight.pair_view,
-                                   store=store, interpret=interpret)
+                                   interpret=interpret)
     return bw.blockwise_dequantize(weight.packed(), spec=weight.spec, interpret=interpret)
 
 
@@ -1016,13 +1016,13 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
     _MOSAIC_NVFP4["swiglu_epilogue"] = os.environ.get("QERL_MOSAIC_SWIGLU_EPILOGUE", "1") != "0"
     # the permuted buffers are the weights' only copy (KernelLayoutWeight.kernel_source)
     _MOSAIC_NVFP4["single_copy"] = os.environ.get("QERL_MOSAIC_SINGLE_COPY", "1") != "0"
-    # how prefill and training get a single copy's W: the permuted-dequantize kernel ("rows",
-    # "scatter": its store variants) or "0": unpermute, then the kernel-layout dequantize
-    store = os.environ.get("QERL_MOSAIC_PERMUTED_DEQUANTIZE", "rows")
-    if store not in ("rows", "scatter", "0"):
-        raise ValueError(f"QERL_MOSAIC_PERMUTED_DEQUANTIZE={store!r}: rows (default), scatter "
-                         "or 0 (unpermute first)")
-    _MOSAIC_NVFP4["permuted_dequantize"] = store
+    # how prefill and training get a single copy's W: the permuted-dequantize kernel ("1") or
+    # "0": unpermute, then the kernel-layout dequantize
+    direct = os.environ.get("QERL_MOSAIC_PERMUTED_DEQUANTIZE", "1")
+    if direct not in ("0", "1"):
+        raise ValueError(f"QERL_MOSAIC_PERMUTED_DEQUANTIZE={direct!r}: 1 (default) or 0 "
+                         "(unpermute first)")
+    _MOSAIC_NVFP4["permuted_dequantize"] = direct == "1"
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
                 grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import blockwise_matmul as bw
+from pallas_kernels import nvfp4_matmul
+from qerl_jax.quant.nvfp4 import nvfp4_quantize
 
 MAX_REL_ERR = 1e-2
 FROBENIUS_REL_ERR = 6e-3
@@ -160,3 +163,25 @@ def check_leading_dims(fmt: FormatUnderTest):
     assert y.shape == (2, 3, 48)
     assert_close(y.reshape(6, 48), fmt.reference(x.reshape(6, k), *ckpt),
                  f"{fmt.name} leading dims seed={seed}")
+
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def nvfp4_packed(n: int, k: int, seed: int = 0, zero_rows: int = 0):
+    """(checkpoint NVFP4 weight, its kernel-layout PackedWeight) of a seeded Gaussian W [n, k];
+    zero_rows > 0 zeroes the first 16 columns of that many rows (all-zero blocks: the zero scale
+    code)."""
+    w = jax.random.normal(jax.random.key(seed), (n, k), jnp.float32)
+    if zero_rows:
+        w = w.at[:zero_rows, :16].set(0.0)
+    q = nvfp4_quantize(w)
+    return q, nvfp4_matmul.repack_nvfp4(q.codes, q.block_scales, q.tensor_scale)
+
+
+def nvfp4_float64_weights(q) -> np.ndarray:
+    """float64 W from the checkpoint arrays (E2M1 table x e4m3 scale / tensor scale)."""
+    codes = np.asarray(q.codes)
+    nib = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)
+    scales = np.asarray(q.block_scales.astype(jnp.float32), np.float64)
+    return E2M1[nib] * np.repeat(scales, 16, axis=1) / float(q.tensor_scale)

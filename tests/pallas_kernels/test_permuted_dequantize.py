@@ -2,7 +2,7 @@
 (pallas_kernels/permuted_dequantize.py, interpret mode): bit for bit the kernel-layout
 dequantize (blockwise_dequantize) of the same weight, and within float32 rounding of a float64
 reference from the checkpoint arrays; for group members at their lines and for gate/up pair
-views; and it lowers to a Triton kernel for CUDA (both store variants)."""
+views; and it lowers to a Triton kernel for CUDA."""
 
 import jax
 import jax.numpy as jnp
@@ -13,46 +13,28 @@ from pallas_kernels import blockwise_matmul as bw
 from pallas_kernels import mgpu_nvfp4 as mg
 from pallas_kernels import nvfp4_matmul
 from pallas_kernels.permuted_dequantize import permuted_dequantize
-from qerl_jax.quant.nvfp4 import nvfp4_quantize
-
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
-
-
-def _packed(n, k, seed):
-    w = jax.random.normal(jax.random.key(seed), (n, k), jnp.float32)
-    w = w.at[: n // 3, :16].set(0.0)  # some all-zero blocks: the zero scale code
-    q = nvfp4_quantize(w)
-    return q, nvfp4_matmul.repack_nvfp4(q.codes, q.block_scales, q.tensor_scale)
-
-
-def _float64_weights(q) -> np.ndarray:
-    codes = np.asarray(q.codes)
-    nib = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)
-    scales = np.asarray(q.block_scales.astype(jnp.float32), np.float64)
-    return E2M1[nib] * np.repeat(scales, 16, axis=1) / float(q.tensor_scale)
+from tests.pallas_kernels import kernel_checks as kc
 
 
 def _bits(w) -> np.ndarray:
     return np.asarray(jax.lax.bitcast_convert_type(w, jnp.uint16))
 
 
-@pytest.mark.parametrize("store", ["rows", "scatter"])
 @pytest.mark.parametrize("n,k", [(200, 608), (64, 256), (96, 320)])
-def test_matches_the_kernel_layout_dequantize_bit_for_bit(n, k, store):
-    q, packed = _packed(n, k, seed=n + k)
+def test_matches_the_kernel_layout_dequantize_bit_for_bit(n, k):
+    q, packed = kc.nvfp4_packed(n, k, n + k, zero_rows=n // 3)
     permuted = mg.permute_packed(packed)
-    got = permuted_dequantize(permuted, packed.tensor_scale, n=n, k=k, store=store,
-                              interpret=True)
+    got = permuted_dequantize(permuted, packed.tensor_scale, n=n, k=k, interpret=True)
     want = bw.blockwise_dequantize(packed, spec=nvfp4_matmul.NVFP4, interpret=True)
     assert got.shape == (n, k) and got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(_bits(got), _bits(want))
     # and the values: float32 products (exact) times 1 / tensor scale, one bf16 rounding
-    np.testing.assert_allclose(np.asarray(got, np.float64), _float64_weights(q),
+    np.testing.assert_allclose(np.asarray(got, np.float64), kc.nvfp4_float64_weights(q),
                                rtol=2.0 ** -8, atol=0)
     # a group member at its line of the group's buffer
     stacked = jnp.concatenate([permuted, permuted])
     again = permuted_dequantize(stacked, packed.tensor_scale, n=n, k=k, line=permuted.shape[0],
-                                store=store, interpret=True)
+                                interpret=True)
     np.testing.assert_array_equal(_bits(again), _bits(want))
 
 
@@ -82,24 +64,21 @@ def test_pair_views_read_their_half_of_each_block():
 
 
 def test_bad_input_names_the_argument():
-    _, packed = _packed(64, 256, seed=1)
+    _, packed = kc.nvfp4_packed(64, 256, 1)
     permuted = mg.permute_packed(packed)
     with pytest.raises(ValueError, match="uint8"):
         permuted_dequantize(permuted.astype(jnp.int32), packed.tensor_scale, n=64, k=256)
     with pytest.raises(ValueError, match="lines"):
         permuted_dequantize(permuted, packed.tensor_scale, n=64, k=256, line=73)
-    with pytest.raises(ValueError, match="store"):
-        permuted_dequantize(permuted, packed.tensor_scale, n=64, k=256, store="gather")
     with pytest.raises(ValueError, match="pair_view"):
         permuted_dequantize(permuted, packed.tensor_scale, n=32, k=256, pair_view=(16, 0))
 
 
-@pytest.mark.parametrize("store", ["rows", "scatter"])
-def test_lowers_for_cuda(store):
+def test_lowers_for_cuda():
     """Lowered for CUDA on this CPU machine: one Triton custom call (the GPU compile and a
     check against the kernel-layout dequantize: benchmarks/unpermute_check.py)."""
-    _, packed = _packed(128, 512, seed=2)
+    _, packed = kc.nvfp4_packed(128, 512, 2)
     permuted = mg.permute_packed(packed)
-    lowered = jax.jit(lambda p, s: permuted_dequantize(p, s, n=128, k=512, store=store)).trace(
+    lowered = jax.jit(lambda p, s: permuted_dequantize(p, s, n=128, k=512)).trace(
         permuted, packed.tensor_scale).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
