@@ -6,7 +6,8 @@ nvfp4), one worker subprocess (so the peak memory is the case's own) builds the 
 tokens, G = --group samples of one prompt, LoRA rank --rank on all projections + norm scales,
 remat on, micro-batch --micro-batch, AQN on for nvfp4/mxfp4 as in QeRL) and runs --steps
 train_step calls. Step 0 includes the compiles (reported separately as compile + run); the last
-step is the measurement. A random model almost never samples EOS, so completions run to the
+step is the measurement, and every step after step 0 is listed (later_steps_rollout_s /
+later_steps_train_s in the jsonl) for the spread. A random model almost never samples EOS, so completions run to the
 limit (the completion-length column shows it).
 
 The model is the trainer's own: qerl_jax.trainer.build_model draws and quantizes one projection
@@ -212,6 +213,9 @@ def worker_main(args) -> None:
         row[f"{prefix}_s"] = metrics["time/rollout_s"] + metrics["time/train_s"]
         row[f"{prefix}_tokens_per_s"] = metrics["rollout_tokens_per_s"]
         row[f"{prefix}_sampler_compile_s"] = metrics["time/sampler_compile_s"]
+        if step > 0:  # every later step, so several steps give a spread, not one sample
+            row.setdefault("later_steps_rollout_s", []).append(metrics["time/rollout_s"])
+            row.setdefault("later_steps_train_s", []).append(metrics["time/train_s"])
         row["completion_length"] = metrics["completion_length"]
         row["loss"] = metrics["loss"]
         row["steps_done"] = step + 1
