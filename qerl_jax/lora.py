@@ -128,7 +128,7 @@ def stack_grouped_adapters(model: CausalLM) -> int:
     B_gate and B_up in the pair's column order, 4.6 MiB per 7B layer at rank 32), which the
     launch would otherwise rebuild at every token.
 
-    Experimental (QERL_MOSAIC_NVFP4=1): a Linear whose weight has the Mosaic GPU layout also
+    The Mosaic GPU path (Hopper, unless QERL_MOSAIC_NVFP4=0): a Linear whose weight has the Mosaic GPU layout also
     gets its adapter's Mosaic LoRA operand (kernel_dispatch.with_mosaic_lora_operand: B^T with
     the scales folded in), which the launch would otherwise transpose at every token; a gate/up
     pair's gate view gets the pair's (with_mosaic_pair_lora_operand), an attention module's q

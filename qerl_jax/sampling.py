@@ -136,7 +136,7 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
     model = nnx.merge(graphdef, *states)
     cast_adapters_for_compute(model)  # once here, not at every decode step
     stack_grouped_adapters(model)  # the grouped launches' [A_q | A_k | A_v], [A_gate | A_up]
-    link_mosaic_prefetch(model)  # QERL_MOSAIC_NVFP4=1 only (experimental)
+    link_mosaic_prefetch(model)  # the Mosaic GPU path only (Hopper)
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
     cache = init_kv_cache(model.config, prompt_tokens.shape[0], cache_length)

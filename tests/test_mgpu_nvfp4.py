@@ -685,25 +685,25 @@ def test_identical_launches_lower_to_one_kernel():
 
 
 @pytest.mark.parametrize("rank,ok", [(16, True), (12, False)])
-def test_mosaic_flag_and_lora_ranks(monkeypatch, caplog, rank, ok):
-    """QERL_MOSAIC_NVFP4 is on only when "1" (unset or "0": off; other values: an error naming
-    the variable), and a LoRA rank the Mosaic GPU kernel does not take (the enable_kernels
-    lora_rank argument, or an adapter the model has) keeps the Triton kernels for the whole
-    model, with a warning saying why."""
+def test_mosaic_flag_default_and_lora_ranks(monkeypatch, caplog, rank, ok):
+    """QERL_MOSAIC_NVFP4 is on unless "0" (other values: an error naming the variable), and a
+    LoRA rank the Mosaic GPU kernel does not take (the enable_kernels lora_rank argument, or
+    an adapter the model has) keeps the Triton kernels for the whole model, with the reason
+    logged (info when the flag is the default, a warning when set to 1)."""
     import logging
     from qerl_jax.lora import LoRAConfig, add_lora
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
     from qerl_jax.quant import kernel_dispatch as kd
     monkeypatch.delenv(kd.MOSAIC_FLAG, raising=False)
-    assert not kd._mosaic_flag()
+    assert kd._mosaic_flag() == (True, False)
     monkeypatch.setenv(kd.MOSAIC_FLAG, "0")
-    assert not kd._mosaic_flag()
+    assert kd._mosaic_flag() == (False, True)
     monkeypatch.setenv(kd.MOSAIC_FLAG, "yes")
     with pytest.raises(ValueError, match="QERL_MOSAIC_NVFP4='yes'"):
         kd._mosaic_flag()
     monkeypatch.setenv(kd.MOSAIC_FLAG, "1")
-    assert kd._mosaic_flag()
+    assert kd._mosaic_flag() == (True, True)
     model = init_model(tiny_qwen2(), seed=0)
     with caplog.at_level(logging.INFO, logger=kd.logger.name):
         assert (kd._mosaic_ranks_refusal(model, rank) is None) == ok
@@ -713,4 +713,4 @@ def test_mosaic_flag_and_lora_ranks(monkeypatch, caplog, rank, ok):
         assert (refusal is None) == ok
     if not ok:
         assert f"LoRA rank [{rank}]" in refusal and "keep the Triton kernels" in caplog.text
-        assert any(r.levelno == logging.WARNING for r in caplog.records)
+        assert any(r.levelno == logging.WARNING for r in caplog.records)  # the flag was set

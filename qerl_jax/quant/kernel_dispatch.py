@@ -92,24 +92,24 @@ class KernelLayoutWeight(QuantizedWeight):
     (pallas_kernels.blockwise_matmul.tile_major),
     checkpoint_tensor_scale (the QuantizedWeight's tensor_scale, or None),
     nf4_scale_codes / nf4_double_quant_scales (NF4 double quantization only, else None),
-    mosaic_tiles (experimental, else None): the same NVFP4 weight in the Mosaic GPU kernel's
-    permuted layout (pallas_kernels.mgpu_nvfp4; made by enable_kernels when
-    QERL_MOSAIC_NVFP4=1 on a Hopper GPU: the weight's only copy by default, see kernel_source;
+    mosaic_tiles (or None): the same NVFP4 weight in the Mosaic GPU kernel's
+    permuted layout (pallas_kernels.mgpu_nvfp4; made by enable_kernels on a Hopper GPU unless
+    QERL_MOSAIC_NVFP4=0: the weight's only copy by default, see kernel_source;
     a second copy with QERL_MOSAIC_SINGLE_COPY=0). On the q projection of a grouped q/k/v
     launch it is the permuted buffer of [W_q; W_k; W_v] (mgpu_nvfp4.group_permuted; k and v
     then hold none).
-    mosaic_lora_operand (experimental, else None): bf16 [N_pad, r], the Mosaic GPU kernel's
+    mosaic_lora_operand (or None): bf16 [N_pad, r], the Mosaic GPU kernel's
     operand for this layer's LoRA B (pallas_kernels.mgpu_nvfp4.lora_operand: B^T with the LoRA
     and tensor scales folded in; for a grouped q/k/v buffer the block-diagonal
     mgpu_nvfp4.group_lora_operand [sum N_pad, sum r]), made once per rollout on the sampler's
     merged copy (qerl_jax.lora.stack_grouped_adapters via `with_mosaic_lora_operand` /
     `with_mosaic_group_lora_operand`) so the decode loop does not transpose B at every token.
-    mosaic_prefetch (experimental, else None): the next decode launch's permuted buffer (the
+    mosaic_prefetch (or None): the next decode launch's permuted buffer (the
     same array, not a copy), whose first tiles this weight's Mosaic launch prefetches into L2
     (`link_mosaic_prefetch`, on the sampler's merged copy); mosaic_prefetch_k (static) its K;
     mosaic_prefetch_extra: the LoRA A that XLA's x @ A reads before that launch (also
     prefetched), or None.
-    kernel_source (experimental, else None): the single-copy form (QERL_MOSAIC_NVFP4=1, unless
+    kernel_source (or None): the single-copy form (the Mosaic GPU path, unless
     QERL_MOSAIC_SINGLE_COPY=0): kernel_codes and kernel_scales are None and the weight's only
     copy is the permuted buffer kernel_source (its own mosaic_tiles, its pair's, or its q/k/v
     group's: the same array), its tiles from line kernel_source_line (static) on. Prefill and
@@ -503,24 +503,24 @@ def _supports(weight, compute_dtype) -> str | None:
 # grouped q|k|v launches and the fused SwiGLU launches of gate/up pairs on the Mosaic GPU kernel
 # (pallas_kernels.mgpu_nvfp4), reading those weights in its permuted layout
 # (KernelLayoutWeight.mosaic_tiles, made by enable_kernels; by default their only copy, which
-# prefill and training dequantize directly: KernelLayoutWeight.kernel_source). Off
-# unless QERL_MOSAIC_NVFP4=1 at registration, and then only where the kernel runs (a Hopper
-# GPU; LoRA ranks in mgpu_nvfp4.LORA_RANKS). Session 25 measured it as the default: the 7B
-# GRPO step's rollout 0.24 s faster, its training 0.32 s slower (the single copy's unpermute;
-# 0.11 s with the permuted dequantize since), so it stays opt-in (RESULTS.md, session 25).
+# prefill and training dequantize directly: KernelLayoutWeight.kernel_source). On by default
+# (since session 26) where the kernel runs (a Hopper GPU; LoRA ranks in mgpu_nvfp4.LORA_RANKS);
+# QERL_MOSAIC_NVFP4=0 at registration keeps the Triton kernels. Session 26 measured the GRPO
+# step with and without it in one call each: 7B rollout 3.27-3.49 s against 3.47-3.68, 14B
+# 5.89-6.05 against 6.72-6.91, training within 0.06 s (RESULTS.md, session 26).
 _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
                  "swiglu_epilogue": True, "single_copy": True, "permuted_dequantize": True}
 MOSAIC_FLAG = "QERL_MOSAIC_NVFP4"
 
 
-def _mosaic_flag() -> bool:
-    """Whether $QERL_MOSAIC_NVFP4 turns the Mosaic GPU NVFP4 path on ("1"; unset or "0": off;
-    anything else is an error naming the variable)."""
+def _mosaic_flag() -> tuple[bool, bool]:
+    """(whether the Mosaic GPU NVFP4 path is on, whether $QERL_MOSAIC_NVFP4 says so
+    explicitly): on unless the variable is "0"."""
     value = os.environ.get(MOSAIC_FLAG, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{MOSAIC_FLAG}={value!r}: 1 (the Mosaic GPU NVFP4 kernel where it "
-                         "runs) or 0 / unset (the Triton kernels)")
-    return value == "1"
+        raise ValueError(f"{MOSAIC_FLAG}={value!r}: 1 (the default: the Mosaic GPU NVFP4 kernel "
+                         "where it runs) or 0 (the Triton kernels)")
+    return value != "0", value != ""
 
 
 def _mosaic_refusal(x, weight, down) -> str | None:
@@ -581,7 +581,7 @@ def _prefetch_plan(weight):
 
 
 def link_mosaic_prefetch(model) -> int:
-    """Experimental (QERL_MOSAIC_NVFP4=1; QERL_MOSAIC_PREFETCH=N, N in 1-3, default 1, 0 off).
+    """The Mosaic GPU path only (QERL_MOSAIC_PREFETCH=N, N in 1-3, default 1, 0 off).
 
     In decode order (each layer's q|k|v, o, gate|up and down launches, then the next layer's),
     each weight whose launch runs on the Mosaic GPU kernel gets the next such launch's permuted
@@ -620,7 +620,7 @@ def link_mosaic_prefetch(model) -> int:
 
 
 def with_mosaic_lora_operand(weight, lora_b: jax.Array, lora_scale: float):
-    """Experimental (QERL_MOSAIC_NVFP4=1): the weight carrying its adapter's Mosaic GPU LoRA
+    """The Mosaic GPU path: the weight carrying its adapter's Mosaic GPU LoRA
     operand (mosaic_lora_operand, from lora_b [r, N] and the LoRA scale) when the Mosaic kernel
     would take its decode launches, else the weight unchanged. For the sampler's merged copy,
     before its decode loop (qerl_jax.lora.stack_grouped_adapters); never on a trained state."""
@@ -637,7 +637,7 @@ def with_mosaic_lora_operand(weight, lora_b: jax.Array, lora_scale: float):
 
 def with_mosaic_pair_lora_operand(gate, up, gate_b: jax.Array, up_b: jax.Array,
                                   lora_scale: float):
-    """Experimental (QERL_MOSAIC_NVFP4=1): the gate pair view carrying the pair's Mosaic GPU
+    """The Mosaic GPU path: the gate pair view carrying the pair's Mosaic GPU
     LoRA operand (mgpu_nvfp4.pair_lora_operand of B_gate and B_up [r, N]) when the Mosaic
     SwiGLU launch would take the pair, else the gate view unchanged (as
     with_mosaic_lora_operand, for the sampler's merged copy)."""
@@ -673,7 +673,7 @@ def _mosaic_group_layout_refusal(weights, lora_bs) -> str | None:
 
 
 def _mosaic_group_refusal(x, weights, down, lora_bs) -> str | None:
-    """Why the Mosaic GPU kernel does not take this grouped launch (experimental), or None:
+    """Why the Mosaic GPU kernel does not take this grouped launch, or None:
     _mosaic_group_layout_refusal, M, down [M, sum r_i]."""
     from pallas_kernels import mgpu_nvfp4
     reason = _mosaic_group_layout_refusal(weights, None if down is None else lora_bs)
@@ -687,7 +687,7 @@ def _mosaic_group_refusal(x, weights, down, lora_bs) -> str | None:
 
 
 def with_mosaic_group_lora_operand(weights, lora_bs, lora_scales):
-    """Experimental (QERL_MOSAIC_NVFP4=1): the first weight of a grouped launch (q of q/k/v)
+    """The Mosaic GPU path: the first weight of a grouped launch (q of q/k/v)
     carrying the group's Mosaic GPU LoRA operand (mgpu_nvfp4.group_lora_operand of the B_i
     [r_i, N_i] with their LoRA scales) when the Mosaic kernel would take the launch's layout,
     else unchanged (as with_mosaic_lora_operand, for the sampler's merged copy)."""
@@ -839,7 +839,7 @@ def _pair_lora_b(weights, lora_bs):
 
 
 def _mosaic_swiglu_refusal(x, gate, down, lora_bs) -> str | None:
-    """Why the Mosaic GPU kernel does not take this fused SwiGLU launch (experimental), or
+    """Why the Mosaic GPU kernel does not take this fused SwiGLU launch, or
     None: the flag, the pair's permuted copy, M, the LoRA ranks (equal, in LORA_RANKS)."""
     from pallas_kernels import mgpu_nvfp4
     if not _MOSAIC_NVFP4["single"] or getattr(gate, "mosaic_tiles", None) is None:
@@ -1005,7 +1005,7 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         if not 1 <= limit <= 64:
             raise ValueError(f"fused_max_m[{name!r}]={limit}: the fused kernel's tilings cover "
                              "M in [1, 64]")
-    _MOSAIC_NVFP4["single"] = _mosaic_flag()
+    _MOSAIC_NVFP4["single"] = _mosaic_flag()[0]
     ahead = os.environ.get("QERL_MOSAIC_PREFETCH", "1")  # with the flag: on unless "0"
     if ahead not in ("0", "1", "2", "3"):
         raise ValueError(f"QERL_MOSAIC_PREFETCH={ahead!r}: 0 (off) or the K tiles to prefetch "
@@ -1135,10 +1135,10 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
         but arrays taken from the Module before the call are deleted. For a model nothing
         else references (the trainer's, just built); the default keeps them valid.
       lora_rank: (Module only) the rank of the LoRA adapters the model will be given (the
-        trainer's config.lora.rank), if not yet added. With QERL_MOSAIC_NVFP4=1 on a Hopper GPU
-        the NVFP4 decode launches run the Mosaic GPU kernel, which takes LoRA ranks in
-        pallas_kernels.mgpu_nvfp4.LORA_RANKS only: with another rank (this one, or an adapter
-        the model already has) the weights keep the Triton kernels (a warning says so).
+        trainer's config.lora.rank), if not yet added. On a Hopper GPU the NVFP4 decode
+        launches run the Mosaic GPU kernel (unless QERL_MOSAIC_NVFP4=0), which takes LoRA ranks
+        in pallas_kernels.mgpu_nvfp4.LORA_RANKS only: with another rank (this one, or an
+        adapter the model already has) the weights keep the Triton kernels.
     """
     platform = platform or jax.default_backend()
     if platform not in KERNEL_PLATFORMS and not interpret:
@@ -1172,12 +1172,14 @@ def enable_kernels(model_or_state, *, platform: str | None = None, interpret: bo
 
 
 def _mosaic_unavailable() -> str | None:
-    """Why the Mosaic GPU kernel cannot run here (logged), or None."""
+    """Why the Mosaic GPU kernel cannot run here (logged: a warning when QERL_MOSAIC_NVFP4=1
+    asked for it, else info), or None."""
     from pallas_kernels import mgpu_nvfp4
     reason = mgpu_nvfp4.available()
     if reason is not None:
-        logger.warning("%s=1: no Mosaic GPU NVFP4 kernel here (%s); the NVFP4 weights keep the "
-                       "kernel layout and the Triton kernels", MOSAIC_FLAG, reason)
+        log = logger.warning if _mosaic_flag()[1] else logger.info
+        log("%s: no Mosaic GPU NVFP4 kernel here (%s); the NVFP4 weights keep the kernel "
+            "layout and the Triton kernels", MOSAIC_FLAG, reason)
     return reason
 
 
@@ -1195,7 +1197,8 @@ def _mosaic_ranks_refusal(model: nnx.Module, lora_rank: int | None) -> str | Non
         return None
     reason = (f"LoRA rank {other} (the Mosaic GPU kernel takes {mgpu_nvfp4.LORA_RANKS}); the "
               "NVFP4 weights keep the Triton kernels")
-    logger.warning("%s=1: %s", MOSAIC_FLAG, reason)
+    log = logger.warning if _mosaic_flag()[1] else logger.info
+    log("%s: %s", MOSAIC_FLAG, reason)
     return reason
 
 
@@ -1213,7 +1216,7 @@ _GROUPED_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True,
                       single_copy: bool = False) -> None:
-    """Experimental: each NVFP4 KernelLayoutWeight also gets its permuted layout (mosaic_tiles)
+    """Each NVFP4 KernelLayoutWeight also gets its permuted layout (mosaic_tiles)
     for the Mosaic GPU kernel (see _MOSAIC_NVFP4); the two views of a gate/up pair share one
     permuted buffer of the whole interleaved pair. With grouped launches, an attention
     module's q projection gets the permuted buffer of [W_q; W_k; W_v] for the grouped launch
@@ -1289,7 +1292,7 @@ def _add_mosaic_tiles(model: nnx.Module, *, grouped: bool = True,
         keep_only(node, tiles, 0)
         count += 1
     logger.info("enable_kernels: %d NVFP4 weights (%d gate/up pairs) and %d q/k/v groups also "
-                "in the Mosaic GPU permuted layout (experimental, QERL_MOSAIC_NVFP4=1)%s", count,
+                "in the Mosaic GPU permuted layout (QERL_MOSAIC_NVFP4=0 turns it off)%s", count,
                 len(pairs), groups, "; it is their only copy" if single_copy else "")
 
 
