@@ -349,7 +349,8 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
 
     Call it after quantization (and before nnx.split). Returns (model, info):
     info["kernel_hook"] says what was done; info["kernel_layout_weights"] how many quantized
-    weights ended in the kernels' layout (the kernels only take those: 0 means every quantized
+    weights ended in the kernels' layout (info["mosaic_weights"]: how many of them on the
+    Mosaic GPU NVFP4 path) (the kernels only take those: 0 means every quantized
     matmul runs on XLA, e.g. on CPU). The path of each case's matmuls is recorded from the
     dispatch registry by matmul_path().
     """
@@ -403,6 +404,11 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
         if isinstance(leaf, QuantizedWeight)]
     in_kernel_layout = sum(type(leaf).__name__ == "KernelLayoutWeight" for leaf in quantized)
     info["kernel_layout_weights"] = f"{in_kernel_layout} of {len(quantized)}"
+    # the Mosaic GPU NVFP4 path (Hopper, unless QERL_MOSAIC_NVFP4=0): weights holding its
+    # permuted buffer, or reading their group's / pair's (k and v of a grouped q|k|v launch)
+    on_mosaic = sum(getattr(leaf, "mosaic_tiles", None) is not None
+                    or getattr(leaf, "kernel_source", None) is not None for leaf in quantized)
+    info["mosaic_weights"] = f"{on_mosaic} of {len(quantized)}"
     info["kernels_active"] = bool(quantized) and in_kernel_layout == len(quantized)
     return model, info
 

@@ -281,7 +281,8 @@ COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "s
            ("weights_GiB", "weights GiB"),
            ("trainer_init_s", "init s"), ("path_decode", "decode path"),
            ("path_train", "train path"), ("kernel_hook", "kernel hook"),
-           ("kernel_layout_weights", "weights in kernel layout")]
+           ("kernel_layout_weights", "weights in kernel layout"),
+           ("mosaic_weights", "weights on the Mosaic GPU path")]
 
 
 def _final(rows, size, format_name):

@@ -232,7 +232,8 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status"
            ("weights_GiB", "weights GiB"),
            ("init_s", "init s"), ("path_decode", "decode path"),
            ("path_prefill", "prefill path"), ("kernel_hook", "kernel hook"),
-           ("kernel_layout_weights", "weights in kernel layout")]
+           ("kernel_layout_weights", "weights in kernel layout"),
+           ("mosaic_weights", "weights on the Mosaic GPU path")]
 
 
 def _lookup(rows, size, format_name, batch):
