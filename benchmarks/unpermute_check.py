@@ -1,8 +1,10 @@
-"""What does the Mosaic flag's single copy cost the kernels that read the kernel layout? (GPU)
+"""What does the Mosaic GPU path's single copy cost the kernels that read the kernel layout? (GPU)
 
-With QERL_MOSAIC_NVFP4=1 (and QERL_MOSAIC_SINGLE_COPY, its default) an NVFP4 weight is stored
-only in the Mosaic GPU kernel's permuted layout; prefill and the training passes (M > 64: the
-Pallas dequantize kernel, then one XLA dot) first rebuild the kernel layout with
+On the Mosaic GPU path (the default on Hopper since session 26; QERL_MOSAIC_NVFP4=0 turns it
+off), with QERL_MOSAIC_SINGLE_COPY (its default), an NVFP4 weight is stored only in the Mosaic
+GPU kernel's permuted layout. Prefill and the training passes (M > 64: a Pallas dequantize
+kernel, then one XLA dot) read it with pallas_kernels.permuted_dequantize (since session 25);
+with QERL_MOSAIC_PERMUTED_DEQUANTIZE=0 they first rebuild the kernel layout with
 pallas_kernels.mgpu_nvfp4.kernel_layout_from_permuted, inside their jit. Per weight shape
 (the 7B / 14B launch shapes; a gate|up pair as one weight of 2 N rows) this times, wall clock
 per call (median, kernels.median_time):
