@@ -272,6 +272,7 @@ COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "s
            ("step0_rollout_s", "step 0 rollout s (compile+run)"),
            ("step0_train_s", "step 0 train s (compile+run)"),
            ("step_rollout_s", "rollout s"), ("step_train_s", "train s"), ("step_s", "step s"),
+           ("later_steps_s", "step s, every step after step 0"),
            ("speedup_vs_bf16", "x bf16 (step)"), ("step_tokens_per_s", "rollout tok/s"),
            ("completion_length", "completion length"), ("peak_GiB", "peak GiB"),
            ("peak_vs_bf16", "peak / bf16 peak"),
@@ -386,6 +387,9 @@ def report(rows: list[dict], args, name: str) -> None:
             row["speedup_vs_bf16"] = bf["step_s"] / row["step_s"]
         if bf and row.get("peak_GiB"):
             row["peak_vs_bf16"] = row["peak_GiB"] / bf["peak_GiB"]
+        rollouts, trains = row.get("later_steps_rollout_s"), row.get("later_steps_train_s")
+        if rollouts and trains:
+            row["later_steps_s"] = " / ".join(f"{a + b:.2f}" for a, b in zip(rollouts, trains))
     header = common.header_line(
         f"GRPO step (rollout + train), random weights, 1 prompt x G={args.group}, prompt "
         f"{args.prompt}, completion {args.completion}, LoRA r{args.rank} (+ norm scales), "

@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from qerl_jax.lora import cast_adapters_for_compute, stack_grouped_adapters
@@ -192,19 +193,23 @@ def generate(model: CausalLM, prompt_tokens, prompt_mask, key: jax.Array,
 
 def pad_prompts(prompt_tokens, prompt_mask, config: SamplingConfig):
     """[P, T] left-padded prompts -> (tokens int32, mask bool), both [P, bucket_length(T)]:
-    more left padding up to the length bucket the sampler compiles for. Raises ValueError
-    naming both shapes unless they are equal and two-dimensional."""
-    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
-    prompt_mask = jnp.asarray(prompt_mask, jnp.bool_)
+    more left padding up to the length bucket the sampler compiles for. Host prompts (numpy
+    arrays, lists) are padded on the host, so a new T costs no XLA program (an eager jnp.pad
+    would compile one per distinct [P, T]); device arrays are padded on the device. Raises
+    ValueError naming both shapes unless they are equal and two-dimensional."""
+    on_device = isinstance(prompt_tokens, jax.Array) or isinstance(prompt_mask, jax.Array)
+    xp = jnp if on_device else np
+    prompt_tokens = xp.asarray(prompt_tokens, xp.int32)
+    prompt_mask = xp.asarray(prompt_mask, xp.bool_)
     if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
         raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask "
                          f"{prompt_mask.shape} must both be [P, T]")
     length = prompt_tokens.shape[1]
     pad = padded_prompt_shape(prompt_tokens.shape, config)[1] - length
     if pad:
-        prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (pad, 0)))
-        prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad, 0)))
-    return prompt_tokens, prompt_mask
+        prompt_tokens = xp.pad(prompt_tokens, ((0, 0), (pad, 0)))
+        prompt_mask = xp.pad(prompt_mask, ((0, 0), (pad, 0)))
+    return jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask)
 
 
 def padded_prompt_shape(prompt_shape: tuple[int, int], config: SamplingConfig) -> tuple[int, int]:

@@ -127,6 +127,26 @@ def test_bucketing_bounds_compiles(tiny):
                                                                            512, 1024]
 
 
+def test_new_prompt_lengths_in_a_bucket_compile_nothing(tiny, caplog):
+    """Prompts of a new length inside a known bucket run without any XLA compile: the sampler
+    program is reused and the bucket padding of host (numpy) prompts happens on the host, not
+    in an eager jnp.pad program per distinct length (a training run meets many lengths)."""
+    import logging
+    _, ours = tiny
+    config = SamplingConfig(max_new_tokens=4, greedy=True, prompt_bucket=8)
+    rng = np.random.default_rng(7)
+    key = jax.random.key(0)
+    tokens, mask = _prompts(rng, [3, 3], 3)
+    generate(ours, tokens, mask, key, config)   # the program and any one-off eager op
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+        for length in (1, 5, 8, 2, 7):
+            tokens, mask = _prompts(rng, [length, length], length)
+            generate(ours, tokens, mask, key, config)
+    compiles = [r.getMessage()[:120] for r in caplog.records
+                if r.getMessage().startswith("Compiling")]
+    assert not compiles, compiles
+
+
 def test_bad_config_is_named():
     with pytest.raises(ValueError, match="top_p=1.5"):
         SamplingConfig(top_p=1.5)
