@@ -714,3 +714,27 @@ def test_mosaic_flag_default_and_lora_ranks(monkeypatch, caplog, rank, ok):
     if not ok:
         assert f"LoRA rank [{rank}]" in refusal and "keep the Triton kernels" in caplog.text
         assert any(r.levelno == logging.WARNING for r in caplog.records)  # the flag was set
+
+
+
+@pytest.mark.parametrize("name,setting", [
+    ("QERL_MOSAIC_PREFETCH_LORA_A", "prefetch_lora_a"),
+    ("QERL_MOSAIC_SWIGLU_EPILOGUE", "swiglu_epilogue"),
+    ("QERL_MOSAIC_SINGLE_COPY", "single_copy"),
+    ("QERL_MOSAIC_PERMUTED_DEQUANTIZE", "permuted_dequantize")])
+def test_mosaic_switches_take_only_0_or_1(monkeypatch, name, setting):
+    """Each Mosaic GPU on/off variable is 1, 0 or unset (on): another value ("false", which
+    used to mean on) is an error naming the variable when the kernels are registered."""
+    from qerl_jax.quant import kernel_dispatch as kd
+    try:
+        monkeypatch.setenv(name, "false")
+        with pytest.raises(ValueError, match=f"{name}='false'"):
+            kd.register_kernels("cpu", interpret=True)
+        monkeypatch.setenv(name, "0")
+        kd.register_kernels("cpu", interpret=True)
+        assert kd._MOSAIC_NVFP4[setting] is False
+        monkeypatch.delenv(name)
+        kd.register_kernels("cpu", interpret=True)
+        assert kd._MOSAIC_NVFP4[setting] is True
+    finally:
+        kd.unregister_kernels("cpu")

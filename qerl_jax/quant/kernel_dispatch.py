@@ -513,14 +513,22 @@ _MOSAIC_NVFP4 = {"single": False, "prefetch_ahead": 0, "prefetch_lora_a": True,
 MOSAIC_FLAG = "QERL_MOSAIC_NVFP4"
 
 
+def _env_switch(name: str, meaning: str, default: bool = True) -> bool:
+    """$name as an on/off switch: "1" on, "0" off, unset the default; any other value is a
+    ValueError naming the variable and what it switches (`meaning`)."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}={value!r}: 1 or 0 ({meaning}; unset: "
+                         f"{'1' if default else '0'})")
+    return default if value == "" else value == "1"
+
+
 def _mosaic_flag() -> tuple[bool, bool]:
     """(whether the Mosaic GPU NVFP4 path is on, whether $QERL_MOSAIC_NVFP4 says so
     explicitly): on unless the variable is "0"."""
-    value = os.environ.get(MOSAIC_FLAG, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{MOSAIC_FLAG}={value!r}: 1 (the default: the Mosaic GPU NVFP4 kernel "
-                         "where it runs) or 0 (the Triton kernels)")
-    return value != "0", value != ""
+    on = _env_switch(MOSAIC_FLAG, "1: the Mosaic GPU NVFP4 kernel where it runs, 0: the "
+                                  "Triton kernels")
+    return on, os.environ.get(MOSAIC_FLAG, "").strip() != ""
 
 
 def _mosaic_refusal(x, weight, down) -> str | None:
@@ -1011,18 +1019,17 @@ def register_kernels(platform: str = "gpu", *, interpret: bool = False,
         raise ValueError(f"QERL_MOSAIC_PREFETCH={ahead!r}: 0 (off) or the K tiles to prefetch "
                          "per program of the next launch, 1-3")
     _MOSAIC_NVFP4["prefetch_ahead"] = int(ahead)
-    _MOSAIC_NVFP4["prefetch_lora_a"] = os.environ.get("QERL_MOSAIC_PREFETCH_LORA_A", "1") != "0"
-    # the SwiGLU and the next LoRA x @ A in the kernel's epilogue (mgpu_nvfp4.SwigluEpilogue)
-    _MOSAIC_NVFP4["swiglu_epilogue"] = os.environ.get("QERL_MOSAIC_SWIGLU_EPILOGUE", "1") != "0"
-    # the permuted buffers are the weights' only copy (KernelLayoutWeight.kernel_source)
-    _MOSAIC_NVFP4["single_copy"] = os.environ.get("QERL_MOSAIC_SINGLE_COPY", "1") != "0"
-    # how prefill and training get a single copy's W: the permuted-dequantize kernel ("1") or
-    # "0": unpermute, then the kernel-layout dequantize
-    direct = os.environ.get("QERL_MOSAIC_PERMUTED_DEQUANTIZE", "1")
-    if direct not in ("0", "1"):
-        raise ValueError(f"QERL_MOSAIC_PERMUTED_DEQUANTIZE={direct!r}: 1 (default) or 0 "
-                         "(unpermute first)")
-    _MOSAIC_NVFP4["permuted_dequantize"] = direct == "1"
+    _MOSAIC_NVFP4["prefetch_lora_a"] = _env_switch(
+        "QERL_MOSAIC_PREFETCH_LORA_A", "the prefetch also takes the next LoRA A")
+    _MOSAIC_NVFP4["swiglu_epilogue"] = _env_switch(
+        "QERL_MOSAIC_SWIGLU_EPILOGUE",
+        "the SwiGLU and the next LoRA x @ A in the kernel's epilogue, mgpu_nvfp4.SwigluEpilogue")
+    _MOSAIC_NVFP4["single_copy"] = _env_switch(
+        "QERL_MOSAIC_SINGLE_COPY",
+        "the permuted buffers are the weights' only copy, KernelLayoutWeight.kernel_source")
+    _MOSAIC_NVFP4["permuted_dequantize"] = _env_switch(
+        "QERL_MOSAIC_PERMUTED_DEQUANTIZE", "prefill and training dequantize a single copy "
+        "with the permuted-dequantize kernel; 0: unpermute, then the kernel-layout dequantize")
     settings = (interpret, small_m_backward, tuple(sorted(limits.items())), lora_epilogue,
                 grouped, fused_swiglu, _MOSAIC_NVFP4["single"])
     if _REGISTERED.get(platform) == settings:
