@@ -54,6 +54,11 @@ def parse_args(argv=None):
     parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
                         help="config.model.attention_implementation (auto: cudnn on NVIDIA "
                              "GPUs, xla elsewhere)")
+    parser.add_argument("--kernels-interpret", action="store_true",
+                        help="CPU: the Pallas kernels in interpret mode (the kernel layout, "
+                             "the dispatch's paths), as e2e_step.py --kernels-interpret")
+    parser.add_argument("--no-gate-up-pairs", action="store_true",
+                        help="config.quant.gate_up_pairs=False")
     parser.add_argument("--smoke", action="store_true", help="tiny model (CPU test)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -124,9 +129,23 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
         rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
         completion=args.completion, micro_batch=args.micro_batch, steps=1)
     config.model.attention_implementation = args.attention
-    trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
+    config.quant.gate_up_pairs = not args.no_gate_up_pairs
+    original_build_model = trainer_module.build_model
+    if args.kernels_interpret:   # the trainer enables the kernels on a GPU only
+        def build_model(config, run_dir):
+            model, tokenizer = original_build_model(config, run_dir)
+            model, _ = common._prepare_model(model, format_name, True, True,
+                                             pair_mlp=not args.no_gate_up_pairs)
+            return model, tokenizer
+        trainer_module.build_model = build_model
+    try:
+        trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
+    finally:
+        trainer_module.build_model = original_build_model
     base = {"size": size, "format": format_name,
             "attention": trainer.model().config.attention_implementation,
+            "gate_up_pairs": not args.no_gate_up_pairs,
+            "kernels": "interpret" if args.kernels_interpret else "on a GPU only",
             "weights_GiB": common.state_gib(trainer.frozen),
             "trainable_GiB": common.state_gib(trainer.trainable),
             "opt_state_GiB": common.state_gib(trainer.opt_state), **common.device_info()}
@@ -181,7 +200,8 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
 
 
 COLUMNS = [("size", "size"), ("format", "format"), ("attention", "attention"),
-           ("program", "program"),
+           ("program", "program"), ("kernels", "Pallas kernels"),
+           ("gate_up_pairs", "gate/up pairs"),
            ("weights_GiB", "weights GiB"), ("argument_GiB", "arguments GiB"),
            ("output_GiB", "outputs GiB"), ("alias_GiB", "aliased GiB"),
            ("temp_GiB", "temporaries GiB"), ("peak_memory_GiB", "XLA peak GiB"),
