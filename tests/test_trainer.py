@@ -192,7 +192,7 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     donating the freshly built model's checkpoint-layout buffers, with the MLPs' gate/up pairs
     as quant.gate_up_pairs says (default on) and the adapters' rank to come (lora.rank: a rank
     the Mosaic GPU kernel cannot take keeps the Triton kernels)."""
-    from qerl_jax import trainer as trainer_module
+    from qerl_jax import model_setup
     from qerl_jax.quant import kernel_dispatch
     calls = []
 
@@ -207,7 +207,7 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
         config.quant.format, config.quant.kernels = fmt, kernels
         config.model.compute_dtype = compute_dtype
         calls.clear()
-        trainer_module._maybe_enable_kernels("model", config)
+        model_setup._maybe_enable_kernels("model", config)
         assert len(calls) == expected, (fmt, compute_dtype, kernels)
         assert all(options == {"donate": True, "pair_mlp": True,
                                "lora_rank": config.lora.rank} for _, options in calls)
@@ -215,7 +215,7 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     config.quant.format, config.quant.kernels, config.quant.gate_up_pairs = "nvfp4", True, False
     config.model.compute_dtype = "bfloat16"
     calls.clear()
-    trainer_module._maybe_enable_kernels("model", config)
+    model_setup._maybe_enable_kernels("model", config)
     assert calls == [("model", {"donate": True, "pair_mlp": False,
                                 "lora_rank": config.lora.rank})]
 

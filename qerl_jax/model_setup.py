@@ -1,0 +1,114 @@
+"""The model a config describes: the (quantized) base model and its tokenizer, built from an HF
+checkpoint, a preset with the cached supervised warm-up, or random weights, with the attention
+implementation and the Pallas kernels the config asks for. Used by the trainer and by evaluate.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ml_collections
+
+from qerl_jax.models.char_tokenizer import build_char_tokenizer
+from qerl_jax.models.config import preset
+from qerl_jax.models.hf_io import load_hf_model
+from qerl_jax.models.tokenizer import load_tokenizer
+from qerl_jax.models.transformer import (CausalLM, init_model, set_attention_implementation,
+                                         set_attention_query_chunk)
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(config: ml_collections.ConfigDict, workdir: str):
+    """The quantized base model + tokenizer as the config describes (warm-up cached), with the
+    weights in the Pallas kernels' layout on GPU."""
+    from qerl_jax.quant.model_quantization import load_quantized_hf_model, quantize_model
+    from qerl_jax.quant.random_model import random_quantized_model
+    from qerl_jax.warmup import cached_warmup_model
+
+    model_cfg, fmt = config.model, config.quant.format
+    if model_cfg.hf_path:
+        tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.hf_path)
+        if fmt == "bf16":
+            model = load_hf_model(model_cfg.hf_path, param_dtype=model_cfg.param_dtype,
+                                  compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+        else:
+            model, report = load_quantized_hf_model(model_cfg.hf_path, fmt,
+                                                    compute_dtype=model_cfg.compute_dtype,
+                                                    remat=model_cfg.remat)
+            logger.info(report.summary())
+        return _finish_model(model, config), tokenizer
+    architecture = preset(model_cfg.preset, param_dtype=model_cfg.param_dtype,
+                          compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
+                          **dict(model_cfg.overrides))
+
+    def make_model():
+        return init_model(architecture, seed=config.seed)
+
+    if config.warmup.steps > 0:
+        model, tokenizer = cached_warmup_model(
+            os.path.join(workdir, "warmup"), make_model, build_char_tokenizer,
+            steps=config.warmup.steps, learning_rate=config.warmup.learning_rate,
+            batch_size=config.warmup.batch_size, seed=config.seed,
+            prompt_style=config.data.prompt_style,
+            max_operand=config.data.arithmetic_max_operand)
+        report = quantize_model(model, fmt)
+        logger.info(report.summary())
+    else:
+        # Random weights (shape-only runs, GPU benchmarks): drawn and quantized tensor by
+        # tensor, so a 32B model never exists in bf16 (61 GiB) on the way to 4 bits.
+        if not model_cfg.tokenizer_path:
+            raise ValueError("config.model.tokenizer_path is required for a preset model "
+                             "without warm-up")
+        model = random_quantized_model(architecture, fmt, seed=config.seed)
+        tokenizer = load_tokenizer(model_cfg.tokenizer_path)
+    if tokenizer.vocab_size > architecture.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                         f"{architecture.vocab_size}")
+    return _finish_model(model, config), tokenizer
+
+
+def _finish_model(model: CausalLM, config: ml_collections.ConfigDict) -> CausalLM:
+    """What every path of build_model ends with: config.model.attention_query_chunk and
+    attention_implementation (a preset's model.overrides entry of that name wins; the HF
+    loaders and the warm-up cache do not carry them; 'auto' = cuDNN's fused attention on an
+    NVIDIA GPU, the XLA one elsewhere) and the kernels."""
+    overrides = dict(config.model.overrides)
+    chunk = overrides.get("attention_query_chunk",
+                          config.model.get("attention_query_chunk", 0))
+    implementation = overrides.get("attention_implementation",
+                                   config.model.get("attention_implementation", "auto"))
+    if implementation == "auto" and chunk:
+        implementation = "xla"   # query blocks are an option of the XLA attention only
+    set_attention_query_chunk(model, 0)   # the two exclude each other: clear, then set both
+    set_attention_implementation(model, implementation)
+    set_attention_query_chunk(model, chunk)
+    _maybe_enable_kernels(model, config)
+    return model
+
+
+def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
+    """Repacks the 4-bit weights once into the Pallas kernels' layout and registers the kernels
+    (GPU only; a no-op on CPU). bf16 weights get the decode-attention kernel only.
+    config.quant.kernels=False keeps the XLA path. The kernels compute in bfloat16: with another
+    compute dtype every matmul would take the XLA path and unpack the kernel layout again on
+    each call, so nothing is repacked. config.quant.gate_up_pairs (default True) makes each
+    MLP's gate and up one interleaved pair (kernel_dispatch.pair_mlp_weights)."""
+    from qerl_jax.quant.kernel_dispatch import enable_decode_attention, enable_kernels
+
+    if not config.quant.get("kernels", True):
+        return
+    if config.quant.format == "bf16":
+        if config.model.compute_dtype == "bfloat16":
+            enable_decode_attention()
+        return
+    if config.model.compute_dtype != "bfloat16":
+        logger.info("Pallas kernels not enabled: model.compute_dtype=%s (they compute in "
+                    "bfloat16); the quantized layers use the XLA path",
+                    config.model.compute_dtype)
+        return
+    # the model was just built: nothing else holds it; its adapters come later (their rank
+    # decides whether the NVFP4 decode launches can run the Mosaic GPU kernel)
+    enable_kernels(model, donate=True, pair_mlp=config.quant.get("gate_up_pairs", True),
+                   lora_rank=config.lora.rank)
