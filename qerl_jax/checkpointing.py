@@ -1,19 +1,53 @@
 """Orbax checkpoints of the training state: trainable params, optimizer state, step, RNG seed
-and data position. Orbax writes each step into a temporary directory and renames it when
-complete, so a run killed mid-save resumes from the last complete checkpoint.
+and data position, written only at step boundaries.
+
+Orbax writes each step into a temporary directory and renames it when complete, so a run killed
+mid-save resumes from the last complete checkpoint. Restoring falls back from a damaged newest
+checkpoint to the newest one that restores (the damaged one is moved aside, never deleted), and
+a failed write (a full disk) is one error naming the path, with the earlier checkpoints intact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import time
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from qerl_jax.errors import TrainingStopped
+
 logger = logging.getLogger(__name__)
+
+DAMAGED_DIRECTORY = "checkpoints_damaged"   # next to the checkpoints directory
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax logs a failed write or read as tens to hundreds of absl ERROR lines with tracebacks
+    before it raises; the caller reports the failure itself, in one line."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    if "No space left on device" in text or "os_error_code='28'" in text:
+        return "no space left on device"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    reason = lines[0] if lines else ""
+    reason = f"{type(error).__name__}: {reason}" if reason else type(error).__name__
+    return reason if len(reason) <= 200 else reason[:197] + "..."
 
 
 class TrainingCheckpoints:
@@ -24,45 +58,117 @@ class TrainingCheckpoints:
     states) round-trips exactly.
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 2):
+    def __init__(self, directory: str, max_to_keep: int = 2, *, read_only: bool = False):
         self.directory = os.path.abspath(directory)
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-            item_names=("arrays", "meta"))
+        self.max_to_keep = max_to_keep
+        self.read_only = read_only
+        self.manager = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.max_to_keep, create=not self.read_only,
+            read_only=self.read_only, cleanup_tmp_directories=not self.read_only)
+        with _quiet_orbax():
+            return ocp.CheckpointManager(self.directory, options=options,
+                                         item_names=("arrays", "meta"))
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps()) if os.path.isdir(self.directory) else []
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def save(self, step: int, arrays: Any, meta: dict) -> None:
+        """Writes step `step` and waits until it is complete; TrainingStopped naming the path
+        when it cannot be written (the partial write is removed, earlier steps stay)."""
         leaves = {f"{index:06d}": np.asarray(jax.device_get(leaf))
                   for index, leaf in enumerate(jax.tree_util.tree_leaves(arrays))}
-        self.manager.save(step, args=ocp.args.Composite(
-            arrays=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)))
-        self.manager.wait_until_finished()
+        try:
+            with _quiet_orbax():
+                self.manager.save(step, args=ocp.args.Composite(
+                    arrays=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)),
+                    force=True)
+                self.manager.wait_until_finished()
+        except Exception as error:   # orbax/tensorstore raise ValueError for an OS failure
+            self._remove_partial(step)
+            steps = self.all_steps()
+            kept = (f"checkpoints of steps {steps} are intact" if steps
+                    else "no earlier checkpoint")
+            raise TrainingStopped(f"could not write checkpoint {self.step_path(step)}: "
+                                  f"{_first_line(error)}; {kept}") from error
+        if self.latest_step() != step:
+            raise TrainingStopped(f"checkpoint {self.step_path(step)} was not written")
+
+    def _remove_partial(self, step: int) -> None:
+        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
+            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        with contextlib.suppress(Exception):
+            self.manager.reload()
 
     def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict]:
+        """(arrays shaped like `template`, meta) of checkpoint `step`; raises on any failure."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
         template_leaves, treedef = jax.tree_util.tree_flatten(template)
         abstract = {f"{index:06d}": np.zeros(np.shape(leaf), np.asarray(leaf).dtype)
                     for index, leaf in enumerate(template_leaves)}
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            arrays=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        with _quiet_orbax():
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                arrays=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         leaves = restored["arrays"]
         if len(leaves) != len(template_leaves):
-            raise ValueError(f"checkpoint step {step} in {self.directory} holds {len(leaves)} "
-                             f"arrays, the configured model needs {len(template_leaves)}")
+            raise ValueError(f"it holds {len(leaves)} arrays, the configured model needs "
+                             f"{len(template_leaves)}")
         values = []
         for index, leaf in enumerate(template_leaves):
             value = leaves[f"{index:06d}"]
             if np.shape(value) != np.shape(leaf):
-                raise ValueError(f"checkpoint step {step}: array {index} has shape "
-                                 f"{np.shape(value)}, the configured model needs "
-                                 f"{np.shape(leaf)}")
+                raise ValueError(f"array {index} has shape {np.shape(value)}, the configured "
+                                 f"model needs {np.shape(leaf)}")
             values.append(jax.numpy.asarray(value, dtype=np.asarray(leaf).dtype))
-        return jax.tree_util.tree_unflatten(treedef, values), dict(restored["meta"])
+        meta = restored["meta"]
+        if not isinstance(meta, dict) or meta.get("step") != step:
+            raise ValueError(f"its metadata names step {getattr(meta, 'get', dict().get)('step')}")
+        return jax.tree_util.tree_unflatten(treedef, values), dict(meta)
+
+    def restore_newest(self, template: Any, check=None) -> tuple[Any, dict, int] | None:
+        """The newest checkpoint that restores: (arrays, meta, step), or None when there are no
+        checkpoints. A checkpoint that fails to restore (or `check(meta)` rejects with a
+        ValueError) is skipped with one warning naming its path and why, and, unless read-only,
+        moved aside to checkpoints_damaged/ so a later save of that step is not refused. When
+        checkpoints exist and none restores: TrainingStopped listing each."""
+        steps = self.all_steps()
+        if not steps:
+            return None
+        failures = []
+        for step in reversed(steps):
+            try:
+                arrays, meta = self.restore(template, step)
+                if check is not None:
+                    check(meta)
+                return arrays, meta, step
+            except Exception as error:   # any damage: missing files, bad JSON, wrong shapes
+                reason = _first_line(error)
+                failures.append(f"{self.step_path(step)} ({reason})")
+                logger.warning("skipping checkpoint %s: %s", self.step_path(step), reason)
+                if not self.read_only:
+                    self._move_aside(step)
+        raise TrainingStopped("no checkpoint restores: " + "; ".join(failures))
+
+    def _move_aside(self, step: int) -> None:
+        target_root = os.path.join(os.path.dirname(self.directory), DAMAGED_DIRECTORY)
+        os.makedirs(target_root, exist_ok=True)
+        target = os.path.join(target_root, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+        shutil.move(self.step_path(step), target)
+        logger.warning("moved the damaged checkpoint %s to %s", self.step_path(step), target)
+        self.manager.reload()
 
     def close(self) -> None:
-        self.manager.close()
+        with _quiet_orbax(), contextlib.suppress(Exception):
+            self.manager.close()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import resource
 import subprocess
 from typing import Sequence
+
+from qerl_jax.errors import ConfigError
 
 import jax
 
@@ -23,44 +26,101 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _finite_or_none(value):
+    """Strict JSON: a non-finite float (NaN, +-inf) is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _read_lines(path: str) -> tuple[list[dict], bool]:
+    """(parsed rows, whether a torn last line was dropped) of a metrics.jsonl. A line that is
+    not JSON anywhere but at the end is damage, not an interrupted append: ValueError naming
+    the file and line."""
+    with open(path) as handle:
+        lines = handle.read().split("\n")
+    rows, torn = [], False
+    numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    for position, (number, line) in enumerate(numbered):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not an object with a 'step'")
+        except ValueError as error:
+            if position == len(numbered) - 1:   # an append cut short
+                torn = True
+                break
+            raise ConfigError(f"{path}:{number}: not a metrics row ({error})") from None
+        rows.append(row)
+    return rows, torn
+
+
 class MetricsWriter:
-    """Appends one JSON object per step to metrics.jsonl (and TensorBoard scalars if asked)."""
+    """Appends one strict-JSON object per step to metrics.jsonl (and TensorBoard scalars when
+    tensorboardX is installed and `tensorboard` is on)."""
 
     def __init__(self, workdir: str, tensorboard: bool = False):
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self.tensorboard_directory = os.path.join(workdir, "tensorboard")
+        self.want_tensorboard = tensorboard
         self.tensorboard = None
-        if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-                self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
-            except ImportError:
-                logger.warning("TensorBoard logging asked for but tensorboardX is not "
-                               "installed; writing JSONL only")
 
-    def truncate_after(self, step: int) -> None:
-        """Drops lines of steps > `step` (a resume replays them)."""
-        if not os.path.isfile(self.path):
+    def _open_tensorboard(self) -> None:
+        if not self.want_tensorboard or self.tensorboard is not None:
             return
-        with open(self.path) as handle:
-            lines = [line for line in handle if line.strip()
-                     and json.loads(line)["step"] <= step]
-        with open(self.path, "w") as handle:
-            handle.writelines(lines)
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            logger.info("tensorboardX is not installed: metrics go to %s only "
+                        "(pip install qerl-jax[tensorboard] for TensorBoard event files)",
+                        self.path)
+            self.want_tensorboard = False
+            return
+        self.tensorboard = SummaryWriter(self.tensorboard_directory)
+
+    def start(self, resume_step: int) -> None:
+        """Cuts metrics.jsonl back to the steps before `resume_step` (0: empties it), so a run
+        never holds a step twice; a torn last line (a kill or a full disk mid-append) is
+        dropped with one warning naming the file."""
+        rows: list[dict] = []
+        if os.path.isfile(self.path):
+            rows, torn = _read_lines(self.path)
+            if torn:
+                logger.warning("%s: dropped a torn last line (an interrupted write)", self.path)
+        kept = [row for row in rows if row["step"] < resume_step]
+        steps = [row["step"] for row in kept]
+        if steps != list(range(resume_step)):
+            missing = sorted(set(range(resume_step)) - set(steps))
+            logger.warning("%s: steps %s have no metrics row (an earlier run lost them); "
+                           "continuing from step %d", self.path, missing[:10], resume_step)
+        temporary = f"{self.path}.tmp-{os.getpid()}"
+        with open(temporary, "w") as handle:
+            for row in kept:
+                handle.write(json.dumps(row, sort_keys=True, allow_nan=False) + "\n")
+        os.replace(temporary, self.path)
+        self._open_tensorboard()
 
     def write(self, metrics: dict) -> None:
+        row = {name: _finite_or_none(value) for name, value in metrics.items()}
+        line = json.dumps(row, sort_keys=True, allow_nan=False) + "\n"
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(metrics, sort_keys=True) + "\n")
+            handle.write(line)
+            handle.flush()
         if self.tensorboard is not None:
             for name, value in metrics.items():
-                if isinstance(value, (int, float)):
+                if isinstance(value, (int, float)) and math.isfinite(value):
                     self.tensorboard.add_scalar(name, value, metrics["step"])
             self.tensorboard.flush()
 
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
 
 def read_metrics(workdir: str) -> list[dict]:
-    path = os.path.join(workdir, "metrics.jsonl")
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """The rows of a run's metrics.jsonl (a torn last line is left out)."""
+    return _read_lines(os.path.join(workdir, "metrics.jsonl"))[0]
 
 
 def git_revision() -> str:

@@ -13,10 +13,13 @@ quantized base); jitted functions take the states as inputs and merge inside.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -35,12 +38,15 @@ from qerl_jax.data import PromptIterator, encode_prompts, load_examples
 from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
-from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, plot_curves, run_metadata
+from qerl_jax.errors import ConfigError, TrainingStopped
+from qerl_jax.metrics import (MetricsWriter, peak_memory_bytes, plot_curves, read_metrics,
+                              run_metadata)
 from qerl_jax.model_setup import build_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
 from qerl_jax.models.transformer import CausalLM
 from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.rl.advantages import group_advantages
+from qerl_jax.run_record import prepare_workdir, record_start
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
                                  policy_loss_terms)
 from qerl_jax.sampling import (SamplingConfig, bucket_length, compile_generate,
@@ -79,14 +85,40 @@ def make_optimizer(train: ml_collections.ConfigDict):
 class Trainer:
     """Holds the split model, optimizer, data iterator and checkpoints of one run."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
+                 overwrite: bool = False, allow_config_changes: bool = False):
+        """Validates the config, the data and the run directory before any model work, then
+        builds the model, the optimizer and the data iterator.
+
+        Args:
+          resume: continue the run in `workdir` from its newest checkpoint that restores (a
+            fresh start when it has none); its config may change only harmless fields
+            (run_record.HARMLESS_FIELDS) unless `allow_config_changes`.
+          overwrite: a fresh run into a `workdir` holding an earlier run removes that run's
+            files (the warm-up cache stays); without it such a start is refused.
+        """
         validate_config(config)
         self.config = config
+        self.workdir = workdir
         # before the first JAX computation: XLA reads its flags when the backend starts
         persist_autotuning(config.get("xla_autotune_results", ""))
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
-        self.workdir = workdir
+        data = config.data
+        examples = load_examples(data.task, data.path, split=data.split,
+                                 subset=data.subset or None, limit=data.limit or None,
+                                 arithmetic_count=data.arithmetic_count,
+                                 arithmetic_max_operand=data.arithmetic_max_operand,
+                                 seed=config.seed)
+        if len(examples) < config.train.prompts_per_step:
+            raise ConfigError(f"config.train.prompts_per_step: {config.train.prompts_per_step} "
+                              f"prompts per step, but the data ({data.path or data.task}) has "
+                              f"{len(examples)} examples")
+        self._config_dict = json.loads(config.to_json())
         os.makedirs(workdir, exist_ok=True)
+        self.resume = resume
+        self._config_changes = prepare_workdir(workdir, self._config_dict, resume=resume,
+                                               overwrite=overwrite,
+                                               allow_config_changes=allow_config_changes)
         base_key = jax.random.key(config.seed)
         self.lora_key = jax.random.fold_in(base_key, 1)
         self.rollout_key = jax.random.fold_in(base_key, 2)
@@ -109,12 +141,6 @@ class Trainer:
         self.optimizer, self.lr_schedule = make_optimizer(config.train)
         self.opt_state = commit_to_devices(self.optimizer.init(self.trainable))
 
-        data = config.data
-        examples = load_examples(data.task, data.path, split=data.split,
-                                 subset=data.subset or None, limit=data.limit or None,
-                                 arithmetic_count=data.arithmetic_count,
-                                 arithmetic_max_operand=data.arithmetic_max_operand,
-                                 seed=config.seed)
         self.iterator = PromptIterator(examples, config.train.prompts_per_step, config.seed)
         self.reward_functions = get_reward_functions(list(config.rewards.names))
         self.correctness_name = next((name for name in config.rewards.names
@@ -140,12 +166,18 @@ class Trainer:
             sigma_end=config.aqn.sigma_end, stages=config.aqn.stages,
             kind=config.aqn.schedule) if config.aqn.enabled else None
         self.step = 0
+        self._state_at_boundary = True   # False while an update is being recorded
+        self._signals = _StopSignals()
         self.consecutive_nonfinite = 0
         self.skipped_updates = 0
         self.checkpoints = TrainingCheckpoints(os.path.join(workdir, "checkpoints"),
                                                config.checkpoint.max_to_keep)
         self.metrics = MetricsWriter(workdir, config.logging.tensorboard)
         self._compile_functions()
+        self.start_step = 0
+        if resume and not self.restore_newest():
+            logger.info("no checkpoint in %s: the run starts at step 0",
+                        self.checkpoints.directory)
 
     # -------------------------------------------------------------- jitted pieces
     def _compile_functions(self):
@@ -205,6 +237,7 @@ class Trainer:
                     finite)
 
         self._apply_update = jax.jit(apply_update, donate_argnums=(0, 1))
+        self._apply_update_copy = jax.jit(apply_update)
         self._scale = jax.jit(lambda a, s: jax.tree_util.tree_map(lambda x: x * s, a))
 
     # -------------------------------------------------------------- rollout + rewards
@@ -348,18 +381,31 @@ class Trainer:
             yield {name: jnp.asarray(value[start:start + size]) for name, value in batch.items()}
 
     def train_step(self) -> dict:
+        """One GRPO step, all or nothing: its metrics, with the trainer at the next step.
+
+        An exception or interrupt before the update leaves the trainer exactly at the start of
+        the step (data position included); the update and the state change that records it
+        run with SIGINT/SIGTERM deferred, so the state is always that of a step boundary."""
+        step, position = self.step, self.iterator.position
+        try:
+            return self._train_step()
+        except BaseException:
+            if self._state_at_boundary and self.step == step:   # the step did not complete
+                self.iterator.epoch, self.iterator.index = position
+            raise
+
+    def _train_step(self) -> dict:
         config = self.config
         self._sampler_compile_seconds = 0.0
         (batch, rewards, completion_mask, truncated), generated, rollout_seconds, dropped = (
             self._collect_rollouts())
         started = time.perf_counter()
-        train_trainable = self.trainable
         frozen = self.frozen
         if self.aqn_schedule is not None and config.aqn.apply_in_training:
             frozen = aqn_noisy_state(frozen, self.aqn_key, self.step, self.aqn_schedule)
         if config.train.num_iterations > 1:
             batch["old_logprobs"] = np.concatenate([
-                np.asarray(self._logprobs_fn(train_trainable, frozen, micro))
+                np.asarray(self._logprobs_fn(self.trainable, frozen, micro))
                 for micro in self._micro_batches(batch)])
         if config.loss.beta != 0.0:
             batch["ref_logprobs"] = np.concatenate([
@@ -370,12 +416,16 @@ class Trainer:
         micro_count = math.ceil(batch["tokens"].shape[0] / config.train.micro_batch_size)
         stats = {"loss": 0.0, "valid_tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0,
                  "entropy_sum": 0.0}
-        grad_norm, updated = float("nan"), True
-        for iteration in range(config.train.num_iterations):
-            grads = self._zero_grads(self.trainable)
+        iterations = config.train.num_iterations
+        # Iterations before the last update a copy, so the step's starting state survives an
+        # interrupt; the last one donates (one copy of the state) inside the deferred section.
+        trainable, opt_state = self.trainable, self.opt_state
+        norms, all_finite = [], True
+        for iteration in range(iterations):
+            grads = self._zero_grads(trainable)
             for micro in self._micro_batches(batch):
                 (loss, (terms, entropy_sum)), grads = self._grad_fn(
-                    self.trainable, frozen, micro, global_tokens, global_sequences, grads)
+                    trainable, frozen, micro, global_tokens, global_sequences, grads)
                 if iteration == 0:
                     stats["loss"] += float(loss)
                     stats["valid_tokens"] += float(terms.valid_tokens)
@@ -385,123 +435,279 @@ class Trainer:
             if not self.loss_config.denominator_is_global:
                 grads = self._scale(grads, 1.0 / micro_count)   # bnpo: mean of micro ratios
                 stats["loss"] = stats["loss"] / micro_count if iteration == 0 else stats["loss"]
+            if iteration == iterations - 1:
+                break
+            update = self._apply_update_copy if iteration == 0 else self._apply_update
+            trainable, opt_state, norm, finite = update(trainable, opt_state, grads)
+            norms.append(float(norm))
+            all_finite = all_finite and bool(finite)
+        with self._signals.deferred():
+            self._state_at_boundary = False
+            # donates `trainable` (self.trainable when iterations == 1): from here the step
+            # completes or the in-memory state is not saved
             self.trainable, self.opt_state, norm, finite = self._apply_update(
-                self.trainable, self.opt_state, grads)
-            grad_norm = float(norm)
-            if not bool(finite) or not math.isfinite(stats["loss"]):
-                updated = False
-        if updated:
-            self.consecutive_nonfinite = 0
-        else:
-            self.consecutive_nonfinite += 1
-            self.skipped_updates += 1
-            logger.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)",
-                           self.step, self.consecutive_nonfinite)
-        train_seconds = time.perf_counter() - started
-        valid = max(stats["valid_tokens"], 1.0)
-        metrics = {
-            "step": self.step,
-            "reward": float(np.mean(rewards["total"])),
-            **{f"reward/{name}": float(np.mean(values)) for name, values in rewards.items()
-               if name != "total"},
-            "accuracy": (float(np.mean(np.asarray(rewards[self.correctness_name]) > 0))
-                         if self.correctness_name else float("nan")),
-            "entropy": stats["entropy_sum"] / valid,
-            "kl": stats["kl_sum"] / valid,
-            "clip_fraction": stats["clipped_tokens"] / valid,
-            "loss": stats["loss"],
-            "completion_length": float(completion_mask.sum(axis=1).mean()),
-            "truncated_fraction": float(truncated.mean()),
-            "aqn_sigma": (float(aqn_sigma(self.step, self.aqn_schedule))
-                          if self.aqn_schedule is not None else 0.0),
-            "grad_norm": grad_norm,
-            "learning_rate": float(self.lr_schedule(self.step)),
-            "dropped_groups": dropped,
-            "skipped_updates": self.skipped_updates,
-            "time/rollout_s": rollout_seconds,
-            "time/train_s": train_seconds,
-            "time/sampler_compile_s": self._sampler_compile_seconds,   # part of rollout_s
-            "rollout_tokens_per_s": generated / max(rollout_seconds, 1e-9),
-            "peak_memory_bytes": peak_memory_bytes(),
-        }
+                trainable, opt_state, grads)
+            del trainable, opt_state
+            norms.append(float(norm))
+            all_finite = all_finite and bool(finite)
+            updated = all_finite and math.isfinite(stats["loss"])
+            if updated:
+                self.consecutive_nonfinite = 0
+            else:
+                self.consecutive_nonfinite += 1
+                self.skipped_updates += 1
+                logger.warning("step %d: non-finite loss or gradient, update skipped (%d in a "
+                               "row)", self.step, self.consecutive_nonfinite)
+            train_seconds = time.perf_counter() - started
+            valid = max(stats["valid_tokens"], 1.0)
+            metrics = {
+                "step": self.step,
+                "reward": float(np.mean(rewards["total"])),
+                **{f"reward/{name}": float(np.mean(values)) for name, values in rewards.items()
+                   if name not in ("total", "timeouts")},
+                "reward/timeouts": int(np.sum(rewards.get("timeouts", [0.0]))),
+                "accuracy": (float(np.mean(np.asarray(rewards[self.correctness_name]) > 0))
+                             if self.correctness_name else float("nan")),
+                "entropy": stats["entropy_sum"] / valid,
+                "kl": stats["kl_sum"] / valid,
+                "clip_fraction": stats["clipped_tokens"] / valid,
+                "loss": stats["loss"],
+                "completion_length": float(completion_mask.sum(axis=1).mean()),
+                "truncated_fraction": float(truncated.mean()),
+                "aqn_sigma": (float(aqn_sigma(self.step, self.aqn_schedule))
+                              if self.aqn_schedule is not None else 0.0),
+                "grad_norm": norms[-1],
+                "learning_rate": float(self.lr_schedule(self.step)),
+                "dropped_groups": dropped,
+                "skipped_updates": self.skipped_updates,
+                "time/rollout_s": rollout_seconds,
+                "time/train_s": train_seconds,
+                "time/sampler_compile_s": self._sampler_compile_seconds,   # part of rollout_s
+                "rollout_tokens_per_s": generated / max(rollout_seconds, 1e-9),
+                "peak_memory_bytes": peak_memory_bytes(),
+            }
+            self._write_metrics(metrics)
+            self.step += 1
+            self._state_at_boundary = True
         if self.consecutive_nonfinite >= config.train.max_consecutive_nonfinite:
             raise NonFiniteError(f"{self.consecutive_nonfinite} consecutive non-finite steps "
-                                 f"(last at step {self.step}); stopping")
+                                 f"(last at step {self.step - 1})")
         return metrics
+
+    def _write_metrics(self, metrics: dict) -> None:
+        try:
+            self.metrics.write(metrics)
+        except OSError as error:
+            raise TrainingStopped(f"could not write {self.metrics.path}: "
+                                  f"{error.strerror or error}") from error
 
     # -------------------------------------------------------------- checkpoints
     def _state_arrays(self):
         return {"trainable": self.trainable, "opt_state": self.opt_state}
 
     def save_checkpoint(self) -> None:
+        """Checkpoint of the step boundary the trainer is at: the params and optimizer state
+        after `step` completed steps, the data position and the counters (the RNG keys are
+        functions of (seed, step), so the step is all the RNG state there is)."""
         meta = {"step": self.step, "data_position": list(self.iterator.position),
                 "seed": self.config.seed, "skipped_updates": self.skipped_updates,
                 "consecutive_nonfinite": self.consecutive_nonfinite}
         self.checkpoints.save(self.step, self._state_arrays(), meta)
 
-    def restore_latest(self) -> bool:
-        """Restores the last complete checkpoint; False when there is none."""
-        if self.checkpoints.latest_step() is None:
+    def _check_checkpoint_meta(self, meta: dict) -> None:
+        if meta.get("seed") != self.config.seed:
+            raise ValueError(f"its seed {meta.get('seed')} != config.seed {self.config.seed}")
+        position = meta.get("data_position")
+        if not (isinstance(position, list) and len(position) == 2):
+            raise ValueError(f"its data_position {position!r} is not [epoch, index]")
+
+    def restore_newest(self) -> bool:
+        """Restores the newest checkpoint that restores (skipping damaged ones, each named in
+        one warning); False when there is none."""
+        restored = self.checkpoints.restore_newest(self._state_arrays(),
+                                                   check=self._check_checkpoint_meta)
+        if restored is None:
             return False
-        arrays, meta = self.checkpoints.restore(self._state_arrays())
-        if meta["seed"] != self.config.seed:
-            raise ValueError(f"checkpoint seed {meta['seed']} != config.seed {self.config.seed}")
+        arrays, meta, step = restored
         self.trainable, self.opt_state = commit_to_devices(
             (arrays["trainable"], arrays["opt_state"]))
-        self.step = meta["step"]
+        self.step = self.start_step = step
         self.iterator.epoch, self.iterator.index = meta["data_position"]
         self.skipped_updates = meta["skipped_updates"]
         self.consecutive_nonfinite = meta["consecutive_nonfinite"]
-        self.metrics.truncate_after(self.step - 1)
-        logger.info("resumed from the checkpoint of step %d", self.step)
+        logger.info("resuming from checkpoint %s (step %d)", self.checkpoints.step_path(step),
+                    step)
         return True
 
     # -------------------------------------------------------------- the loop
-    def train(self, resume: bool = False, stop_after: int | None = None) -> list[dict]:
-        """Runs until config.train.total_steps (or `stop_after` steps of this call);
-        checkpoints every N steps and at exit."""
-        if resume:
-            self.restore_latest()
-        with open(os.path.join(self.workdir, "run.json"), "w") as handle:
-            json.dump(run_metadata(self.config.to_json(), self.config.seed), handle, indent=1)
+    def train(self, stop_after: int | None = None) -> list[dict]:
+        """Runs until config.train.total_steps (or `stop_after` steps of this call),
+        checkpointing every config.checkpoint.every_steps and at exit.
+
+        SIGINT, SIGTERM or an exception stop the run at a step boundary: the last completed
+        step is checkpointed (with its data position) and TrainingStopped (signals) or the
+        exception propagates, after one log line saying where the run stopped."""
+        self.metrics.start(self.step)
+        record_start(self.workdir, {
+            **run_metadata(self.config.to_json(), self.config.seed),
+            "start_step": self.step, "resumed": self.resume,
+            "config_changes": self._config_changes})
+        self._config_changes = []
         total = self.config.train.total_steps
+        last = total if stop_after is None else min(total, self.step + stop_after)
+        history: list[dict] = []
         progress = None
         if self.config.logging.progress_bar:
             from tqdm import tqdm
-            progress = tqdm(total=total, initial=self.step, desc="QeRL", unit="step")
-        history = []
-        last = total if stop_after is None else min(total, self.step + stop_after)
+            progress = tqdm(total=total, initial=self.step, desc="QeRL", unit="step",
+                            dynamic_ncols=True)
         try:
-            while self.step < last:
-                metrics = self.train_step()
-                self.metrics.write(metrics)
-                history.append(metrics)
-                self.step += 1
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(reward=f"{metrics['reward']:.3f}",
-                                         acc=f"{metrics['accuracy']:.2f}",
-                                         entropy=f"{metrics['entropy']:.3f}")
-                if self.step % self.config.checkpoint.every_steps == 0:
-                    self.save_checkpoint()
+            with self._signals.installed(), _logging_above(progress):
+                while self.step < last:
+                    metrics = self.train_step()
+                    history.append(metrics)
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix(reward=f"{metrics['reward']:.3f}",
+                                             acc=f"{metrics['accuracy']:.2f}",
+                                             entropy=f"{metrics['entropy']:.3f}",
+                                             refresh=False)
+                    if self.step % self.config.checkpoint.every_steps == 0:
+                        with self._signals.deferred():
+                            self.save_checkpoint()
+        except BaseException as error:
+            if progress is not None:
+                progress.close()
+            stopped = self._stopped(error)
+            if stopped is error:
+                raise
+            raise stopped from error
         finally:
             if progress is not None:
                 progress.close()
+        try:
             if self.checkpoints.latest_step() != self.step and self.step > 0:
                 self.save_checkpoint()
+        finally:
             self.checkpoints.close()
-        all_metrics = _read_all(self.metrics.path)
-        if all_metrics:
-            plot_curves(all_metrics, os.path.join(self.workdir, "curves.png"))
+            self.metrics.close()
+        self._plot()
         return history
+
+    def _stopped(self, error: BaseException) -> BaseException:
+        """Saves the last completed step (when the in-memory state is one and not yet saved)
+        and returns the exception to raise: TrainingStopped for a signal, else `error`."""
+        saved = None
+        note = ""
+        if not isinstance(error, TrainingStopped) and self._state_at_boundary:
+            try:
+                if self.step > 0 and self.checkpoints.latest_step() != self.step:
+                    self.save_checkpoint()
+            except TrainingStopped as save_error:
+                note = f" ({save_error})"
+        latest = self.checkpoints.latest_step()
+        if latest is not None:
+            saved = self.checkpoints.step_path(latest)
+        self.checkpoints.close()
+        self.metrics.close()
+        where = (f"checkpoint {saved} (step {latest}); continue with --resume" if saved
+                 else "no checkpoint; a restart begins at step 0")
+        if isinstance(error, _Interrupted):
+            message = (f"stopped by {error.signal_name} at step {self.step} of "
+                       f"{self.config.train.total_steps}: last completed step saved in "
+                       f"{where}{note}")
+            logger.warning(message)
+            return TrainingStopped(message, exit_code=128 + error.signum)
+        if isinstance(error, TrainingStopped):
+            message = f"{error}; the run stopped at step {self.step}, resumes from {where}"
+            logger.error(message)
+            return TrainingStopped(message, exit_code=error.exit_code)
+        logger.error("stopped at step %d by %s: %s; resumes from %s%s", self.step,
+                     type(error).__name__, error, where, note)
+        return error
+
+    def _plot(self) -> None:
+        rows = _read_all(self.metrics.path)
+        if not rows:
+            return
+        try:
+            plot_curves(rows, os.path.join(self.workdir, "curves.png"))
+        except OSError as error:
+            logger.warning("could not write %s: %s", os.path.join(self.workdir, "curves.png"),
+                           error)
 
     def model(self) -> CausalLM:
         """The current (noise-free) model."""
         return nnx.merge(self.graphdef, self.trainable, self.frozen)
 
 
+class _Interrupted(BaseException):
+    """SIGINT or SIGTERM, raised at the next step boundary-safe point."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM raise _Interrupted, except inside `deferred()` blocks (an update and the
+    state change that records it, a checkpoint save), where they are held until the block
+    ends. Installed only in the main thread (signal handlers can be set nowhere else)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self._depth = 0
+        self._pending: list[int] = []
+        self._active = False
+
+    def _handle(self, signum, frame):
+        del frame
+        if self._depth:
+            self._pending.append(signum)
+        else:
+            raise _Interrupted(signum)
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if not self._depth and self._pending:
+            signum = self._pending[0]
+            self._pending.clear()
+            raise _Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _logging_above(progress):
+    """While the progress bar runs, log records are printed above it (one bar line)."""
+    if progress is None:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    with logging_redirect_tqdm():
+        yield
+
+
 def _read_all(path: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         return []
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    return read_metrics(os.path.dirname(path))

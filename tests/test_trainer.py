@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from qerl_jax.checkpointing import TrainingCheckpoints
 from qerl_jax.config_defaults import validate_config
 from qerl_jax.metrics import read_metrics
 from qerl_jax.trainer import NonFiniteError, Trainer
@@ -73,12 +74,13 @@ def test_resume_continues_exactly(tmp_path, warm_cache):
                              "arrays"))
     with open(os.path.join(resumed_dir, "metrics.jsonl"), "a") as handle:
         handle.write('{"step": 3, "reward": 999.0}\n')  # a step that ran but was not saved
-    trainer = Trainer(_config(), resumed_dir)
+    trainer = Trainer(_config(), resumed_dir, resume=True)
     assert trainer.checkpoints.latest_step() == 3
-    trainer.train(resume=True)
+    trainer.train()
     resumed = read_metrics(resumed_dir)
     assert _comparable(resumed) == _comparable(straight)
-    a = jax.tree_util.tree_leaves(Trainer(_config(), straight_dir).checkpoints.restore(
+    a = jax.tree_util.tree_leaves(TrainingCheckpoints(
+        os.path.join(straight_dir, "checkpoints"), read_only=True).restore(
         trainer._state_arrays())[0])
     b = jax.tree_util.tree_leaves(trainer._state_arrays())
     for x, y in zip(a, b, strict=True):
