@@ -1,4 +1,4 @@
-"""Shared pieces of the GPU benchmark scripts (rollout.py, e2e_step.py, grpo_step.py).
+"""Shared pieces of the benchmark scripts (rollout.py, grpo_step.py, the profilers, ...).
 
 Two halves:
   * parent side (stdlib only, never imports jax, so the parent process holds no device memory):
@@ -149,7 +149,7 @@ def write_outputs(out_dir: str, name: str, text: str, payload: dict) -> None:
 
 
 def add_worker_arguments(parser, script_name: str) -> None:
-    """The options rollout.py and e2e_step.py share: the kernel path switches, --out, --merge,
+    """The options rollout.py and grpo_step.py share: the kernel path switches, --out, --merge,
     and the internal ones a parent passes to its worker processes."""
     import argparse
     parser.add_argument("--no-kernels", action="store_true",

@@ -1,79 +1,425 @@
-"""A few full GRPO steps (rollout + train) on a random-weight model shape, on the GPU.
+"""GRPO step time (rollout + train) and peak memory per model size and format.
 
-Builds the Trainer on a preset (random weights, quantized to --format, LoRA rank --rank), a
-char-level tokenizer (the shapes are what matter), prompts padded to --prompt tokens (prompt
-bucket) and --completion new tokens (a random model almost never samples EOS, so completions run
-to the limit), G = --group. Prints per-step rollout / train time and peak device memory, and
-writes a markdown table + JSON under --out.
+For each model size (Qwen2.5-7B/14B/32B shapes, random weights) and format (bf16-LoRA / nf4 /
+nvfp4), one worker subprocess (so the peak memory is the case's own) builds the qerl_jax Trainer
+(char-level tokenizer, arithmetic prompts left-padded to --prompt tokens, --completion new
+tokens, G = --group samples of one prompt, LoRA rank --rank on all projections + norm scales,
+remat on, micro-batch --micro-batch, AQN on for nvfp4/mxfp4 as in QeRL) and runs --steps
+train_step calls. Step 0 includes the compiles (reported separately as compile + run); the last
+step is the measurement, and every step after step 0 is listed (later_steps_rollout_s /
+later_steps_train_s in the jsonl) for the spread. A random model almost never samples EOS, so
+completions run to the limit (the completion-length column shows it).
 
-    python benchmarks/grpo_step.py --preset qwen2p5_7b --format nvfp4 --steps 3 --out $OUT
+The model is the trainer's own: qerl_jax.model_setup.build_model draws and quantizes one projection
+at a time (no dense bf16 copy of the model) and enables the Pallas kernels on GPU
+(--no-kernels sets config.quant.kernels=False). The benchmark wraps build_model only to time it
+and to record the kernel hook's outcome (_common._prepare_model, which also applies
+--kernels-interpret on CPU).
+
+The parent never touches the GPU; workers run one after the other under --budget-s; a worker
+that would not fit is skipped, one still running at the deadline is killed (finished steps are
+kept). OOM or errors are recorded per case.
+
+    python benchmarks/grpo_step.py --sizes 7b --out $OUT
+    python benchmarks/grpo_step.py --sizes 32b --formats nvfp4 --steps 3 --out $OUT
+    python benchmarks/grpo_step.py --sizes 7b --formats nvfp4 --trace-peaks \
+        --compilation-cache DIR --out $OUT
+    python benchmarks/grpo_step.py --smoke --out /tmp/grpo_step_smoke   # CPU, tiny model
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import tempfile
+import sys
+import time
 
 import _common as common
-import jax
 
-from qerl_jax.models.char_tokenizer import build_char_tokenizer
-from qerl_jax.trainer import Trainer
-
-
-def make_config(args, tokenizer_dir):
-    return common.grpo_config(preset=args.preset, format_name=args.format,
-                              tokenizer_dir=tokenizer_dir, rank=args.rank, group=args.group,
-                              prompts=args.prompts, prompt=args.prompt,
-                              completion=args.completion, micro_batch=args.micro_batch,
-                              steps=args.steps)
+DEFAULTS = dict(sizes="7b", formats="bf16,nvfp4,nf4", group=8, prompt=256, completion=1024,
+                micro_batch=2, steps=2, budget_s=540.0)
+SMOKE = dict(sizes="tiny", formats="bf16,nvfp4", group=4, prompt=32, completion=8,
+             micro_batch=4, steps=2, budget_s=240.0)
+AQN_FORMATS = ("nvfp4", "mxfp4")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--preset", default="qwen2p5_7b")
-    parser.add_argument("--format", default="nvfp4")
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", help=f"comma list of 7b,14b,32b; default {DEFAULTS['sizes']}")
+    parser.add_argument("--formats", help=f"default {DEFAULTS['formats']} (run in this order)")
+    parser.add_argument("--group", type=int, help="G samples per prompt (1 prompt per step)")
+    parser.add_argument("--prompt", type=int, help="prompt tokens (padded bucket)")
+    parser.add_argument("--completion", type=int, help="new tokens per sample")
+    parser.add_argument("--micro-batch", type=int, help="training micro-batch (sequences)")
+    parser.add_argument("--steps", type=int, help="train steps per case (>= 2: the first "
+                                                  "compiles)")
+    parser.add_argument("--budget-s", type=float, help="wall-clock budget of the command")
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--completion", type=int, default=1024)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", default=".")
-    args = parser.parse_args()
+    parser.add_argument("--logits-chunk", type=int, default=None,
+                        help="config.train.logits_chunk_size (log-probs computed this many "
+                             "completion positions at a time; 0 = all at once); default: the "
+                             "config default")
+    parser.add_argument("--compilation-cache", default="",
+                        help="config.compilation_cache_dir of every case (JAX's persistent "
+                             "cache; a case whose programs are in it loads them: no compile, "
+                             "no XLA autotuner transient). The table says cold or warm.")
+    parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
+                        help="config.model.attention_implementation of the training attention "
+                             "(auto, the default: cuDNN's fused flash attention on an NVIDIA "
+                             "GPU, XLA's elsewhere); the table shows what it resolved to")
+    parser.add_argument("--offload-for-compile", default="auto", choices=("auto", "on", "off"),
+                        help="config.rollout.offload_weights_for_compile (auto, the default: on "
+                             "a GPU each sampler program compiles while the frozen weights are "
+                             "in host memory, out of the way of XLA's autotuner)")
+    parser.add_argument("--offload-method", default="auto",
+                        choices=("auto", "pinned_host", "numpy"),
+                        help="config.rollout.offload_method: where the weights wait meanwhile")
+    parser.add_argument("--trace-peaks", action="store_true",
+                        help="wait for each of the trainer's jitted calls (rollout, gradient, "
+                             "accumulation, update) and record the ones that raised the "
+                             "allocator's peak (the peak_trace column of the JSON): which "
+                             "program sets the step's peak. Slows the step slightly.")
+    parser.add_argument("--smoke", action="store_true")
+    common.add_worker_arguments(parser, "grpo_step")
+    args = parser.parse_args(argv)
+    for name, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    return args
+
+
+# ============================================================================== worker
+def worker_main(args) -> None:
+    import logging
+    import shutil
+    import tempfile
+
+    from qerl_jax import trainer as trainer_module
+    from qerl_jax.models.char_tokenizer import build_char_tokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    size, format_name = args.size, args.format
+    row = {"size": size, "preset": common.preset_name(size), "format": format_name,
+           "aqn": format_name in AQN_FORMATS, "group": args.group,
+           "prompt": args.prompt, "completion": args.completion,
+           "micro_batch": args.micro_batch, "lora_rank": args.rank, "steps_done": 0,
+           **common.device_info()}
+
+    def emit(status):
+        row["status"] = status
+        row["elapsed_s"] = time.time() - args.spawned_at
+        common.append_jsonl(args.results, row)
+        print({k: row.get(k) for k in ("size", "format", "status", "steps_done", "step_s",
+                                       "peak_GiB")}, flush=True)
+
     workdir = tempfile.mkdtemp(prefix="grpo_step_")
-    tokenizer_dir = os.path.join(workdir, "tokenizer")
-    build_char_tokenizer(tokenizer_dir)
-    trainer = Trainer(make_config(args, tokenizer_dir), os.path.join(workdir, "run"))
-    history = trainer.train()
-    rows = [{"step": m["step"], "rollout_s": m["time/rollout_s"], "train_s": m["time/train_s"],
-             "generated_tokens_per_s": m["rollout_tokens_per_s"],
-             "completion_length": m["completion_length"],
-             "peak_GiB": m["peak_memory_bytes"] / 2**30} for m in history]
-    header = (f"GRPO steps, {datetime.date.today()}, {jax.devices()[0].device_kind}, JAX "
-              f"{jax.__version__}: {args.preset} random weights, {args.format} + LoRA r{args.rank}"
-              f", {args.prompts} prompt(s) x G={args.group}, prompt {args.prompt}, completion "
-              f"{args.completion}, micro-batch {args.micro_batch}, remat on. Command: python "
-              f"benchmarks/grpo_step.py --preset {args.preset} --format {args.format} "
-              f"--steps {args.steps}")
-    lines = [header, "", "| step | rollout s | train s | generated tok/s | completion length |"
-             " peak GiB |", "|---|---|---|---|---|---|"]
+    original_build_model = trainer_module.build_model
+
+    def build_model_for_benchmark(config, run_dir):
+        begin = time.perf_counter()
+        model, tokenizer = original_build_model(config, run_dir)
+        row["build_model_s"] = time.perf_counter() - begin
+        row["peak_after_build_GiB"], _ = common.peak_memory_gib()
+        model, hook = common._prepare_model(model, format_name, not args.no_kernels,
+                                            args.kernels_interpret,
+                                            not args.no_lora_epilogue,
+                                            grouped=not args.no_grouped_launches,
+                                            decode_attention=not args.no_decode_attention,
+                                            pair_mlp=not args.no_gate_up_pairs)
+        row.update(hook)
+        row["params_B"] = model.config.num_parameters() / 1e9
+        row["attention"] = model.config.attention_implementation
+        return model, tokenizer
+
+    trainer_module.build_model = build_model_for_benchmark
+    trainer = None
+    try:
+        tokenizer_dir = os.path.join(workdir, "tokenizer")
+        build_char_tokenizer(tokenizer_dir)
+        config = common.grpo_config(
+            preset=row["preset"], format_name=format_name, tokenizer_dir=tokenizer_dir,
+            rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
+            completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
+            aqn=row["aqn"])
+        config.quant.kernels = not args.no_kernels
+        config.quant.gate_up_pairs = not args.no_gate_up_pairs
+        if args.compilation_cache:
+            from qerl_jax.compilation_cache import cache_entries
+            entries = cache_entries(args.compilation_cache)
+            row["compilation_cache"] = f"warm ({entries} files)" if entries else "cold"
+            config.compilation_cache_dir = args.compilation_cache
+        if args.logits_chunk is not None:
+            config.train.logits_chunk_size = args.logits_chunk
+        row["logits_chunk"] = config.train.logits_chunk_size
+        config.model.attention_implementation = args.attention
+        config.rollout.offload_weights_for_compile = args.offload_for_compile
+        config.rollout.offload_method = args.offload_method
+        begin = time.perf_counter()
+        trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
+        row["trainer_init_s"] = time.perf_counter() - begin
+        row["offload_for_compile"] = (args.offload_method if trainer.offload_weights_for_compile
+                                      else "off")
+        if "build_model_s" not in row:
+            raise RuntimeError("Trainer no longer calls qerl_jax.trainer.build_model: the "
+                               "benchmark's model building (and kernel hook) did not run")
+        row["weights_GiB"] = common.state_gib(trainer.frozen)
+        row["trainable_GiB"] = common.state_gib(trainer.trainable)
+        row["opt_state_GiB"] = common.state_gib(trainer.opt_state)
+        row["peak_after_init_GiB"], row["peak_source"] = common.peak_memory_gib()
+        row["memory_limit_GiB"] = common.memory_limit_gib()
+        active = row.get("kernels_active", False)
+        row["path_decode"] = common.matmul_path(format_name, args.group, active)
+        row["path_prefill"] = common.matmul_path(format_name, args.prompt, active)
+        row["path_train"] = common.matmul_path(
+            format_name, args.micro_batch * (args.prompt + args.completion), active)
+    except Exception as error:
+        row["peak_GiB"], _ = common.peak_memory_gib()
+        emit("init " + common.describe_error(error))
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    # the allocator's peak cannot be reset: record it after step 0's rollout too, which splits
+    # the step's peak into the rollout phase and the training phase
+    collect_rollouts = trainer._collect_rollouts
+
+    def collect_and_record_peak():
+        result = collect_rollouts()
+        if "peak_after_rollout0_GiB" not in row:
+            row["peak_after_rollout0_GiB"], _ = common.peak_memory_gib()
+        return result
+
+    trainer._collect_rollouts = collect_and_record_peak
+    if args.trace_peaks:
+        _trace_peaks(trainer, row)
+    status = "ok"
+    for step in range(args.steps):
+        if step > 0:
+            # step 0 = compile + run; a later step is expected to take well under that
+            needed = 0.6 * (row["step0_rollout_s"] + row["step0_train_s"])
+            left = args.deadline - time.time()
+            if needed > left:
+                status = (f"stopped after step {step - 1}: budget (step {step} needs "
+                          f"~{needed:.0f} s, {max(left, 0):.0f} s left)")
+                break
+        try:
+            metrics = trainer.train_step()
+            trainer.step += 1
+        except Exception as error:
+            status = f"step {step} " + common.describe_error(error)
+            break
+        prefix = "step0" if step == 0 else "step"
+        row[f"{prefix}_rollout_s"] = metrics["time/rollout_s"]
+        row[f"{prefix}_train_s"] = metrics["time/train_s"]
+        row[f"{prefix}_s"] = metrics["time/rollout_s"] + metrics["time/train_s"]
+        row[f"{prefix}_tokens_per_s"] = metrics["rollout_tokens_per_s"]
+        row[f"{prefix}_sampler_compile_s"] = metrics["time/sampler_compile_s"]
+        if step > 0:  # every later step, so several steps give a spread, not one sample
+            row.setdefault("later_steps_rollout_s", []).append(metrics["time/rollout_s"])
+            row.setdefault("later_steps_train_s", []).append(metrics["time/train_s"])
+        row["completion_length"] = metrics["completion_length"]
+        row["loss"] = metrics["loss"]
+        row["steps_done"] = step + 1
+        row["peak_GiB"], _ = common.peak_memory_gib()
+        if step == 0 and args.steps > 1:
+            common.append_jsonl(args.results, {**row, "status": "partial: step 0 only",
+                                               "elapsed_s": time.time() - args.spawned_at})
+    row["peak_GiB"], _ = common.peak_memory_gib()
+    if status == "ok" and args.steps == 1:
+        status = "ok (1 step: includes compile)"
+    emit(status)
+    trainer.checkpoints.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ============================================================================== parent
+def _trace_peaks(trainer, row) -> None:
+    """Wraps the trainer's jitted calls: after each (waited for), when the allocator's peak rose,
+    appends [step, call, peak GiB, in use GiB] to row["peak_trace"]."""
+    import jax
+    trace = row.setdefault("peak_trace", [])
+    last = [common.peak_memory_gib()[0]]
+
+    def wrap(name, fn):
+        def traced(*args, **kwargs):
+            result = jax.block_until_ready(fn(*args, **kwargs))
+            stats = jax.devices()[0].memory_stats() or {}
+            peak = stats.get("peak_bytes_in_use", 0) / 2**30
+            if peak > last[0] + 1e-3:
+                trace.append([trainer.step, name, round(peak, 3),
+                              round(stats.get("bytes_in_use", 0) / 2**30, 3)])
+                last[0] = peak
+            return result
+        return traced
+
+    for name in ("_collect_rollouts", "_zero_grads", "_grad_fn", "_scale", "_apply_update",
+                 "_logprobs_fn"):
+        setattr(trainer, name, wrap(name, getattr(trainer, name)))
+    # what holds device memory besides the trainer's weights, adapters and optimizer state
+    owned = {id(leaf) for tree in (trainer.frozen, trainer.trainable, trainer.opt_state)
+             for leaf in jax.tree_util.tree_leaves(tree)}
+    others = {}
+    for array in jax.live_arrays():
+        if id(array) not in owned:
+            key = f"{array.dtype}{list(array.shape)}"
+            count, size = others.get(key, (0, 0))
+            others[key] = (count + 1, size + array.nbytes)
+    row["unowned_live_arrays"] = sorted(([key, count, round(size / 2**30, 4)]
+                                         for key, (count, size) in others.items()),
+                                        key=lambda item: -item[2])[:15]
+
+
+COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "status"),
+           ("step0_rollout_s", "step 0 rollout s (compile+run)"),
+           ("step0_train_s", "step 0 train s (compile+run)"),
+           ("step_rollout_s", "rollout s"), ("step_train_s", "train s"), ("step_s", "step s"),
+           ("later_steps_s", "step s, every step after step 0"),
+           ("speedup_vs_bf16", "x bf16 (step)"), ("step_tokens_per_s", "rollout tok/s"),
+           ("completion_length", "completion length"), ("peak_GiB", "peak GiB"),
+           ("peak_vs_bf16", "peak / bf16 peak"),
+           ("peak_after_rollout0_GiB", "peak after step-0 rollout GiB"),
+           ("compilation_cache", "compilation cache"),
+           ("logits_chunk", "log-prob chunk"), ("attention", "training attention"),
+           ("weights_GiB", "weights GiB"),
+           ("trainer_init_s", "init s"), ("path_decode", "decode path"),
+           ("path_train", "train path"), ("kernel_hook", "kernel hook"),
+           ("kernel_layout_weights", "weights in kernel layout"),
+           ("mosaic_weights", "weights on the Mosaic GPU path")]
+
+
+def _final(rows, size, format_name):
     for row in rows:
-        lines.append(f"| {row['step']} | {row['rollout_s']:.2f} | {row['train_s']:.2f} | "
-                     f"{row['generated_tokens_per_s']:.0f} | {row['completion_length']:.0f} | "
-                     f"{row['peak_GiB']:.1f} |")
-    table = "\n".join(lines)
-    print(table, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    name = f"grpo_{args.preset}_{args.format}"
-    with open(os.path.join(args.out, name + ".md"), "w") as handle:
-        handle.write(table + "\n")
-    with open(os.path.join(args.out, name + ".json"), "w") as handle:
-        json.dump(rows, handle, indent=1)
+        if (row["size"], row["format"]) == (size, format_name) and row.get("step_s"):
+            return row
+    return None
+
+
+def targets(rows) -> list[str]:
+    lines = []
+
+    def verdict(ok):
+        return "MET" if ok else "not met"
+
+    case = next((row for row in rows if (row["size"], row["format"]) == ("32b", "nvfp4")), None)
+    if case is not None:
+        fits = bool(case.get("step_s")) and not case["status"].startswith(("step", "init"))
+        lines.append(f"32B NVFP4 GRPO step fits on one H100 80GB: status '{case['status']}', "
+                     f"peak {common.fmt_number(case.get('peak_GiB'))} GiB of "
+                     f"{common.fmt_number(case.get('memory_limit_GiB'))} GiB usable -> "
+                     f"{verdict(fits)}")
+    nv, bf = _final(rows, "7b", "nvfp4"), _final(rows, "7b", "bf16")
+    if nv and bf:
+        ratio = bf["step_s"] / nv["step_s"]
+        lines.append(f"7B NVFP4 step >= 1.3x faster than bf16-LoRA: x{ratio:.2f} "
+                     f"({nv['step_s']:.1f} s vs {bf['step_s']:.1f} s) -> {verdict(ratio >= 1.3)}"
+                     f" (paper, 7B batch 8: x1.2)")
+    for size in sorted({row["size"] for row in rows}):
+        nv, bf = _final(rows, size, "nvfp4"), _final(rows, size, "bf16")
+        if nv and bf and nv.get("peak_GiB") and bf.get("peak_GiB"):
+            ratio = nv["peak_GiB"] / bf["peak_GiB"]
+            lines.append(f"{size.upper()} NVFP4 peak <= 50% of bf16-LoRA's: "
+                         f"{nv['peak_GiB']:.1f} / {bf['peak_GiB']:.1f} GiB = {ratio:.0%} -> "
+                         f"{verdict(ratio <= 0.5)}")
+    return lines or ["(no case of a target was measured)"]
+
+
+def parent_main(args) -> None:
+    budget = common.Budget(args.budget_s)
+    sizes = common.split_list(args.sizes)
+    formats = common.split_list(args.formats)
+    raw_dir = os.path.join(args.out, "grpo_step_raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    rows: list[dict] = []
+    for size in sizes:
+        worker_costs: list[float] = []
+        for format_name in formats:
+            tag = f"{size}_{format_name}"
+            results = os.path.join(raw_dir, f"{tag}.jsonl")
+            if os.path.exists(results):
+                os.remove(results)
+            needed, left = max(worker_costs, default=0.0), budget.left()
+            if needed > left or left < 5:
+                rows.append({"size": size, "format": format_name,
+                             "status": f"skipped: budget ({max(left, 0):.0f} s left"
+                                       + (f"; a case took ~{needed:.0f} s)" if needed
+                                          else ")")})
+                continue
+            command = [sys.executable, os.path.abspath(__file__), "--worker", "--size", size,
+                       "--format", format_name, "--group", str(args.group),
+                       "--prompt", str(args.prompt), "--completion", str(args.completion),
+                       "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
+                       "--rank", str(args.rank),
+                       *(["--logits-chunk", str(args.logits_chunk)]
+                         if args.logits_chunk is not None else []),
+                       *(["--compilation-cache", args.compilation_cache]
+                         if args.compilation_cache else []),
+                       "--attention", args.attention,
+                       "--offload-for-compile", args.offload_for_compile,
+                       "--offload-method", args.offload_method,
+                       *(["--trace-peaks"] if args.trace_peaks else []),
+                       "--results", results, "--deadline", str(budget.deadline),
+                       "--spawned-at", str(time.time())]
+            command += common.kernel_flags(args)
+            print(f"[grpo_step] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
+            log = os.path.join(raw_dir, f"{tag}.log")
+            code, wall = common.run_worker(command, log, left)
+            got = common.read_jsonl(results)
+            row = got[-1] if got else {"size": size, "format": format_name}
+            if code is None:
+                row["status"] = (f"killed at the budget deadline after {wall:.0f} s"
+                                 + (f" ({row['steps_done']} step(s) done)"
+                                    if row.get("steps_done") else ""))
+            elif not got:
+                row["status"] = f"worker exited with code {code} before any result"
+            if code is not None and row.get("step_s"):
+                worker_costs.append(wall)
+            if code != 0:
+                outcome = "killed" if code is None else f"rc={code}"
+                print(f"[grpo_step] {tag}: worker {outcome} after {wall:.0f} s; log tail:\n"
+                      f"{common.tail(log)}", flush=True)
+            rows.append(row)
+    report(rows, args, common.output_name("grpo_step", sizes, args))
+
+
+def report(rows: list[dict], args, name: str) -> None:
+    """Ratios to bf16, the table and the targets -> {out}/{name}.md/.json."""
+    for row in rows:
+        bf = _final(rows, row["size"], "bf16")
+        if bf and row.get("step_s"):
+            row["speedup_vs_bf16"] = bf["step_s"] / row["step_s"]
+        if bf and row.get("peak_GiB"):
+            row["peak_vs_bf16"] = row["peak_GiB"] / bf["peak_GiB"]
+        rollouts, trains = row.get("later_steps_rollout_s"), row.get("later_steps_train_s")
+        if rollouts and trains:
+            row["later_steps_s"] = " / ".join(f"{a + b:.2f}" for a, b in zip(rollouts, trains))
+    header = common.header_line(
+        f"GRPO step (rollout + train), random weights, 1 prompt x G={args.group}, prompt "
+        f"{args.prompt}, completion {args.completion}, LoRA r{args.rank} (+ norm scales), "
+        f"micro-batch {args.micro_batch}, remat on; last of "
+        f"{args.steps} steps reported, step 0 = compile + run", rows)
+    notes = ["", ("Peak memory: the device allocator's peak over the whole worker process "
+                  "(model build included), one process per size x format."),
+             "", "Targets:"] + [f"- {line}" for line in targets(rows)]
+    text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
+    print(text, flush=True)
+    common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
+                                                "targets": targets(rows)})
+
+
+def merge_main(args) -> None:
+    """One table (ratios, targets) from the rows of several runs' grpo_step_*.json files."""
+    rows = common.merged_rows(args.merge)
+    first = rows[0]
+    args.rank = first.get("lora_rank", args.rank)
+    for name in ("group", "prompt", "completion", "micro_batch", "steps"):
+        if first.get(name) is not None:
+            setattr(args, name, first[name])
+    report(rows, args, "grpo_step_merged")
+
+
+def main(argv=None):
+    common.run_script(parse_args(argv), worker_main, parent_main, merge_main)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 of the training micro-batch gradient, per model size and format, with the buffers live at each
 program's peak (from XLA's buffer-assignment dump).
 
-The e2e_step.py benchmark measures the allocator's peak over a whole step; this script says which
+The grpo_step.py benchmark measures the allocator's peak over a whole step; this script says which
 program and which buffers make it. For each (size, format) it builds the trainer exactly as
-e2e_step.py does (random weights, LoRA r32 + norms, remat on, kernels on GPU), then lowers and
+grpo_step.py does (random weights, LoRA r32 + norms, remat on, kernels on GPU), then lowers and
 compiles, without running:
   * rollout: qerl_jax.sampling's generate program for 1 prompt x G samples (prompt + completion
     cache), on the AQN-noised states the trainer samples with;
@@ -56,7 +56,7 @@ def parse_args(argv=None):
                              "GPUs, xla elsewhere)")
     parser.add_argument("--kernels-interpret", action="store_true",
                         help="CPU: the Pallas kernels in interpret mode (the kernel layout, "
-                             "the dispatch's paths), as e2e_step.py --kernels-interpret")
+                             "the dispatch's paths), as grpo_step.py --kernels-interpret")
     parser.add_argument("--no-gate-up-pairs", action="store_true",
                         help="config.quant.gate_up_pairs=False")
     parser.add_argument("--smoke", action="store_true", help="tiny model (CPU test)")

@@ -1,5 +1,5 @@
-"""The GPU benchmark scripts' --smoke modes on CPU (tiny model, few tokens), as subprocesses, so
-a change in the sampler, trainer, quantization or kernel hook that breaks them fails CI.
+"""The benchmark scripts' --smoke modes on CPU (tiny model, few tokens), as subprocesses, so a
+change in the sampler, trainer, quantization or kernel hook that breaks them fails CI.
 
 Both scripts run at the same time (each one parent + one worker process) to keep the test
 short; the rollout one goes through the Pallas kernel path in interpret mode.
@@ -33,14 +33,14 @@ def _worker_logs(out_dir, raw):
                      for name in sorted(os.listdir(folder)) if name.endswith(".log"))
 
 
-def test_rollout_and_e2e_smoke(tmp_path):
-    rollout_out, e2e_out = tmp_path / "rollout", tmp_path / "e2e"
+def test_rollout_and_grpo_step_smoke(tmp_path):
+    rollout_out, step_out = tmp_path / "rollout", tmp_path / "grpo_step"
     rollout = _start("rollout.py", rollout_out, "--formats", "nvfp4", "--batches", "2,3",
                      "--kernels-interpret", "--repeats", "2", "--same-key",
                      "--autotune-results", str(tmp_path / "autotune" / "a.textproto"))
-    e2e = _start("e2e_step.py", e2e_out, "--formats", "nvfp4", "--compilation-cache",
+    step = _start("grpo_step.py", step_out, "--formats", "nvfp4", "--compilation-cache",
                  str(tmp_path / "xla_cache"), "--trace-peaks", "--offload-for-compile", "on")
-    rollout_text, e2e_text = _finish(rollout), _finish(e2e)
+    rollout_text, step_text = _finish(rollout), _finish(step)
 
     with open(rollout_out / "rollout_tiny.json") as handle:
         rows = json.load(handle)["rows"]
@@ -59,13 +59,13 @@ def test_rollout_and_e2e_smoke(tmp_path):
         assert row["path_decode"] == "nvfp4_fused"
     assert (rollout_out / "rollout_tiny.md").read_text().count("| tiny | nvfp4 |") == 2
 
-    with open(e2e_out / "e2e_step_tiny.json") as handle:
+    with open(step_out / "grpo_step_tiny.json") as handle:
         (row,) = json.load(handle)["rows"]
-    assert row["status"] == "ok", (row, _worker_logs(e2e_out, "e2e_raw"))
+    assert row["status"] == "ok", (row, _worker_logs(step_out, "grpo_step_raw"))
     assert row["steps_done"] == 2
     assert row["step_s"] > 0 and row["step0_rollout_s"] > 0 and row["step0_train_s"] > 0
     assert row["aqn"] is True
-    assert "| tiny | nvfp4 |" in e2e_text
+    assert "| tiny | nvfp4 |" in step_text
     assert row["peak_after_rollout0_GiB"] > 0
     assert row["compilation_cache"] == "cold"  # the flag reached the trainer's config
     assert row["attention"] == "xla"           # 'auto' on a CPU
@@ -133,7 +133,7 @@ def test_memory_breakdown_smoke(tmp_path):
 def test_kernel_profile_smoke(tmp_path):
     """Two tiny shapes x two tunings in interpret mode: every row measured, each checked against
     the format's reference (the error column), the table written."""
-    output = _finish(_start("kernel_profile.py", tmp_path, "--formats", "nvfp4",
+    output = _finish(_start("profile/kernel_profile.py", tmp_path, "--formats", "nvfp4",
                             "--tunings", "base;block_n=32,num_warps=8"))
     payload = json.load(open(tmp_path / "kernel_profile_smoke_m8.json"))
     rows = [row for row in payload["rows"] if row["format"] == "nvfp4"]
@@ -145,15 +145,13 @@ def test_kernel_profile_smoke(tmp_path):
     assert "| a | 256 x 256 | nvfp4 |" in open(tmp_path / "kernel_profile_smoke_m8.md").read()
 
 
-def test_attention_and_lora_down_profile_smoke(tmp_path):
-    """attention_profile.py (two settings, interpret mode), lora_down_profile.py (every way of
-    x @ A, the Pallas ones interpreted) and decode_attention_lora_check.py on tiny shapes: every
-    row measured and within its stated error of the reference."""
-    attention = _start("attention_profile.py", tmp_path / "att", "--settings", "base;balanced=0")
-    lora = _start("lora_down_profile.py", tmp_path / "lora")
+def test_attention_profile_smoke(tmp_path):
+    """attention_profile.py (two settings, interpret mode) and decode_attention_lora_check.py on
+    tiny shapes: every row measured and within its stated error of the reference."""
+    attention = _start("profile/attention_profile.py", tmp_path / "att", "--settings",
+                       "base;balanced=0")
     shares = _start("decode_attention_lora_check.py", tmp_path / "shares")
     _finish(attention)
-    _finish(lora)
     _finish(shares)  # exit code 0: every case within its tolerance
     assert json.load(open(tmp_path / "shares" / "decode_attention_lora_check.json"))[
         "failures"] == 0
@@ -161,158 +159,16 @@ def test_attention_and_lora_down_profile_smoke(tmp_path):
     assert [row["setting"] for row in rows] == ["base", "balanced=0"]
     assert all("error" not in row and row["max_rel_err"] < 1e-2 and row["mean_us"] > 0
                for row in rows)
-    rows = json.load(open(tmp_path / "lora" / "lora_down_profile_m8.json"))["rows"]
-    assert [row["variant"] for row in rows] == ["dot", "dot_f32", "mul_reduce", "pallas_c16",
-                                                "pallas_c16_b256", "pallas_c16_s4",
-                                                "pallas_c16_a"]
-    assert all(row["max_rel_err"] < 1e-2 and row["call_us"] > 0 for row in rows)
-
-
-def test_unpermute_check_smoke(tmp_path):
-    """unpermute_check.py --smoke (a tiny weight, Pallas interpreted): XLA's dequantize from
-    the permuted buffer and the permuted-dequantize kernel give the Pallas kernel's W of the
-    unpermuted weight bit for bit (exit 0 only then), and every variant is timed."""
-    _finish(_start("unpermute_check.py", tmp_path / "unp"))
-    rows = json.load(open(tmp_path / "unp" / "unpermute_check.json"))["rows"]
-    assert [(row["size"], row["n"], row["k"]) for row in rows] == [("tiny", 256, 512)]
-    assert rows[0]["xla_dequantize_equal"] and rows[0]["permuted_dequantize_equal"]
-    assert all(rows[0][f"{label} us"] > 0 for label in (
-        "unpermute", "dequantize", "unpermute + dequantize", "XLA dequantize",
-        "permuted dequantize"))
-
-
-def test_swiglu_profile_smoke(tmp_path):
-    """swiglu_profile.py on a tiny gate/up pair (interpret mode): every variant measured, and
-    the interleaved launch's SwiGLU epilogue within one bf16 ulp of the grouped launch + XLA
-    SwiGLU (2^-100 absolute for silu's subnormals)."""
-    _finish(_start("swiglu_profile.py", tmp_path / "sp"))
-    rows = json.load(open(tmp_path / "sp" / "swiglu_profile_nvfp4_m8.json"))["rows"]
-    assert [row["variant"] for row in rows] == [
-        "grouped + XLA SwiGLU", "interleaved, SwiGLU epilogue",
-        "interleaved, product only (no SwiGLU)"]
-    assert all("error" not in row and row["call_us"] > 0 for row in rows)
-    fused = rows[1]
-    assert fused["max_abs_diff_vs_unfused"] <= fused["max_abs_unfused"] * 2.0 ** -7 + 2.0 ** -100
-
-
-def test_stream_probe_smoke_and_mosaic_lowering(tmp_path):
-    """stream_probe.py's Triton variants run in interpret mode (tiny shapes; timing only, so no
-    value is checked), its Mosaic GPU variants are refused on the CPU by name, and the Mosaic
-    GPU kernels (the streaming one, mgpu_decode_probe's decode + wgmma) lower for CUDA from
-    this CPU-only machine (what the GPU compiles; their numbers are checked on the GPU)."""
-    output = _finish(_start("stream_probe.py", tmp_path / "sp", "--settings", "w4s3;w4s2e",
-                            "--variants", "xor+s+x,dot8+s+x,dot16+s+x,tma,xla"))
-    rows = json.load(open(tmp_path / "sp" / "stream_probe.json"))["rows"]
-    assert len(rows) == 2 * (3 * 2 + 2 + 1), output[-2000:]
-    for row in rows:
-        if row["variant"] == "tma":
-            assert "need a GPU" in row["error"]
-        else:
-            assert "error" not in row, row
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import jax
-        import jax.numpy as jnp
-        import stream_probe
-        codes = jax.ShapeDtypeStruct((64 * 20 * 3, 128), jnp.uint8)
-        scales = jax.ShapeDtypeStruct((64 * 20 * 3, 16), jnp.uint8)
-        for variant in ("tma", "tma+s"):
-            fn = jax.jit(lambda c, s, variant=variant: stream_probe._tma_call(
-                c, s, variant=variant, k_tiles=20, stages=4))
-            text = fn.trace(codes, scales).lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, variant
-        import mgpu_decode_probe  # the decode + wgmma probe lowers too (its GPU-only check)
-        x = jax.ShapeDtypeStruct((8, 20 * 256), jnp.bfloat16)
-        for variant in ("wait0", "int4", "e2m1u", "nvfp4"):
-            fn = jax.jit(lambda x, c, s, variant=variant: mgpu_decode_probe.decode_matmul(
-                x, c, k_tiles=20, stages=4, variant=variant,
-                scales=s if variant == "nvfp4" else None))
-            text = fn.trace(x, codes, scales).lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, variant
-        packed = jax.ShapeDtypeStruct((72 * 20 * 3, 128), jnp.uint8)  # scales inside the tiles
-        for variant in ("nvfp4f", "nvfp4q", "nvfp4p", "nvfp4s"):
-            fn = jax.jit(lambda x, c, variant=variant: mgpu_decode_probe.decode_matmul(
-                x, c, k_tiles=20, stages=2, variant=variant, ctas=2))
-            text = fn.trace(x, packed).lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, variant
-        # stream-K's split tiles: 3 tiles x 20 K tiles over 2 programs -> one boundary at unit
-        # 30, inside tile 1; over 3 programs the boundaries (20, 40) fall between tiles
-        assert mgpu_decode_probe.streamk_split_rows(3, 20, 2).tolist() == [False, True, False]
-        assert not mgpu_decode_probe.streamk_split_rows(3, 20, 3).any()
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
-
-
-def test_mgpu_decode_probe_reference():
-    """The GPU probe's float32 reference (what its kernels are checked against) equals a float64
-    numpy product of the E2M1 table and the canonical scale codes' values (the kernel layout's
-    code -> e4m3 table, pallas_kernels.nvfp4_matmul), codes in memory order, tile-major rows."""
-    import jax
-    import jax.numpy as jnp
-    import ml_dtypes
-    import numpy as np
-
-    from pallas_kernels import nvfp4_matmul
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import mgpu_decode_probe as probe
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
-    k_tiles = 2
-    codes = jax.random.bits(jax.random.key(1), (64 * k_tiles * 2, 128), jnp.uint8)
-    valid = np.unique(nvfp4_matmul._E4M3_TO_CODE[nvfp4_matmul._E4M3_TO_CODE >= 0])  # + 255
-    scale_codes = jax.random.choice(jax.random.key(3), jnp.asarray(valid, jnp.uint8),
-                                    (64 * k_tiles * 2, 16))
-    x = jax.random.normal(jax.random.key(2), (8, 256 * k_tiles), jnp.float32)
-    bytes_ = nvfp4_matmul._CODE_TO_E4M3[np.asarray(scale_codes)]
-    values = bytes_.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    values[np.asarray(scale_codes) == 255] = 0.0
-    np.testing.assert_array_equal(np.asarray(probe.scale_values(scale_codes), np.float64),
-                                  values)
-    table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
-    c = np.asarray(codes).reshape(2, k_tiles, 64, 128)  # [row blocks, K tiles, rows, bytes]
-    nib = np.stack([c & 15, c >> 4], -1).reshape(2, k_tiles, 64, 256)
-    w = table[nib] * np.repeat(values.reshape(2, k_tiles, 64, 16), 16, axis=-1)
-    w = w.transpose(0, 2, 1, 3).reshape(128, 256 * k_tiles)
-    expected = w @ np.asarray(x, np.float64).T
-    got = np.asarray(probe.reference(x, codes, k_tiles, "nvfp4", scale_codes), np.float64)
-    assert np.abs(got - expected).max() <= 1e-6 * np.abs(expected).max()
-
-
-def test_mgpu_probe_permuted_buffer_is_the_library_layout():
-    """mgpu_decode_probe.permute_tiles (the nvfp4p/s variants' buffer) unpacks the probe's
-    nibble bytes into pallas_kernels.mgpu_nvfp4's permuted layout, losslessly: unpermute_tiles
-    gives back every code and scale code. (That layout's bit math against the float64 weights
-    is tests/test_mgpu_nvfp4.py::test_kernel_bit_math_gives_the_weights.)"""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from pallas_kernels import mgpu_nvfp4
-
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import mgpu_decode_probe as probe
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
-    tiles = 3
-    codes = jax.random.bits(jax.random.key(5), (64 * tiles, 128), jnp.uint8)
-    scales = jax.random.randint(jax.random.key(6), (64 * tiles, 16), 8, 151).astype(jnp.uint8)
-    buffer = probe.permute_tiles(codes, scales)
-    assert buffer.shape == (72 * tiles, 128) and buffer.dtype == jnp.uint8
-    got_codes, got_scales = mgpu_nvfp4.unpermute_tiles(buffer)
-    c = np.asarray(codes).reshape(tiles, 64, 128)
-    np.testing.assert_array_equal(np.asarray(got_codes),
-                                  np.stack([c & 15, c >> 4], -1).reshape(tiles, 64, 256))
-    np.testing.assert_array_equal(np.asarray(got_scales),
-                                  np.asarray(scales).reshape(tiles, 64, 16))
 
 
 def test_triton_ir_parsing():
     """triton_ir.py is GPU-only (interpret mode compiles no Triton); its parsing of XLA's Triton
     pass log and of PTX is checked here on a synthetic log."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import triton_ir
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "profile"))
+    try:
+        import triton_ir
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks", "profile"))
     log = "\n".join([
         "// -----// IR Dump Before TritonGPUCoalesce (tritongpu-coalesce) ('builtin.module' "
         "operation: @k) //----- //",
@@ -344,7 +200,7 @@ def test_triton_ir_parsing():
 def test_attention_memory_smoke(tmp_path):
     """attention_memory.py compiles the gradient program per chunk and reports XLA's
     temporaries (CPU, a 64-token sequence)."""
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "attention_memory.py")
+    script = os.path.join(ROOT, "benchmarks", "profile", "attention_memory.py")
     subprocess.run([sys.executable, script, "--size", "tiny", "--layers", "1", "--length", "64",
                     "--chunks", "0,16", "--out", str(tmp_path)], check=True, timeout=300)
     with open(tmp_path / "attention_memory_tiny.json") as handle:
