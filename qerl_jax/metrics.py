@@ -1,4 +1,5 @@
-"""Run metrics: JSONL always, TensorBoard optional, plus run metadata and curve plots."""
+"""Run metrics: strict-JSON lines always, TensorBoard event files when tensorboardX is installed,
+and the run metadata recorded at each start (the curves: qerl_jax.plots)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import os
 import platform
 import resource
 import subprocess
-from typing import Sequence
-
-from qerl_jax.errors import ConfigError
 
 import jax
+
+from qerl_jax.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -141,22 +141,3 @@ def run_metadata(config_json: str, seed: int) -> dict:
                          "optax": optax.__version__, "orbax": orbax.checkpoint.__version__,
                          "python": platform.python_version()},
             "devices": [str(device) for device in jax.devices()]}
-
-
-def plot_curves(metrics: Sequence[dict], path: str,
-                keys: Sequence[str] = ("reward", "entropy", "accuracy")) -> None:
-    """PNG of each metric in `keys` against step (one panel each)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    keys = [key for key in keys if any(key in row for row in metrics)]
-    figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.4), squeeze=False)
-    steps = [row["step"] for row in metrics]
-    for axis, key in zip(axes[0], keys):
-        axis.plot(steps, [row.get(key, float("nan")) for row in metrics], marker=".")
-        axis.set_xlabel("step")
-        axis.set_title(key)
-        axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)

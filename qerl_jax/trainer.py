@@ -39,12 +39,12 @@ from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
 from qerl_jax.errors import ConfigError, TrainingStopped
-from qerl_jax.metrics import (MetricsWriter, peak_memory_bytes, plot_curves, read_metrics,
-                              run_metadata)
+from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run_metadata
 from qerl_jax.model_setup import build_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
 from qerl_jax.models.transformer import CausalLM
 from qerl_jax.rewards import get_reward_functions, score_completions
+from qerl_jax.plots import plot_training_curves, run_title
 from qerl_jax.rl.advantages import group_advantages
 from qerl_jax.run_record import prepare_workdir, record_start
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
@@ -631,7 +631,9 @@ class Trainer:
         if not rows:
             return
         try:
-            plot_curves(rows, os.path.join(self.workdir, "curves.png"))
+            plot_training_curves(rows, os.path.join(self.workdir, "curves.png"),
+                                 title=run_title(self._config_dict, os.path.basename(
+                                     os.path.normpath(self.workdir))))
         except OSError as error:
             logger.warning("could not write %s: %s", os.path.join(self.workdir, "curves.png"),
                            error)

@@ -3,6 +3,8 @@ updates skipped and counted, config validation."""
 
 import os
 import shutil
+import signal
+import subprocess
 
 import jax
 import numpy as np
@@ -11,6 +13,8 @@ import pytest
 from qerl_jax.checkpointing import TrainingCheckpoints
 from qerl_jax.config_defaults import validate_config
 from qerl_jax.metrics import read_metrics
+from qerl_jax.errors import ConfigError, TrainingStopped
+from qerl_jax.run_record import read_starts
 from qerl_jax.trainer import NonFiniteError, Trainer
 
 TIMING_KEYS = ("time/rollout_s", "time/train_s", "time/sampler_compile_s", "rollout_tokens_per_s",
@@ -354,3 +358,209 @@ def test_sampler_compiles_in_place_when_host_memory_runs_out(tmp_path, warm_cach
     assert "not enough host memory" in caplog.text
     assert len(trainer._sampler_programs) == 1 and np.isfinite(metrics["loss"])
     assert all(a is b for a, b in zip(frozen, jax.tree_util.tree_leaves(trainer.frozen)))
+
+
+# ------------------------------------------------------------------ interrupts and resume
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, warm_cache):
+    """An uninterrupted run of _config(): its metrics and final trainable/optimizer state."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    shutil.copytree(warm_cache, os.path.join(workdir, "warmup"))
+    trainer = Trainer(_config(), workdir)
+    trainer.train()
+    return (_comparable(read_metrics(workdir)),
+            [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(trainer._state_arrays())])
+
+
+def _assert_same_run(workdir, trainer, straight_run):
+    metrics, leaves = straight_run
+    assert _comparable(read_metrics(workdir)) == metrics
+    after = jax.tree_util.tree_leaves(trainer._state_arrays())
+    for expected, got in zip(leaves, after, strict=True):
+        np.testing.assert_array_equal(expected, np.asarray(got))
+
+
+def _interrupt_at(trainer, point, step, action):
+    """Runs `action` (send a signal, raise) at `point` of step index `step`."""
+    if point == "before_rollout":
+        original = trainer.iterator.next_batch
+
+        def next_batch():
+            if trainer.step == step:
+                action()
+            return original()
+        trainer.iterator.next_batch = next_batch
+    elif point == "after_rollout":
+        original = trainer._collect_rollouts
+
+        def collect():
+            result = original()
+            if trainer.step == step:
+                action()
+            return result
+        trainer._collect_rollouts = collect
+    elif point == "after_update":
+        original = trainer._apply_update
+
+        def apply_update(*args):
+            result = original(*args)
+            if trainer.step == step:
+                action()
+            return result
+        trainer._apply_update = apply_update
+
+
+def _signal(signum):
+    return lambda: os.kill(os.getpid(), signum)
+
+
+def _raise():
+    raise RuntimeError("a bug in the middle of a step")
+
+
+@pytest.mark.parametrize("point, action, saved_step, exit_code", [
+    ("before_rollout", _signal(signal.SIGINT), 4, 130),
+    ("after_rollout", _signal(signal.SIGTERM), 4, 143),
+    ("after_update", _signal(signal.SIGINT), 5, 130),    # deferred: the step completes first
+    ("after_rollout", _raise, 4, None),
+])
+def test_interrupt_inside_a_step_resumes_exactly(tmp_path, warm_cache, straight_run, point,
+                                                 action, saved_step, exit_code):
+    """SIGINT/SIGTERM/an exception inside step 4 (before the rollout, after it, after the update)
+    checkpoints the last completed step with its data position, exits with one line, and
+    --resume gives metrics and final params bitwise equal to the uninterrupted run."""
+    workdir = _workdir(tmp_path, "interrupted", warm_cache)
+    trainer = Trainer(_config(), workdir)
+    _interrupt_at(trainer, point, 4, action)
+    if exit_code is None:
+        with pytest.raises(RuntimeError, match="a bug in the middle"):
+            trainer.train()
+    else:
+        with pytest.raises(TrainingStopped, match=f"at step {saved_step} of 6") as stopped:
+            trainer.train()
+        assert stopped.value.exit_code == exit_code
+        assert "\n" not in str(stopped.value)
+    assert TrainingCheckpoints(os.path.join(workdir, "checkpoints"),
+                               read_only=True).latest_step() == saved_step
+    assert [row["step"] for row in read_metrics(workdir)] == list(range(saved_step))
+    resumed = Trainer(_config(), workdir, resume=True)
+    assert resumed.step == saved_step
+    resumed.train()
+    _assert_same_run(workdir, resumed, straight_run)
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, warm_cache,
+                                                                   straight_run, caplog):
+    """The newest checkpoint (step 6) loses its arrays: resume skips it with one warning naming
+    its path, moves it aside (nothing deleted), resumes from step 3 and ends equal."""
+    workdir = _workdir(tmp_path, "damaged", warm_cache)
+    Trainer(_config(), workdir).train()
+    newest = os.path.join(workdir, "checkpoints", "6")
+    shutil.rmtree(os.path.join(newest, "arrays"))
+    with caplog.at_level("WARNING"):
+        trainer = Trainer(_config(), workdir, resume=True)
+    skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(skipped) == 1 and newest in skipped[0]
+    assert trainer.step == 3
+    assert os.listdir(os.path.join(workdir, "checkpoints_damaged"))
+    trainer.train()
+    _assert_same_run(workdir, trainer, straight_run)
+
+
+def test_fresh_run_into_a_used_workdir_is_refused_before_any_model_work(tmp_path, warm_cache):
+    workdir = _workdir(tmp_path, "used", warm_cache)
+    Trainer(_config(), workdir).train(stop_after=1)
+    with open(os.path.join(workdir, "metrics.jsonl")) as handle:
+        before = handle.read()
+    with pytest.raises(ConfigError, match="holds an earlier run.*--resume.*--overwrite"):
+        Trainer(_config(), workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as handle:
+        assert handle.read() == before
+    trainer = Trainer(_config(), workdir, overwrite=True)
+    assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    assert os.path.isdir(os.path.join(workdir, "warmup"))   # the cache stays
+    trainer.train(stop_after=1)
+    assert [row["step"] for row in read_metrics(workdir)] == [0]
+
+
+def test_resume_with_a_changed_config_is_refused_per_field(tmp_path, warm_cache):
+    """Fields that change what is trained are refused, one line each (name, old, new), before
+    any model is built; harmless ones pass; --allow_config_change records the change; run.json
+    keeps every start."""
+    workdir = _workdir(tmp_path, "changed", warm_cache)
+    Trainer(_config(), workdir).train(stop_after=3)
+    changed = _config()
+    changed.quant.format = "nf4"
+    changed.lora.alpha = 8.0
+    changed.train.learning_rate = 1e-4
+    changed.checkpoint.every_steps = 2          # harmless
+    with pytest.raises(ConfigError) as refused:
+        Trainer(changed, workdir, resume=True)
+    lines = str(refused.value).splitlines()
+    assert "config.quant.format: was 'nvfp4' in the run being resumed, now 'nf4'" in lines
+    assert "config.lora.alpha: was 16.0 in the run being resumed, now 8.0" in lines
+    assert any(line.startswith("config.train.learning_rate: was 0.002") for line in lines)
+    assert not any("every_steps" in line for line in lines)
+    harmless = _config()
+    harmless.checkpoint.every_steps = 2
+    harmless.logging.tensorboard = not harmless.logging.tensorboard
+    Trainer(harmless, workdir, resume=True).train(stop_after=1)
+    allowed = _config()
+    allowed.lora.alpha = 8.0
+    Trainer(allowed, workdir, resume=True, allow_config_changes=True).train(stop_after=1)
+    starts = read_starts(workdir)
+    assert [start["start_step"] for start in starts] == [0, 3, 4]
+    assert [c["field"] for c in starts[1]["config_changes"]] == ["checkpoint.every_steps",
+                                                                   "logging.tensorboard"]
+    assert {"field": "lora.alpha", "old": 16.0, "new": 8.0, "harmless": False} in \
+        starts[2]["config_changes"]
+    assert starts[2]["config"]["lora"]["alpha"] == 8.0
+
+
+def _mount_tmpfs(path, size):
+    os.makedirs(path, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                            capture_output=True, text=True)
+    return result.returncode == 0
+
+
+def test_disk_full_stops_with_one_line_and_resumes_exactly(tmp_path, warm_cache, straight_run):
+    """On a small tmpfs that fills up just before the step-6 checkpoint: one line naming the
+    checkpoint path, checkpoint 3 intact; after space is freed, --resume ends equal to the
+    uninterrupted run."""
+    mount_point = str(tmp_path / "small_disk")
+    if not _mount_tmpfs(mount_point, "64m"):
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        workdir = os.path.join(mount_point, "run")
+        shutil.copytree(warm_cache, os.path.join(workdir, "warmup"))
+        trainer = Trainer(_config(), workdir)
+        filler = os.path.join(mount_point, "filler")
+        save = trainer.save_checkpoint
+
+        def save_on_a_full_disk():
+            if trainer.step == 6:
+                with open(filler, "wb") as handle:   # take every free byte
+                    try:
+                        while True:
+                            handle.write(b"\0" * (1 << 16))
+                            handle.flush()
+                    except OSError:
+                        pass
+            save()
+        trainer.save_checkpoint = save_on_a_full_disk
+        with pytest.raises(TrainingStopped) as stopped:
+            trainer.train()
+        message = str(stopped.value)
+        assert "\n" not in message
+        assert f"could not write checkpoint {os.path.join(workdir, 'checkpoints', '6')}: " \
+            "no space left on device" in message
+        assert TrainingCheckpoints(os.path.join(workdir, "checkpoints"),
+                                   read_only=True).all_steps() == [3]
+        os.remove(filler)
+        resumed = Trainer(_config(), workdir, resume=True)
+        assert resumed.step == 3
+        resumed.train()
+        _assert_same_run(workdir, resumed, straight_run)
+    finally:
+        subprocess.run(["umount", "-l", mount_point], capture_output=True)
