@@ -20,6 +20,7 @@ from flax import nnx
 
 from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.data.prompts import build_prompt_text
+from qerl_jax.errors import ConfigError
 from qerl_jax.models.hf_io import load_hf_model, save_hf_model
 from qerl_jax.models.tokenizer import load_tokenizer
 from qerl_jax.models.transformer import CausalLM
@@ -105,6 +106,36 @@ def _settings_mismatch(marker: str, settings: dict) -> list[str]:
             for name, value in settings.items() if cached.get(name) != value]
 
 
+def warmup_settings(architecture, *, steps: int, learning_rate: float, batch_size: int,
+                    seed: int, prompt_style: str, max_operand: int) -> dict:
+    """Every setting a cached warm-up depends on, as its marker file records them.
+
+    Args:
+      architecture: the model's ModelConfig; fields that do not change the weights (remat,
+        the attention implementation and its query chunk) are left out.
+    """
+    settings = {"steps": steps, "learning_rate": learning_rate, "batch_size": batch_size,
+                "seed": seed, "prompt_style": prompt_style, "max_operand": max_operand,
+                "architecture": {name: value for name, value in
+                                 dataclasses.asdict(architecture).items()
+                                 if name not in ("remat", "attention_query_chunk",
+                                                 "attention_implementation")}}
+    return json.loads(json.dumps(settings))   # the form it takes after a round trip
+
+
+def require_cached_warmup(directory: str, settings: dict) -> None:
+    """Raises ConfigError (one line naming `directory`) unless it holds a complete warm-up made
+    with `settings`. Reads only: for loading a finished run without ever training a warm-up."""
+    marker = os.path.join(directory, "warmup_done.txt")
+    if not os.path.isfile(marker):
+        raise ConfigError(f"{directory}: no cached warm-up model ({marker} is missing); this "
+                          "run's model cannot be rebuilt without redoing its warm-up")
+    different = _settings_mismatch(marker, settings)
+    if different:
+        raise ConfigError(f"{directory}: cached warm-up was made with other settings ("
+                          + "; ".join(different) + ")")
+
+
 def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps: int,
                         learning_rate: float, batch_size: int, seed: int,
                         prompt_style: str = "plain", max_operand: int = 20):
@@ -116,22 +147,18 @@ def cached_warmup_model(directory: str, make_model, tokenizer_builder, *, steps:
 
     The marker file records every setting the warm-up depends on (its hyperparameters, the seed
     and the architecture); a cache made with other settings is never reused silently: it raises
-    a ValueError naming the fields that differ.
+    a ConfigError naming the fields that differ.
     """
     marker = os.path.join(directory, "warmup_done.txt")
     tokenizer_directory = os.path.join(directory, "tokenizer")
     model = make_model()
-    settings = {"steps": steps, "learning_rate": learning_rate, "batch_size": batch_size,
-                "seed": seed, "prompt_style": prompt_style, "max_operand": max_operand,
-                "architecture": {name: value for name, value in
-                                 dataclasses.asdict(model.config).items()
-                                 if name not in ("remat", "attention_query_chunk",
-                                                 "attention_implementation")}}
-    settings = json.loads(json.dumps(settings))   # the form it takes after a round trip
+    settings = warmup_settings(model.config, steps=steps, learning_rate=learning_rate,
+                               batch_size=batch_size, seed=seed, prompt_style=prompt_style,
+                               max_operand=max_operand)
     if os.path.isfile(marker):
         different = _settings_mismatch(marker, settings)
         if different:
-            raise ValueError(f"{directory}: cached warm-up was made with other settings ("
+            raise ConfigError(f"{directory}: cached warm-up was made with other settings ("
                              + "; ".join(different) + "). Delete the directory to redo the "
                              "warm-up, or use another workdir.")
         tokenizer = load_tokenizer(tokenizer_directory)

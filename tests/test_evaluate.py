@@ -1,19 +1,28 @@
-"""The evaluation CLI: PEFT adapters load back exactly; pass@1 runs end to end on GSM8K jsonl."""
+"""The evaluation CLI: PEFT adapters load back exactly; pass@1 runs end to end on GSM8K jsonl; a
+training run is evaluated as it was trained (its format, prompt style, checkpoint) without
+writing anything into its directory; bad inputs are one line and exit status 2."""
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
+import pytest
+from flax import nnx
 
-from qerl_jax.evaluate import load_peft_adapter, main
-from qerl_jax.lora import LoRAConfig, add_lora, export_peft_adapter
+from qerl_jax.errors import ConfigError
+from qerl_jax.evaluate import load_peft_adapter, main, model_from_run, read_run_config
+from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora, export_peft_adapter
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.hf_io import load_hf_model
+from qerl_jax.trainer import Trainer
 from tests.hf_reference import make_hf_model
+from tests.test_trainer import _config
 
 SHARED_DATA = os.environ.get("QERL_SHARED_DATA", os.path.join(
     os.path.dirname(__file__), "..", "..", "shared", "data"))
+GSM8K = os.path.join(SHARED_DATA, "gsm8k", "test.jsonl")
 
 
 def test_peft_round_trip_and_cli(tmp_path):
@@ -34,13 +43,13 @@ def test_peft_round_trip_and_cli(tmp_path):
     np.testing.assert_allclose(np.asarray(fresh(tokens)), np.asarray(model(tokens)), atol=1e-6)
 
     out = str(tmp_path / "result.json")
-    main(["--base", base, "--peft", adapter, "--data",
-          os.path.join(SHARED_DATA, "gsm8k", "test.jsonl"), "--task", "gsm8k", "--limit", "3",
+    main(["--base", base, "--peft", adapter, "--data", GSM8K, "--task", "gsm8k", "--limit", "3",
           "--max_new_tokens", "8", "--max_prompt_length", "64", "--prompt_style", "plain",
           "--out", out])
     with open(out) as handle:
         result = json.load(handle)
     assert result["problems"] == 3 and 0.0 <= result["pass@1"] <= 1.0
+    assert result["format"] == "bf16" and result["prompt_style"] == "plain"
 
 
 def test_completions_keep_special_think_and_answer_tokens(tmp_path):
@@ -55,3 +64,162 @@ def test_completions_keep_special_think_and_answer_tokens(tmp_path):
     text = decode_completion(tokenizer, ids)
     assert text == "<think>6*12</think><answer>72</answer>"
     assert correctness("gsm8k", text, "72") == 1.0
+
+
+# ---------------------------------------------------------------------- a training run
+def _run_config():
+    """The tiny NVFP4 config (plain prompts, as configs/tiny.py): 2 GRPO steps, a checkpoint
+    after each."""
+    config = _config(total_steps=2)
+    config.checkpoint.every_steps = 1
+    return config
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """(run directory, the trainer's final trainable leaves): a 2-step run with a leftover
+    temporary directory of a save killed midway, which evaluate must neither read nor clean."""
+    workdir = str(tmp_path_factory.mktemp("run"))
+    trainer = Trainer(_run_config(), workdir)
+    trainer.train()
+    os.makedirs(os.path.join(workdir, "checkpoints", "3.orbax-checkpoint-tmp-1234", "arrays"))
+    leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(trainer.trainable)]
+    return workdir, leaves
+
+
+def _tree_snapshot(directory: str) -> dict:
+    """Every path under `directory` with its mtime (and a file's bytes): any write shows."""
+    snapshot = {".": os.stat(directory).st_mtime_ns}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            content = None
+            if os.path.isfile(path):
+                with open(path, "rb") as handle:
+                    content = handle.read()
+            snapshot[os.path.relpath(path, directory)] = (os.stat(path).st_mtime_ns, content)
+    return snapshot
+
+
+def _copy_run(run: str, destination: str) -> str:
+    shutil.copytree(run, destination)
+    return destination
+
+
+def _evaluate_args(run: str, *extra: str) -> list[str]:
+    return ["--run", run, "--data", GSM8K, "--task", "gsm8k", "--limit", "2",
+            "--max_new_tokens", "6", "--max_prompt_length", "48", "--batch_size", "2", *extra]
+
+
+def test_evaluating_a_run_writes_nothing_there_and_records_the_run(tmp_path, trained_run):
+    run, trained_leaves = trained_run
+    config = read_run_config(run)
+    before = _tree_snapshot(run)
+    out = str(tmp_path / "result.json")
+    main(_evaluate_args(run, "--out", out))
+    assert _tree_snapshot(run) == before
+    with open(out) as handle:
+        result = json.load(handle)
+    assert result["format"] == config.quant.format == "nvfp4"
+    assert result["prompt_style"] == config.data.prompt_style == "plain"
+    assert result["prompt_style_from"] == "run"
+    assert result["use_chat_template"] == config.data.use_chat_template
+    assert result["step"] == 2
+    assert result["run"] == os.path.abspath(run) and result["run_seed"] == config.seed
+    assert result["problems"] == 2 and 0.0 <= result["pass@1"] <= 1.0
+
+    # the restored adapters are the trainer's final ones
+    model, _, _, step = model_from_run(run)
+    assert step == 2
+    restored = jax.tree_util.tree_leaves(nnx.state(model, TRAINABLE))
+    for x, y in zip(restored, trained_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+
+    # --step picks an older checkpoint; an explicit prompt style is recorded as an override;
+    # without --out nothing is written anywhere
+    result = main(_evaluate_args(run, "--step", "1", "--prompt_style", "paper"))
+    assert result["step"] == 1
+    assert result["prompt_style"] == "paper" and result["prompt_style_from"] == "command line"
+    assert result["run_prompt_style"] == "plain"
+    assert _tree_snapshot(run) == before
+
+
+def _exits_with_one_line(capsys, argv, *fragments):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and "Traceback" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_bad_run_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, trained_run, capsys):
+    run = trained_run[0]
+    before = _tree_snapshot(run)
+    _exits_with_one_line(capsys, _evaluate_args(run, "--format", "bf16"),
+                         "--format bf16", "'nvfp4'")
+    _exits_with_one_line(capsys, _evaluate_args(run, "--step", "7"), "--step 7", "[1, 2]")
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    _exits_with_one_line(capsys, _evaluate_args(empty), os.path.join(empty, "run.json"))
+    unsaved = str(tmp_path / "unsaved")
+    os.makedirs(unsaved)
+    shutil.copy(os.path.join(run, "run.json"), unsaved)
+    _exits_with_one_line(capsys, _evaluate_args(unsaved), os.path.join(unsaved, "checkpoints"))
+    assert os.listdir(unsaved) == ["run.json"] and os.listdir(empty) == []
+    assert _tree_snapshot(run) == before
+    with pytest.raises(ConfigError):   # --debug raises instead of exiting
+        main(_evaluate_args(run, "--step", "7", "--debug"))
+
+    # a damaged checkpoint is named, not skipped for an older one, and not moved aside
+    damaged = _copy_run(run, str(tmp_path / "damaged"))
+    shutil.rmtree(os.path.join(damaged, "checkpoints", "2", "arrays"))
+    before = _tree_snapshot(damaged)
+    _exits_with_one_line(capsys, _evaluate_args(damaged),
+                         os.path.join(damaged, "checkpoints", "2"))
+    assert _tree_snapshot(damaged) == before
+
+
+def test_a_run_without_its_warmup_cache_is_refused_not_retrained(tmp_path, trained_run, capsys):
+    run = _copy_run(trained_run[0], str(tmp_path / "run"))
+    shutil.rmtree(os.path.join(run, "warmup"))
+    before = _tree_snapshot(run)
+    with pytest.raises(ConfigError, match=os.path.join(run, "warmup")):
+        model_from_run(run)
+    _exits_with_one_line(capsys, _evaluate_args(run), os.path.join(run, "warmup"))
+    assert _tree_snapshot(run) == before
+
+    # a cache made with other settings is refused too
+    run = _copy_run(trained_run[0], str(tmp_path / "other"))
+    record_path = os.path.join(run, "run.json")
+    with open(record_path) as handle:
+        record = json.load(handle)
+    configs = [start["config"] for start in record["starts"]] if "starts" in record \
+        else [record["config"]]
+    for config in configs:
+        config["warmup"]["learning_rate"] *= 2
+    with open(record_path, "w") as handle:
+        json.dump(record, handle)
+    before = _tree_snapshot(run)
+    with pytest.raises(ConfigError, match="learning_rate"):
+        model_from_run(run)
+    assert _tree_snapshot(run) == before
+
+
+def test_run_config_is_the_last_start_of_either_run_json_form(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "run.json").write_text(json.dumps({"seed": 3, "config": {"seed": 3}}))
+    assert read_run_config(str(old)).seed == 3
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "run.json").write_text(json.dumps(
+        {"starts": [{"config": {"seed": 1}}, {"config": {"seed": 2}, "resumed_at": 5}]}))
+    assert read_run_config(str(new)).seed == 2
+    (new / "run.json").write_text(json.dumps({"starts": [{"config": {"seed": 1}}, {}]}))
+    with pytest.raises(ConfigError, match="holds no config"):
+        read_run_config(str(new))
+    (new / "run.json").write_text("{")
+    with pytest.raises(ConfigError, match="run.json"):
+        read_run_config(str(new))
