@@ -1,77 +1,290 @@
-"""The full experiment config (ml_collections) with defaults from QeRL's released scripts, and
-its validation. configs/*.py start from `base_config()` and override fields.
+"""The experiment config: every field with its default and a one-line description (FIELDS), the
+released scripts' hyperparameters, and `validate_config`, which checks the whole config (types,
+ranges, choices, combinations, unknown fields) before any model is built.
+
+Imports no JAX: `python -m qerl_jax.train --help` and a bad field's error need none. The names a
+user picks from are literal tuples here; tests/test_config.py checks that each equals its source
+of truth in the JAX-side modules. configs/*.py start from `base_config()` and override fields.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import difflib
+import math
+import os
+from typing import Any, Callable, Mapping
+
 import ml_collections
 
-from qerl_jax.aqn import SCHEDULES
-from qerl_jax.data.sources import TASKS
-from qerl_jax.device_offload import METHODS as OFFLOAD_METHODS
-from qerl_jax.lora import ALL_PROJECTIONS
-from qerl_jax.models.config import PRESETS
-from qerl_jax.rewards import REWARD_FUNCTIONS
-from qerl_jax.rl.losses import LOSS_TYPES
+from qerl_jax.errors import ConfigError
 
-FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")
+# Choices, each equal to its source of truth (tests/test_config.py):
+FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")                  # quant.formats.known_formats()
+SCHEDULES = ("released_code", "paper")                       # aqn.SCHEDULES
+TASKS = ("gsm8k", "math", "arithmetic")                      # data.sources.TASKS
+OFFLOAD_METHODS = ("auto", "numpy", "pinned_host")           # device_offload.METHODS
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj")                              # lora.ALL_PROJECTIONS
+PRESET_NAMES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b",
+                "qwen2p5_32b", "qwen2p5_72b", "llama3p1_8b",
+                "tiny_qwen2")                                # models.config.PRESETS
+REWARD_NAMES = ("format", "gsm8k_exact", "gsm8k_numeric", "math_verify",
+                "arithmetic")                                # rewards.REWARD_FUNCTIONS
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")             # rl.losses.LOSS_TYPES
+PROMPT_STYLES = ("paper", "system", "plain")                 # data.prompts.build_prompt_text
+MODEL_CONFIG_FIELDS = (                                      # models.config.ModelConfig
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rope_theta", "rope_scaling", "rms_norm_eps", "attention_bias", "mlp_bias",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "param_dtype", "compute_dtype",
+    "remat", "attention_query_chunk", "attention_implementation")
+PARAM_DTYPES = ("bfloat16", "float32")
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+ON_OFF_AUTO = ("auto", "on", "off")
+# model.overrides keys build_model reads on every path; the other keys shape a preset only.
+ATTENTION_OVERRIDES = ("attention_query_chunk", "attention_implementation")
+# set by config.model.* fields; in model.overrides they would reach preset() twice
+MODEL_FIELDS_NOT_OVERRIDES = ("param_dtype", "compute_dtype", "remat")
+
+Check = Callable[[Any], "str | None"]   # a value -> what is wrong with it, or None
+
+
+# ----------------------------------------------------------------------------- value checks
+def greater_than(bound: float) -> Check:
+    return lambda value: None if value > bound else f"must be > {bound}, got {value!r}"
+
+
+def at_least(bound: float) -> Check:
+    return lambda value: None if value >= bound else f"must be >= {bound}, got {value!r}"
+
+
+def in_interval(low: float, high: float, *, low_open: bool = False,
+                high_open: bool = False) -> Check:
+    text = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+    def check(value):
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        return None if above and below else f"must be in {text}, got {value!r}"
+    return check
+
+
+def one_of(choices: tuple) -> Check:
+    return lambda value: None if value in choices else f"{value!r} not in {choices}"
+
+
+def names_from(choices: tuple, *, allow_empty: bool) -> Check:
+    def check(value):
+        unknown = [name for name in value if name not in choices]
+        if unknown:
+            return f"unknown {unknown}; known {choices}"
+        if len(set(value)) != len(value):
+            return f"names a function twice: {tuple(value)}"
+        if not value and not allow_empty:
+            return f"must name at least one of {choices}"
+        return None
+    return check
+
+
+def anything(value) -> None:
+    del value
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One config field: its default (whose type is the field's type), a one-line description,
+    and the check of its value (run after the type check)."""
+
+    default: Any
+    description: str
+    check: Check = anything
+
+
+# ----------------------------------------------------------------------------- the schema
+FIELDS: dict[str, Field] = {
+    "seed": Field(0, "Random seed: LoRA init, rollouts, AQN noise, data order, arithmetic "
+                  "problems and the warm-up all draw from keys split from it.", at_least(0)),
+    "compilation_cache_dir": Field(
+        "", "JAX persistent compilation cache directory ('' = off): runs of the same shapes "
+        "load their compiled programs instead of compiling them again."),
+    "xla_autotune_results": Field(
+        "", "XLA GPU autotuning results file ('' = off): loaded when present, rewritten after "
+        "each compilation, so every process picks the same kernels (same tokens per seed)."),
+    # model
+    "model.preset": Field("", "Architecture preset of a model built from scratch "
+                          "(models.config.PRESETS); set this or model.hf_path.",
+                          one_of(("",) + PRESET_NAMES)),
+    "model.hf_path": Field("", "Local HF checkpoint directory (config.json + *.safetensors) "
+                           "to load and quantize; set this or model.preset."),
+    "model.tokenizer_path": Field("", "Tokenizer directory ('' = model.hf_path's); needed by a "
+                                  "preset model without warm-up."),
+    "model.overrides": Field({}, "ModelConfig fields replacing the preset's (e.g. hidden_size); "
+                             "attention_query_chunk / attention_implementation here win."),
+    "model.param_dtype": Field("bfloat16", "Storage dtype of the unquantized parameters.",
+                               one_of(PARAM_DTYPES)),
+    "model.compute_dtype": Field("bfloat16", "Dtype of activations and matmuls (norms, softmax "
+                                 "and logits are float32; the GPU kernels need bfloat16).",
+                                 one_of(COMPUTE_DTYPES)),
+    "model.remat": Field(True, "Recompute each decoder layer in the backward pass "
+                         "(jax.checkpoint): less activation memory, more compute."),
+    "model.attention_query_chunk": Field(
+        0, "XLA training attention over blocks of this many queries (0 = all at once); "
+        "needs attention_implementation 'xla' or 'auto'.", at_least(0)),
+    "model.attention_implementation": Field(
+        "auto", "Training attention: 'cudnn' (fused flash attention, NVIDIA GPU, bf16/fp16), "
+        "'xla', or 'auto' (cudnn where it can run, else xla).",
+        one_of(ATTENTION_IMPLEMENTATIONS)),
+    # warmup
+    "warmup.steps": Field(0, "Supervised warm-up steps on the arithmetic task for a preset "
+                          "model from scratch, cached in the workdir (0 = off).", at_least(0)),
+    "warmup.learning_rate": Field(1e-3, "Learning rate of the supervised warm-up.",
+                                  greater_than(0)),
+    "warmup.batch_size": Field(64, "Problems per supervised warm-up step.", greater_than(0)),
+    # quant
+    "quant.format": Field("nvfp4", "Weight format of the frozen base model ('bf16' = not "
+                          "quantized).", one_of(FORMATS)),
+    "quant.kernels": Field(True, "Use the Pallas GPU kernels for the 4-bit matmuls and decode "
+                           "attention (a no-op on CPU; False keeps the XLA path)."),
+    "quant.gate_up_pairs": Field(True, "With the kernels, each MLP's gate and up weights form "
+                                 "one interleaved copy that decode runs in one launch."),
+    # lora
+    "lora.rank": Field(16, "LoRA rank r.", greater_than(0)),
+    "lora.alpha": Field(16.0, "LoRA alpha; the adapter's output is scaled by alpha / rank.",
+                        greater_than(0)),
+    "lora.target_modules": Field(ALL_PROJECTIONS, "Projections that get LoRA adapters.",
+                                 names_from(ALL_PROJECTIONS, allow_empty=True)),
+    "lora.train_norms": Field(True, "Also train the decoder layers' RMSNorm scales (QeRL "
+                              "ln=True; AQN's noise lives in them)."),
+    # aqn
+    "aqn.enabled": Field(False, "Adaptive quantization noise on the rollout policy's norm "
+                         "scales (QeRL section 3.3; quantized formats only)."),
+    "aqn.schedule": Field("released_code", "Noise schedule: 'released_code' (the released "
+                          "scripts) or 'paper' (the paper's equation).", one_of(SCHEDULES)),
+    "aqn.sigma_start": Field(1e-2, "Noise std of the first noisy stage (> 0, >= sigma_end).",
+                             greater_than(0)),
+    "aqn.sigma_end": Field(1e-4, "Noise std of the last stage; the std decays exponentially "
+                           "from sigma_start.", greater_than(0)),
+    "aqn.stages": Field(10, "Stages K of the schedule over train.total_steps (the first is "
+                        "noise-free).", at_least(3)),
+    "aqn.apply_in_training": Field(False, "Also add the noise to the base model in the gradient "
+                                   "pass (off: only the rollouts are noisy)."),
+    # data
+    "data.task": Field("gsm8k", "Task: 'gsm8k' or 'math' (read from data.path) or "
+                       "'arithmetic' (generated problems).", one_of(TASKS)),
+    "data.path": Field("", "A .jsonl/.parquet file or a hub dataset name ('owner/name'); "
+                       "required by gsm8k and math, refused by arithmetic."),
+    "data.split": Field("train", "Split of a hub dataset (a local file is one split: keep "
+                        "'train')."),
+    "data.subset": Field("", "Configuration (subset) of a hub dataset ('' = its default)."),
+    "data.limit": Field(0, "Use only the first N examples (0 = all).", at_least(0)),
+    "data.arithmetic_count": Field(1000, "Number of generated problems of the arithmetic task.",
+                                   greater_than(0)),
+    "data.arithmetic_max_operand": Field(20, "Largest operand of the arithmetic problems (the "
+                                         "task's and the warm-up's).", greater_than(0)),
+    "data.prompt_style": Field("paper", "'paper' appends QeRL's think/answer instruction, "
+                               "'system' puts it in a system message, 'plain' adds nothing.",
+                               one_of(PROMPT_STYLES)),
+    "data.use_chat_template": Field(True, "Wrap each prompt in the tokenizer's chat template."),
+    "data.max_prompt_length": Field(256, "Prompt tokens kept (longer prompts are "
+                                    "left-truncated, with a warning).", greater_than(0)),
+    # rollout
+    "rollout.num_generations": Field(8, "Completions G sampled per prompt (group advantages "
+                                     "need G >= 2).", at_least(2)),
+    "rollout.max_new_tokens": Field(2048, "Completion length limit in tokens.", greater_than(0)),
+    "rollout.temperature": Field(1.0, "Sampling temperature of the rollouts and of the "
+                                 "log-prob passes (> 0).", greater_than(0)),
+    "rollout.top_p": Field(1.0, "Nucleus sampling mass kept (1.0 = off).",
+                           in_interval(0, 1, low_open=True)),
+    "rollout.top_k": Field(0, "Most likely tokens kept when sampling (0 = off).", at_least(0)),
+    "rollout.prompt_bucket": Field(64, "Prompts are left-padded to a multiple of this length "
+                                   "(power-of-two buckets above), bounding compilations.",
+                                   greater_than(0)),
+    "rollout.offload_weights_for_compile": Field(
+        "auto", "Hold the frozen weights in host memory while a sampler program compiles "
+        "('auto' = on a GPU).", one_of(ON_OFF_AUTO)),
+    "rollout.offload_method": Field("auto", "Where the weights wait meanwhile ('auto' = "
+                                    "'numpy').", one_of(OFFLOAD_METHODS)),
+    # train
+    "train.total_steps": Field(100, "Optimizer steps of the run.", greater_than(0)),
+    "train.prompts_per_step": Field(16, "Prompts P per step (P * G completions).",
+                                    greater_than(0)),
+    "train.micro_batch_size": Field(8, "Completions per gradient micro-batch; must divide "
+                                    "prompts_per_step * num_generations.", greater_than(0)),
+    "train.num_iterations": Field(1, "Optimizer updates per rollout batch (> 1: PPO-style "
+                                  "reuse with the clipped ratio).", at_least(1)),
+    "train.learning_rate": Field(1e-5, "Peak AdamW learning rate (linear warm-up, cosine "
+                                 "decay to 0).", greater_than(0)),
+    "train.warmup_ratio": Field(0.1, "Fraction of total_steps of linear learning-rate "
+                                "warm-up.", in_interval(0, 1, high_open=True)),
+    "train.weight_decay": Field(0.1, "AdamW weight decay (LoRA matrices only).", at_least(0)),
+    "train.adam_b1": Field(0.9, "AdamW beta1.", in_interval(0, 1, high_open=True)),
+    "train.adam_b2": Field(0.99, "AdamW beta2.", in_interval(0, 1, high_open=True)),
+    "train.max_grad_norm": Field(0.2, "Gradients are clipped to this global norm.",
+                                 greater_than(0)),
+    "train.max_consecutive_nonfinite": Field(5, "Stop after this many consecutive steps with a "
+                                             "non-finite loss or gradient (each is skipped).",
+                                             at_least(1)),
+    "train.dynamic_sampling": Field(False, "DAPO dynamic sampling: drop groups whose rewards "
+                                    "are all equal and sample replacements."),
+    "train.dynamic_sampling_max_tries": Field(4, "Rollout batches a step samples at most while "
+                                              "refilling dropped groups.", at_least(1)),
+    "train.logits_chunk_size": Field(256, "Completion tokens per chunk of the log-prob pass "
+                                     "(0 = the whole completion at once).", at_least(0)),
+    # loss
+    "loss.loss_type": Field("bnpo", "Policy-loss normalization (rl.losses.LOSS_TYPES).",
+                            one_of(LOSS_TYPES)),
+    "loss.epsilon_low": Field(0.2, "Lower clip range: ratios below 1 - epsilon_low are "
+                              "clipped.", in_interval(0, 1, high_open=True)),
+    "loss.epsilon_high": Field(0.28, "Upper clip range: ratios above 1 + epsilon_high are "
+                               "clipped (DAPO clip-higher).", at_least(0)),
+    "loss.beta": Field(0.0, "Weight of the k3 KL term against the LoRA-disabled model "
+                       "(0 = off).", at_least(0)),
+    "loss.top_entropy_quantile": Field(1.0, "Train only on the tokens in this top fraction of "
+                                       "entropies (1.0 = every token).",
+                                       in_interval(0, 1, low_open=True)),
+    "loss.mask_truncated_completions": Field(True, "Exclude completions cut at max_new_tokens "
+                                             "from the loss."),
+    # rewards
+    "rewards.names": Field(("format", "gsm8k_exact"), "Reward functions, summed with weight 1 "
+                           "(rewards.REWARD_FUNCTIONS).",
+                           names_from(REWARD_NAMES, allow_empty=False)),
+    "rewards.time_limit_seconds": Field(5.0, "Time limit of scoring one completion (0 = no "
+                                        "limit, scored in-process).", at_least(0)),
+    # checkpoint
+    "checkpoint.every_steps": Field(50, "Save a checkpoint every N steps (and at exit).",
+                                    greater_than(0)),
+    "checkpoint.max_to_keep": Field(2, "Checkpoints kept in the workdir.", at_least(1)),
+    # logging
+    "logging.tensorboard": Field(True, "TensorBoard event files next to metrics.jsonl when "
+                                 "tensorboardX is installed."),
+    "logging.progress_bar": Field(True, "Show a tqdm progress bar."),
+}
+# fields holding a mapping whose keys the config chooses (checked separately)
+MAPPING_FIELDS = ("model.overrides",)
+
+
+def field_descriptions() -> dict[str, str]:
+    """'config.FIELD' -> its one-line description, in schema order."""
+    return {f"config.{path}": field.description for path, field in FIELDS.items()}
 
 
 def base_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.seed = 0
-    # JAX's persistent compilation cache ("" = off): runs of the same shapes (seeds and formats
-    # of an ablation, resumes) load the compiled programs instead of compiling them again
-    # (qerl_jax.compilation_cache).
-    config.compilation_cache_dir = ""
-    # XLA's GPU autotuning results in this file ("" = off): loaded when it exists and rewritten
-    # after each compilation, so every process picks the same kernels and a run reproduces
-    # token for token from its seed (qerl_jax.xla_autotuning; without it or a warm compilation
-    # cache, two GPU processes can sample different tokens from the same seed).
-    config.xla_autotune_results = ""
-    # attention_implementation of the training attention: 'auto' (cuDNN's fused flash attention
-    # on an NVIDIA GPU with bf16/fp16 compute, XLA's einsums elsewhere), 'cudnn' or 'xla'.
-    config.model = ml_collections.ConfigDict(dict(
-        preset="", hf_path="", tokenizer_path="", overrides={}, param_dtype="bfloat16",
-        compute_dtype="bfloat16", remat=True, attention_query_chunk=0,
-        attention_implementation="auto"))
-    # Supervised warm-up from scratch (only for the tiny CPU default; 0 steps = off).
-    config.warmup = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-3, batch_size=64))
-    # gate_up_pairs: with the kernels, each MLP's gate and up weights are one interleaved copy
-    # that decode runs in one launch with the SwiGLU fused (kernel_dispatch.pair_mlp_weights)
-    config.quant = ml_collections.ConfigDict(dict(format="nvfp4", kernels=True,
-                                                  gate_up_pairs=True))
-    config.lora = ml_collections.ConfigDict(dict(rank=16, alpha=16.0,
-                                                 target_modules=ALL_PROJECTIONS,
-                                                 train_norms=True))
-    config.aqn = ml_collections.ConfigDict(dict(enabled=False, schedule="released_code",
-                                                sigma_start=1e-2, sigma_end=1e-4, stages=10,
-                                                apply_in_training=False))
-    config.data = ml_collections.ConfigDict(dict(
-        task="gsm8k", path="", split="train", subset="", limit=0, arithmetic_count=1000,
-        arithmetic_max_operand=20,
-        prompt_style="paper", use_chat_template=True, max_prompt_length=256))
-    # offload_weights_for_compile: each new sampler program (one per prompt-length bucket) is
-    # compiled while the frozen weights wait in host memory, so XLA's GPU autotuner's scratch
-    # buffers (+3.1 GiB at 7B) do not add to them. 'auto' (on a GPU, off elsewhere), 'on', 'off'.
-    # offload_method: where they wait (qerl_jax.device_offload): 'auto' = 'numpy', 'pinned_host'.
-    config.rollout = ml_collections.ConfigDict(dict(
-        num_generations=8, max_new_tokens=2048, temperature=1.0, top_p=1.0, top_k=0,
-        prompt_bucket=64, offload_weights_for_compile="auto", offload_method="auto"))
-    config.train = ml_collections.ConfigDict(dict(
-        total_steps=100, prompts_per_step=16, micro_batch_size=8, num_iterations=1,
-        learning_rate=1e-5, warmup_ratio=0.1, weight_decay=0.1, adam_b1=0.9, adam_b2=0.99,
-        max_grad_norm=0.2, max_consecutive_nonfinite=5, dynamic_sampling=False,
-        dynamic_sampling_max_tries=4, logits_chunk_size=256))
-    config.loss = ml_collections.ConfigDict(dict(
-        loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0,
-        top_entropy_quantile=1.0, mask_truncated_completions=True))
-    config.rewards = ml_collections.ConfigDict(dict(names=("format", "gsm8k_exact")))
-    config.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, max_to_keep=2))
-    config.logging = ml_collections.ConfigDict(dict(tensorboard=False, progress_bar=True))
-    return config
+    """Every field of FIELDS at its default."""
+    tree: dict = {}
+    for path, field in FIELDS.items():
+        *sections, name = path.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = copy.deepcopy(field.default)
+    return ml_collections.ConfigDict(tree)
 
 
+# ----------------------------------------------------------------------------- released scripts
 RELEASED_SIZES = {"3b": "qwen2p5_3b", "7b": "qwen2p5_7b", "14b": "qwen2p5_14b",
                   "32b": "qwen2p5_32b"}
 RELEASED_VARIANTS = {
@@ -96,11 +309,11 @@ def released_script_config(variant: str, spec: str) -> ml_collections.ConfigDict
     '7b,gsm8k'): Qwen2.5-{3,7,14,32}B-Instruct, GSM8K or BigMath. model.hf_path must point at
     a local checkpoint directory (set it with --config.model.hf_path=...)."""
     if variant not in RELEASED_VARIANTS:
-        raise ValueError(f"variant {variant!r} not in {sorted(RELEASED_VARIANTS)}")
+        raise ConfigError(f"variant {variant!r} not in {sorted(RELEASED_VARIANTS)}")
     parts = [part.strip().lower() for part in (spec or "7b,gsm8k").split(",")]
     if len(parts) != 2 or parts[0] not in RELEASED_SIZES or parts[1] not in DATASETS:
-        raise ValueError(f"config spec {spec!r}: expected 'SIZE,DATASET' with SIZE in "
-                         f"{sorted(RELEASED_SIZES)} and DATASET in {sorted(DATASETS)}")
+        raise ConfigError(f"config spec {spec!r}: expected 'SIZE,DATASET' with SIZE in "
+                          f"{sorted(RELEASED_SIZES)} and DATASET in {sorted(DATASETS)}")
     size, dataset = parts
     fmt, learning_rate, aqn = RELEASED_VARIANTS[variant]
     task, hub, subset, rewards, style, prompt_len, completion_len, group = DATASETS[dataset]
@@ -132,62 +345,181 @@ def released_script_config(variant: str, spec: str) -> ml_collections.ConfigDict
     return config
 
 
-def _check(condition: bool, field: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"config.{field}: {message}")
+# ----------------------------------------------------------------------------- validation
+def _fail(path: str, problem: str) -> ConfigError:
+    return ConfigError(f"config.{path}: {problem}")
+
+
+def _is_section(value) -> bool:
+    return isinstance(value, (ml_collections.ConfigDict, Mapping))
+
+
+def config_leaves(config, prefix: str = "",
+                  mapping_fields: tuple[str, ...] = MAPPING_FIELDS) -> dict[str, Any]:
+    """'a.b.c' -> value for every leaf of a (nested) ConfigDict; the fields named in
+    `mapping_fields` count as leaves (their value is the mapping). An empty section that is not
+    such a field is a leaf too (an unknown name shows up)."""
+    leaves: dict[str, Any] = {}
+    for name in config.keys():
+        value = config[name]
+        path = f"{prefix}{name}"
+        if _is_section(value) and path not in mapping_fields and len(value):
+            leaves.update(config_leaves(value, f"{path}.", mapping_fields))
+        else:
+            leaves[path] = value
+    return leaves
+
+
+def suggest_field(path: str, known) -> str:
+    """'; did you mean config.X?' for the closest known field path, or ''."""
+    close = difflib.get_close_matches(path, list(known), n=1, cutoff=0.6)
+    return f"; did you mean config.{close[0]}?" if close else ""
+
+
+def _type_name(value) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _type_problem(value, default) -> str | None:
+    """What makes `value` unfit for a field whose default is `default`, or None."""
+    got = f"got {value!r} ({_type_name(value)})"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else f"must be True or False, {got}"
+    if isinstance(default, int):
+        return (None if isinstance(value, int) and not isinstance(value, bool)
+                else f"must be an integer, {got}")
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number, {got}"
+        return None if math.isfinite(value) else f"must be finite, got {value!r}"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else f"must be a string, {got}"
+    if isinstance(default, tuple):
+        if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
+            return f"must be a tuple of names, {got}"
+        return None
+    if isinstance(default, dict):
+        return None if _is_section(value) else f"must be a mapping, {got}"
+    raise AssertionError(f"no type rule for the default {default!r}")
+
+
+def _check_fields(config) -> None:
+    """Unknown and missing fields, then each field's type and value."""
+    leaves = config_leaves(config)
+    sections = {path.rsplit(".", 1)[0] for path in FIELDS if "." in path}
+    for path, value in leaves.items():
+        if path in FIELDS:
+            continue
+        if path in sections:
+            raise _fail(path, f"must be a section of fields, got {value!r}")
+        raise _fail(path, "unknown field" + suggest_field(path, FIELDS))
+    for path in FIELDS:
+        if path not in leaves:
+            raise _fail(path, "missing; start the config from "
+                              "qerl_jax.config_defaults.base_config()")
+    for path, field in FIELDS.items():
+        problem = _type_problem(leaves[path], field.default) or field.check(leaves[path])
+        if problem:
+            raise _fail(path, problem)
+
+
+def _check_model(config) -> None:
+    model, warmup = config.model, config.warmup
+    if model.preset and model.hf_path:
+        raise _fail("model.hf_path", f"set model.preset ({model.preset!r}, a model built from "
+                    "scratch) or model.hf_path (a checkpoint), not both")
+    if not model.preset and not model.hf_path:
+        raise _fail("model.preset", "set model.preset (a model built from scratch) or "
+                    "model.hf_path (a local HF checkpoint directory)")
+    overrides = dict(model.overrides)
+    for key in overrides:
+        if key not in MODEL_CONFIG_FIELDS:
+            raise _fail(f"model.overrides.{key}", "not a ModelConfig field"
+                        + suggest_field(f"model.overrides.{key}",
+                                        [f"model.overrides.{name}"
+                                         for name in MODEL_CONFIG_FIELDS]))
+        if key in MODEL_FIELDS_NOT_OVERRIDES:
+            raise _fail(f"model.overrides.{key}", f"set config.model.{key} instead")
+        if model.hf_path and key not in ATTENTION_OVERRIDES:
+            raise _fail(f"model.overrides.{key}", "shapes a preset model only; model.hf_path's "
+                        "config.json sets the architecture")
+    chunk = overrides.get("attention_query_chunk", model.attention_query_chunk)
+    implementation = overrides.get("attention_implementation", model.attention_implementation)
+    if chunk and implementation == "cudnn":
+        raise _fail("model.attention_query_chunk", f"{chunk} applies to the 'xla' attention "
+                    "only; attention_implementation='cudnn' never materializes the scores")
+    if model.hf_path:
+        if not os.path.isfile(os.path.join(model.hf_path, "config.json")):
+            raise _fail("model.hf_path", f"{model.hf_path!r} is not a local HF checkpoint "
+                        "directory (no config.json in it)")
+        if warmup.steps:
+            raise _fail("warmup.steps", f"{warmup.steps}: the supervised warm-up trains a "
+                        "preset model from scratch; set 0 with model.hf_path")
+    elif warmup.steps and model.tokenizer_path:
+        raise _fail("model.tokenizer_path", "unused: the warm-up (warmup.steps > 0) builds its "
+                    "own character tokenizer; set ''")
+    elif not warmup.steps and not model.tokenizer_path:
+        raise _fail("model.tokenizer_path", "required for a preset model without warm-up "
+                    "(warmup.steps = 0)")
+    if model.tokenizer_path and not os.path.isdir(model.tokenizer_path):
+        raise _fail("model.tokenizer_path", f"{model.tokenizer_path!r} is not a directory")
+
+
+def _check_data(config) -> None:
+    data, defaults = config.data, FIELDS
+    if data.task == "arithmetic":
+        for name in ("path", "split", "subset"):
+            if data[name] != defaults[f"data.{name}"].default:
+                raise _fail(f"data.{name}", f"{data[name]!r} is unused by task 'arithmetic' "
+                            "(it generates data.arithmetic_count problems); set data.task to "
+                            "'gsm8k' or 'math' to read a dataset")
+        if data.arithmetic_count < config.train.prompts_per_step:
+            raise _fail("data.arithmetic_count", f"{data.arithmetic_count} problems are fewer "
+                        f"than one step's train.prompts_per_step="
+                        f"{config.train.prompts_per_step}")
+    else:
+        if not data.path:
+            raise _fail("data.path", f"task {data.task!r} needs a .jsonl/.parquet file or a "
+                        "hub dataset name")
+        if data.arithmetic_count != defaults["data.arithmetic_count"].default:
+            raise _fail("data.arithmetic_count", f"{data.arithmetic_count} is unused by task "
+                        f"{data.task!r} (it reads data.path)")
+        max_operand = defaults["data.arithmetic_max_operand"].default
+        if data.arithmetic_max_operand != max_operand and not config.warmup.steps:
+            raise _fail("data.arithmetic_max_operand", f"{data.arithmetic_max_operand} is "
+                        f"unused by task {data.task!r} without warm-up")
+    if data.limit and data.limit < config.train.prompts_per_step:
+        raise _fail("data.limit", f"{data.limit} examples are fewer than one step's "
+                    f"train.prompts_per_step={config.train.prompts_per_step}")
+
+
+def _check_training(config) -> None:
+    if config.aqn.enabled and config.quant.format == "bf16":
+        raise _fail("aqn.enabled", "AQN is defined for quantized bases only (QeRL); use a "
+                    "quantized quant.format or aqn.enabled=False")
+    if config.aqn.sigma_start < config.aqn.sigma_end:
+        raise _fail("aqn.sigma_end", f"{config.aqn.sigma_end!r} must be <= aqn.sigma_start="
+                    f"{config.aqn.sigma_start!r} (the noise decays)")
+    if not config.lora.target_modules and not config.lora.train_norms:
+        raise _fail("lora.target_modules", "() with lora.train_norms=False leaves nothing to "
+                    "train")
+    rows = config.train.prompts_per_step * config.rollout.num_generations
+    if rows % config.train.micro_batch_size:
+        raise _fail("train.micro_batch_size", f"{config.train.micro_batch_size} must divide "
+                    f"prompts_per_step * num_generations = {rows}")
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the first bad field."""
-    model = config.model
-    _check(isinstance(config.get("xla_autotune_results", ""), str), "xla_autotune_results",
-           f"{config.get('xla_autotune_results')!r} must be a file path string ('' = off)")
-    _check(bool(model.preset) != bool(model.hf_path), "model.preset / model.hf_path",
-           "set exactly one of them")
-    _check(not model.preset or model.preset in PRESETS, "model.preset",
-           f"{model.preset!r} not in {sorted(PRESETS)}")
-    _check(model.param_dtype in ("bfloat16", "float32"), "model.param_dtype",
-           f"{model.param_dtype!r} not in ('bfloat16', 'float32')")
-    _check(config.quant.format in FORMATS, "quant.format",
-           f"{config.quant.format!r} not in {FORMATS}")
-    _check(isinstance(config.quant.get("kernels", True), bool), "quant.kernels",
-           f"{config.quant.get('kernels')!r} must be True or False")
-    _check(isinstance(config.quant.get("gate_up_pairs", True), bool), "quant.gate_up_pairs",
-           f"{config.quant.get('gate_up_pairs')!r} must be True or False")
-    _check(config.lora.rank > 0, "lora.rank", "must be positive")
-    _check(set(config.lora.target_modules) <= set(ALL_PROJECTIONS), "lora.target_modules",
-           f"must be a subset of {ALL_PROJECTIONS}")
-    _check(config.aqn.schedule in SCHEDULES, "aqn.schedule", f"not in {SCHEDULES}")
-    _check(not config.aqn.enabled or config.quant.format != "bf16", "aqn.enabled",
-           "AQN is defined for quantized bases only (QeRL); use a quantized quant.format")
-    _check(config.data.task in TASKS, "data.task", f"{config.data.task!r} not in {TASKS}")
-    _check(config.data.task == "arithmetic" or bool(config.data.path), "data.path",
-           f"task {config.data.task!r} needs a .jsonl/.parquet path or hub dataset name")
-    _check(config.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
-    _check(config.rollout.num_generations >= 2, "rollout.num_generations",
-           "group advantages need G >= 2")
-    _check(config.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
-    offload = config.rollout.get("offload_weights_for_compile", "auto")
-    _check(offload in ("auto", "on", "off"), "rollout.offload_weights_for_compile",
-           f"{offload!r} not in ('auto', 'on', 'off')")
-    method = config.rollout.get("offload_method", "auto")
-    _check(method in OFFLOAD_METHODS, "rollout.offload_method",
-           f"{method!r} not in {OFFLOAD_METHODS}")
-    train = config.train
-    _check(train.total_steps > 0, "train.total_steps", "must be positive")
-    _check(train.prompts_per_step > 0, "train.prompts_per_step", "must be positive")
-    rows = train.prompts_per_step * config.rollout.num_generations
-    _check(train.micro_batch_size > 0 and rows % train.micro_batch_size == 0,
-           "train.micro_batch_size",
-           f"must divide prompts_per_step * num_generations = {rows}")
-    _check(train.num_iterations >= 1, "train.num_iterations", "must be >= 1")
-    _check(train.logits_chunk_size >= 0, "train.logits_chunk_size",
-           "must be >= 0 (0 = whole completion at once)")
-    _check(train.learning_rate > 0, "train.learning_rate", "must be positive")
-    _check(0 <= train.warmup_ratio < 1, "train.warmup_ratio", "must be in [0, 1)")
-    _check(config.loss.loss_type in LOSS_TYPES, "loss.loss_type",
-           f"{config.loss.loss_type!r} not in {LOSS_TYPES}")
-    unknown = [name for name in config.rewards.names if name not in REWARD_FUNCTIONS]
-    _check(bool(config.rewards.names) and not unknown, "rewards.names",
-           f"unknown {unknown}; known {sorted(REWARD_FUNCTIONS)}")
-    _check(config.checkpoint.every_steps > 0, "checkpoint.every_steps", "must be positive")
+    """Checks the whole config before any model work: unknown and missing fields, each field's
+    type and range, and the combinations that cannot run or would ignore a field.
+
+    Raises:
+      ConfigError: one line naming the first bad field, 'config.a.b: problem'.
+    """
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"config must be an ml_collections.ConfigDict, got "
+                          f"{type(config).__name__}")
+    _check_fields(config)
+    _check_model(config)
+    _check_data(config)
+    _check_training(config)

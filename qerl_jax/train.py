@@ -1,38 +1,249 @@
-"""CLI: python -m qerl_jax.train --config configs/X.py [--config.field=value ...] --workdir DIR
-[--resume]. Thin: parses the config, hands it to the Trainer."""
+"""CLI: python -m qerl_jax.train --config configs/X.py[:ARG] [--config.FIELD=VALUE ...]
+--workdir DIR [--resume] [--overwrite] [--allow_config_change] [--debug]
+
+Thin: reads the config file and its overrides, validates the whole config and the data (no
+JAX is imported for that, so a bad field fails in about a second), then hands them to the
+Trainer. `--help` lists every config field with its default and description.
+
+Exit status: 0 done; 2 a bad input (config field, override, config file, data file or row, run
+directory), printed as one line `error: ...` (the traceback only with --debug); a stopped run's
+TrainingStopped.exit_code; 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import textwrap
+import traceback
 
-from absl import app, flags
-from ml_collections import config_flags
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+USAGE = ("usage: python -m qerl_jax.train --config FILE[:ARG] --workdir DIR "
+         "[--config.FIELD=VALUE ...] [--resume] [--overwrite] [--allow_config_change] "
+         "[--debug]")
+# name -> (kind, help); the config flag is defined by ml_collections.config_flags
+FLAGS = {
+    "config": ("file", "Experiment config file (configs/*.py) defining get_config(); ':ARG' is "
+                       "passed to it (e.g. configs/qerl.py:7b,gsm8k)."),
+    "config.FIELD": ("value", "Overrides one config field (listed below), parsed as the "
+                              "field's type (e.g. --config.train.learning_rate=1e-3)."),
+    "workdir": ("string", "Run directory: metrics.jsonl, checkpoints, run.json, plots."),
+    "resume": ("bool", "Continue from the last checkpoint in --workdir."),
+    "overwrite": ("bool", "A fresh run into a --workdir holding an earlier run's files "
+                          "replaces them."),
+    "allow_config_change": ("bool", "With --resume: accept a config whose training-relevant "
+                                    "fields differ from the earlier run's."),
+    "debug": ("bool", "Show the traceback of a bad-input error."),
+}
+_HELP_FLAGS = ("--help", "-h", "-help", "--helpshort", "--helpfull", "-?")
 
-from qerl_jax.trainer import Trainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/*.py)",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (metrics, checkpoints, plots)")
-_RESUME = flags.DEFINE_bool("resume", False, "continue from the last checkpoint in --workdir")
+class UsageError(Exception):
+    """A command line the CLI cannot read (exit 2, like a ConfigError)."""
 
 
-def main(argv):
-    del argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
-    if _CONFIG.value is None:
-        raise app.UsageError("--config is required (e.g. --config configs/tiny.py)")
-    if not _WORKDIR.value:
-        raise app.UsageError("--workdir is required")
-    trainer = Trainer(_CONFIG.value, os.path.abspath(_WORKDIR.value))
-    history = trainer.train(resume=_RESUME.value)
+# ----------------------------------------------------------------------------- parsing
+def _config_argument(argv: list[str]) -> str | None:
+    """The value of --config (either '--config=X' or '--config X'), or None."""
+    for index, arg in enumerate(argv):
+        name, equals, value = arg.lstrip("-").partition("=")
+        if not arg.startswith("-") or name != "config":
+            continue
+        if equals:
+            return value
+        return argv[index + 1] if index + 1 < len(argv) else None
+    return None
+
+
+def _override_paths(argv: list[str]) -> list[str]:
+    """The FIELD of each --config.FIELD[=VALUE] argument."""
+    return [arg.lstrip("-").partition("=")[0][len("config."):] for arg in argv
+            if arg.startswith("-") and arg.lstrip("-").startswith("config.")]
+
+
+def _file_error_line(error: BaseException, path: str) -> str:
+    """'FILE:LINE: Type: message' of an exception raised while loading the config file."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"{error.filename}:{error.lineno}: SyntaxError: {error.msg}"
+    target = os.path.abspath(path)
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+             if os.path.abspath(frame.filename) == target]
+    where = f"{path}:{lines[-1]}" if lines else path
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if isinstance(error, OSError) and "No such file" in str(error):
+        return f"--config {path}: no such file"
+    return f"{where}: {type(error).__name__}: {message}"
+
+
+def _parse(argv: list[str], config_value: str, with_overrides: bool):
+    """absl's parse of the command line, without the --config.* overrides and other flags
+    unless asked: the flag values.
+
+    Raises:
+      UsageError: one line naming the flag, or the config file's line that raised.
+    """
+    from absl import flags
+    from ml_collections import config_flags
+
+    from qerl_jax.errors import ConfigError
+
+    if not with_overrides:
+        argv = [argv[0], f"--config={config_value}"]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, FLAGS["config"][1],
+                                    flag_values=flag_values, lock_config=True, sys_argv=argv)
+    flags.DEFINE_string("workdir", None, FLAGS["workdir"][1], flag_values=flag_values)
+    for name, (kind, description) in FLAGS.items():
+        if kind == "bool":
+            flags.DEFINE_bool(name, False, description, flag_values=flag_values)
+    try:
+        rest = flag_values(argv)
+    except ConfigError:   # raised by the config file's code (e.g. a bad ':ARG')
+        raise
+    except flags.Error as error:
+        raise UsageError(str(error).strip().splitlines()[0]) from error
+    except Exception as error:   # the config file failed to load or raised
+        raise UsageError(_file_error_line(error, config_value.split(":", 1)[0])) from error
+    if len(rest) > 1:
+        raise UsageError(f"unexpected argument {rest[1]!r} (flags are --name=value)")
+    return flag_values
+
+
+def _check_override_paths(argv: list[str], config, config_file: str) -> None:
+    """Refuses a --config.FIELD that the config lacks (config_flags says only KeyError), with
+    the closest field as a suggestion."""
+    from qerl_jax.config_defaults import FIELDS, MAPPING_FIELDS, config_leaves, suggest_field
+    from qerl_jax.errors import ConfigError
+
+    known = config_leaves(config, mapping_fields=())
+    sections = {path.rsplit(".", 1)[0] for path in known if "." in path}
+    for path in _override_paths(argv[1:]):
+        if path in known:
+            continue
+        if path in sections:
+            raise ConfigError(f"config.{path}: a section; override its fields "
+                              f"(--config.{path}.NAME=VALUE)")
+        hint = suggest_field(path, list(known) + list(FIELDS))
+        mapping = next((name for name in MAPPING_FIELDS if path.startswith(name + ".")), None)
+        if mapping is not None:
+            raise ConfigError(f"config.{path}: not a key of {config_file}'s config.{mapping}; "
+                              "an override changes a key the config file sets (add new keys "
+                              "there)" + hint)
+        raise ConfigError(f"config.{path}: unknown field" + hint)
+
+
+def parse_command_line(argv: list[str]):
+    """(config, flag values) of a command line; the config is not validated yet.
+
+    Raises:
+      UsageError, ConfigError: one line naming the flag, field or file.
+    """
+    config_value = _config_argument(argv[1:])
+    if not config_value:
+        raise UsageError("--config is required (e.g. --config configs/tiny.py)")
+    loaded = _parse(argv, config_value, with_overrides=False).config
+    _check_override_paths(argv, loaded, config_value.split(":", 1)[0])
+    flag_values = _parse(argv, config_value, with_overrides=True)
+    if not flag_values.workdir:
+        raise UsageError("--workdir is required")
+    return flag_values.config, flag_values
+
+
+# ----------------------------------------------------------------------------- help
+def help_text(argv: list[str]) -> str:
+    """The usage, the flags and every config field with its value and description: the file's
+    values when --config names a loadable file, else the defaults of base_config()."""
+    from qerl_jax.config_defaults import FIELDS, base_config, config_leaves
+
+    config, source = base_config(), "defaults of qerl_jax.config_defaults.base_config()"
+    config_value = _config_argument(argv[1:])
+    if config_value:
+        try:
+            config = _parse(argv, config_value, with_overrides=False).config
+            source = f"values of {config_value}"
+        except Exception as error:   # the help still lists the defaults
+            source += f"; {config_value} did not load: {error}"
+    values = config_leaves(config)
+    lines = [USAGE, "", "flags:"]
+    for name, (kind, description) in FLAGS.items():
+        lines.append(f"  --{name}" + ("" if kind == "bool" else f"={kind.upper()}"))
+        lines.append(textwrap.indent(textwrap.fill(description, 92), " " * 6))
+    lines += ["", f"config fields ({source}):"]
+    for path, field in FIELDS.items():
+        value = values.get(path, field.default)
+        value = dict(value) if path == "model.overrides" else value
+        lines.append(f"  config.{path}={value!r}")
+        lines.append(textwrap.indent(textwrap.fill(field.description, 92), " " * 6))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+def _configure_logging() -> None:
+    """INFO from qerl_jax, WARNING from everything else (absl and orbax log every save at
+    INFO); transformers' advisories (e.g. 'PyTorch was not found') are silenced."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("qerl_jax").setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+def _report_error(message: str, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    print(f"error: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status."""
+    argv = list(sys.argv if argv is None else argv)
+    if any(arg in _HELP_FLAGS or arg.startswith("--help=") for arg in argv[1:]):
+        print(help_text(argv))
+        return 0
+    debug = any(arg in ("--debug", "-debug", "--debug=true", "--debug=True")
+                for arg in argv[1:])
+    from qerl_jax.errors import ConfigError, TrainingStopped
+
+    try:
+        config, flag_values = parse_command_line(argv)
+        from qerl_jax.config_defaults import validate_config
+        from qerl_jax.data.sources import load_training_examples
+        validate_config(config)
+        load_training_examples(config)
+    except (UsageError, ConfigError) as error:
+        _report_error(str(error), debug)
+        if isinstance(error, UsageError) and "required" in str(error):
+            print(USAGE, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    _configure_logging()
+    try:
+        from qerl_jax.trainer import Trainer   # imports JAX: after every input is checked
+        trainer = Trainer(config, os.path.abspath(flag_values.workdir),
+                          resume=flag_values.resume, overwrite=flag_values.overwrite,
+                          allow_config_changes=flag_values.allow_config_change)
+        history = trainer.train()
+    except ConfigError as error:
+        _report_error(str(error), debug)
+        return EXIT_BAD_INPUT
+    except TrainingStopped as error:
+        if debug:
+            traceback.print_exc()
+        print(str(error).replace("\n", " "), file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if history:
         first, last = history[0], history[-1]
+        metrics_path = os.path.join(flag_values.workdir, "metrics.jsonl")
         print(f"steps {first['step']}..{last['step']}: reward {first['reward']:.3f} -> "
               f"{last['reward']:.3f}, accuracy {first['accuracy']:.3f} -> "
-              f"{last['accuracy']:.3f}; metrics in {trainer.metrics.path}")
+              f"{last['accuracy']:.3f}; metrics in {metrics_path}")
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Examples (question + gold answer) from local jsonl / parquet files or a hub dataset name.
+"""Examples (question + gold answer) from local jsonl / parquet files or a hub dataset name,
+checked row by row: a bad file or row raises ConfigError naming the file and its line.
 
 Task adapters map raw rows to Examples:
   gsm8k:      question, gold = text after '####' of `answer`
@@ -11,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Iterator
 
+from qerl_jax.errors import ConfigError
 from qerl_jax.rewards.arithmetic import arithmetic_problems
 from qerl_jax.rewards.gsm8k import gsm8k_gold_answer
 
 TASKS = ("gsm8k", "math", "arithmetic")
+FILE_TYPES = (".jsonl", ".json", ".parquet")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,36 +28,52 @@ class Example:
     gold: str
 
 
-def _read_rows(path: str) -> list[dict]:
-    if path.endswith(".jsonl") or path.endswith(".json"):
-        rows = []
+def is_local_source(source: str) -> bool:
+    """True for a path on disk (or one that reads as a file path), False for a hub dataset
+    name such as 'openai/gsm8k'."""
+    return (source.endswith(FILE_TYPES) or os.path.exists(os.path.expanduser(source))
+            or source.startswith((os.sep, ".", "~")))
+
+
+def json_type_name(value) -> str:
+    """The JSON name of a parsed value's type: null, bool, int, float, string, list, object."""
+    names = {type(None): "null", bool: "bool", int: "int", float: "float", str: "string",
+             list: "list", dict: "object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _read_rows(path: str) -> Iterator[tuple[str, object]]:
+    """(where, row) of each row of a local file; `where` is 'path:LINE' (1-based) for jsonl,
+    'path: row N' (1-based) for parquet."""
+    if path.endswith((".jsonl", ".json")):
         with open(path) as handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: invalid JSON ({error})") from None
-        return rows
-    if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as parquet
-        except ImportError:
-            raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") \
-                from None
-        return parquet.read_table(path).to_pylist()
-    raise ValueError(f"{path}: unsupported data file type (use .jsonl or .parquet)")
+                    raise ConfigError(f"{path}:{number}: invalid JSON ({error})") from None
+                yield f"{path}:{number}", row
+        return
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") \
+            from None
+    for number, row in enumerate(parquet.read_table(path).to_pylist(), start=1):
+        yield f"{path}: row {number}", row
 
 
-def _read_hub(name: str, split: str, subset: str | None) -> list[dict]:
+def _read_hub(name: str, split: str, subset: str | None) -> Iterator[tuple[str, object]]:
     try:
         import datasets
     except ImportError:
         raise ImportError(f"data source {name!r} is not a local file and the optional "
                           "`datasets` package is not installed (pip install qerl-jax[datasets])"
                           ) from None
-    return list(datasets.load_dataset(name, subset, split=split))
+    for number, row in enumerate(datasets.load_dataset(name, subset, split=split), start=1):
+        yield f"{name} ({split}) row {number}", row
 
 
 def _boxed(text: str) -> str | None:
@@ -71,21 +91,48 @@ def _boxed(text: str) -> str | None:
     return None
 
 
-def _to_example(task: str, row: dict, where: str) -> Example:
+def _text_field(row: dict, name: str, where: str) -> str:
+    value = row[name]
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: field {name!r} must be a string, got "
+                          f"{json_type_name(value)}")
+    if not value.strip():
+        raise ConfigError(f"{where}: field {name!r} is empty")
+    return value
+
+
+def _to_example(task: str, row: object, where: str) -> Example:
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {json_type_name(row)}")
     if task == "gsm8k":
         if "question" not in row or "answer" not in row:
-            raise ValueError(f"{where}: a gsm8k row needs 'question' and 'answer' fields, "
-                             f"got {sorted(row)}")
-        return Example(row["question"], gsm8k_gold_answer(row["answer"]))
+            raise ConfigError(f"{where}: a gsm8k row needs 'question' and 'answer' fields, "
+                              f"got {sorted(row)}")
+        question = _text_field(row, "question", where)
+        answer = _text_field(row, "answer", where)
+        if "####" not in answer:
+            raise ConfigError(f"{where}: field 'answer' has no '####' before the final answer "
+                              f"(GSM8K's format): ...{answer[-60:]!r}")
+        gold = gsm8k_gold_answer(answer)
+        if not gold:
+            raise ConfigError(f"{where}: field 'answer' has nothing after its '####'")
+        return Example(question, gold)
     if task == "math":
-        question = row.get("problem", row.get("question", row.get("prompt")))
-        solution = row.get("solution", "") or ""
-        gold = row.get("answer") or _boxed(solution) or solution.strip() or None
-        if question is None or gold is None:
-            raise ValueError(f"{where}: a math row needs 'problem' and 'answer' (or a boxed "
-                             f"'solution'), got {sorted(row)}")
-        return Example(question, str(gold))
-    raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+        name = next((key for key in ("problem", "question", "prompt") if key in row), None)
+        solution = row.get("solution")
+        answer = row.get("answer")
+        if name is None or (answer in (None, "") and not solution):
+            raise ConfigError(f"{where}: a math row needs 'problem' and 'answer' (or a boxed "
+                              f"'solution'), got {sorted(row)}")
+        question = _text_field(row, name, where)
+        if answer not in (None, ""):
+            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+                raise ConfigError(f"{where}: field 'answer' must be a string or a number, got "
+                                  f"{json_type_name(answer)}")
+            return Example(question, str(answer))
+        solution = _text_field(row, "solution", where)
+        return Example(question, _boxed(solution) or solution.strip())
+    raise ConfigError(f"unknown task {task!r}; known: {TASKS}")
 
 
 def load_examples(task: str, source: str = "", *, split: str = "train",
@@ -94,23 +141,65 @@ def load_examples(task: str, source: str = "", *, split: str = "train",
                   seed: int = 0) -> list[Example]:
     """Examples of `task` from `source`: a local .jsonl/.parquet path, or a hub dataset name.
 
-    For task 'arithmetic' no source is needed: `arithmetic_count` problems from `seed`.
+    For task 'arithmetic' no source is needed: `arithmetic_count` problems from `seed`. Every
+    row is checked (also those past `limit`).
+
+    Raises:
+      ConfigError: a missing or unreadable source, or a bad row (naming file:line).
     """
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+        raise ConfigError(f"unknown task {task!r}; known: {TASKS}")
     if task == "arithmetic":
         examples = [Example(p["question"], p["answer"])
                     for p in arithmetic_problems(arithmetic_count, seed,
                                                  max_operand=arithmetic_max_operand)]
     else:
         if not source:
-            raise ValueError(f"task {task!r} needs a data source (a .jsonl/.parquet path or a "
-                             "hub dataset name)")
-        looks_local = os.sep in source or source.endswith((".jsonl", ".json", ".parquet"))
-        if looks_local and not os.path.isfile(source):
-            raise FileNotFoundError(f"data file {source!r} does not exist")
-        rows = _read_rows(source) if looks_local else _read_hub(source, split, subset)
-        examples = [_to_example(task, row, f"{source} row {i}") for i, row in enumerate(rows)]
+            raise ConfigError(f"task {task!r} needs a data source (a .jsonl/.parquet path or "
+                              "a hub dataset name)")
+        if is_local_source(source):
+            source = os.path.expanduser(source)
+            if os.path.isdir(source):
+                raise ConfigError(f"{source}: is a directory, expected a .jsonl/.parquet file")
+            if not os.path.isfile(source):
+                raise ConfigError(f"{source}: does not exist (expected a .jsonl/.parquet file)")
+            if not source.endswith(FILE_TYPES):
+                raise ConfigError(f"{source}: unsupported data file type (use .jsonl or "
+                                  ".parquet)")
+            rows = _read_rows(source)
+        else:
+            rows = _read_hub(source, split, subset)
+        examples = [_to_example(task, row, where) for where, row in rows]
     if not examples:
-        raise ValueError(f"data source {source or task!r} holds no examples")
+        raise ConfigError(f"{source or task}: holds no examples")
     return examples[:limit] if limit else examples
+
+
+def load_training_examples(config) -> list[Example]:
+    """The examples config.data asks for, checked before any model work: the file, every row,
+    and that there are enough for one step (train.prompts_per_step).
+
+    Args:
+      config: a config validate_config accepts.
+    Raises:
+      ConfigError: naming the config field, or the file and line of a bad row.
+    """
+    data = config.data
+    local = data.task != "arithmetic" and is_local_source(data.path)
+    if local and data.split != "train":
+        raise ConfigError(f"config.data.split: {data.split!r} applies to hub datasets only; "
+                          f"data.path {data.path!r} is a local file (the file is the split)")
+    examples = load_examples(data.task, data.path, split=data.split,
+                             subset=data.subset or None, limit=data.limit or None,
+                             arithmetic_count=data.arithmetic_count,
+                             arithmetic_max_operand=data.arithmetic_max_operand,
+                             seed=config.seed)
+    needed = config.train.prompts_per_step
+    if len(examples) < needed:
+        field, source = (("data.arithmetic_count", "the arithmetic task") if not data.path
+                         else ("data.path", data.path))
+        after = f" (after data.limit={data.limit})" if data.limit else ""
+        raise ConfigError(f"config.{field}: {source} holds {len(examples)} examples{after}, "
+                          f"fewer than config.train.prompts_per_step={needed} (one step's "
+                          "prompts)")
+    return examples

@@ -8,6 +8,7 @@ import pytest
 
 from qerl_jax.data import PromptIterator, encode_prompts, load_examples
 from qerl_jax.data.prompts import QERL_THINK_ANSWER_SUFFIX, build_prompt_text
+from qerl_jax.errors import ConfigError
 from qerl_jax.models.tokenizer import load_tokenizer
 from tests.hf_reference import make_tiny_tokenizer
 
@@ -23,17 +24,18 @@ def test_gsm8k_and_math_from_shared_jsonl():
 
 
 def test_bad_sources_are_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         load_examples("gsm8k", "/no/such/file.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": "#### 1"}\n{broken\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: invalid JSON"):
         load_examples("gsm8k", str(bad))
     wrong = tmp_path / "wrong.jsonl"
     wrong.write_text(json.dumps({"problem": "x"}) + "\n")
-    with pytest.raises(ValueError, match="needs 'question' and 'answer'"):
+    with pytest.raises(ConfigError,
+                       match="wrong.jsonl:1: a gsm8k row needs 'question' and 'answer'"):
         load_examples("gsm8k", str(wrong))
-    with pytest.raises(ValueError, match="unknown task"):
+    with pytest.raises(ConfigError, match="unknown task"):
         load_examples("gsm9k", "x.jsonl")
 
 
