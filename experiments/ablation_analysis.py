@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from qerl_jax.run_record import read_starts
+
 FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4", "nvfp4+aqn")
 QUANTIZED_FORMATS = ("nf4", "mxfp4", "nvfp4", "nvfp4+aqn")
 FORMAT_COLORS = {"bf16": "#444444", "nf4": "#1f77b4", "mxfp4": "#2ca02c", "nvfp4": "#ff7f0e",
@@ -86,9 +88,12 @@ def read_jsonl(path: str) -> list[dict]:
 
 def load_run(path: str) -> Run:
     """Reads one run directory (metrics.jsonl + run.json)."""
-    with open(os.path.join(path, RUN_FILE)) as handle:
-        meta = json.load(handle)
+    meta = read_starts(path)[-1]   # run.json keeps every start; the last one's config rules
     rows = sorted(read_jsonl(os.path.join(path, METRICS_FILE)), key=lambda row: row["step"])
+    # metrics.jsonl is strict JSON: a non-finite value (e.g. accuracy without a correctness
+    # reward) is null there
+    rows = [{key: math.nan if value is None else value for key, value in row.items()}
+            for row in rows]
     steps = [row["step"] for row in rows]
     if len(set(steps)) != len(steps):
         raise ValueError(f"{path}/{METRICS_FILE} repeats steps; the run was restarted without "

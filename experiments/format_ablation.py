@@ -188,12 +188,9 @@ def execute_run(spec: RunSpec, config_path: str, state: str, env: dict | None = 
     """Runs one training run as a subprocess (log in DIR/train.log); returns its status."""
     os.makedirs(spec.directory, exist_ok=True)
     _link_warmup(spec)
-    resume = state == "partial" and _has_checkpoint(spec.directory)
-    if state == "partial" and not resume:
-        # Started but no checkpoint yet: metrics.jsonl would get the same steps twice.
-        metrics = os.path.join(spec.directory, "metrics.jsonl")
-        if os.path.exists(metrics):
-            os.remove(metrics)
+    # a started run resumes (from step 0 when it has no checkpoint yet: the trainer cuts
+    # metrics.jsonl back to the step it resumes from)
+    resume = state == "partial"
     warmup_cached = spec.warmup_directory is not None and os.path.isfile(
         os.path.join(spec.warmup_directory, "warmup_done.txt"))
     command = spec.command(config_path, resume)

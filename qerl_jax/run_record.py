@@ -91,10 +91,12 @@ def read_starts(workdir: str) -> list[dict]:
 
 def current_config(workdir: str) -> dict:
     """The config dict of the run's last start."""
+    path = os.path.join(workdir, RUN_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such file (not a run directory)")
     starts = read_starts(workdir)
-    if not starts:
-        raise ConfigError(f"{os.path.join(workdir, RUN_FILE)}: no such file (not a run "
-                          "directory)")
+    if not starts or not isinstance(starts[-1].get("config"), dict):
+        raise ConfigError(f"{path}: its last start records no config")
     return starts[-1]["config"]
 
 

@@ -7,6 +7,8 @@ import math
 import os
 
 import numpy as np
+
+from qerl_jax.run_record import read_starts
 import pytest
 
 from experiments import ablation_analysis as analysis
@@ -210,8 +212,7 @@ def test_short_real_ablation(tmp_path):
     assert format_ablation.main(argv) == 0
     for name, directory in (("bf16", "bf16"), ("nvfp4+aqn", "nvfp4_aqn")):
         run_dir = os.path.join(out, directory, "seed0")
-        with open(os.path.join(run_dir, "run.json")) as handle:
-            meta = json.load(handle)
+        meta = read_starts(run_dir)[-1]
         assert meta["seed"] == 0 and meta["git_revision"] and "jax" in meta["versions"]
         assert analysis.format_of_config(meta["config"]) == name
         assert meta["config"]["model"]["overrides"]["num_hidden_layers"] == 2
