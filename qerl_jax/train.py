@@ -18,13 +18,22 @@ import sys
 import textwrap
 import traceback
 
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from qerl_jax.config_defaults import (FIELDS, MAPPING_FIELDS, base_config, config_leaves,
+                                      suggest_field, validate_config)
+from qerl_jax.data.sources import load_training_examples
+from qerl_jax.errors import ConfigError, TrainingStopped
+
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 USAGE = ("usage: python -m qerl_jax.train --config FILE[:ARG] --workdir DIR "
          "[--config.FIELD=VALUE ...] [--resume] [--overwrite] [--allow_config_change] "
          "[--debug]")
 # name -> (kind, help); the config flag is defined by ml_collections.config_flags
-FLAGS = {
+CLI_FLAGS = {
     "config": ("file", "Experiment config file (configs/*.py) defining get_config(); ':ARG' is "
                        "passed to it (e.g. configs/qerl.py:7b,gsm8k)."),
     "config.FIELD": ("value", "Overrides one config field (listed below), parsed as the "
@@ -72,9 +81,15 @@ def _file_error_line(error: BaseException, path: str) -> str:
              if os.path.abspath(frame.filename) == target]
     where = f"{path}:{lines[-1]}" if lines else path
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if isinstance(error, OSError) and "No such file" in str(error):
-        return f"--config {path}: no such file"
     return f"{where}: {type(error).__name__}: {message}"
+
+
+def _original_error(error: BaseException) -> BaseException:
+    """The first exception of the chain behind `error`: absl wraps a flag parser's exception,
+    and config_flags re-raises get_config's TypeError / ValueError with a traceback text."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def _parse(argv: list[str], config_value: str, with_overrides: bool):
@@ -84,28 +99,42 @@ def _parse(argv: list[str], config_value: str, with_overrides: bool):
     Raises:
       UsageError: one line naming the flag, or the config file's line that raised.
     """
-    from absl import flags
-    from ml_collections import config_flags
-
-    from qerl_jax.errors import ConfigError
-
+    path = config_value.split(":", 1)[0]
+    if not os.path.isfile(path):
+        raise UsageError(f"--config {path}: no such file")
     if not with_overrides:
         argv = [argv[0], f"--config={config_value}"]
     flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, FLAGS["config"][1],
+    config_flags.DEFINE_config_file("config", None, CLI_FLAGS["config"][1],
                                     flag_values=flag_values, lock_config=True, sys_argv=argv)
-    flags.DEFINE_string("workdir", None, FLAGS["workdir"][1], flag_values=flag_values)
-    for name, (kind, description) in FLAGS.items():
+    flags.DEFINE_string("workdir", None, CLI_FLAGS["workdir"][1], flag_values=flag_values)
+    for name, (kind, description) in CLI_FLAGS.items():
         if kind == "bool":
             flags.DEFINE_bool(name, False, description, flag_values=flag_values)
+    # our own line below says what config_flags' warnings say (e.g. get_config returned None)
+    absl_logger = logging.getLogger("absl")
+    absl_level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
     try:
         rest = flag_values(argv)
+        if flag_values.config is not None:
+            flag_values.config.keys   # a file that failed to load raises only when read
     except ConfigError:   # raised by the config file's code (e.g. a bad ':ARG')
         raise
     except flags.Error as error:
+        original = _original_error(error)
+        if str(error).startswith("flag --config=") and original is not error:
+            if isinstance(original, ConfigError):
+                raise original from None
+            raise UsageError(_file_error_line(original, path)) from error
         raise UsageError(str(error).strip().splitlines()[0]) from error
     except Exception as error:   # the config file failed to load or raised
-        raise UsageError(_file_error_line(error, config_value.split(":", 1)[0])) from error
+        raise UsageError(_file_error_line(error, path)) from error
+    finally:
+        absl_logger.setLevel(absl_level)
+    if not isinstance(flag_values.config, ml_collections.ConfigDict):
+        raise UsageError(f"{path}: get_config() returned {flag_values.config!r}, expected an "
+                         "ml_collections.ConfigDict")
     if len(rest) > 1:
         raise UsageError(f"unexpected argument {rest[1]!r} (flags are --name=value)")
     return flag_values
@@ -114,9 +143,6 @@ def _parse(argv: list[str], config_value: str, with_overrides: bool):
 def _check_override_paths(argv: list[str], config, config_file: str) -> None:
     """Refuses a --config.FIELD that the config lacks (config_flags says only KeyError), with
     the closest field as a suggestion."""
-    from qerl_jax.config_defaults import FIELDS, MAPPING_FIELDS, config_leaves, suggest_field
-    from qerl_jax.errors import ConfigError
-
     known = config_leaves(config, mapping_fields=())
     sections = {path.rsplit(".", 1)[0] for path in known if "." in path}
     for path in _override_paths(argv[1:]):
@@ -142,12 +168,13 @@ def parse_command_line(argv: list[str]):
     """
     config_value = _config_argument(argv[1:])
     if not config_value:
-        raise UsageError("--config is required (e.g. --config configs/tiny.py)")
+        raise UsageError("--config is required, e.g. --config configs/tiny.py (python -m "
+                         "qerl_jax.train --help)")
     loaded = _parse(argv, config_value, with_overrides=False).config
     _check_override_paths(argv, loaded, config_value.split(":", 1)[0])
     flag_values = _parse(argv, config_value, with_overrides=True)
     if not flag_values.workdir:
-        raise UsageError("--workdir is required")
+        raise UsageError("--workdir is required (python -m qerl_jax.train --help)")
     return flag_values.config, flag_values
 
 
@@ -155,8 +182,6 @@ def parse_command_line(argv: list[str]):
 def help_text(argv: list[str]) -> str:
     """The usage, the flags and every config field with its value and description: the file's
     values when --config names a loadable file, else the defaults of base_config()."""
-    from qerl_jax.config_defaults import FIELDS, base_config, config_leaves
-
     config, source = base_config(), "defaults of qerl_jax.config_defaults.base_config()"
     config_value = _config_argument(argv[1:])
     if config_value:
@@ -167,7 +192,7 @@ def help_text(argv: list[str]) -> str:
             source += f"; {config_value} did not load: {error}"
     values = config_leaves(config)
     lines = [USAGE, "", "flags:"]
-    for name, (kind, description) in FLAGS.items():
+    for name, (kind, description) in CLI_FLAGS.items():
         lines.append(f"  --{name}" + ("" if kind == "bool" else f"={kind.upper()}"))
         lines.append(textwrap.indent(textwrap.fill(description, 92), " " * 6))
     lines += ["", f"config fields ({source}):"]
@@ -205,18 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     debug = any(arg in ("--debug", "-debug", "--debug=true", "--debug=True")
                 for arg in argv[1:])
-    from qerl_jax.errors import ConfigError, TrainingStopped
-
     try:
         config, flag_values = parse_command_line(argv)
-        from qerl_jax.config_defaults import validate_config
-        from qerl_jax.data.sources import load_training_examples
         validate_config(config)
         load_training_examples(config)
     except (UsageError, ConfigError) as error:
         _report_error(str(error), debug)
-        if isinstance(error, UsageError) and "required" in str(error):
-            print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT
     _configure_logging()
     try:
