@@ -34,10 +34,9 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
             model = load_hf_model(model_cfg.hf_path, param_dtype=model_cfg.param_dtype,
                                   compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
         else:
-            model, report = load_quantized_hf_model(model_cfg.hf_path, fmt,
-                                                    compute_dtype=model_cfg.compute_dtype,
-                                                    remat=model_cfg.remat)
-            logger.info(report.summary())
+            model, _ = load_quantized_hf_model(model_cfg.hf_path, fmt,   # logs its report
+                                               compute_dtype=model_cfg.compute_dtype,
+                                               remat=model_cfg.remat)
         return _finish_model(model, config), tokenizer
     architecture = preset(model_cfg.preset, param_dtype=model_cfg.param_dtype,
                           compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
@@ -53,8 +52,7 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
             batch_size=config.warmup.batch_size, seed=config.seed,
             prompt_style=config.data.prompt_style,
             max_operand=config.data.arithmetic_max_operand)
-        report = quantize_model(model, fmt)
-        logger.info(report.summary())
+        quantize_model(model, fmt)   # logs its report
     else:
         # Random weights (shape-only runs, GPU benchmarks): drawn and quantized tensor by
         # tensor, so a 32B model never exists in bf16 (61 GiB) on the way to 4 bits.

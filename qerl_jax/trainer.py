@@ -34,11 +34,12 @@ from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
 from qerl_jax.checkpointing import TrainingCheckpoints
 from qerl_jax.compilation_cache import enable_compilation_cache
 from qerl_jax.config_defaults import validate_config
-from qerl_jax.data import PromptIterator, encode_prompts, load_examples
+from qerl_jax.data import PromptIterator, encode_prompts
+from qerl_jax.data.sources import load_training_examples
 from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
-from qerl_jax.errors import ConfigError, TrainingStopped
+from qerl_jax.errors import TrainingStopped
 from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run_metadata
 from qerl_jax.model_setup import build_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
@@ -103,16 +104,7 @@ class Trainer:
         # before the first JAX computation: XLA reads its flags when the backend starts
         persist_autotuning(config.get("xla_autotune_results", ""))
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
-        data = config.data
-        examples = load_examples(data.task, data.path, split=data.split,
-                                 subset=data.subset or None, limit=data.limit or None,
-                                 arithmetic_count=data.arithmetic_count,
-                                 arithmetic_max_operand=data.arithmetic_max_operand,
-                                 seed=config.seed)
-        if len(examples) < config.train.prompts_per_step:
-            raise ConfigError(f"config.train.prompts_per_step: {config.train.prompts_per_step} "
-                              f"prompts per step, but the data ({data.path or data.task}) has "
-                              f"{len(examples)} examples")
+        examples = load_training_examples(config)   # the data checked before any model work
         self._config_dict = json.loads(config.to_json())
         os.makedirs(workdir, exist_ok=True)
         self.resume = resume
