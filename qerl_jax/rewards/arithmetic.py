@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from qerl_jax.rewards.answer_format import extract_answer
 
 _INTEGER = re.compile(r"-?\d+")
@@ -19,6 +17,8 @@ OPERATIONS = ("+", "-", "*")
 def arithmetic_problems(count: int, seed: int, max_operand: int = 20,
                         operations: tuple[str, ...] = ("+", "-")) -> list[dict]:
     """`count` problems {'question': 'a+b=', 'answer': 'c'} from a seeded generator."""
+    import numpy as np  # not at module level: the scoring worker starts faster without it
+
     unknown = set(operations) - set(OPERATIONS)
     if unknown:
         raise ValueError(f"operations {sorted(unknown)} not in {OPERATIONS}")

@@ -2,34 +2,146 @@
 
 The answer is read from the <answer> block, or the last \\boxed{...} of the completion; the gold
 is parsed by math-verify (boxed first). An unparsable gold or a verifier error gives 0.
+
+Bounded time: math-verify's own timeouts are on (signal alarms, so only in a main thread; off it
+they are off and the caller bounds the time, as the scoring worker of `scoring.py` does), and
+answers that would make sympy work for seconds score 0 before they reach it: answers longer
+than MAX_ANSWER_CHARS, bracket nesting deeper than MAX_NESTING_DEPTH, and numbers whose
+evaluation would exceed MAX_NUMBER_DIGITS digits (exponent towers, huge factorials).
 """
 
 from __future__ import annotations
 
+import math
+import re
+import threading
+
 from qerl_jax.rewards.answer_format import extract_answer
 
 ACCURACY_REWARD = 1.0
+PARSE_TIMEOUT_SECONDS = 1    # per math-verify parse (its alarm takes whole seconds)
+VERIFY_TIMEOUT_SECONDS = 1   # per pair of parsed expressions compared
+MAX_ANSWER_CHARS = 1000      # MATH-500's longest gold answer has 53 characters
+MAX_NESTING_DEPTH = 8        # MATH-500 golds nest at most 2 deep; parsing time grows with depth
+MAX_NUMBER_DIGITS = 100_000  # 2^{65536} (19,729 digits) verifies in ~0.2 s; 2^{2^{65536}} never
+
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
+_LOG10_2 = math.log10(2)
+
+
+def _is_delimited(text: str) -> bool:
+    """Whether math-verify can find the math in `text` itself: a \\boxed or an unescaped $."""
+    return "\\boxed" in text or _UNESCAPED_DOLLAR.search(text) is not None
+
+
+def _nesting_depth(text: str) -> int:
+    depth = deepest = 0
+    for character in text:
+        if character in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif character in ")]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _value_bound(digits: float) -> float:
+    """An upper bound on |x| for an x of at most `digits` decimal digits."""
+    return 10.0 ** digits if digits < 300 else math.inf
+
+
+def _digits_bound(expr) -> float:
+    """An upper bound on the decimal digits of the numbers sympy builds to evaluate `expr`.
+
+    Integers, rationals and floats count their own size; a power b^e counts digits(b) * |e|;
+    n! and binomial(n, k) count n * digits(n); sums the largest term, products the sum of their
+    factors; anything else the largest of its arguments.
+    """
+    import sympy
+
+    if isinstance(expr, sympy.MatrixBase):
+        return max((_digits_bound(entry) for entry in expr), default=1.0)
+    if not isinstance(expr, sympy.Basic):
+        return 1.0
+    if isinstance(expr, sympy.Rational):   # Integer too
+        return max(abs(expr.p).bit_length(), expr.q.bit_length()) * _LOG10_2 + 1
+    if isinstance(expr, sympy.Float):
+        _, _, exponent, bits = expr._mpf_[:4]
+        return abs(exponent + bits) * _LOG10_2 + 1
+    if not expr.args:
+        return 1.0                          # symbols, pi, E, I, oo
+    if isinstance(expr, sympy.Pow):
+        base, exponent = expr.args
+        exponent_value = (abs(float(exponent)) if isinstance(exponent, sympy.Number)
+                          and _digits_bound(exponent) < 300 else
+                          _value_bound(_digits_bound(exponent)))
+        return _digits_bound(base) * max(exponent_value, 1.0)
+    if isinstance(expr, (sympy.factorial, sympy.factorial2, sympy.subfactorial, sympy.gamma,
+                         sympy.binomial, sympy.RisingFactorial, sympy.FallingFactorial)):
+        digits = max(_digits_bound(argument) for argument in expr.args)
+        return _value_bound(digits) * digits + 1
+    if isinstance(expr, sympy.exp):
+        return _value_bound(_digits_bound(expr.args[0])) * math.log10(math.e) + 1
+    if isinstance(expr, sympy.Mul):
+        return sum(_digits_bound(argument) for argument in expr.args)
+    largest = max(_digits_bound(argument) for argument in expr.args)
+    return largest + math.log10(len(expr.args)) if isinstance(expr, sympy.Add) else largest
+
+
+def _small_enough(expr) -> bool:
+    try:
+        return _digits_bound(expr) <= MAX_NUMBER_DIGITS
+    except (RecursionError, OverflowError, TypeError, ValueError, AttributeError):
+        return False
+
+
+def _timeouts() -> tuple[int | None, int | None]:
+    """math-verify's (parse, verify) timeouts: on in a main thread, off elsewhere.
+
+    Its alarms use signals, which Python allows only in the main thread; elsewhere math-verify
+    raises ValueError on every call, which would score every answer 0.
+    """
+    if threading.current_thread() is threading.main_thread():
+        return PARSE_TIMEOUT_SECONDS, VERIFY_TIMEOUT_SECONDS
+    return None, None
+
+
+def _parse_bounded(text: str, parsing_timeout: int | None) -> list:
+    """math-verify's parse of `text` ($-delimited when not already), dropping what is too large
+    to evaluate; [] for text longer or nested deeper than the limits."""
+    from math_verify import parse  # optional heavy import, only when used
+    if len(text) > MAX_ANSWER_CHARS or _nesting_depth(text) > MAX_NESTING_DEPTH:
+        return []
+    parsed = parse(text if _is_delimited(text) else f"${text}$", parsing_timeout=parsing_timeout)
+    return [item for item in parsed if _small_enough(item)]
 
 
 def _verify(gold: str, answer: str) -> bool:
-    from math_verify import parse, verify  # optional heavy import, only when used
-    gold_parsed = parse(gold if "\\boxed" in gold or "$" in gold else f"${gold}$",
-                        parsing_timeout=None)
+    from math_verify import verify
+    parsing_timeout, verify_timeout = _timeouts()
+    gold_parsed = _parse_bounded(gold, parsing_timeout)
     if not gold_parsed:
         return False
-    answer_parsed = parse(answer, parsing_timeout=None)
+    answer_parsed = _parse_bounded(answer, parsing_timeout)
     if not answer_parsed:
         return False
-    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=None))
+    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=verify_timeout))
+
+
+def _answer_text(completion: str) -> str:
+    """The <answer> block, else the completion from its last \\boxed (when longer than
+    MAX_ANSWER_CHARS), else the completion."""
+    answer = extract_answer(completion)
+    if answer:
+        return answer
+    if len(completion) > MAX_ANSWER_CHARS and "\\boxed" in completion:
+        return completion[completion.rindex("\\boxed"):][:MAX_ANSWER_CHARS]
+    return completion
 
 
 def math_accuracy_reward(completion: str, gold: str) -> float:
     """1.0 when math-verify judges the completion's answer equal to the gold answer."""
     try:
-        answer = extract_answer(completion)
-        candidate = answer if answer else completion
-        if "\\boxed" not in candidate and "$" not in candidate:
-            candidate = f"${candidate}$"
-        return ACCURACY_REWARD if _verify(gold, candidate) else 0.0
+        return ACCURACY_REWARD if _verify(gold, _answer_text(completion)) else 0.0
     except Exception:
         return 0.0

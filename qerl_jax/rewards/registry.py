@@ -1,4 +1,8 @@
-"""Reward functions by name: f(completion: str, gold: str) -> float, summed with weight 1."""
+"""Reward functions by name: f(completion: str, gold: str) -> float, summed with weight 1.
+
+Every entry is a module-level function, so that it pickles by reference into the scoring worker
+(`scoring.py`); a user's own reward must be one too, in an importable module.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from qerl_jax.rewards.math_answers import math_accuracy_reward
 RewardFunction = Callable[[str, str], float]
 
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
-    "format": lambda completion, gold: format_reward(completion),
+    "format": format_reward,
     "gsm8k_exact": gsm8k_exact_reward,
     "gsm8k_numeric": gsm8k_numeric_reward,
     "math_verify": math_accuracy_reward,
@@ -27,20 +31,3 @@ def get_reward_functions(names: Sequence[str]) -> dict[str, RewardFunction]:
         raise ValueError(f"unknown reward function(s) {unknown or '(none given)'}; known: "
                          f"{sorted(REWARD_FUNCTIONS)}")
     return {name: REWARD_FUNCTIONS[name] for name in names}
-
-
-def score_completions(completions: Sequence[str], golds: Sequence[str],
-                      functions: dict[str, RewardFunction]) -> dict[str, list[float]]:
-    """Per-function rewards for each completion (a None or NaN reward counts 0), plus 'total'."""
-    scores: dict[str, list[float]] = {}
-    for name, function in functions.items():
-        values = []
-        for completion, gold in zip(completions, golds):
-            try:
-                value = function(completion, gold)
-            except Exception:
-                value = 0.0
-            values.append(0.0 if value is None or value != value else float(value))
-        scores[name] = values
-    scores["total"] = [sum(column) for column in zip(*scores.values())] if scores else []
-    return scores
