@@ -18,6 +18,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 REWARD_COMPONENT_PREFIX = "reward/"
+NOT_REWARDS = ("reward/timeouts",)   # a count of completions whose scoring timed out
 # Colours of the Tableau palette, matching matplotlib's default cycle.
 _METRIC_COLOR = "#1f77b4"
 _SIGMA_COLOR = "#d62728"
@@ -135,7 +136,7 @@ def _plot_noisy_metric(axis, steps: np.ndarray, values: np.ndarray, window: int,
 def _reward_panel(axis, steps, rows, window) -> None:
     """Total reward, and each reward/<name> component as a faint dashed (smoothed) line."""
     names = sorted({key for row in rows for key in row
-                    if key.startswith(REWARD_COMPONENT_PREFIX)})
+                    if key.startswith(REWARD_COMPONENT_PREFIX) and key not in NOT_REWARDS})
     components = [(name, values) for name in names
                   if (values := _column(rows, name)) is not None]
     _plot_noisy_metric(axis, steps, _column(rows, "reward"), window,

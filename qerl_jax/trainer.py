@@ -290,7 +290,9 @@ class Trainer:
         completions = [self._decode(rollout.tokens[row], int(rollout.lengths[row]))
                        for row in range(rollout.tokens.shape[0])]
         golds = [example.gold for example in examples for _ in range(group)]
-        scores = score_completions(completions, golds, self.reward_functions)
+        # each completion's scoring is bounded: one that takes longer scores 0 and is counted
+        scores = score_completions(completions, golds, self.reward_functions,
+                                   time_limit_seconds=self.config.rewards.time_limit_seconds)
         return prompts, rollout, scores
 
     def _group_entries(self, prompts, rollout, scores) -> list[dict]:

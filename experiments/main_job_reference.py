@@ -1,0 +1,90 @@
+"""The main job's committed reference: the metrics of `configs/tiny.py` (seed 0) as the current
+code computes them, and the figures the README quotes from them.
+
+    python -m experiments.main_job_reference --run runs/tiny      # after the README's command
+
+reads the run directory (it must be a complete, single-start run of configs/tiny.py with the
+default seed) and writes experiments/results/main_job/metrics.jsonl (every step, timing fields
+left out: they vary from machine to machine) and summary.json (means over the first and last
+10 steps). tests/test_main_job.py reruns the first steps and compares them exactly with this
+file, and checks that the README quotes summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from qerl_jax.atomic_io import write_json_atomic
+from qerl_jax.metrics import read_metrics
+from qerl_jax.run_record import read_starts
+
+REFERENCE_DIRECTORY = os.path.join(os.path.dirname(__file__), "results", "main_job")
+METRICS_FILE = os.path.join(REFERENCE_DIRECTORY, "metrics.jsonl")
+SUMMARY_FILE = os.path.join(REFERENCE_DIRECTORY, "summary.json")
+# vary with the machine and its load: never part of the reference
+TIMING_KEYS = ("time/rollout_s", "time/train_s", "time/sampler_compile_s",
+               "rollout_tokens_per_s", "peak_memory_bytes")
+WINDOW = 10
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Rows without the timing fields."""
+    return [{key: value for key, value in row.items() if key not in TIMING_KEYS}
+            for row in rows]
+
+
+def read_reference() -> list[dict]:
+    with open(METRICS_FILE) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Means of reward, accuracy and entropy over the first and the last WINDOW steps."""
+    first, last = rows[:WINDOW], rows[-WINDOW:]
+
+    def mean(part, key):
+        return round(float(np.mean([row[key] for row in part])), 3)
+
+    return {"steps": len(rows), "window": WINDOW,
+            "first_steps": [first[0]["step"], first[-1]["step"]],
+            "last_steps": [last[0]["step"], last[-1]["step"]],
+            **{f"{key}_first": mean(first, key) for key in ("reward", "accuracy", "entropy")},
+            **{f"{key}_last": mean(last, key) for key in ("reward", "accuracy", "entropy")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="the main job's run directory")
+    args = parser.parse_args(argv)
+    starts = read_starts(args.run)
+    if len(starts) != 1 or starts[0]["config"]["seed"] != 0:
+        print(f"error: {args.run}: expected one uninterrupted start with seed 0, found "
+              f"{len(starts)} start(s)", file=sys.stderr)
+        return 2
+    rows = read_metrics(args.run)
+    total = starts[0]["config"]["train"]["total_steps"]
+    if [row["step"] for row in rows] != list(range(total)):
+        print(f"error: {args.run}: metrics.jsonl does not hold steps 0..{total - 1}",
+              file=sys.stderr)
+        return 2
+    os.makedirs(REFERENCE_DIRECTORY, exist_ok=True)
+    temporary = METRICS_FILE + ".tmp"
+    with open(temporary, "w") as handle:
+        for row in comparable(rows):
+            handle.write(json.dumps(row, sort_keys=True, allow_nan=False) + "\n")
+    os.replace(temporary, METRICS_FILE)
+    summary = summarize(rows)
+    summary["git_revision"] = starts[0].get("git_revision", "unknown")
+    summary["versions"] = starts[0].get("versions", {})
+    write_json_atomic(SUMMARY_FILE, summary, indent=1, sort_keys=True)
+    print(json.dumps(summary, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
