@@ -131,7 +131,7 @@ def model_from_run(workdir: str, step: int | None = None,
     Returns:
       (model, tokenizer, config, step restored).
     """
-    from qerl_jax.trainer import make_optimizer   # the optimizer state's structure, no Trainer
+    from qerl_jax.rl.optimizer import make_optimizer   # the optimizer state's structure
 
     config = read_run_config(workdir) if config is None else config
     checkpoints = _open_checkpoints(workdir)
@@ -289,7 +289,7 @@ def run_evaluation(args) -> dict:
         if record["format"] == "bf16":
             model = load_hf_model(args.base, param_dtype="bfloat16")
         else:
-            from qerl_jax.quant.model_quantization import load_quantized_hf_model
+            from qerl_jax.model_quant.quantize import load_quantized_hf_model
             model, _ = load_quantized_hf_model(args.base, record["format"])
         if args.peft:
             load_peft_adapter(model, args.peft)

@@ -13,13 +13,10 @@ quantized base); jitted functions take the states as inputs and merge inside.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -40,6 +37,7 @@ from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
 from qerl_jax.errors import TrainingStopped
+from qerl_jax.interrupts import Interrupted, StopSignals, logging_above_progress_bar
 from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run_metadata
 from qerl_jax.model_setup import build_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
@@ -47,6 +45,7 @@ from qerl_jax.models.transformer import CausalLM
 from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.plots import plot_training_curves, run_title
 from qerl_jax.rl.advantages import group_advantages
+from qerl_jax.rl.optimizer import make_optimizer
 from qerl_jax.run_record import prepare_workdir, record_start
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
                                  policy_loss_terms)
@@ -59,27 +58,6 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive non-finite losses or gradients."""
-
-
-def make_optimizer(train: ml_collections.ConfigDict):
-    """(optimizer, lr schedule): AdamW (betas 0.9/0.99), weight decay masked off norms (only
-    LoRA matrices decay), linear warmup then cosine decay to 0, clip by global norm (QeRL facts
-    section 5)."""
-    warmup_steps = max(1, int(math.ceil(train.warmup_ratio * train.total_steps)))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, train.learning_rate, warmup_steps, max(train.total_steps, warmup_steps + 1),
-        end_value=0.0)
-
-    def decay_mask(params):
-        def is_lora(path, _):
-            names = [getattr(part, "key", getattr(part, "name", None)) for part in path]
-            return "lora_a" in names or "lora_b" in names
-        return jax.tree_util.tree_map_with_path(is_lora, params)
-
-    return optax.chain(
-        optax.clip_by_global_norm(train.max_grad_norm),
-        optax.adamw(schedule, b1=train.adam_b1, b2=train.adam_b2,
-                    weight_decay=train.weight_decay, mask=decay_mask)), schedule
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -159,7 +137,7 @@ class Trainer:
             kind=config.aqn.schedule) if config.aqn.enabled else None
         self.step = 0
         self._state_at_boundary = True   # False while an update is being recorded
-        self._signals = _StopSignals()
+        self._signals = StopSignals()
         self.consecutive_nonfinite = 0
         self.skipped_updates = 0
         self.checkpoints = TrainingCheckpoints(os.path.join(workdir, "checkpoints"),
@@ -556,7 +534,7 @@ class Trainer:
             progress = tqdm(total=total, initial=self.step, desc="QeRL", unit="step",
                             dynamic_ncols=True)
         try:
-            with self._signals.installed(), _logging_above(progress):
+            with self._signals.installed(), logging_above_progress_bar(progress):
                 while self.step < last:
                     metrics = self.train_step()
                     history.append(metrics)
@@ -606,7 +584,7 @@ class Trainer:
         self.metrics.close()
         where = (f"checkpoint {saved} (step {latest}); continue with --resume" if saved
                  else "no checkpoint; a restart begins at step 0")
-        if isinstance(error, _Interrupted):
+        if isinstance(error, Interrupted):
             message = (f"stopped by {error.signal_name} at step {self.step} of "
                        f"{self.config.train.total_steps}: last completed step saved in "
                        f"{where}{note}")
@@ -635,72 +613,6 @@ class Trainer:
     def model(self) -> CausalLM:
         """The current (noise-free) model."""
         return nnx.merge(self.graphdef, self.trainable, self.frozen)
-
-
-class _Interrupted(BaseException):
-    """SIGINT or SIGTERM, raised at the next step boundary-safe point."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.signal_name = signal.Signals(signum).name
-
-
-class _StopSignals:
-    """SIGINT/SIGTERM raise _Interrupted, except inside `deferred()` blocks (an update and the
-    state change that records it, a checkpoint save), where they are held until the block
-    ends. Installed only in the main thread (signal handlers can be set nowhere else)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self._depth = 0
-        self._pending: list[int] = []
-        self._active = False
-
-    def _handle(self, signum, frame):
-        del frame
-        if self._depth:
-            self._pending.append(signum)
-        else:
-            raise _Interrupted(signum)
-
-    @contextlib.contextmanager
-    def installed(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        self._active = True
-        try:
-            yield
-        finally:
-            self._active = False
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    @contextlib.contextmanager
-    def deferred(self):
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-        if not self._depth and self._pending:
-            signum = self._pending[0]
-            self._pending.clear()
-            raise _Interrupted(signum)
-
-
-@contextlib.contextmanager
-def _logging_above(progress):
-    """While the progress bar runs, log records are printed above it (one bar line)."""
-    if progress is None:
-        yield
-        return
-    from tqdm.contrib.logging import logging_redirect_tqdm
-    with logging_redirect_tqdm():
-        yield
 
 
 def _read_all(path: str) -> list[dict[str, Any]]:
