@@ -1,4 +1,4 @@
-"""Benchmarks and GPU checks of the 4-bit weight-only matmul kernels (pallas_kernels/).
+"""Timings of the 4-bit weight-only matmul kernels (pallas_kernels/) on the GPU.
 
 On the real layer shapes of Qwen2.5-7B and -32B (plus fused q|k|v and gate|up) and M tokens, times
 the XLA bf16 dot, each format's Pallas kernel (NVFP4, MXFP4, NF4) and the naive XLA
@@ -9,11 +9,12 @@ R (so launch gaps are those of a compiled program, not of Python dispatch).
 
     python benchmarks/kernels.py --out $OUT                 # full table
     python benchmarks/kernels.py --quick --out $OUT         # subset
-    python benchmarks/kernels.py --check --out $OUT         # compiled kernels vs jnp reference
     python benchmarks/kernels.py --sweep --out $OUT         # tiling / decoder sweep
     python benchmarks/kernels.py --decode-sweep --models 7b --out $OUT   # tilings at rollout M
     python benchmarks/kernels.py --launch-sweep --models 7b --out $OUT   # warps/stages/tile_k
-    python benchmarks/kernels.py --check --interpret        # dry run on CPU (tiny shapes)
+    python benchmarks/kernels.py --decode-sweep --interpret  # dry run on CPU (tiny shapes)
+
+The compiled kernels' correctness checks are tests: python -m pytest -m gpu.
 """
 
 from __future__ import annotations
@@ -304,7 +305,8 @@ def run_decode_sweep(args):
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU correctness: compiled kernels vs the jnp reference, poisoned outputs
+# Errors of a sweep's best tiling against the jnp reference (the compiled kernels' correctness
+# checks are tests: tests/pallas_kernels/test_blockwise_matmul_gpu.py, pytest -m gpu)
 
 
 def rel_errors(y, ref):
@@ -318,149 +320,6 @@ def rel_errors(y, ref):
 def error_verdict(errs) -> str:
     """'<max err / max> ok|BAD' for rel_errors' result: ok when <= 1e-2 and all finite."""
     return f"{errs[0]:.1e} {'ok' if errs[0] <= 1e-2 and errs[2] else 'BAD'}"
-
-
-def run_check(args):
-    interpret = args.interpret
-    rows = []
-    seed = int(np.random.default_rng().integers(1 << 31))
-    print(f"check seed {seed}")
-    key = jax.random.key(seed)
-    # (M, N, K, tile_k, transposed too); K is cut to the format's block multiple.
-    cases = [(1, 80, 1616, 256, False), (5, 1000, 1616, 256, True),
-             (16, 1000, 3584, 512, False), (64, 512, 1616, 256, False),
-             (300, 1000, 1616, 256, True)]
-    if interpret:
-        cases = [(3, 80, 448, 128, True), (300, 80, 192, 128, True)]
-    decoders = {"nvfp4": ("fp8", "bits", "asm", "asmn", "asms", "asmq"),
-                "mxfp4": ("fp8", "bits", "asm", "asmn", "asms"),
-                "nf4": ("lut", "lut16", "select")}
-
-    def record(name, fn, ref, factor=1.0):
-        """factor: the tolerance multiple (2 for a product of two rounded products)."""
-        try:
-            rows.append((name, *rel_errors(fn(), ref), factor))
-        except Exception as e:  # noqa: BLE001 - report and go on
-            rows.append((name, float("nan"), float("nan"), False, factor))
-            print("FAIL", name, repr(e)[:3000])
-
-    for fmt in [f for f in FORMATS if f in args.formats.split(",") and not args.pairs_only]:
-        spec = SPECS[fmt]
-        decs = [d for d in decoders[fmt] if not (interpret and d in ("bits", "asm", "asmn", "asms", "asmq"))]
-        for i, (m, n, k, tile_k, transposed) in enumerate(cases):
-            key, kw, kx, ky = jax.random.split(key, 4)
-            k = k // spec.scale_block * spec.scale_block
-            ckpt = random_checkpoint(fmt, n, k, kw)
-            x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-            packed = repack(fmt, ckpt, tile_k)
-            ref = reference(fmt, x, ckpt)
-            base = bw.default_matmul_config(m, packed)
-            R = dataclasses.replace
-            if base.path == "fused":
-                variants = [base] + [R(base, decoder=d) for d in decs]
-                variants.append(R(base, weight_as_lhs=not base.weight_as_lhs))
-                if m % base.block_m:
-                    variants.append(R(base, clamp_rows=False))
-                if i == 1:
-                    variants.append(R(base, group_dots=True))
-            else:
-                variants = [base, bw.MatmulConfig(block_m=64, block_n=64, weight_as_lhs=True,
-                                                  num_stages=2)]
-            for cfg in variants:
-                record(f"{fmt} matmul M={m} N={n} K={k} tile_k={tile_k} {cfg}",
-                       lambda: bw.blockwise_matmul(x, packed, spec=spec, config=cfg,
-                                                   interpret=interpret, poison_output=True), ref)
-            if not transposed:
-                continue
-            dy = jax.random.normal(ky, (m, n), jnp.bfloat16)
-            tref = reference_transposed(fmt, dy, ckpt)
-            tfused = bw.TransposedConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-            tvariants = [bw.default_transposed_config(m, packed)]
-            tvariants += [R(tfused, decoder=d) for d in decs]
-            for cfg in tvariants:
-                record(f"{fmt} transposed M={m} N={n} K={k} tile_k={tile_k} {cfg}",
-                       lambda: bw.blockwise_matmul_transposed(
-                           dy, packed, spec=spec, config=cfg, interpret=interpret,
-                           poison_output=True), tref)
-    for fmt in [f for f in FORMATS if f in args.formats.split(",")]:
-        key = check_gate_up_pairs(fmt, key, interpret, record)
-    bad = 0
-    lines = ["| case | max err / max ref | rel. Frobenius | finite | ok |", "|---|---|---|---|---|"]
-    for name, emax, efro, finite, factor in rows:
-        ok = finite and emax <= 1e-2 * factor and efro <= 6e-3 * factor
-        if factor != 1.0:
-            name += f" (tolerance x{factor:g})"
-        bad += not ok
-        lines.append(f"| {name} | {emax:.2e} | {efro:.2e} | {finite} | {'yes' if ok else 'NO'} |")
-    text = "\n".join(lines)
-    print(text)
-    print(f"check: {len(rows) - bad} passed, {bad} failed (tolerance: max err <= 1e-2 * max|ref|, "
-          f"Frobenius <= 6e-3; twice that for the fused SwiGLU, a product of two bf16-rounded "
-          f"products)")
-    if args.out:
-        with open(os.path.join(args.out, "check.md"), "w") as f:
-            f.write(f"seed {seed}\n\n{text}\n")
-    return rows
-
-
-def check_gate_up_pairs(fmt, key, interpret, record):
-    """Gate and up interleaved into one pair (the model's MLP layout after enable_kernels):
-    each half read in place as a pair view by the fused kernel (M = 5, 16), the dequantize path
-    (M = 300) and the transposed kernel (M = 5), and the fused SwiGLU launch (M = 1, 5, 16, 64;
-    LoRA r32 with a block-diagonal B; also its next_lora_a product, the down projection's
-    x @ A), against the jnp references of gate and up."""
-    spec = SPECS[fmt]
-    n, k = (80, 448) if interpret else (1000, 1616)
-    k = k // spec.scale_block * spec.scale_block
-    key, kg, ku, ka, kb = jax.random.split(key, 5)
-    ckpts = [random_checkpoint(fmt, n, k, kw) for kw in (kg, ku)]
-    plain = [repack(fmt, ckpt, 128 if interpret else 256) for ckpt in ckpts]
-    pair = bw.interleave_gate_up(*plain, 32)
-    views = [bw.pair_view_of(pair, half, n=n, tensor_scale=w.tensor_scale, half_block=32)
-             for half, w in enumerate(plain)]
-    rank = 32
-    lora_b = [0.05 * jax.random.normal(jax.random.fold_in(kb, i), (rank, n), jnp.bfloat16)
-              for i in range(2)]
-    pair_b = bw.interleave_lora_b(*lora_b, pair.n // 2, 32)
-    for m in (1, 5, 16, 64, 300):
-        key, kx, ky = jax.random.split(key, 3)
-        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-        refs = [reference(fmt, x, ckpt) for ckpt in ckpts]
-        for half, (view, ref) in enumerate(zip(views, refs)):
-            if m not in (5, 16, 300):
-                continue
-            record(f"{fmt} pair view {half} matmul M={m} N={n} K={k}",
-                   lambda: bw.blockwise_matmul(x, view, spec=spec, interpret=interpret,
-                                               poison_output=True), ref)
-            if m == 5:
-                dy = jax.random.normal(ky, (m, n), jnp.bfloat16)
-                record(f"{fmt} pair view {half} transposed M={m} N={n} K={k}",
-                       lambda: bw.blockwise_matmul_transposed(
-                           dy, view, spec=spec, interpret=interpret, poison_output=True,
-                           config=bw.default_transposed_config(m, view)),
-                       reference_transposed(fmt, dy, ckpts[half]))
-        if m > 64:
-            continue
-        down = 0.1 * jax.random.normal(jax.random.fold_in(ka, m), (m, 2 * rank), jnp.bfloat16)
-        gate, up = (np.asarray(ref, np.float64) + 2.0 * (
-            np.asarray(down[:, i * rank:(i + 1) * rank], np.float64)
-            @ np.asarray(lora_b[i], np.float64)) for i, ref in enumerate(refs))
-        record(f"{fmt} fused SwiGLU of the pair M={m} N={n} K={k} LoRA r{rank}",
-               lambda: bw.blockwise_matmul_swiglu(
-                   x, pair, spec=spec, out_n=n, half_block=32, interpret=interpret,
-                   poison_output=True, lora_down=down, lora_ranks=(rank, rank), lora_b=pair_b,
-                   lora_scale=2.0),
-               gate / (1.0 + np.exp(-gate)) * up, factor=2.0)
-        a_next = 0.05 * jax.random.normal(jax.random.fold_in(ka, 1000 + m), (n, rank),
-                                          jnp.bfloat16)
-        record(f"{fmt} fused SwiGLU's next LoRA x @ A M={m} N={n} K={k} r{rank}",
-               lambda: bw.blockwise_matmul_swiglu(
-                   x, pair, spec=spec, out_n=n, half_block=32, interpret=interpret,
-                   poison_output=True, lora_down=down, lora_ranks=(rank, rank), lora_b=pair_b,
-                   lora_scale=2.0, next_lora_a=a_next)[1],
-               (gate / (1.0 + np.exp(-gate)) * up) @ np.asarray(a_next, np.float64),
-               factor=2.0)
-    return key
 
 
 # ----------------------------------------------------------------------------------------------
@@ -740,11 +599,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--check", action="store_true")
-    parser.add_argument("--pairs-only", action="store_true",
-                        help="with --check: only the gate/up pair cases (pair views, fused SwiGLU)")
-    parser.add_argument("--formats", default=",".join(FORMATS),
-                        help="formats --check covers (comma list)")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="fused-kernel tilings at rollout M (see --decode-m)")
@@ -752,7 +606,7 @@ def main():
                         help="num_warps x num_stages x layout K tile of the default tiling at "
                              "--decode-m (NVFP4)")
     parser.add_argument("--decode-m", default="8,64")
-    parser.add_argument("--bench", action="store_true", help="with --check/--sweep: also bench")
+    parser.add_argument("--bench", action="store_true", help="with --sweep: also bench")
     parser.add_argument("--sweep-seconds", type=float, default=200)
     parser.add_argument("--models", default="7b,32b")
     parser.add_argument("--interpret", action="store_true",
@@ -762,9 +616,6 @@ def main():
         os.makedirs(args.out, exist_ok=True)
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
     start = time.time()
-    if args.check:
-        run_check(args)
-        print(f"[check done at {time.time() - start:.0f}s]", flush=True)
     if args.sweep:
         run_sweep(args)
         print(f"[sweep done at {time.time() - start:.0f}s]", flush=True)
@@ -774,7 +625,7 @@ def main():
     if args.launch_sweep:
         run_launch_sweep(args)
         print(f"[launch sweep done at {time.time() - start:.0f}s]", flush=True)
-    if args.bench or not (args.check or args.sweep or args.decode_sweep or args.launch_sweep):
+    if args.bench or not (args.sweep or args.decode_sweep or args.launch_sweep):
         run_bench(args)
         print(f"[bench done at {time.time() - start:.0f}s]", flush=True)
 

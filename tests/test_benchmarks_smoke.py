@@ -146,15 +146,10 @@ def test_kernel_profile_smoke(tmp_path):
 
 
 def test_attention_profile_smoke(tmp_path):
-    """attention_profile.py (two settings, interpret mode) and decode_attention_lora_check.py on
-    tiny shapes: every row measured and within its stated error of the reference."""
-    attention = _start("profile/attention_profile.py", tmp_path / "att", "--settings",
-                       "base;balanced=0")
-    shares = _start("decode_attention_lora_check.py", tmp_path / "shares")
-    _finish(attention)
-    _finish(shares)  # exit code 0: every case within its tolerance
-    assert json.load(open(tmp_path / "shares" / "decode_attention_lora_check.json"))[
-        "failures"] == 0
+    """attention_profile.py (two settings, interpret mode) on tiny shapes: every row measured
+    and within its stated error of the reference."""
+    _finish(_start("profile/attention_profile.py", tmp_path / "att", "--settings",
+                   "base;balanced=0"))
     rows = json.load(open(tmp_path / "att" / "attention_profile_b2.json"))["rows"]
     assert [row["setting"] for row in rows] == ["base", "balanced=0"]
     assert all("error" not in row and row["max_rel_err"] < 1e-2 and row["mean_us"] > 0

@@ -75,8 +75,8 @@ def test_bad_input_names_the_argument():
 
 
 def test_lowers_for_cuda():
-    """Lowered for CUDA on this CPU machine: one Triton custom call (the GPU compile and a
-    check against the kernel-layout dequantize: benchmarks/unpermute_check.py)."""
+    """Lowered for CUDA on this CPU machine: one Triton custom call (compiled and checked
+    against the kernel-layout dequantize on the GPU: test_permuted_dequantize_gpu.py)."""
     _, packed = kc.nvfp4_packed(128, 512, 2)
     permuted = mg.permute_packed(packed)
     lowered = jax.jit(lambda p, s: permuted_dequantize(p, s, n=128, k=512)).trace(

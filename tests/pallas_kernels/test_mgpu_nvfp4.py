@@ -3,10 +3,10 @@ checkpoint's float64 dequantization), its bit math (an integer emulation of the 
 gives those weights), the LoRA operands' scale folding (float64), the split-K counts, that the
 Mosaic GPU kernel (split-K, uneven splits, grouped operand widths) and the SwiGLU path lower
 for CUDA, and
-kernel_dispatch's experimental Mosaic path (which weights get copies and operands; the SwiGLU
-and grouped q|k|v launches with a jnp stand-in for the kernel against the interpreted Triton
-launches). The kernel's numbers are checked on a GPU by
-benchmarks/mgpu_matmul_check.py (Mosaic GPU has no interpret mode for TMA copies)."""
+kernel_dispatch's Mosaic path (which weights get copies and operands; the SwiGLU and grouped
+q|k|v launches with a jnp stand-in for the kernel against the interpreted Triton launches). The
+kernel's numbers are checked on a GPU by test_mgpu_nvfp4_gpu.py (Mosaic GPU has no interpret
+mode for TMA copies)."""
 
 import jax
 import jax.numpy as jnp
@@ -181,7 +181,7 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
 def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
                         stages=2, l2_prefetch=None, swiglu=None):
     """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
-    numbers are checked on the GPU by benchmarks/mgpu_matmul_check.py; an L2 prefetch is a
+    numbers are checked on the GPU by test_mgpu_nvfp4_gpu.py; an L2 prefetch is a
     hint that changes no result); with swiglu, the fused epilogue's (h, shares) as its
     docstring states them."""
     del splits, stages, l2_prefetch
@@ -619,7 +619,7 @@ def test_fused_swiglu_epilogue_plumbing(monkeypatch):
     next_lora_a padded to the row tiles' 32 rows each) and sums the row tiles' shares; with the
     kernel replaced by a jnp stand-in that computes what _swiglu_epilogue's docstring states,
     its outputs equal the XLA epilogue's (fused=False) within bf16 rounding. The epilogue's own
-    numbers are checked on the GPU (mgpu_matmul_check.py: the 32B SwiGLU launch against
+    numbers are checked on the GPU (test_mgpu_nvfp4_gpu.py: the 32B SwiGLU launch against
     Triton's, the sampler)."""
     from qerl_jax.quant import kernel_dispatch as kd
     n, k, m, rank = 96, 512, 5, 16  # out_n 96: the next A is padded from 96 to 128 rows

@@ -1,0 +1,39 @@
+"""Shared test fixtures and the `gpu` marker's skip.
+
+Markers (registered in pyproject.toml): `gpu` tests need an NVIDIA GPU; they are skipped when
+JAX's default backend is not "gpu", so `python -m pytest -q` on a CPU skips them and
+`python -m pytest -m gpu` on the GPU runs them. `slow` marks tests over a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# The data shared with the other checkouts (GSM8K, MATH-500 jsonl): read by path, never copied.
+SHARED_DATA_DIR = os.path.abspath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+
+
+@pytest.fixture
+def shared_data_dir() -> str:
+    """The ../shared/data directory beside the repository; the test is skipped without it."""
+    if not os.path.isdir(SHARED_DATA_DIR):
+        pytest.skip(f"no shared data directory at {SHARED_DATA_DIR}")
+    return SHARED_DATA_DIR
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips the `gpu`-marked tests unless JAX's default backend is a GPU."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import jax  # only when a gpu test was collected: the backend starts here
+
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU (JAX backend is {backend!r})")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -1,0 +1,241 @@
+"""The Mosaic GPU NVFP4 decode kernel on a Hopper GPU (`pytest -m gpu`).
+
+- The matmul, y = x @ W^T / tensor_scale (+ scale * down @ B), for random NVFP4 checkpoints (the
+  whole e4m3 scale range, 1/64 of the scales zero) over M, LoRA ranks, split counts (some that
+  do not divide the K tiles) and shapes, against a float64 product of the checkpoint's weights
+  and of the LoRA term with the kernel's bf16 roundings (bf16(down) @ its LoRA operand,
+  mgpu_nvfp4.lora_operand, rescaled by 2^8 / tensor_scale; the operand's scale folding is
+  checked against float64 on the CPU in test_mgpu_nvfp4.py). Bound per element: 1e-5 x
+  (|x| @ |W|^T + the same product of absolute values of the LoRA term), float32 accumulation
+  over K <= 27648 of exact products. "prepared" cases pass the operand made ahead (lora_bt, as
+  the sampler does), the others pass B and the LoRA scale.
+- The grouped q|k|v launch: three weights' buffers stacked (group_permuted), the block-diagonal
+  operand (group_lora_operand), each member's columns rescaled by its own 2^8 / tensor_scale,
+  each against its float64 product with the same bound.
+- The gate|up SwiGLU launch of a 32B pair with the next layer's LoRA product, the SwiGLU in the
+  kernel's epilogue and in XLA, against the Triton fused SwiGLU launch on the same pair: within
+  2^-7 of the largest |output| (bf16 outputs of sums in different orders).
+- The sampler end to end (a random 1.5B NVFP4 model, rank-32 LoRA with nonzero B, batch 8, 64
+  tokens at temperature 1 from one key) on the Mosaic path, the Triton kernels and the XLA path:
+  a random model's next-token distribution is nearly uniform, so summation order alone moves
+  some draws; the Mosaic path's largest log-prob gap on the common token prefixes must be at
+  most max(0.05, twice the Triton-XLA gap).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import blockwise_matmul as bw
+from pallas_kernels import mgpu_nvfp4 as mg
+from pallas_kernels import nvfp4_matmul
+
+pytestmark = pytest.mark.gpu
+
+BOUND = 1e-5  # of |x| @ |W|^T (+ the LoRA term's absolute product), per element
+MATMUL_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
+    (256, 1024, 8, 0, None, False), (256, 1024, 5, 32, 3, False), (200, 608, 1, 16, 1, True),
+    (1024, 5120, 16, 32, None, False), (640, 2304, 64, 64, 2, True),
+    (5120, 27648, 8, 32, None, True), (5120, 5120, 8, 32, 4, False),
+    (384, 4096, 3, 0, 16, False),
+    # splits that do not divide the K tiles (7 K tiles in 3; 7B's down: 74 in 9), 14B's down
+    # (LoRA operand made in the call) and gate|up pair shapes
+    (384, 1792, 8, 32, 3, True), (3584, 18944, 8, 32, None, True),
+    (5120, 13824, 8, 32, None, False), (27648, 5120, 5, 16, None, True)]
+GROUP_CASES = [  # (member Ns, k, m, rank of each, splits): grouped q|k|v launches
+    ((5120, 1024, 1024), 5120, 8, 32, None), ((256, 128, 128), 1792, 5, 16, 3),
+    ((3584, 512, 512), 3584, 8, 64, None)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hopper():
+    reason = mg.available()
+    if reason is not None:
+        pytest.skip(f"no Mosaic GPU kernel here: {reason}")
+
+
+def _random_checkpoint(n: int, k: int, key):
+    """NVFP4 checkpoint arrays (codes, e4m3 block scales over 2^-9..2^8 with ~1/64 zero,
+    tensor scale in [50, 500]): every code and the whole scale range in use."""
+    kc, ks, kz, kt = jax.random.split(key, 4)
+    codes = jax.random.bits(kc, (n, k // 2), jnp.uint8)
+    scales = 2.0 ** jax.random.uniform(ks, (n, k // 16), minval=-9, maxval=8)
+    scales = jnp.where(jax.random.bernoulli(kz, 1 / 64, scales.shape), 0.0, scales)
+    return codes, scales.astype(jnp.float8_e4m3fn), jax.random.uniform(kt, (), minval=50,
+                                                                       maxval=500)
+
+
+def _inputs(key, n: int, k: int, m: int, rank: int):
+    """(checkpoint, x [m, k], down [m, rank], B [rank, n]) bf16; down and B None at rank 0."""
+    ckpt = _random_checkpoint(n, k, jax.random.fold_in(key, 1))
+    x = jax.random.normal(jax.random.fold_in(key, 2), (m, k), jnp.bfloat16)
+    if not rank:
+        return ckpt, x, None, None
+    down = jax.random.normal(jax.random.fold_in(key, 3), (m, rank), jnp.bfloat16)
+    lora_b = 0.01 * jax.random.normal(jax.random.fold_in(key, 4), (rank, n), jnp.bfloat16)
+    return ckpt, x, down, lora_b
+
+
+def _float64(array) -> np.ndarray:
+    return np.asarray(jnp.asarray(array).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("n,k,m,rank,splits,prepared", MATMUL_CASES)
+def test_matmul_matches_float64(n, k, m, rank, splits, prepared):
+    ckpt, x, down, lora_b = _inputs(jax.random.key(n * 7 + k), n, k, m, rank)
+    packed = nvfp4_matmul.repack_nvfp4(*ckpt)
+    permuted = mg.permute_packed(packed)
+    operand, kwargs = None, {}
+    if rank:
+        operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
+        kwargs = (dict(lora_down=down, lora_bt=operand) if prepared
+                  else dict(lora_down=down, lora_b=lora_b, lora_scale=2.0))
+    fn = jax.jit(lambda x, p, ts, kw: mg.mgpu_nvfp4_matmul(x, p, ts, n=n, k=k, splits=splits,
+                                                          **kw))
+    y = np.asarray(fn(x, permuted, packed.tensor_scale, kwargs), np.float64)
+    w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*ckpt), np.float64)
+    x64 = _float64(x)
+    reference, bound = x64 @ w.T, np.abs(x64) @ np.abs(w).T
+    if rank:
+        lx = _float64(down.astype(jnp.bfloat16))
+        bt = _float64(operand)[:n]
+        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(packed.tensor_scale).reshape(()))
+        reference = reference + (lx @ bt.T) * rescale
+        bound = bound + (np.abs(lx) @ np.abs(bt).T) * rescale
+    assert np.isfinite(y).all()
+    excess = float((np.abs(y - reference) / (BOUND * bound + 1e-30)).max())
+    assert excess <= 1.0, f"largest error / bound {excess:.3g}"
+
+
+@pytest.mark.parametrize("ns,k,m,rank,splits", GROUP_CASES)
+def test_grouped_launch_matches_float64(ns, k, m, rank, splits):
+    members = [_inputs(jax.random.key(1000 * i + k), n, k, m, rank) for i, n in enumerate(ns)]
+    x = members[0][1]
+    down = jnp.concatenate([member[2] for member in members], axis=1)
+    packed = [nvfp4_matmul.repack_nvfp4(*member[0]) for member in members]
+    tiles = mg.group_permuted([mg.permute_packed(p) for p in packed], [k] * len(ns))
+    n_pads = [p.codes.shape[0] for p in packed]
+    operand = mg.group_lora_operand([member[3] for member in members],
+                                    [p.tensor_scale for p in packed], [2.0] * len(ns), n_pads)
+    fn = jax.jit(lambda x, t, d, o: mg.matmul_unscaled(x, t, n=sum(n_pads), k=k,
+                                                       splits=splits, lora_down=d, lora_bt=o))
+    y = np.asarray(fn(x, tiles, down, operand), np.float64)
+    assert np.isfinite(y).all()
+    x64, lx, bt_all = _float64(x), _float64(down), _float64(operand)
+    offset = 0
+    for index, (n, member, p, n_pad) in enumerate(zip(ns, members, packed, n_pads)):
+        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(p.tensor_scale).reshape(()))
+        got = y[:, offset:offset + n] * rescale
+        w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*member[0]), np.float64)
+        bt = bt_all[offset:offset + n]
+        reference = x64 @ w.T + (lx @ bt.T) * rescale
+        bound = np.abs(x64) @ np.abs(w).T + (np.abs(lx) @ np.abs(bt).T) * rescale
+        excess = float((np.abs(got - reference) / (BOUND * bound + 1e-30)).max())
+        assert excess <= 1.0, f"member {index}: largest error / bound {excess:.3g}"
+        offset += n_pad
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel_epilogue", "xla_epilogue"])
+def test_swiglu_launch_matches_the_triton_launch(fused):
+    """The 32B gate|up pair (27648 x 5120 each), M = 8, LoRA r32 on both halves and the next
+    layer's LoRA A: the Mosaic launch against Triton's blockwise_matmul_swiglu."""
+    from qerl_jax.quant.nvfp4 import nvfp4_quantize
+    n, k, m, rank, half_block = 27648, 5120, 8, 32, 32
+    keys = jax.random.split(jax.random.key(7), 8)
+    gate, up = (nvfp4_matmul.repack_nvfp4(*_checkpoint_arrays(nvfp4_quantize(
+        jax.random.normal(keys[i], (n, k)) * 0.02)), tile_k=mg.TILE_K) for i in (0, 1))
+    pair = bw.interleave_gate_up(gate, up, half_block)
+    n_pad = gate.codes.shape[0]
+    x = jax.random.normal(keys[2], (m, k), jnp.bfloat16)
+    down = (jax.random.normal(keys[3], (m, 2 * rank)) * 0.1).astype(jnp.bfloat16)
+    gate_b, up_b = ((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
+                    for i in (4, 5))
+    next_a = (jax.random.normal(keys[6], (n, rank)) * 0.01).astype(jnp.bfloat16)
+    scales = (gate.tensor_scale, up.tensor_scale)
+
+    want, want_next = jax.jit(lambda x, d: bw.blockwise_matmul_swiglu(
+        x, pair, spec=nvfp4_matmul.NVFP4, out_n=n, half_block=half_block, lora_down=d,
+        lora_ranks=(rank, rank), lora_b=bw.interleave_lora_b(gate_b, up_b, n_pad, half_block),
+        lora_scale=1.0, tensor_scales=scales, next_lora_a=next_a))(x, down)
+    operand = mg.pair_lora_operand(gate_b, up_b, *scales, 1.0, n_pad=n_pad,
+                                   half_block=half_block)
+    got, got_next = jax.jit(lambda x, d: mg.mgpu_nvfp4_swiglu(
+        x, mg.permute_packed(pair), *scales, out_n=n, k=k, half_block=half_block, lora_down=d,
+        lora_bt=operand, next_lora_a=next_a, fused=fused))(x, down)
+    for name, value, reference in (("output", got, want), ("next LoRA", got_next, want_next)):
+        value, reference = _float64(value), _float64(reference)
+        assert value.shape == reference.shape and np.isfinite(value).all(), name
+        error = float(np.abs(value - reference).max() / (2.0 ** -7 * np.abs(reference).max()))
+        assert error <= 1.0, f"{name}: largest error / (2^-7 max|reference|) {error:.3g}"
+
+
+def _checkpoint_arrays(quantized):
+    return quantized.codes, quantized.block_scales, quantized.tensor_scale
+
+
+def _rollout(path: str, monkeypatch):
+    """(tokens, log-probs) of 64 sampled tokens from one random 1.5B NVFP4 model (seed 0) with
+    a rank-32 LoRA (nonzero B), batch 8, prompt 64, on `path`: "xla" (no Pallas kernel),
+    "triton" (the Triton kernels) or "mosaic" (the Mosaic GPU NVFP4 path)."""
+    from flax import nnx
+
+    from qerl_jax import sampling
+    from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
+    from qerl_jax.models.config import preset
+    from qerl_jax.models.layers import Linear
+    from qerl_jax.model_quant import kernels as model_kernels
+    from qerl_jax.model_quant.random_model import random_quantized_model
+    from qerl_jax.quant import kernels
+    from qerl_jax.quant.kernel_options import KernelOptions
+
+    architecture = preset("qwen2p5_1p5b", param_dtype="bfloat16", compute_dtype="bfloat16",
+                          remat=False)
+    model = random_quantized_model(architecture, "nvfp4", seed=0)
+    add_lora(model, LoRAConfig(rank=32, alpha=32.0, train_norms=True), jax.random.key(1))
+    adapted = [node for _, node in nnx.iter_graph(model)
+               if isinstance(node, Linear) and node.lora_b is not None]
+    for index, layer in enumerate(adapted):
+        value = layer.lora_b.get_value()
+        layer.lora_b.set_value(1e-3 * jax.random.normal(
+            jax.random.fold_in(jax.random.key(2), index), value.shape, value.dtype))
+    kernels.unregister_kernels("gpu")
+    model_kernels.disable_decode_attention("gpu")
+    if path != "xla":
+        options = KernelOptions(mosaic_nvfp4="on" if path == "mosaic" else "off")
+        model_kernels.enable_kernels(model, options)
+    graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
+    del model
+    config = sampling.SamplingConfig(max_new_tokens=64, temperature=1.0, eos_token_ids=(),
+                                     num_generations=1, prompt_bucket=64)
+    tokens = jax.random.randint(jax.random.key(7), (8, 64), 0, architecture.vocab_size,
+                                jnp.int32)
+    rollout = sampling.generate_from_states(graphdef, (trainable, frozen), tokens,
+                                            jnp.ones((8, 64), jnp.bool_), jax.random.key(8),
+                                            config)
+    return jax.device_get((rollout.tokens, rollout.logprobs))
+
+
+def _largest_gap(a, b) -> float:
+    """The largest |log-prob difference| over each row's common token prefix."""
+    (tokens_a, logprobs_a), (tokens_b, logprobs_b) = a, b
+    differs = np.asarray(tokens_a) != np.asarray(tokens_b)
+    prefix = np.where(differs.any(1), differs.argmax(1), differs.shape[1])
+    return max(float(np.abs(np.asarray(logprobs_a)[i, :p] - np.asarray(logprobs_b)[i, :p])
+                     .max(initial=0.0)) for i, p in enumerate(prefix))
+
+
+def test_sampler_on_the_mosaic_path_agrees_within_the_noise_floor(monkeypatch):
+    from qerl_jax.model_quant.kernels import disable_decode_attention
+    from qerl_jax.quant.kernels import unregister_kernels
+    try:
+        rollouts = {path: _rollout(path, monkeypatch) for path in ("xla", "triton", "mosaic")}
+    finally:
+        unregister_kernels("gpu")
+        disable_decode_attention("gpu")
+    floor = _largest_gap(rollouts["triton"], rollouts["xla"])
+    for other in ("triton", "xla"):
+        gap = _largest_gap(rollouts["mosaic"], rollouts[other])
+        assert gap <= max(0.05, 2 * floor), f"Mosaic vs {other}: {gap:.3g} (floor {floor:.3g})"
