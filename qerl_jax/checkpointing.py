@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -38,6 +39,19 @@ def _quiet_orbax():
         yield
     finally:
         absl_logger.setLevel(level)
+
+
+def _ignore_closed_event_loop(unraisable) -> None:
+    """After a failed write, tensorstore's pending operations complete on threads whose asyncio
+    loop orbax already closed: each reports 'Event loop is closed' (hundreds on a full disk),
+    burying the one line that says what failed. Those, and only those, are dropped."""
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+        return
+    _PREVIOUS_UNRAISABLE_HOOK(unraisable)
+
+
+_PREVIOUS_UNRAISABLE_HOOK = sys.unraisablehook
 
 
 def _first_line(error: BaseException) -> str:
@@ -94,6 +108,7 @@ class TrainingCheckpoints:
                     force=True)
                 self.manager.wait_until_finished()
         except Exception as error:   # orbax/tensorstore raise ValueError for an OS failure
+            sys.unraisablehook = _ignore_closed_event_loop
             self._remove_partial(step)
             steps = self.all_steps()
             kept = (f"checkpoints of steps {steps} are intact" if steps
@@ -104,9 +119,18 @@ class TrainingCheckpoints:
             raise TrainingStopped(f"checkpoint {self.step_path(step)} was not written")
 
     def _remove_partial(self, step: int) -> None:
-        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
-            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        """Removes the failed write's temporary directory (its background writers may still be
+        finishing: a few tries), freeing the space it took."""
+        for _ in range(10):
+            partial = [os.path.join(self.directory, name)
+                       for name in (os.listdir(self.directory)
+                                    if os.path.isdir(self.directory) else ())
+                       if name.startswith(f"{step}.orbax-checkpoint-tmp")]
+            if not partial:
+                break
+            for path in partial:
+                shutil.rmtree(path, ignore_errors=True)
+            time.sleep(0.2)
         with contextlib.suppress(Exception):
             self.manager.reload()
 

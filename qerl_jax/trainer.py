@@ -585,15 +585,13 @@ class Trainer:
         where = (f"checkpoint {saved} (step {latest}); continue with --resume" if saved
                  else "no checkpoint; a restart begins at step 0")
         if isinstance(error, Interrupted):
-            message = (f"stopped by {error.signal_name} at step {self.step} of "
-                       f"{self.config.train.total_steps}: last completed step saved in "
-                       f"{where}{note}")
-            logger.warning(message)
-            return TrainingStopped(message, exit_code=128 + error.signum)
-        if isinstance(error, TrainingStopped):
-            message = f"{error}; the run stopped at step {self.step}, resumes from {where}"
-            logger.error(message)
-            return TrainingStopped(message, exit_code=error.exit_code)
+            return TrainingStopped(
+                f"stopped by {error.signal_name} at step {self.step} of "
+                f"{self.config.train.total_steps}: last completed step saved in {where}{note}",
+                exit_code=128 + error.signum)
+        if isinstance(error, TrainingStopped):   # the CLI prints it: one line
+            return TrainingStopped(f"{error}; the run stopped at step {self.step}, resumes "
+                                   f"from {where}", exit_code=error.exit_code)
         logger.error("stopped at step %d by %s: %s; resumes from %s%s", self.step,
                      type(error).__name__, error, where, note)
         return error
