@@ -22,7 +22,7 @@ stores its K tiles one after another, [K tiles, 64 rows, tile columns], instead 
 A kernel's [bn <= 64, tile_k/2] code tile is then one contiguous 8 KB piece of memory (and its
 scales one 1 KB piece), and one program's consecutive K tiles are adjacent, where row-major
 storage makes a tile of bn 128-byte pieces K/2 bytes apart: the fused kernel ran 4-9% faster
-on the 7B and 32B decode shapes (H100, benchmarks/decode_cost_probe.py, RESULTS.md session 16).
+on the 7B and 32B decode shapes (H100, docs/decisions.md).
 The kernels view an array as [N_pad * K tiles, tile columns] (a free reshape) and read tile kt of
 rows [w0, w0 + bn) at row `tile_row(w0, kt, k_tiles)`. Every 64-row block holds only its own rows,
 so gate/up pairs (interleave_rows, 32-row blocks) go through `row_major` and back.
@@ -416,8 +416,8 @@ def parse_tuning(text: str) -> dict:
 
 
 def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
-    """Heuristic tiling for y = x @ W^T, from sweeps on an H100 (benchmarks/kernels_results.md)
-    and the decode-shape sweep on an H200 (benchmarks/RESULTS.md).
+    """Heuristic tiling for y = x @ W^T, from sweeps on an H100 (benchmarks/kernels.py --sweep)
+    and the decode-shape sweep on an H200 (kernels.py --decode-sweep).
 
     M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program (at M <= 16
     the DecodeTuning's block_n, warps and stages). Split-K: none when the N tiles
@@ -718,7 +718,7 @@ def _swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, do
     shares_ref: also that bf16 tile times next_a_ref's rows of those columns, float32 [bm, r'],
     to shares_ref[pid_n] (the shares sum to out @ A_next). Stored tiles last instead ([M, r',
     tiles], a row reduction for XLA), XLA's sum took 2.1 us instead of 3.4 but the strided
-    stores made the launch 1.9 us slower (32B gate|up, H100, RESULTS.md session 17)."""
+    stores made the launch 1.9 us slower (32B gate|up, H100, docs/decisions.md)."""
     if lora_scale is not None:
         rank = lora_b_ref.shape[0]
         down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],
@@ -840,8 +840,8 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     (the same for both). tensor_scales: (gate's divisor [1], up's [1]) as two kernel inputs,
     in place of gate_up.tensor_scale [2] (which may then be None): a caller inside a decode
     loop then builds no [2] array at every step. The model's decode MLP
-    (qerl_jax.quant.kernel_dispatch, gate/up pairs); benchmarks/swiglu_profile.py times it
-    against the grouped launch.
+    (qerl_jax.quant.kernel_dispatch, gate/up pairs), where it is faster than
+    the grouped launch + XLA's SwiGLU (docs/decisions.md).
 
     next_lora_a: the next layer's LoRA A [out_n, r] (the MLP's down projection reads this
     output): then returns (y, y @ next_lora_a float32 [..., r]), the product of the bf16

@@ -12,7 +12,7 @@ Balanced splits (the default): the used slots [0, length) are divided evenly amo
 at run time, ceil(ceil(length / block_s) / splits) blocks each, so that early in a rollout every
 split reads a few blocks instead of the first ones reading all of them (the program's longest
 loop sets the kernel's time). `DecodeAttentionConfig(balanced=0)` gives each split a fixed
-range of the cache, ceil(S / block_s / splits) blocks (the layout before session 11).
+range of the cache, ceil(S / block_s / splits) blocks (for comparisons).
 
     out = decode_attention(q, keys, values, mask, length, scale=1 / sqrt(D))
 

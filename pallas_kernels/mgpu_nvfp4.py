@@ -1,7 +1,7 @@
 """NVFP4 decode matmul for Hopper: a Pallas Mosaic GPU kernel (TMA pipeline, E2M1 decode in
 registers, wgmma) for the sampler's small-M launches (GPU only, JAX >= 0.10; not interpretable:
 Mosaic GPU's interpret mode has no TMA rules, so the CPU suite checks its layout, its bit math
-and that it lowers for CUDA, and `benchmarks/mgpu_matmul_check.py` checks its numbers on a GPU).
+and that it lowers for CUDA; tests/pallas_kernels/test_mgpu_nvfp4_gpu.py checks its numbers).
 
 Permuted layout (`permute_packed`, from a PackedWeight in the kernel layout of
 pallas_kernels.blockwise_matmul, NVFP4, tile_k = 256; `unpermute_tiles` undoes it, and
@@ -27,15 +27,15 @@ tile fewer skips its surplus last step) through a TMA pipeline, decodes each til
 accumulates acc [64, M] += W_tile [64, 256] @ x_tile^T on the tensor cores (wgmma, M the N of
 the instruction), and stores acc transposed (through shared memory, one TMA copy) as split
 s's partial of y [M, N], so the consumers of y keep their row-major layout (with y^T partials
-XLA laid the residual stream out as [N, M] and transposed it back before every norm, session 21
-call m's HLO). With LoRA, split 0 also adds its [64, r] tile of the LoRA operand
+XLA laid the residual stream out as [N, M] and transposed it back before every norm, as an H100
+program's HLO showed). With LoRA, split 0 also adds its [64, r] tile of the LoRA operand
 (`lora_operand`: B^T scaled by lora_scale * tensor_scale * 2^-8, so one factor rescales both
 products) times (x @ A)^T into acc (one more wgmma) before storing. The partials are summed by
 elementwise adds, which XLA fuses into the consumer of y (no kernel of its own).
 
 A stream-K schedule (every program in one wave, each an equal share of the (row tile, K tile)
-units) was tried in session 22 and removed: correct on the H100 but no faster (RESULTS.md
-"Session 22"; the code is at commit 7d89713).
+units) was correct on the H100 but no faster (docs/decisions.md; its code is at commit
+7d89713).
 
 `mgpu_nvfp4_matmul`: y = that sum * 2^8 / tensor_scale (one weight). A grouped q|k|v launch is
 one matmul_unscaled over the three weights stacked by rows (`group_permuted`) with a
@@ -50,7 +50,7 @@ XLA does all of that. The LoRA operands are made once per rollout where the call
 `L2Prefetch` (`l2_prefetch=`): after its K loop each program also prefetches into L2 its share
 of another launch's first K tiles (and optionally a small array, the LoRA A that XLA's x @ A
 reads before that launch): a hint that changes no result (kernel_dispatch.link_mosaic_prefetch
-chains the sampler's launches; RESULTS.md "Session 23").
+chains the sampler's launches; docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -496,7 +496,7 @@ def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
 def _store_partial(acc_ref, out_smem, dst) -> None:
     """Inside a kernel: acc [64, M] stored transposed into dst [M, 64] of a partial (through
     shared memory, one TMA copy). Waiting for the shared-memory read only, or storing from the
-    registers without a wait, was no faster (session 23 call c)."""
+    registers without a wait, was no faster (docs/decisions.md)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
         lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
@@ -668,8 +668,8 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                     next_rank: int | None):
     """matmul_unscaled's kernel for one static configuration, as one jitted function (cached):
     every launch of it in a program (a model's layers) calls the same function, so JAX lowers
-    the Mosaic GPU kernel once per program, not once per launch (session 23: 32 launches lowered
-    in 0.17 s instead of 4.5 s). rank: the LoRA operand's width (None: no LoRA); plan: the
+    the Mosaic GPU kernel once per program, not once per launch (32 launches lowered
+    in 0.17 s instead of 4.5 s, on a CPU). rank: the LoRA operand's width (None: no LoRA); plan: the
     L2 prefetch's static part (buffer None, extra as a shape) or None; swiglu / next_rank: the
     fused SwiGLU epilogue and its next-LoRA width."""
     from jax.experimental import pallas as pl

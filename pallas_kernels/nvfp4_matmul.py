@@ -154,7 +154,7 @@ NVFP4 = bw.FormatSpec(
     decoders=("fp8", "bits", "asm", "asmn", "asms", "asmq"),
     # "asmq": 4-7% less kernel time than "asm" on the 7B decode shapes, 1983 vs 1943 tok/s in
     # the 7B batch-8 rollout; checked on the GPU in every kernel and orientation (H100,
-    # RESULTS.md session 10, call a).
+    # commit 7590932).
     interpret_decoder="fp8", gpu_decoder="asmq", decode=_decode,
     epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]),
     decode_values=e2m1_values, value_exponent=lambda d: -6 if d == "fp8" else 0,

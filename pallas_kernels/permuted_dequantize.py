@@ -5,7 +5,7 @@ A weight whose only copy is the Mosaic GPU kernel's bit-permuted buffer
 and training through W in bf16. Unpermuting the buffer into the kernel layout with XLA first
 (mgpu_nvfp4.kernel_layout_from_permuted) and then running the kernel-layout dequantize
 (blockwise_matmul.blockwise_dequantize) took 1.4-2.8x the dequantize alone on the H100
-(benchmarks/RESULTS.md, session 24). This Triton kernel decodes the permuted tiles directly.
+(docs/decisions.md). This Triton kernel decodes the permuted tiles directly.
 
 The permuted tile (mgpu_nvfp4.permute_tiles): 64 rows x 256 columns of E2M1 codes in 2048
 uint32 words, word (i_hi, w, l, q, i_lo) (that nesting, i_hi outermost) holding the 8 codes of
@@ -24,7 +24,7 @@ decoder scales by powers of two that cancel exactly).
 Each block's values are regrouped in registers (reshapes, a transpose, two-way joins) so that
 every store writes 64 contiguous columns of a row. Storing each (h, c_half, half) sub-grid as
 it comes out (2-byte scattered stores) was as fast on the 14B q|k|v weight and 1.5-2.0x slower
-on the other five measured on the H100 (RESULTS.md, session 25); it was removed.
+on the other five measured on the H100 (docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ run of the same shapes (the next seed or format of an ablation, a resumed run) l
 of compiling: at Qwen2.5-7B that is ~20 s per sampler program on an H100 (benchmarks/RESULTS.md).
 
 A loaded program also skips XLA's GPU autotuner, whose scratch buffers are the largest transient
-of a step at 7B (benchmarks/RESULTS.md, session 4: the peak rises by ~3 GiB while the sampler
-compiles). So a run with a warm cache peaks lower than a cold one; the benchmarks say which
-they measured.
+of a step at 7B (on an H100 the peak rose by ~3 GiB while the sampler compiled; see the 7B
+step's peak memory in benchmarks/RESULTS.md). So a run with a warm cache peaks lower than a
+cold one; the benchmarks say which they measured.
 
 JAX keeps one cache per process: the directory applies to every program compiled afterwards,
 also outside the trainer. Programs that compile in under

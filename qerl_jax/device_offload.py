@@ -2,7 +2,7 @@
 
 XLA's GPU autotuner allocates its scratch and test buffers from the device memory the run uses
 while it compiles a program: at Qwen2.5-7B, +3.1 GiB over what is in use while the sampler
-compiles, the largest transient of a cold run (benchmarks/RESULTS.md, sessions 4 and 8). The
+compiles, the largest transient of a cold run (measured on an H100 at commit bbc5942). The
 frozen base weights are most of what is in use; copied to host memory for the compile, they no
 longer add to it.
 
@@ -14,7 +14,7 @@ Two ways to hold them:
     by DMA; committed arrays only (an array put back from there is committed). On the H100 its
     transfers are ~4x faster for 14 GiB (4.8 vs 18.3 s there and back), but the 7B bf16 training
     phase after it was 0.5 s slower (1.62-1.79 s in three runs, 1.07-1.24 s in three without
-    it; cause not found; benchmarks/RESULTS.md, session 9), so it is not the default.
+    it; cause not found; docs/decisions.md), so it is not the default.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """qerl_jax.xla_autotuning: the XLA_FLAGS it composes, and its clear errors.
 
 That the flags make GPU rollouts reproducible is measured on the GPU (benchmarks/RESULTS.md,
-session 15): the CPU backend accepts the flags and ignores them.
+"Reproducible GPU rollouts"): the CPU backend accepts the flags and ignores them.
 """
 
 import os

@@ -46,8 +46,8 @@ class ModelConfig:
     jax.checkpoint for training (gradient checkpointing). `attention_query_chunk`: the XLA
     attention of sequences longer than this runs over blocks of this many queries (lax.map,
     each block under jax.checkpoint), so the program's [chunk, S] float32 scores replace the
-    [T, S] ones (0, the default: all T queries at once). Measured on an H100 (benchmarks/
-    RESULTS.md, session 7), chunks of 256 did not lower the 7B GRPO step's peak at T = 1280
+    [T, S] ones (0, the default: all T queries at once). Measured on an H100 (docs/
+    decisions.md), chunks of 256 did not lower the 7B GRPO step's peak at T = 1280
     (10.8 against 9.6 GiB): opt-in, for longer sequences.
     `attention_implementation`: how the full-sequence attention (training and the log-prob
     passes) is computed: 'xla' (default) materializes the float32 [T, S] scores per layer;

@@ -163,7 +163,7 @@ def head_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax.Array,
     training program (2 x 256 positions, 152k vocabulary) XLA's buffer assignment held four
     float32 [..., V] values of 297 MiB with autodiff (the two head GEMM outputs, the
     take_along_axis gradient's scatter, a broadcast) and the two GEMM outputs with this
-    backward (benchmarks/RESULTS.md, session 8).
+    backward (benchmarks/memory_breakdown.py --dump on an H100, commit 63484a7).
     """
     converted, consts = jax.closure_convert(logits_fn, hidden)
     return _head_logprobs_and_entropy(converted, float(temperature), hidden, tokens, *consts)
