@@ -166,3 +166,39 @@ def test_stopped_and_refused_runs_exit_with_their_status(fake_trainer, tmp_path,
     argv = ["train", "--config", os.path.join(REPO, TINY), f"--workdir={tmp_path}"]
     assert train.main(argv) == status
     assert capsys.readouterr().err.strip() == message
+
+
+def test_console_is_clean_and_an_interrupt_is_one_line(tmp_path):
+    """A real (shrunken) run through the CLI: each notice is logged once and on a line of its
+    own above the progress bar (not inside it), the quantization report once, no transformers
+    'PyTorch was not found' advisory, no traceback; SIGINT mid-run ends with one line naming
+    the saved checkpoint and exit status 130; --resume finishes the run."""
+    workdir = str(tmp_path / "run")
+    args = ("--config", TINY, "--workdir", workdir, "--config.warmup.steps=5",
+            "--config.train.total_steps=40", "--config.model.overrides.num_hidden_layers=2",
+            "--config.checkpoint.every_steps=1000")
+    process = subprocess.Popen([sys.executable, "-m", "qerl_jax.train", *args], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    while time.time() < deadline and process.poll() is None:   # interrupt after a few steps
+        if os.path.isfile(metrics) and sum(1 for _ in open(metrics)) >= 3:
+            process.send_signal(2)
+            break
+        time.sleep(0.2)
+    stdout, stderr = process.communicate(timeout=240)
+    assert process.returncode == 130, stderr
+    records = [line for line in stderr.replace("\r", "\n").splitlines()
+               if line.strip() and not line.startswith("QeRL:")]
+    assert "Traceback" not in stderr and "PyTorch was not found" not in stderr
+    quantization = [line for line in records if "mean relative error" in line]
+    assert len(quantization) == 1, records
+    notices = [line for line in records if " I " in line or " W " in line]
+    assert len(notices) == len(set(line[9:] for line in notices)), notices   # once each
+    assert all(line[:2].isdigit() for line in notices), records   # each starts its own line
+    last = records[-1]
+    assert last.startswith("stopped by SIGINT at step ") and "--resume" in last, records
+    assert [line for line in records if line not in notices] == [last], records
+    resumed = _cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "steps " in resumed.stdout and "..39:" in resumed.stdout
