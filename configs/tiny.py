@@ -53,7 +53,7 @@ def get_config():
     train.micro_batch_size = 64
     train.learning_rate = 2e-3
     train.max_grad_norm = 1.0
-    config.loss.loss_type = "bnpo"
+    config.loss.loss_type = "micro_batch_token_mean"   # TRL's "bnpo"
     config.loss.mask_truncated_completions = False
     config.rewards.names = ("arithmetic", "format")
     config.checkpoint.every_steps = 25

@@ -32,7 +32,8 @@ PRESET_NAMES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwe
                 "tiny_qwen2")                                # models.config.PRESETS
 REWARD_NAMES = ("format", "gsm8k_exact", "gsm8k_numeric", "math_verify",
                 "arithmetic")                                # rewards.REWARD_FUNCTIONS
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")             # rl.losses.LOSS_TYPES
+LOSS_TYPES = ("sequence_mean", "micro_batch_token_mean", "constant_length_sum",
+              "batch_token_mean", "grpo", "bnpo", "dr_grpo", "dapo")   # rl.losses.LOSS_TYPES
 PROMPT_STYLES = ("paper", "system", "plain")                 # data.prompts.build_prompt_text
 MODEL_CONFIG_FIELDS = (                                      # models.config.ModelConfig
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -235,7 +236,8 @@ FIELDS: dict[str, Field] = {
     "train.logits_chunk_size": Field(256, "Completion tokens per chunk of the log-prob pass "
                                      "(0 = the whole completion at once).", at_least(0)),
     # loss
-    "loss.loss_type": Field("bnpo", "Policy-loss normalization (rl.losses.LOSS_TYPES).",
+    "loss.loss_type": Field("micro_batch_token_mean", "Policy-loss aggregation over tokens "
+                            "(rl.losses; grpo/bnpo/dr_grpo/dapo are aliases).",
                             one_of(LOSS_TYPES)),
     "loss.epsilon_low": Field(0.2, "Lower clip range: ratios below 1 - epsilon_low are "
                               "clipped.", in_interval(0, 1, high_open=True)),
@@ -338,7 +340,7 @@ def released_script_config(variant: str, spec: str) -> ml_collections.ConfigDict
     config.train.weight_decay = 0.1
     config.train.max_grad_norm = 0.2
     config.train.total_steps = 7473 // config.train.prompts_per_step if dataset == "gsm8k" else 500
-    config.loss.loss_type, config.loss.beta = "bnpo", 0.0
+    config.loss.loss_type, config.loss.beta = "micro_batch_token_mean", 0.0   # TRL's bnpo
     config.loss.epsilon_low, config.loss.epsilon_high = 0.2, 0.28
     config.rewards.names = rewards
     config.checkpoint.every_steps = 50

@@ -152,7 +152,9 @@ BAD_VALUES = [
     ("loss.beta", -0.04, "must be >= 0, got -0.04"),
     ("loss.top_entropy_quantile", 0.0, "must be in (0, 1], got 0.0"),
     ("loss.top_entropy_quantile", 1.2, "must be in (0, 1], got 1.2"),
-    ("loss.loss_type", "ppo", "'ppo' not in ('grpo', 'bnpo', 'dr_grpo', 'dapo')"),
+    ("loss.loss_type", "ppo", "'ppo' not in ('sequence_mean', 'micro_batch_token_mean', "
+                              "'constant_length_sum', 'batch_token_mean', 'grpo', 'bnpo', "
+                              "'dr_grpo', 'dapo')"),
     ("data.limit", -1, "must be >= 0, got -1"),
     ("data.max_prompt_length", 0, "must be > 0, got 0"),
     ("data.prompt_style", "chat", "'chat' not in ('paper', 'system', 'plain')"),
@@ -186,7 +188,10 @@ BAD_VALUES = [
     ("train.total_steps", 1.5, "must be an integer, got 1.5 (float)"),
     ("train.prompts_per_step", True, "must be an integer, got True (bool)"),
     ("rollout.temperature", "1", "must be a number, got '1' (str)"),
-    ("quant.kernels", 1, "must be True or False, got 1 (int)"),
+    ("quant.kernels.enabled", 1, "must be True or False, got 1 (int)"),
+    ("quant.kernels.mosaic_nvfp4", "yes", "'yes' not in ('auto', 'on', 'off')"),
+    ("quant.kernels.mosaic_prefetch_tiles", 4, "must be in [0, 3], got 4"),
+    ("quant.kernels.decode_matmul.block_n", 48, "48 not in (16, 32, 64)"),
     ("data.path", None, "must be a string, got None (None)"),
     ("rewards.names", "format", "must be a tuple of names, got 'format' (str)"),
     ("model.overrides", 3, "must be a mapping, got 3 (int)"),
@@ -333,4 +338,5 @@ def test_knobs_of_a_switched_off_feature_are_accepted():
                           aqn__apply_in_training=True))
     validate_config(_with(_tiny(), train__dynamic_sampling=False,
                           train__dynamic_sampling_max_tries=9))
-    validate_config(_with(_tiny(), quant__kernels=False, quant__gate_up_pairs=False))
+    validate_config(_with(_tiny(), quant__kernels__enabled=False,
+                            quant__kernels__gate_up_pairs=False))

@@ -4,34 +4,96 @@ Per token (rho = exp(logp - logp_old)):
   pg  = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
   kl  = exp(ref - logp) - (ref - logp) - 1            (k3; only when beta != 0)
   l   = pg * entropy_mask + beta * kl
-Aggregation over valid tokens m (returned as numerator and denominator, so micro-batching and
-accumulation stay exact):
-  grpo:    sum_i [sum_t l m / max(sum_t m, 1)]  /  number of sequences
-  bnpo:    sum l m / max(sum m, 1) of the micro-batch   (QeRL's "DAPO")
-  dr_grpo: sum l m / (number of sequences * max_completion_length)
-  dapo:    sum l m / valid tokens of the whole generation batch
-For grpo, dr_grpo and dapo the denominators are global, so summing numerators over
-micro-batches and dividing by the global denominator is exact; bnpo is defined per micro-batch
-(its per-micro-batch ratios are averaged), as in TRL.
+How the per-token losses l over valid tokens m are aggregated is the loss type, a registered
+normalizer (returned as numerator and denominator, so micro-batching stays exact). Named for
+what they compute; the names of the papers and TRL are aliases that keep working:
+  sequence_mean           sum_i [sum_t l m / max(sum_t m, 1)] / sequences        (grpo)
+  micro_batch_token_mean  sum l m / max(sum m, 1) per micro-batch, averaged      (bnpo; QeRL's
+                          released "DAPO" runs)
+  constant_length_sum     sum l m / (sequences * max_completion_length)          (dr_grpo)
+  batch_token_mean        sum l m / valid tokens of the whole generation batch   (dapo)
+All but micro_batch_token_mean have a global denominator: summing numerators over
+micro-batches and dividing by it is exact; micro_batch_token_mean averages the micro-batches'
+ratios, as TRL's bnpo does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+class LossNormalizer(NamedTuple):
+    """(masked per-token losses [B, T], mask [B, T], sequences, global valid tokens, config)
+    -> (numerator, denominator); `global_denominator`: the same for every micro-batch."""
+
+    function: Callable
+    global_denominator: bool
+
+
+LOSS_NORMALIZERS: dict[str, LossNormalizer] = {}
+LOSS_TYPE_ALIASES = {"grpo": "sequence_mean", "bnpo": "micro_batch_token_mean",
+                     "dr_grpo": "constant_length_sum", "dapo": "batch_token_mean"}
+
+
+def register_loss_normalizer(name: str, *, global_denominator: bool):
+    """Registers a loss type: a new normalizer is one decorated function."""
+    def decorate(function):
+        LOSS_NORMALIZERS[name] = LossNormalizer(function, global_denominator)
+        return function
+    return decorate
+
+
+def canonical_loss_type(name: str) -> str:
+    """The registered name of a loss type or of one of its aliases (grpo, bnpo, ...)."""
+    name = LOSS_TYPE_ALIASES.get(name, name)
+    if name not in LOSS_NORMALIZERS:
+        raise ValueError(f"loss_type={name!r} not in {LOSS_TYPES}")
+    return name
+
+
+@register_loss_normalizer("sequence_mean", global_denominator=True)
+def _sequence_mean(masked, mask, sequences, global_valid_tokens, config):
+    del global_valid_tokens, config
+    return ((masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)).sum(),
+            jnp.asarray(sequences, jnp.float32))
+
+
+@register_loss_normalizer("micro_batch_token_mean", global_denominator=False)
+def _micro_batch_token_mean(masked, mask, sequences, global_valid_tokens, config):
+    del sequences, global_valid_tokens, config
+    return masked.sum(), jnp.maximum(mask.sum(), 1.0)
+
+
+@register_loss_normalizer("constant_length_sum", global_denominator=True)
+def _constant_length_sum(masked, mask, sequences, global_valid_tokens, config):
+    del mask, global_valid_tokens
+    return (masked.sum(),
+            jnp.asarray(sequences * config.max_completion_length, jnp.float32))
+
+
+@register_loss_normalizer("batch_token_mean", global_denominator=True)
+def _batch_token_mean(masked, mask, sequences, global_valid_tokens, config):
+    del sequences, config
+    if global_valid_tokens is None:
+        global_valid_tokens = mask.sum()
+    return masked.sum(), jnp.maximum(jnp.asarray(global_valid_tokens, jnp.float32), 1.0)
+
+
+# every accepted value of loss_type: the registered names, then their aliases
+LOSS_TYPES = tuple(LOSS_NORMALIZERS) + tuple(LOSS_TYPE_ALIASES)
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """loss_type, clip range, KL weight, entropy-quantile filter and length normalizer."""
 
-    loss_type: str = "bnpo"
+    loss_type: str = "micro_batch_token_mean"   # or an alias (LOSS_TYPE_ALIASES)
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
     beta: float = 0.0
@@ -39,8 +101,7 @@ class LossConfig:
     max_completion_length: int = 1
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r} not in {LOSS_TYPES}")
+        canonical_loss_type(self.loss_type)
         if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0):
             raise ValueError(f"clip range epsilon_low={self.epsilon_low}, epsilon_high="
                              f"{self.epsilon_high} is invalid")
@@ -53,7 +114,7 @@ class LossConfig:
 
     @property
     def denominator_is_global(self) -> bool:
-        return self.loss_type != "bnpo"
+        return LOSS_NORMALIZERS[canonical_loss_type(self.loss_type)].global_denominator
 
 
 @struct.dataclass
@@ -113,20 +174,9 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
         per_token = per_token + config.beta * kl
     sequences = mask.shape[0] if global_sequences is None else global_sequences
     masked = per_token * mask
-    if config.loss_type == "grpo":
-        numerator = (masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)).sum()
-        denominator = jnp.asarray(sequences, jnp.float32)
-    elif config.loss_type == "bnpo":
-        numerator = masked.sum()
-        denominator = jnp.maximum(mask.sum(), 1.0)
-    elif config.loss_type == "dr_grpo":
-        numerator = masked.sum()
-        denominator = jnp.asarray(sequences * config.max_completion_length, jnp.float32)
-    else:  # dapo
-        if global_valid_tokens is None:
-            global_valid_tokens = mask.sum()
-        numerator = masked.sum()
-        denominator = jnp.maximum(jnp.asarray(global_valid_tokens, jnp.float32), 1.0)
+    normalizer = LOSS_NORMALIZERS[canonical_loss_type(config.loss_type)]
+    numerator, denominator = normalizer.function(masked, mask, sequences, global_valid_tokens,
+                                                 config)
     is_clipped = (((ratio < 1.0 - config.epsilon_low) & (adv < 0))
                   | ((ratio > 1.0 + config.epsilon_high) & (adv > 0)))
     return LossTerms(numerator=numerator, denominator=denominator, valid_tokens=mask.sum(),

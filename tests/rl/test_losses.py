@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from qerl_jax.rl.advantages import group_advantages, zero_variance_groups
-from qerl_jax.rl.losses import (LOSS_TYPES, LossConfig, entropy_threshold_mask,
-                                chunked_token_logprobs_and_entropy, policy_loss_terms,
+from qerl_jax.rl.losses import (LOSS_TYPE_ALIASES, LOSS_TYPES, LossConfig,
+                                chunked_token_logprobs_and_entropy, entropy_threshold_mask, policy_loss_terms,
                                 token_logprobs_and_entropy)
 
 
@@ -43,14 +43,15 @@ def _numpy_loss_and_grad(logp, old, ref, adv, mask, entropy, cfg, global_tokens=
     per_token = pg * keep + cfg.beta * kl
     d_token = d_pg * keep + cfg.beta * d_kl
     batch = mask.shape[0]
-    if cfg.loss_type == "grpo":
+    kind = {canonical: alias for alias, canonical in LOSS_TYPE_ALIASES.items()}.get(
+        cfg.loss_type, cfg.loss_type)   # the float64 formulas under the papers' names
+    if kind == "grpo":
         lengths = np.maximum(mask.sum(1, keepdims=True), 1)
         loss = ((per_token * mask).sum(1) / lengths[:, 0]).mean()
         grad = d_token * mask / lengths / batch
     else:
         denominator = {"bnpo": max(mask.sum(), 1), "dr_grpo": batch * cfg.max_completion_length,
-                       "dapo": global_tokens if global_tokens else max(mask.sum(), 1)}[
-                           cfg.loss_type]
+                       "dapo": global_tokens if global_tokens else max(mask.sum(), 1)}[kind]
         loss = (per_token * mask).sum() / denominator
         grad = d_token * mask / denominator
     return loss, grad
@@ -230,3 +231,20 @@ def test_chunked_logprobs_name_mismatched_shapes():
     with pytest.raises(ValueError, match=r"hidden \(2, 5, 4\) and tokens \(2, 6\)"):
         chunked_token_logprobs_and_entropy(jnp.zeros((2, 5, 4)), lambda h: h,
                                            jnp.zeros((2, 6), jnp.int32), 1.0, 2)
+
+
+@pytest.mark.parametrize("alias", sorted(LOSS_TYPE_ALIASES))
+def test_papers_names_are_aliases_of_the_registered_loss_types(alias):
+    """grpo/bnpo/dr_grpo/dapo give exactly the loss of the type they name."""
+    rng = np.random.default_rng()
+    shape = (3, 6)
+    logp, old, ref = (jnp.asarray(rng.normal(-1, 0.3, shape), jnp.float32) for _ in range(3))
+    adv = jnp.asarray(rng.normal(size=shape[0]), jnp.float32)
+    mask = jnp.asarray(rng.random(shape) > 0.3)
+    terms = [policy_loss_terms(logp, old, adv, mask, LossConfig(
+        loss_type=name, beta=0.04, max_completion_length=6), ref_logprobs=ref)
+        for name in (alias, LOSS_TYPE_ALIASES[alias])]
+    assert float(terms[0].numerator) == float(terms[1].numerator)
+    assert float(terms[0].denominator) == float(terms[1].denominator)
+    assert (LossConfig(loss_type=alias).denominator_is_global
+            == LossConfig(loss_type=LOSS_TYPE_ALIASES[alias]).denominator_is_global)

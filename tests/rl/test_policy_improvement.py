@@ -9,12 +9,12 @@ import optax
 import pytest
 
 from qerl_jax.rl.advantages import group_advantages
-from qerl_jax.rl.losses import LOSS_TYPES, LossConfig, policy_loss_terms
+from qerl_jax.rl.losses import LOSS_NORMALIZERS, LossConfig, policy_loss_terms
 
 ARMS, GROUP, PROMPTS, LENGTH = 6, 8, 4, 3
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", sorted(LOSS_NORMALIZERS))
 def test_grpo_raises_the_expected_reward_of_a_bandit(loss_type):
     # every "completion" is LENGTH tokens drawn from the same categorical; reward 1 when the
     # first token is the right arm, so the later tokens carry no signal (noise in the loss).
