@@ -17,11 +17,11 @@ from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora, export_peft_adapter
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.trainer import Trainer
+from tests.conftest import SHARED_DATA_DIR
 from tests.hf_reference import make_hf_model
 from tests.test_trainer import _config
 
-SHARED_DATA = os.environ.get("QERL_SHARED_DATA", os.path.join(
-    os.path.dirname(__file__), "..", "..", "shared", "data"))
+SHARED_DATA = SHARED_DATA_DIR   # ../shared/data beside the repository (tests/conftest.py)
 GSM8K = os.path.join(SHARED_DATA, "gsm8k", "test.jsonl")
 
 

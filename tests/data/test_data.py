@@ -10,10 +10,10 @@ from qerl_jax.data import PromptIterator, encode_prompts, load_examples
 from qerl_jax.data.prompts import QERL_THINK_ANSWER_SUFFIX, build_prompt_text
 from qerl_jax.errors import ConfigError
 from qerl_jax.models.tokenizer import load_tokenizer
+from tests.conftest import SHARED_DATA_DIR
 from tests.hf_reference import make_tiny_tokenizer
 
-SHARED_DATA = os.environ.get("QERL_SHARED_DATA", os.path.join(
-    os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
+SHARED_DATA = SHARED_DATA_DIR   # ../shared/data beside the repository (tests/conftest.py)
 
 
 def test_gsm8k_and_math_from_shared_jsonl():

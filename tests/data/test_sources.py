@@ -9,9 +9,10 @@ import pytest
 
 from qerl_jax.data.sources import is_local_source, load_examples, load_training_examples
 from qerl_jax.errors import ConfigError
+from tests.conftest import SHARED_DATA_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARED_DATA = os.environ.get("QERL_SHARED_DATA", os.path.join(REPO, "..", "shared", "data"))
+SHARED_DATA = SHARED_DATA_DIR   # ../shared/data beside the repository (tests/conftest.py)
 
 
 def _jsonl(tmp_path, *lines: str, name: str = "rows.jsonl") -> str:

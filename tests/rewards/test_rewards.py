@@ -12,9 +12,9 @@ from qerl_jax.rewards.answer_format import extract_answer, format_reward
 from qerl_jax.rewards.arithmetic import arithmetic_problems, arithmetic_reward
 from qerl_jax.rewards.gsm8k import gsm8k_exact_reward, gsm8k_gold_answer, gsm8k_numeric_reward
 from qerl_jax.rewards.math_answers import math_accuracy_reward
+from tests.conftest import SHARED_DATA_DIR
 
-SHARED_DATA = os.environ.get("QERL_SHARED_DATA", os.path.join(
-    os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
+SHARED_DATA = SHARED_DATA_DIR   # ../shared/data beside the repository (tests/conftest.py)
 
 
 def _jsonl(path):
