@@ -37,3 +37,17 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU (JAX backend is {backend!r})")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def config_from_file(name: str, *args):
+    """The ConfigDict of configs/<name>.py: its get_config(*args)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"configs_{name}", os.path.join(REPO_ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*args)

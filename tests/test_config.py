@@ -3,7 +3,6 @@ choices equal their JAX-side sources, and each bad value, unknown field or ignor
 refused with one line naming the full field path."""
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,16 +15,12 @@ from qerl_jax import config_defaults
 from qerl_jax.config_defaults import (FIELDS, base_config, field_descriptions,
                                       released_script_config, validate_config)
 from qerl_jax.errors import ConfigError
+from tests.conftest import config_from_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _config_file(name: str, *args):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs",
-                                                                     f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(*args)
+_config_file = config_from_file
 
 
 def _tiny():

@@ -1,24 +1,20 @@
 """The README's main job cannot drift: its first GRPO steps, run now, equal the committed
 reference bit for bit (timing fields aside), and the README quotes the reference's summary."""
 
-import importlib.util
 import os
 import re
 
 from experiments import main_job_reference as reference
 from qerl_jax.metrics import read_metrics
 from qerl_jax.trainer import Trainer
+from tests.conftest import config_from_file
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 FIRST_STEPS = 3
 
 
 def _main_job_config():
-    spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs",
-                                                                        "tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_from_file("tiny")
 
 
 def test_first_steps_equal_the_committed_reference(tmp_path):

@@ -16,18 +16,14 @@ from qerl_jax.metrics import read_metrics
 from qerl_jax.errors import ConfigError, TrainingStopped
 from qerl_jax.run_record import read_starts
 from qerl_jax.trainer import NonFiniteError, Trainer
+from tests.conftest import config_from_file
 
 TIMING_KEYS = ("time/rollout_s", "time/train_s", "time/sampler_compile_s", "rollout_tokens_per_s",
                "peak_memory_bytes")
 
 
 def _config(**train_overrides):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "tiny", os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = config_from_file("tiny")
     config.model.overrides = dict(config.model.overrides, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2)
     config.warmup.steps = 40
@@ -194,36 +190,42 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(tmp_path, warm_
 
 def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     """build_model repacks for the Pallas kernels only for 4-bit weights, bf16 compute and
-    quant.kernels=True (a float32-compute model would unpack the kernel layout on every call),
-    donating the freshly built model's checkpoint-layout buffers, with the MLPs' gate/up pairs
-    as quant.gate_up_pairs says (default on) and the adapters' rank to come (lora.rank: a rank
-    the Mosaic GPU kernel cannot take keeps the Triton kernels)."""
+    quant.kernels.enabled (a float32-compute model would unpack the kernel layout on every
+    call), donating the freshly built model's checkpoint-layout buffers, with the options of
+    config.quant.kernels (gate/up pairs, Mosaic GPU choice, tunings) and the adapters' rank to
+    come (lora.rank: a rank the Mosaic GPU kernel cannot take keeps the Triton kernels)."""
     from qerl_jax import model_setup
-    from qerl_jax.quant import kernel_dispatch
+    from qerl_jax.model_quant import kernels
+    from qerl_jax.quant.kernel_options import KernelOptions
     calls = []
 
-    def enable_kernels(model, **options):
-        calls.append((model, options))
+    def enable_kernels(model, options, **kwargs):
+        calls.append((model, options, kwargs))
 
-    monkeypatch.setattr(kernel_dispatch, "enable_kernels", enable_kernels)
+    monkeypatch.setattr(kernels, "enable_kernels", enable_kernels)
+    monkeypatch.setattr(kernels, "enable_decode_attention", lambda **kwargs: None)
     cases = [("nvfp4", "bfloat16", True, 1), ("nvfp4", "float32", True, 0),
              ("nvfp4", "bfloat16", False, 0), ("bf16", "bfloat16", True, 0)]
-    for fmt, compute_dtype, kernels, expected in cases:
+    for fmt, compute_dtype, enabled, expected in cases:
         config = _config()
-        config.quant.format, config.quant.kernels = fmt, kernels
+        config.quant.format, config.quant.kernels.enabled = fmt, enabled
         config.model.compute_dtype = compute_dtype
         calls.clear()
         model_setup._maybe_enable_kernels("model", config)
-        assert len(calls) == expected, (fmt, compute_dtype, kernels)
-        assert all(options == {"donate": True, "pair_mlp": True,
-                               "lora_rank": config.lora.rank} for _, options in calls)
+        assert len(calls) == expected, (fmt, compute_dtype, enabled)
+        assert all(options == KernelOptions() and kwargs == {"donate": True,
+                                                             "lora_rank": config.lora.rank}
+                   for _, options, kwargs in calls)
     config = _config()
-    config.quant.format, config.quant.kernels, config.quant.gate_up_pairs = "nvfp4", True, False
+    config.quant.format, config.quant.kernels.gate_up_pairs = "nvfp4", False
+    config.quant.kernels.mosaic_nvfp4 = "off"
+    config.quant.kernels.decode_matmul.block_n = 32
     config.model.compute_dtype = "bfloat16"
     calls.clear()
     model_setup._maybe_enable_kernels("model", config)
-    assert calls == [("model", {"donate": True, "pair_mlp": False,
-                                "lora_rank": config.lora.rank})]
+    [(_, options, _)] = calls
+    assert (options.gate_up_pairs, options.mosaic_nvfp4, options.decode_matmul.block_n) == (
+        False, "off", 32)
 
 
 def test_reference_adapters_are_kept_only_for_the_kl_term(tmp_path, warm_cache):

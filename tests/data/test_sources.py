@@ -1,7 +1,6 @@
 """Data files and rows are checked before any model work: each bad input is a ConfigError of
 one line naming the file and its 1-based line (or the config field)."""
 
-import importlib.util
 import json
 import os
 
@@ -9,7 +8,7 @@ import pytest
 
 from qerl_jax.data.sources import is_local_source, load_examples, load_training_examples
 from qerl_jax.errors import ConfigError
-from tests.conftest import SHARED_DATA_DIR
+from tests.conftest import config_from_file, SHARED_DATA_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_DATA = SHARED_DATA_DIR   # ../shared/data beside the repository (tests/conftest.py)
@@ -91,11 +90,7 @@ def test_local_paths_and_hub_names():
 
 
 def _tiny_config():
-    spec = importlib.util.spec_from_file_location("tiny", os.path.join(REPO, "configs",
-                                                                       "tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_from_file("tiny")
 
 
 def test_training_examples_cover_one_step(tmp_path):
