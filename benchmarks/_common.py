@@ -154,10 +154,16 @@ def add_worker_arguments(parser, script_name: str) -> None:
     import argparse
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the kernel hook (pure XLA path) for comparison")
-    parser.add_argument("--no-lora-epilogue", action="store_true",
-                        help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
-    parser.add_argument("--no-grouped-launches", action="store_true",
-                        help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
+    parser.add_argument("--mosaic-nvfp4", default="auto", choices=("auto", "on", "off"),
+                        help="config.quant.kernels.mosaic_nvfp4: NVFP4 decode launches on the "
+                             "Mosaic GPU kernel ('off': the Triton kernels)")
+    parser.add_argument("--decode-tuning", default="",
+                        help="config.quant.kernels.decode_matmul fields, e.g. "
+                             "'block_n=32,num_warps=8' (pallas_kernels.blockwise_matmul."
+                             "parse_tuning)")
+    parser.add_argument("--decode-attention-tiling", default="",
+                        help="config.quant.kernels.decode_attention_tiling fields, e.g. "
+                             "'splits=1' (pallas_kernels.decode_attention.parse_config)")
     parser.add_argument("--no-gate-up-pairs", action="store_true",
                         help="keep each MLP's gate and up as separate weights (grouped launch "
                              "+ XLA SwiGLU), not one interleaved pair with the SwiGLU fused")
@@ -179,19 +185,25 @@ def add_worker_arguments(parser, script_name: str) -> None:
 
 def kernel_flags(args) -> list[str]:
     """The kernel path switches of the parent's command line, to pass on to a worker."""
-    return [flag for flag, on in (("--no-kernels", args.no_kernels),
-                                  ("--no-lora-epilogue", args.no_lora_epilogue),
-                                  ("--no-grouped-launches", args.no_grouped_launches),
-                                  ("--no-gate-up-pairs", args.no_gate_up_pairs),
-                                  ("--no-decode-attention", args.no_decode_attention),
-                                  ("--kernels-interpret", args.kernels_interpret)) if on]
+    flags = [flag for flag, on in (("--no-kernels", args.no_kernels),
+                                   ("--no-gate-up-pairs", args.no_gate_up_pairs),
+                                   ("--no-decode-attention", args.no_decode_attention),
+                                   ("--kernels-interpret", args.kernels_interpret)) if on]
+    return flags + [f"--mosaic-nvfp4={args.mosaic_nvfp4}",
+                    f"--decode-tuning={args.decode_tuning}",
+                    f"--decode-attention-tiling={args.decode_attention_tiling}"]
+
+
+def kernel_settings(args) -> dict:
+    """The _prepare_model keywords of the kernel options on the command line."""
+    return dict(mosaic_nvfp4=args.mosaic_nvfp4, decode_tuning=args.decode_tuning,
+                attention_tiling=args.decode_attention_tiling)
 
 
 def output_name(script_name: str, sizes: list[str], args) -> str:
-    """'rollout_7b-32b' (+ '_no-kernels', '_no-lora-epilogue' when those switches are on)."""
+    """'rollout_7b-32b' (+ '_no-kernels', '_mosaic-off', ... when those switches are on)."""
     return (f"{script_name}_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
-            + ("_no-lora-epilogue" if args.no_lora_epilogue else "")
-            + ("_no-grouped" if args.no_grouped_launches else "")
+            + (f"_mosaic-{args.mosaic_nvfp4}" if args.mosaic_nvfp4 != "auto" else "")
             + ("_no-pairs" if args.no_gate_up_pairs else "")
             + ("_no-decode-attention" if args.no_decode_attention else ""))
 
@@ -277,17 +289,16 @@ def state_gib(tree) -> float:
 
 
 def random_quantized_model(architecture, format_name: str, seed: int = 0):
-    """qerl_jax.quant.random_model.random_quantized_model, imported lazily (the parent process
-    of the benchmarks never imports jax)."""
-    from qerl_jax.quant.random_model import random_quantized_model as build
+    """qerl_jax.model_quant.random_model.random_quantized_model, imported lazily (the parent
+    process of the benchmarks never imports jax)."""
+    from qerl_jax.model_quant.random_model import random_quantized_model as build
     return build(architecture, format_name, seed=seed)
 
 
 def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed: int = 0,
                          use_kernels: bool = True, interpret: bool = False,
-                         lora_epilogue: bool = True, tile_k: int | None = None,
-                         grouped: bool = True, decode_attention: bool = True,
-                         pair_mlp: bool = True):
+                         tile_k: int | None = None, decode_attention: bool = True,
+                         pair_mlp: bool = True, **kernel_settings):
     """The rollout benchmarks' model: a random-weight `preset` (bf16 params and compute, no
     remat) in `format_name`, built tensor by tensor, with LoRA as the trainer attaches it (rank
     r, alpha r, all projections, trainable norms) and B drawn nonzero (1e-3 N(0, 1)) so the
@@ -314,8 +325,9 @@ def build_sampling_model(preset: str, format_name: str, *, rank: int = 32, seed:
         value = layer.lora_b.get_value()
         layer.lora_b.set_value(1e-3 * jax.random.normal(
             jax.random.fold_in(lora_b_key, index), value.shape, value.dtype))
-    model, info = _prepare_model(model, format_name, use_kernels, interpret, lora_epilogue,
-                                 tile_k, grouped, decode_attention, pair_mlp)
+    model, info = _prepare_model(model, format_name, use_kernels, interpret, tile_k=tile_k,
+                                 decode_attention=decode_attention, pair_mlp=pair_mlp,
+                                 **kernel_settings)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     del model
     states = (trainable, frozen)
@@ -331,21 +343,25 @@ def _unregister_all_kernels(format_name: str) -> list[str]:
     tree where kernels register themselves at import). Returns their names."""
     from qerl_jax.quant import linear_op
     removed = []
-    for (fmt, platform), entries in list(linear_op._KERNELS.items()):
+    for (fmt, platform), entries in list(linear_op._BACKENDS.items()):
         if fmt != format_name:
             continue
         for entry in list(entries):
-            linear_op.unregister_matmul_kernel(fmt, platform, entry.name)
+            linear_op.unregister_backend(fmt, platform, entry.name)
             removed.append(f"{entry.name}/{platform}")
     return removed
 
 
 def _prepare_model(model, format_name: str, use_kernels: bool = True,
-                   interpret: bool = False, lora_epilogue: bool = True,
-                   tile_k: int | None = None, grouped: bool = True,
-                   decode_attention: bool = True, pair_mlp: bool = True):
+                   interpret: bool = False, tile_k: int | None = None,
+                   decode_attention: bool = True, pair_mlp: bool = True,
+                   mosaic_nvfp4: str = "auto", decode_tuning: str = "",
+                   attention_tiling: str = ""):
     """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
-    when qerl_jax.quant.kernel_dispatch.enable_kernels exists; otherwise the pure XLA path.
+    when qerl_jax.model_quant.kernels.enable_kernels exists; otherwise the pure XLA path. The
+    kernel options (KernelOptions) come from the arguments: gate/up pairs, decode attention,
+    mosaic_nvfp4, and decode_tuning / attention_tiling ('name=value,...' fields of
+    DecodeTuning / DecodeAttentionConfig).
 
     Call it after quantization (and before nnx.split). Returns (model, info):
     info["kernel_hook"] says what was done; info["kernel_layout_weights"] how many quantized
@@ -358,22 +374,25 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
 
     from qerl_jax.quant.qarray import QuantizedWeight
     try:
-        from qerl_jax.quant.kernel_dispatch import enable_kernels
+        from qerl_jax.model_quant.kernels import enable_kernels
     except ImportError as error:
         enable_kernels = None
         missing = str(error)
     info: dict = {}
+    tuning = "; ".join(text for text in (decode_tuning, attention_tiling and
+                                         f"attention {attention_tiling}") if text)
+    if enable_kernels is not None:
+        options = _kernel_options(pair_mlp, decode_attention, mosaic_nvfp4, decode_tuning,
+                                  attention_tiling)
     if not (use_kernels and decode_attention) and enable_kernels is not None:
         # the trainer's build_model may have registered it already
-        from qerl_jax.quant.kernel_dispatch import disable_decode_attention
+        from qerl_jax.model_quant.kernels import disable_decode_attention
         disable_decode_attention("cpu" if interpret else None)
     if format_name == "bf16":
         attention = False
-        tuning = ""
         if use_kernels and decode_attention:
-            from qerl_jax.quant.kernel_dispatch import enable_decode_attention
-            attention = enable_decode_attention(interpret=interpret)
-            tuning = apply_decode_tuning_from_env()
+            from qerl_jax.model_quant.kernels import enable_decode_attention
+            attention = enable_decode_attention(options=options, interpret=interpret)
         info["kernel_hook"] = "dense bf16 (no quantized matmul)" + (
             ", Pallas decode attention" if attention else "") + (
             f", decode tuning {tuning}" if tuning else "")
@@ -384,16 +403,13 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     elif enable_kernels is None:
         info["kernel_hook"] = f"enable_kernels absent ({missing}): XLA"
     else:
-        tuning = apply_decode_tuning_from_env()
-        result = enable_kernels(model, interpret=interpret, lora_epilogue=lora_epilogue,
-                                tile_k=tile_k, grouped=grouped,
-                                decode_attention=decode_attention, pair_mlp=pair_mlp)
+        result = enable_kernels(model, options, interpret=interpret, tile_k=tile_k)
         if result is not None and hasattr(result, "config"):  # returned the (same) model
             model = result
         info["kernel_hook"] = (f"enable_kernels on {jax.default_backend()}"
                                + (" (Pallas interpret mode)" if interpret else "")
-                               + ("" if lora_epilogue else ", no LoRA epilogue")
-                               + ("" if grouped else ", no grouped launches")
+                               + ("" if mosaic_nvfp4 == "auto" else f", mosaic_nvfp4 "
+                                  f"{mosaic_nvfp4}")
                                + ("" if pair_mlp else ", no gate/up pairs")
                                + ("" if decode_attention else ", no decode attention kernel")
                                + (f", tile_k {tile_k} for every weight" if tile_k else "")
@@ -404,7 +420,7 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
         if isinstance(leaf, QuantizedWeight)]
     in_kernel_layout = sum(type(leaf).__name__ == "KernelLayoutWeight" for leaf in quantized)
     info["kernel_layout_weights"] = f"{in_kernel_layout} of {len(quantized)}"
-    # the Mosaic GPU NVFP4 path (Hopper, unless QERL_MOSAIC_NVFP4=0): weights holding its
+    # the Mosaic GPU NVFP4 path (Hopper, unless mosaic_nvfp4 is 'off'): weights holding its
     # permuted buffer, or reading their group's / pair's (k and v of a grouped q|k|v launch)
     on_mosaic = sum(getattr(leaf, "mosaic_tiles", None) is not None
                     or getattr(leaf, "kernel_source", None) is not None for leaf in quantized)
@@ -413,29 +429,17 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     return model, info
 
 
-DECODE_TUNING_ENV = "QERL_DECODE_TUNING"
-DECODE_ATTENTION_ENV = "QERL_DECODE_ATTENTION"
-
-
-def apply_decode_tuning_from_env() -> str:
-    """Applies $QERL_DECODE_TUNING ('block_n=32,num_warps=8': DecodeTuning fields of
-    pallas_kernels.blockwise_matmul) and $QERL_DECODE_ATTENTION ('splits=1': the
-    DecodeAttentionConfig fields of pallas_kernels.decode_attention) before a benchmark builds
-    its programs, so one job list can try kernel settings in the model (they reach worker
-    processes too). Returns the settings ('' when unset); the kernel hook records them in the
-    result rows."""
-    applied = []
-    text = os.environ.get(DECODE_TUNING_ENV, "").strip()
-    if text:
-        from pallas_kernels import blockwise_matmul as bw
-        bw.set_decode_tuning(**bw.parse_tuning(text))
-        applied.append(text)
-    attention = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
-    if attention:
-        from pallas_kernels import decode_attention
-        decode_attention.set_default_config(**decode_attention.parse_config(attention))
-        applied.append(f"attention {attention}")
-    return "; ".join(applied)
+def _kernel_options(pair_mlp: bool, decode_attention: bool, mosaic_nvfp4: str,
+                    decode_tuning: str, attention_tiling: str):
+    """The KernelOptions of the benchmark's switches."""
+    from pallas_kernels import blockwise_matmul as bw
+    from pallas_kernels import decode_attention as attention_kernels
+    from qerl_jax.quant.kernel_options import KernelOptions
+    return KernelOptions(
+        gate_up_pairs=pair_mlp, decode_attention=decode_attention, mosaic_nvfp4=mosaic_nvfp4,
+        decode_matmul=bw.DecodeTuning(**bw.parse_tuning(decode_tuning)),
+        decode_attention_tiling=attention_kernels.DecodeAttentionConfig(
+            **attention_kernels.parse_config(attention_tiling)))
 
 
 def matmul_path(format_name: str, rows: int, kernels_active: bool, platform=None) -> str:

@@ -12,7 +12,7 @@ completions run to the limit (the completion-length column shows it).
 
 The model is the trainer's own: qerl_jax.model_setup.build_model draws and quantizes one projection
 at a time (no dense bf16 copy of the model) and enables the Pallas kernels on GPU
-(--no-kernels sets config.quant.kernels=False). The benchmark wraps build_model only to time it
+(--no-kernels sets config.quant.kernels.enabled=False). The benchmark wraps build_model only to time it
 and to record the kernel hook's outcome (_common._prepare_model, which also applies
 --kernels-interpret on CPU).
 
@@ -125,10 +125,9 @@ def worker_main(args) -> None:
         row["peak_after_build_GiB"], _ = common.peak_memory_gib()
         model, hook = common._prepare_model(model, format_name, not args.no_kernels,
                                             args.kernels_interpret,
-                                            not args.no_lora_epilogue,
-                                            grouped=not args.no_grouped_launches,
                                             decode_attention=not args.no_decode_attention,
-                                            pair_mlp=not args.no_gate_up_pairs)
+                                            pair_mlp=not args.no_gate_up_pairs,
+                                            **common.kernel_settings(args))
         row.update(hook)
         row["params_B"] = model.config.num_parameters() / 1e9
         row["attention"] = model.config.attention_implementation
@@ -144,8 +143,10 @@ def worker_main(args) -> None:
             rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
             completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
             aqn=row["aqn"])
-        config.quant.kernels = not args.no_kernels
-        config.quant.gate_up_pairs = not args.no_gate_up_pairs
+        config.quant.kernels.enabled = not args.no_kernels
+        config.quant.kernels.gate_up_pairs = not args.no_gate_up_pairs
+        config.quant.kernels.mosaic_nvfp4 = args.mosaic_nvfp4
+        config.quant.kernels.decode_attention = not args.no_decode_attention
         if args.compilation_cache:
             from qerl_jax.compilation_cache import cache_entries
             entries = cache_entries(args.compilation_cache)

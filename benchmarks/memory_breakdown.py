@@ -58,7 +58,7 @@ def parse_args(argv=None):
                         help="CPU: the Pallas kernels in interpret mode (the kernel layout, "
                              "the dispatch's paths), as grpo_step.py --kernels-interpret")
     parser.add_argument("--no-gate-up-pairs", action="store_true",
-                        help="config.quant.gate_up_pairs=False")
+                        help="config.quant.kernels.gate_up_pairs=False")
     parser.add_argument("--smoke", action="store_true", help="tiny model (CPU test)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -129,7 +129,7 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
         rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
         completion=args.completion, micro_batch=args.micro_batch, steps=1)
     config.model.attention_implementation = args.attention
-    config.quant.gate_up_pairs = not args.no_gate_up_pairs
+    config.quant.kernels.gate_up_pairs = not args.no_gate_up_pairs
     original_build_model = trainer_module.build_model
     if args.kernels_interpret:   # the trainer enables the kernels on a GPU only
         def build_model(config, run_dir):

@@ -74,7 +74,7 @@ def parse_args(argv=None):
                              "then picks the same kernels and samples the same tokens")
     parser.add_argument("--tile-k", type=int, default=None,
                         help="K tile of every weight's kernel layout (default: "
-                             "kernel_dispatch.default_tile_k per weight)")
+                             "kernel_layout.default_tile_k per weight)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
     common.add_worker_arguments(parser, "rollout")
@@ -131,9 +131,8 @@ def worker_main(args) -> None:
         architecture, graphdef, states, info = common.build_sampling_model(
             base["preset"], format_name, rank=args.rank, seed=args.seed,
             use_kernels=not args.no_kernels, interpret=args.kernels_interpret,
-            lora_epilogue=not args.no_lora_epilogue, tile_k=args.tile_k,
-            grouped=not args.no_grouped_launches,
-            decode_attention=not args.no_decode_attention, pair_mlp=not args.no_gate_up_pairs)
+            tile_k=args.tile_k, decode_attention=not args.no_decode_attention,
+            pair_mlp=not args.no_gate_up_pairs, **common.kernel_settings(args))
         base.update(info)
         base["init_s"] = time.perf_counter() - started
         base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()

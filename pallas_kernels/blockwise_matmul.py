@@ -334,21 +334,18 @@ def _valid_split(split: int, k_tiles: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTuning:
-    """What default_matmul_config picks at decode M (M <= 16), in one place so that benchmarks
-    can try other settings in the model (set_decode_tuning) without new code.
+    """What default_matmul_config picks at decode M (M <= 16); a caller passes it (the model's
+    from config.quant.kernels.decode_matmul, qerl_jax.quant.kernel_options).
 
     target_programs: split-K is chosen so the launch has about this many programs (about 5
-      waves of an H100's 132 SMs; 640 against the earlier 320 measured on an H100 in session 7,
-      RESULTS.md: NVFP4 rollouts at batch 8 7B +1.6%, 14B +0.2%, 32B +1.0%, 7B batch 2 +2.5%);
+      waves of an H100's 132 SMs; 640 against 320 measured on an H100, RESULTS.md: NVFP4
+      rollouts at batch 8 7B +1.6%, 14B +0.2%, 32B +1.0%, 7B batch 2 +2.5%);
       min_tiles_per_split: the fewest K tiles a split-K program keeps (from the decode-shape
       sweep: RESULTS.md, "Fused-kernel tiling at rollout M"). no_split_programs: N tiles
       alone at or above this many programs: no split.
     block_n (a power of two from 16 to TILE_ROWS = 64: a row tile lies in one block of the
       tile-major layout), num_warps, num_stages, weight_as_lhs (None: per format, see
       default_matmul_config), decoder (None: the format's GPU default): as in MatmulConfig.
-    swiglu_next_lora: the fused SwiGLU launch also computes the down projection's LoRA
-      x @ A from its output tiles (blockwise_matmul_swiglu's next_lora_a), so the model runs
-      no separate x @ A product for it; False: the model computes it (comparisons).
     """
     target_programs: int = 640
     min_tiles_per_split: int = 4
@@ -359,40 +356,19 @@ class DecodeTuning:
     num_stages: int = 3
     weight_as_lhs: bool | None = None
     decoder: str | None = None
-    swiglu_next_lora: bool = True
 
-
-_DECODE_TUNING = DecodeTuning()
-
-
-def decode_tuning() -> DecodeTuning:
-    """The DecodeTuning in use."""
-    return _DECODE_TUNING
-
-
-def set_decode_tuning(tuning: DecodeTuning | None = None, **fields) -> DecodeTuning:
-    """Replaces the decode-M tiling defaults (a DecodeTuning, or fields of the current one;
-    no arguments: back to the measured defaults). Takes effect for programs traced afterwards
-    (jit caches keep earlier choices). Returns the previous tuning."""
-    global _DECODE_TUNING
-    previous = _DECODE_TUNING
-    if tuning is None:
-        tuning = DecodeTuning() if not fields else dataclasses.replace(previous, **fields)
-    elif fields:
-        tuning = dataclasses.replace(tuning, **fields)
-    if tuning.block_n < 16 or tuning.block_n > TILE_ROWS or tuning.block_n & (tuning.block_n - 1):
-        raise ValueError(f"DecodeTuning.block_n={tuning.block_n}: a power of two from 16 to "
-                         f"{TILE_ROWS} (the kernel layout's row blocks)")
-    if tuning.max_split < 1 or tuning.min_tiles_per_split < 1:
-        raise ValueError(f"DecodeTuning {tuning}: max_split and min_tiles_per_split must be "
-                         ">= 1")
-    _DECODE_TUNING = tuning
-    return previous
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n > TILE_ROWS or self.block_n & (self.block_n - 1):
+            raise ValueError(f"DecodeTuning.block_n={self.block_n}: a power of two from 16 to "
+                             f"{TILE_ROWS} (the kernel layout's row blocks)")
+        if self.max_split < 1 or self.min_tiles_per_split < 1:
+            raise ValueError(f"DecodeTuning {self}: max_split and min_tiles_per_split must be "
+                             ">= 1")
 
 
 def parse_tuning(text: str) -> dict:
-    """'block_n=32,num_warps=8,weight_as_lhs=true' -> fields for set_decode_tuning (benchmark
-    command lines); names and values are checked."""
+    """'block_n=32,num_warps=8,weight_as_lhs=true' -> DecodeTuning fields (benchmark command
+    lines); names and values are checked."""
     names = {f.name: f for f in dataclasses.fields(DecodeTuning)}
     fields = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -406,21 +382,18 @@ def parse_tuning(text: str) -> dict:
             fields[name] = None if value.lower() == "none" else value.lower() == "true"
         elif name == "decoder":
             fields[name] = None if value.lower() == "none" else value
-        elif name == "swiglu_next_lora":
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"decode tuning {item!r}: true or false")
-            fields[name] = value.lower() in ("true", "1")
         else:
             fields[name] = int(value)
     return fields
 
 
-def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
+def default_matmul_config(m: int, packed: PackedWeight,
+                          tuning: DecodeTuning | None = None) -> MatmulConfig:
     """Heuristic tiling for y = x @ W^T, from sweeps on an H100 (benchmarks/kernels.py --sweep)
     and the decode-shape sweep on an H200 (kernels.py --decode-sweep).
 
     M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program (at M <= 16
-    the DecodeTuning's block_n, warps and stages). Split-K: none when the N tiles
+    the block_n, warps and stages of `tuning`, default DecodeTuning()). Split-K: none when the N tiles
     alone fill the GPU (>= 264 programs); else at M <= 16 enough splits for ~640 programs (at
     most 8, each >= 4 K tiles; uneven splits allowed), and above 16 rows 2 (4 for narrow
     weights of < 32 N tiles, e.g. k/v projections). E2M1 formats: inline-asm decode,
@@ -429,7 +402,7 @@ def default_matmul_config(m: int, packed: PackedWeight) -> MatmulConfig:
     (cuBLAS) matmul.
     """
     return _default_config(m, (packed.n_pad,), 2 * packed.codes.shape[1] // packed.tile_k,
-                           packed.fmt, max_block_n=packed.max_block_n)
+                           packed.fmt, max_block_n=packed.max_block_n, tuning=tuning)
 
 
 def _decoder_fits(decoder: str | None, fmt: str) -> bool:
@@ -442,7 +415,8 @@ def _decoder_fits(decoder: str | None, fmt: str) -> bool:
 
 
 def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str,
-                    max_block_n: int | None = None) -> MatmulConfig:
+                    max_block_n: int | None = None,
+                    tuning: DecodeTuning | None = None) -> MatmulConfig:
     """default_matmul_config for one launch over weights of padded N `n_pads` (one weight, or
     a group sharing the launch) and `k_tiles` K tiles: block_n divides every n_pad (and is at
     most max_block_n: a pair view's half_block), and split-K is chosen for the programs of
@@ -450,7 +424,7 @@ def _default_config(m: int, n_pads: tuple[int, ...], k_tiles: int, fmt: str,
     if m > 64:
         return MatmulConfig(path="dequantize")
     block_m = max(16, _next_pow2(m))
-    tuning = _DECODE_TUNING
+    tuning = tuning or DecodeTuning()
     decode = block_m <= 16
     block_n = min(tuning.block_n, *n_pads) if decode else 64
     if max_block_n is not None:
@@ -830,17 +804,18 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
                             lora_b: jax.Array | None = None,
                             lora_scale: float = 0.0,
                             tensor_scales: tuple[jax.Array, jax.Array] | None = None,
-                            next_lora_a: jax.Array | None = None):
+                            next_lora_a: jax.Array | None = None,
+                            tuning: DecodeTuning | None = None):
     """silu(x @ Wg^T + lg) * (x @ Wu^T + lu), bf16 [..., out_n], from an interleave_gate_up
     weight (made with `half_block`) in ONE single-weight launch (one dot per K step over
     block_n = 2 * half_block rows: half_block of gate and of up) whose epilogue splits the tile
-    and applies the SwiGLU. config None: default_matmul_config with that block_n (it must be
+    and applies the SwiGLU. config None: default_matmul_config (with `tuning`) with that block_n (it must be
     fused with one split; None gives one). LoRA: lora_down [..., r_g + r_u] = x @ [A_gate |
     A_up], lora_ranks = (r_g, r_u), lora_b = interleave_lora_b(B_gate, B_up, ...), lora_scale
     (the same for both). tensor_scales: (gate's divisor [1], up's [1]) as two kernel inputs,
     in place of gate_up.tensor_scale [2] (which may then be None): a caller inside a decode
     loop then builds no [2] array at every step. The model's decode MLP
-    (qerl_jax.quant.kernel_dispatch, gate/up pairs), where it is faster than
+    (qerl_jax.quant.backends.triton, gate/up pairs), where it is faster than
     the grouped launch + XLA's SwiGLU (docs/decisions.md).
 
     next_lora_a: the next layer's LoRA A [out_n, r] (the MLP's down projection reads this
@@ -852,7 +827,8 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     if gate_up.pair_view is not None:
         raise ValueError("fused SwiGLU: pass the interleaved pair itself, not a view of it")
     if config is None:  # the pair's tiling, with its row blocks and one split
-        config = dataclasses.replace(default_matmul_config(math.prod(x.shape[:-1]), gate_up),
+        config = dataclasses.replace(default_matmul_config(math.prod(x.shape[:-1]), gate_up,
+                                                           tuning),
                                      block_n=2 * half_block, split_k=1)
     if config.path != "fused" or config.split_k != 1 or config.group_dots:
         raise ValueError(f"fused SwiGLU: config {config} must be fused with split_k=1")
@@ -1072,8 +1048,7 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
     """y [..., N] bf16 = x [..., K] @ W^T (+ lora_scale * lora_down @ lora_b) for a packed
     4-bit W [N, K].
 
-    config None picks default_matmul_config(M, packed) (here, outside the jit, so that a new
-    set_decode_tuning is seen by the next call).
+    config None picks default_matmul_config(M, packed) (outside the jit).
     lora_down [..., r] (= x @ A, rounded to bf16) and lora_b [r, N]: an unmerged LoRA
     adapter's second product, added in the fused kernel's f32 epilogue (one kernel instead of
     the matmul, the B dot and the add), or after the XLA dot on the dequantize path.
@@ -1163,12 +1138,13 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
     return y.reshape(*lead, packed.n)
 
 
-def default_group_matmul_config(m: int, packed: tuple[PackedWeight, ...]) -> MatmulConfig:
+def default_group_matmul_config(m: int, packed: tuple[PackedWeight, ...],
+                                tuning: DecodeTuning | None = None) -> MatmulConfig:
     """Tiling of a grouped launch: default_matmul_config's rules over all members' N tiles (the
     programs of all members fill the GPU together, so split-K is chosen for their sum)."""
     first = packed[0]
     return _default_config(m, tuple(p.codes.shape[0] for p in packed),
-                           2 * first.codes.shape[1] // first.tile_k, first.fmt)
+                           2 * first.codes.shape[1] // first.tile_k, first.fmt, tuning=tuning)
 
 
 def check_group(packed: tuple[PackedWeight, ...], spec: FormatSpec) -> None:

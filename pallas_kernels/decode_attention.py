@@ -46,51 +46,25 @@ _TARGET_PROGRAMS = 264  # about 2 waves of an H100/H200's 132 SMs
 class DecodeAttentionConfig:
     """block_s: cache slots per loop step; splits: sequence splits (None: enough for ~264
     programs); balanced: 1 = split the used slots evenly at run time, 0 = fixed ranges of the
-    cache; Triton num_warps / num_stages; lora_down: 1 = when the model asks (lora_a), the
-    combine kernel also computes the o-projection's LoRA x @ A per head (decode_attention),
-    0 = the model computes x @ A itself (qerl_jax.quant.kernel_dispatch.enable_decode_attention)."""
+    cache; Triton num_warps / num_stages."""
     block_s: int = 64
     splits: int | None = None
     balanced: int = 1
     num_warps: int = 4
-    num_stages: int = 3  # vs 2: 0.15-0.5 us less per call, 7B / 32B (RESULTS.md session 11)
-    lora_down: int = 1
+    num_stages: int = 3  # vs 2: 0.15-0.5 us less per call, 7B / 32B (RESULTS.md)
 
-
-_DEFAULT_CONFIG = DecodeAttentionConfig()
-
-
-def default_config() -> DecodeAttentionConfig:
-    """The DecodeAttentionConfig used when decode_attention gets none."""
-    return _DEFAULT_CONFIG
-
-
-def set_default_config(config: DecodeAttentionConfig | None = None,
-                       **fields) -> DecodeAttentionConfig:
-    """Replaces the default config (a DecodeAttentionConfig, or fields of the current one; no
-    arguments: back to DecodeAttentionConfig()), for programs traced afterwards, so that
-    benchmarks can try settings in the model. Returns the previous one."""
-    global _DEFAULT_CONFIG
-    previous = _DEFAULT_CONFIG
-    if config is None:
-        config = DecodeAttentionConfig() if not fields else dataclasses.replace(previous,
-                                                                                **fields)
-    elif fields:
-        config = dataclasses.replace(config, **fields)
-    if config.block_s < 16 or config.block_s & (config.block_s - 1):
-        raise ValueError(f"DecodeAttentionConfig.block_s={config.block_s}: a power of two >= 16")
-    if config.splits is not None and config.splits < 1:
-        raise ValueError(f"DecodeAttentionConfig.splits={config.splits}: None or >= 1")
-    if config.balanced not in (0, 1):
-        raise ValueError(f"DecodeAttentionConfig.balanced={config.balanced}: 0 or 1")
-    if config.lora_down not in (0, 1):
-        raise ValueError(f"DecodeAttentionConfig.lora_down={config.lora_down}: 0 or 1")
-    _DEFAULT_CONFIG = config
-    return previous
+    def __post_init__(self):
+        if self.block_s < 16 or self.block_s & (self.block_s - 1):
+            raise ValueError(f"DecodeAttentionConfig.block_s={self.block_s}: a power of two "
+                             ">= 16")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"DecodeAttentionConfig.splits={self.splits}: None or >= 1")
+        if self.balanced not in (0, 1):
+            raise ValueError(f"DecodeAttentionConfig.balanced={self.balanced}: 0 or 1")
 
 
 def parse_config(text: str) -> dict:
-    """'splits=1,block_s=128' -> fields for set_default_config (benchmark command lines);
+    """'splits=1,block_s=128' -> DecodeAttentionConfig fields (benchmark command lines);
     names and values are checked ('splits=none' = automatic)."""
     names = {f.name for f in dataclasses.fields(DecodeAttentionConfig)}
     fields = {}
@@ -208,8 +182,8 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
                      length: jax.Array, *, scale: float,
                      config: DecodeAttentionConfig | None = None,
                      interpret: bool = False, lora_a: jax.Array | None = None):
-    """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None: the
-    default (set_default_config).
+    """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None:
+    DecodeAttentionConfig().
 
     lora_a [KVH * G * D, r] (the o-projection's LoRA A, rows in the order of the flattened
     output): returns (out, down) instead, down [B, KVH, G, r] float32 = each query head's
@@ -217,7 +191,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     down.sum((1, 2)) is out.reshape(B, -1) @ lora_a up to the order of the float32 sums. The
     combine kernel computes it (no x @ A launch of its own); with one split (no combine) an
     XLA product does."""
-    config = config or _DEFAULT_CONFIG
+    config = config or DecodeAttentionConfig()
     batch, kv_heads, groups, head_dim = q.shape
     if lora_a is not None and (lora_a.ndim != 2 or
                                lora_a.shape[0] != kv_heads * groups * head_dim):

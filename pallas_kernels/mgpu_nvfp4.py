@@ -40,16 +40,16 @@ units) was correct on the H100 but no faster (docs/decisions.md; its code is at 
 `mgpu_nvfp4_matmul`: y = that sum * 2^8 / tensor_scale (one weight). A grouped q|k|v launch is
 one matmul_unscaled over the three weights stacked by rows (`group_permuted`) with a
 block-diagonal LoRA operand (`group_lora_operand`); the caller rescales each member's columns.
-`mgpu_nvfp4_swiglu`: a gate/up pair interleaved in blocks of 32 rows (kernel_dispatch.pair_gate_up) in one launch,
+`mgpu_nvfp4_swiglu`: a gate/up pair interleaved in blocks of 32 rows (kernel_layout.pair_gate_up) in one launch,
 its LoRA operand block diagonal (`pair_lora_operand`). With one split (the model's pairs) the
 kernel's epilogue (`SwigluEpilogue`) applies each half's tensor scale, computes silu(gate) * up
 in bf16 and each row tile's share of the next layer's LoRA x @ A, which XLA sums; otherwise
 XLA does all of that. The LoRA operands are made once per rollout where the caller can
-(KernelLayoutWeight.mosaic_lora_operand, qerl_jax.lora.stack_grouped_adapters), else per call.
+(KernelLayoutWeight.mosaic_lora_operand, qerl_jax.models.decode_fusion.stack_grouped_adapters), else per call.
 
 `L2Prefetch` (`l2_prefetch=`): after its K loop each program also prefetches into L2 its share
 of another launch's first K tiles (and optionally a small array, the LoRA A that XLA's x @ A
-reads before that launch): a hint that changes no result (kernel_dispatch.link_mosaic_prefetch
+reads before that launch): a hint that changes no result (decode_fusion.link_decode_prefetch
 chains the sampler's launches; docs/decisions.md).
 """
 
@@ -163,7 +163,7 @@ def kernel_layout_from_permuted(permuted: jax.Array, *, rows: int, k: int,
     weight rows (a multiple of 64) whose tiles start at line `line` of a permuted buffer
     [lines, 128] uint8: (codes uint8 [rows, K_pad / 2] nibble planes, canonical scale codes
     uint8 [rows, K_pad / 16]), bit for bit the PackedWeight arrays that permute_packed
-    permuted. A weight stored only in the permuted layout (kernel_dispatch's single copy)
+    permuted. A weight stored only in the permuted layout (qerl_jax.quant.backends.mosaic)
     gives the other kernels their operand with this (inside jit: a transient)."""
     if rows % TILE_ROWS or permuted.ndim != 2 or permuted.shape[1] != 128:
         raise ValueError(f"kernel_layout_from_permuted: rows {rows} (a multiple of "
@@ -783,7 +783,7 @@ def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax
                       up_tensor_scale: jax.Array, lora_scale=1.0, *, n_pad: int,
                       half_block: int) -> jax.Array:
     """The LoRA operand bf16 [2 n_pad, 2r] of a gate/up pair interleaved in blocks of
-    half_block rows (kernel_dispatch.pair_gate_up): gate rows hold lora_operand(B_gate)'s
+    half_block rows (kernel_layout.pair_gate_up): gate rows hold lora_operand(B_gate)'s
     rows in columns [0, r), up rows lora_operand(B_up)'s in [r, 2r), zeros elsewhere (block
     diagonal), for lora_down = x @ [A_gate | A_up]; r in LORA_RANKS."""
     rank = gate_b.shape[0]

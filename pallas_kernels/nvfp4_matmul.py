@@ -69,7 +69,7 @@ def kernel_scale_codes(block_scales: jax.Array) -> jax.Array:
     """float8_e4m3fn block scales (any shape) -> canonical uint8 codes (lossless for finite
     nonnegative scales. Negative or NaN scales, which NVFP4 does not produce, are refused here
     when the values are concrete; traced, they become the zero code: check concrete scales
-    with `invalid_scale_count` first, as qerl_jax.quant.kernel_dispatch.kernel_refusal does)."""
+    with `invalid_scale_count` first, as qerl_jax.quant.backends.kernel_layout.kernel_refusal does)."""
     codes = _table_codes(block_scales)
     if not isinstance(codes, jax.core.Tracer):
         bad = int(jnp.sum(codes == _INVALID))

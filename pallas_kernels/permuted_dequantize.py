@@ -1,7 +1,7 @@
 """NVFP4 dequantize (bf16 W [N, K]) straight from the Mosaic GPU kernel's permuted layout.
 
 A weight whose only copy is the Mosaic GPU kernel's bit-permuted buffer
-(pallas_kernels.mgpu_nvfp4; qerl_jax.quant.kernel_dispatch's single copy) is read by prefill
+(pallas_kernels.mgpu_nvfp4; qerl_jax.quant.backends.mosaic's single copy) is read by prefill
 and training through W in bf16. Unpermuting the buffer into the kernel layout with XLA first
 (mgpu_nvfp4.kernel_layout_from_permuted) and then running the kernel-layout dequantize
 (blockwise_matmul.blockwise_dequantize) took 1.4-2.8x the dequantize alone on the H100

@@ -44,7 +44,13 @@ MODEL_CONFIG_FIELDS = (                                      # models.config.Mod
 PARAM_DTYPES = ("bfloat16", "float32")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-ON_OFF_AUTO = ("auto", "on", "off")
+ON_OFF_AUTO = ("auto", "on", "off")                          # quant.kernel_options.MOSAIC_CHOICES
+WEIGHT_AS_LHS = ("auto", "weights", "activations")           # quant.kernel_options.WEIGHT_AS_LHS
+KERNEL_DECODERS = ("fp8", "bits", "asm", "asmn", "asms", "asmq", "lut", "lut16",
+                   "select")                                 # FormatSpec.decoders
+DECODE_BLOCK_N = (16, 32, 64)                                # DecodeTuning.block_n
+ATTENTION_BLOCK_S = (16, 32, 64, 128, 256, 512)              # DecodeAttentionConfig.block_s
+NUM_WARPS = (1, 2, 4, 8, 16)
 # model.overrides keys build_model reads on every path; the other keys shape a preset only.
 ATTENTION_OVERRIDES = ("attention_query_chunk", "attention_implementation")
 # set by config.model.* fields; in model.overrides they would reach preset() twice
@@ -148,10 +154,52 @@ FIELDS: dict[str, Field] = {
     # quant
     "quant.format": Field("nvfp4", "Weight format of the frozen base model ('bf16' = not "
                           "quantized).", one_of(FORMATS)),
-    "quant.kernels": Field(True, "Use the Pallas GPU kernels for the 4-bit matmuls and decode "
-                           "attention (a no-op on CPU; False keeps the XLA path)."),
-    "quant.gate_up_pairs": Field(True, "With the kernels, each MLP's gate and up weights form "
-                                 "one interleaved copy that decode runs in one launch."),
+    "quant.kernels.enabled": Field(True, "Use the Pallas GPU kernels for the 4-bit matmuls and "
+                                   "decode attention (a no-op on CPU; False keeps the XLA path)."),
+    "quant.kernels.gate_up_pairs": Field(True, "Each MLP's gate and up weights form one "
+                                         "interleaved copy that decode runs in one launch with "
+                                         "the SwiGLU in its epilogue."),
+    "quant.kernels.mosaic_nvfp4": Field("auto", "NVFP4 decode launches on the Mosaic GPU kernel: "
+                                        "'auto' where it runs (Hopper), 'on' the same with a "
+                                        "warning where it cannot, 'off' the Triton kernels.",
+                                        one_of(ON_OFF_AUTO)),
+    "quant.kernels.mosaic_prefetch_tiles": Field(1, "K tiles per program of the next Mosaic "
+                                                 "decode launch each launch prefetches into L2 "
+                                                 "(0 = no prefetch).", in_interval(0, 3)),
+    "quant.kernels.decode_attention": Field(True, "The Pallas decode-attention kernel for "
+                                            "one-token decode steps."),
+    "quant.kernels.decode_matmul.target_programs": Field(
+        640, "Triton decode launches (M <= 16): split-K aims at about this many programs.",
+        greater_than(0)),
+    "quant.kernels.decode_matmul.min_tiles_per_split": Field(
+        4, "Fewest K tiles a split-K program keeps.", at_least(1)),
+    "quant.kernels.decode_matmul.no_split_programs": Field(
+        264, "No split-K when the N tiles alone give this many programs.", at_least(1)),
+    "quant.kernels.decode_matmul.max_split": Field(8, "Most K splits of a decode launch.",
+                                                   at_least(1)),
+    "quant.kernels.decode_matmul.block_n": Field(64, "Output columns per program.",
+                                                 one_of(DECODE_BLOCK_N)),
+    "quant.kernels.decode_matmul.num_warps": Field(4, "Triton warps per program.",
+                                                   one_of(NUM_WARPS)),
+    "quant.kernels.decode_matmul.num_stages": Field(3, "Triton pipeline stages.", at_least(1)),
+    "quant.kernels.decode_matmul.weight_as_lhs": Field(
+        "auto", "Left dot operand: 'auto' (per format), 'weights' or 'activations'.",
+        one_of(WEIGHT_AS_LHS)),
+    "quant.kernels.decode_matmul.decoder": Field(
+        "auto", "In-kernel 4-bit decoder ('auto' = the format's GPU default).",
+        one_of(("auto",) + KERNEL_DECODERS)),
+    "quant.kernels.decode_attention_tiling.block_s": Field(
+        64, "Decode attention: cache slots per loop step (a power of two >= 16).",
+        one_of(ATTENTION_BLOCK_S)),
+    "quant.kernels.decode_attention_tiling.splits": Field(
+        0, "Decode attention: sequence splits (0 = enough for ~264 programs).", at_least(0)),
+    "quant.kernels.decode_attention_tiling.balanced": Field(
+        True, "Decode attention: split the used cache slots evenly at run time (False: fixed "
+        "ranges of the cache)."),
+    "quant.kernels.decode_attention_tiling.num_warps": Field(
+        4, "Decode attention: Triton warps per program.", one_of(NUM_WARPS)),
+    "quant.kernels.decode_attention_tiling.num_stages": Field(
+        3, "Decode attention: Triton pipeline stages.", at_least(1)),
     # lora
     "lora.rank": Field(16, "LoRA rank r.", greater_than(0)),
     "lora.alpha": Field(16.0, "LoRA alpha; the adapter's output is scaled by alpha / rank.",

@@ -18,11 +18,7 @@ from flax import nnx
 from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.models.layers import Linear, LoRAParam, RMSNorm
 from qerl_jax.models.safetensors_io import save_safetensors
-from qerl_jax.models.transformer import MLP, Attention, CausalLM
-from qerl_jax.quant import prepare_swiglu_lora_b
-from qerl_jax.quant.kernel_dispatch import (with_mosaic_group_lora_operand,
-                                            with_mosaic_lora_operand,
-                                            with_mosaic_pair_lora_operand)
+from qerl_jax.models.transformer import CausalLM
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -102,65 +98,6 @@ def cast_adapters_for_compute(model: CausalLM) -> int:
             continue
         for param in (layer.lora_a, layer.lora_b):
             param.set_value(param.get_value().astype(layer.compute_dtype))
-        count += 1
-    return count
-
-
-def _grouped_projections(module) -> tuple[Linear, ...]:
-    if isinstance(module, Attention):
-        return (module.q_proj, module.k_proj, module.v_proj)
-    return (module.gate_proj, module.up_proj)
-
-
-def stack_grouped_adapters(model: CausalLM) -> int:
-    """Sets each Attention's and MLP's `grouped_lora_a` to its q/k/v (gate/up) adapters' A
-    matrices side by side, [in, sum r] in the compute dtype, in place; returns how many groups
-    were stacked (those whose projections all have adapters).
-
-    For decoding, with cast_adapters_for_compute: the grouped kernel launch multiplies x by
-    [A_q | A_k | A_v] once, and inside the sampler's while_loop XLA re-ran that concatenation at
-    every token (measured on the GPU: two concatenate kernels per layer and step, ~4 us). Stacked
-    once before the loop, the product reads the same values. Like cast_adapters_for_compute, use
-    it on a merged copy inside a jitted function, never on the trained state.
-
-    An MLP whose gate/up weights are pair views (qerl_jax.quant.kernel_dispatch.pair_mlp_weights)
-    also gets `pair_lora_b`, its fused SwiGLU launch's LoRA B (linear_op.prepare_swiglu_lora_b:
-    B_gate and B_up in the pair's column order, 4.6 MiB per 7B layer at rank 32), which the
-    launch would otherwise rebuild at every token.
-
-    The Mosaic GPU path (Hopper, unless QERL_MOSAIC_NVFP4=0): a Linear whose weight has the Mosaic GPU layout also
-    gets its adapter's Mosaic LoRA operand (kernel_dispatch.with_mosaic_lora_operand: B^T with
-    the scales folded in), which the launch would otherwise transpose at every token; a gate/up
-    pair's gate view gets the pair's (with_mosaic_pair_lora_operand), an attention module's q
-    projection its grouped q/k/v launch's (with_mosaic_group_lora_operand).
-    """
-    for _, layer in _named_modules(model, Linear):
-        if layer.lora_a is not None:
-            weight = layer.weight.get_value()
-            prepared = with_mosaic_lora_operand(
-                weight, layer.lora_b.get_value(), layer.lora_scale)
-            if prepared is not weight:
-                layer.weight.set_value(prepared)
-    count = 0
-    for _, module in _named_modules(model, (Attention, MLP)):
-        projections = _grouped_projections(module)
-        if any(layer.lora_a is None for layer in projections):
-            continue
-        dtype = projections[0].compute_dtype
-        module.grouped_lora_a = jnp.concatenate(
-            [layer.lora_a.get_value().astype(dtype) for layer in projections], axis=1)
-        weights, _, loras = zip(*(layer.operands() for layer in projections))
-        if isinstance(module, Attention):
-            prepared = with_mosaic_group_lora_operand(weights, [lora.b for lora in loras],
-                                                      [lora.scale for lora in loras])
-            if prepared is not weights[0]:
-                module.q_proj.weight.set_value(prepared)
-        if isinstance(module, MLP):
-            module.pair_lora_b = prepare_swiglu_lora_b(weights, loras, compute_dtype=dtype)
-            prepared = with_mosaic_pair_lora_operand(*weights, loras[0].b, loras[1].b,
-                                                     loras[0].scale)
-            if prepared is not weights[0]:
-                module.gate_proj.weight.set_value(prepared)
         count += 1
     return count
 

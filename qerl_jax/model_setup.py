@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 def build_model(config: ml_collections.ConfigDict, workdir: str):
     """The quantized base model + tokenizer as the config describes (warm-up cached), with the
     weights in the Pallas kernels' layout on GPU."""
-    from qerl_jax.quant.model_quantization import load_quantized_hf_model, quantize_model
-    from qerl_jax.quant.random_model import random_quantized_model
+    from qerl_jax.model_quant.quantize import load_quantized_hf_model, quantize_model
+    from qerl_jax.model_quant.random_model import random_quantized_model
     from qerl_jax.warmup import cached_warmup_model
 
     model_cfg, fmt = config.model, config.quant.format
@@ -88,18 +88,19 @@ def _finish_model(model: CausalLM, config: ml_collections.ConfigDict) -> CausalL
 
 def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
     """Repacks the 4-bit weights once into the Pallas kernels' layout and registers the kernels
-    (GPU only; a no-op on CPU). bf16 weights get the decode-attention kernel only.
-    config.quant.kernels=False keeps the XLA path. The kernels compute in bfloat16: with another
-    compute dtype every matmul would take the XLA path and unpack the kernel layout again on
-    each call, so nothing is repacked. config.quant.gate_up_pairs (default True) makes each
-    MLP's gate and up one interleaved pair (kernel_dispatch.pair_mlp_weights)."""
-    from qerl_jax.quant.kernel_dispatch import enable_decode_attention, enable_kernels
+    as config.quant.kernels says (GPU only; a no-op on CPU). bf16 weights get the
+    decode-attention kernel only. quant.kernels.enabled=False keeps the XLA path. The kernels
+    compute in bfloat16: with another compute dtype every matmul would take the XLA path and
+    unpack the kernel layout again on each call, so nothing is repacked."""
+    from qerl_jax.model_quant.kernels import enable_decode_attention, enable_kernels
+    from qerl_jax.quant.kernel_options import KernelOptions
 
-    if not config.quant.get("kernels", True):
+    options = KernelOptions.from_config(config.quant.kernels)
+    if not options.enabled:
         return
     if config.quant.format == "bf16":
-        if config.model.compute_dtype == "bfloat16":
-            enable_decode_attention()
+        if config.model.compute_dtype == "bfloat16" and options.decode_attention:
+            enable_decode_attention(options=options)
         return
     if config.model.compute_dtype != "bfloat16":
         logger.info("Pallas kernels not enabled: model.compute_dtype=%s (they compute in "
@@ -108,5 +109,4 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
         return
     # the model was just built: nothing else holds it; its adapters come later (their rank
     # decides whether the NVFP4 decode launches can run the Mosaic GPU kernel)
-    enable_kernels(model, donate=True, pair_mlp=config.quant.get("gate_up_pairs", True),
-                   lora_rank=config.lora.rank)
+    enable_kernels(model, options, donate=True, lora_rank=config.lora.rank)

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from qerl_jax.lora import cast_adapters_for_compute, stack_grouped_adapters
-from qerl_jax.quant.kernel_dispatch import link_mosaic_prefetch
+from qerl_jax.lora import cast_adapters_for_compute
+from qerl_jax.models.decode_fusion import prepare_decode
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
 
@@ -136,8 +136,7 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
                       config: SamplingConfig, cache_length: int):
     model = nnx.merge(graphdef, *states)
     cast_adapters_for_compute(model)  # once here, not at every decode step
-    stack_grouped_adapters(model)  # the grouped launches' [A_q | A_k | A_v], [A_gate | A_up]
-    link_mosaic_prefetch(model)  # the Mosaic GPU path only (Hopper)
+    prepare_decode(model)  # grouped [A_q | A_k | A_v], [A_gate | A_up], launch operands, prefetch
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
     cache = init_kv_cache(model.config, prompt_tokens.shape[0], cache_length)

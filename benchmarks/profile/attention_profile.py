@@ -82,7 +82,7 @@ def main(argv=None):
         mask = jnp.ones((args.batch, args.slots), bool)
         scale = head_dim ** -0.5
         for setting in settings:
-            config = dataclasses.replace(da.default_config(), **parsed[setting])
+            config = da.DecodeAttentionConfig(**parsed[setting])
             fn = jax.jit(lambda q, caches, length, config=config: [
                 da.decode_attention(q, k, v, mask, length, scale=scale, config=config,
                                     interpret=interpret) for k, v in caches])

@@ -40,10 +40,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=64, help="decode steps traced")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--no-kernels", action="store_true")
-    parser.add_argument("--no-lora-epilogue", action="store_true",
-                        help="LoRA as separate XLA dots, not in the fused kernel's epilogue")
-    parser.add_argument("--no-grouped-launches", action="store_true",
-                        help="one fused-kernel launch per layer (not q/k/v and gate/up together)")
+    parser.add_argument("--mosaic-nvfp4", default="auto", choices=("auto", "on", "off"),
+                        help="config.quant.kernels.mosaic_nvfp4")
     parser.add_argument("--no-gate-up-pairs", action="store_true",
                         help="keep each MLP's gate and up as separate weights (grouped launch "
                              "+ XLA SwiGLU), not one interleaved pair with the SwiGLU fused")
@@ -198,10 +196,8 @@ def main(argv=None):
     started = time.perf_counter()
     architecture, graphdef, states, info = common.build_sampling_model(
         common.preset_name(args.size), args.format, rank=args.rank, seed=args.seed,
-        use_kernels=not args.no_kernels, lora_epilogue=not args.no_lora_epilogue,
-        grouped=not args.no_grouped_launches,
-        decode_attention=not args.no_decode_attention,
-        tile_k=args.tile_k, pair_mlp=not args.no_gate_up_pairs)
+        use_kernels=not args.no_kernels, decode_attention=not args.no_decode_attention,
+        tile_k=args.tile_k, pair_mlp=not args.no_gate_up_pairs, mosaic_nvfp4=args.mosaic_nvfp4)
     init_s = time.perf_counter() - started
     cases = [profile_case(graphdef, states, architecture, args,
                           args.prompt + args.cache_new_tokens, "full cache", args.out)]
@@ -219,8 +215,7 @@ def main(argv=None):
     print(text, flush=True)
     name = f"decode_profile_{args.size}_{args.format}_b{args.batch}" + (
         "_no-kernels" if args.no_kernels else "") + (
-        "_no-lora-epilogue" if args.no_lora_epilogue else "") + (
-        "_no-grouped" if args.no_grouped_launches else "") + (
+        f"_mosaic-{args.mosaic_nvfp4}" if args.mosaic_nvfp4 != "auto" else "") + (
         "_no-pairs" if args.no_gate_up_pairs else "") + (
         "_no-decode-attention" if args.no_decode_attention else "") + (
         f"_tile{args.tile_k}" if args.tile_k else "")

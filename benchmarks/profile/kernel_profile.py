@@ -162,33 +162,30 @@ def main(argv=None):
                                                           preferred_element_type=jnp.float32)
                 first_output = None  # the first tuning's output: later ones are compared
                 for tuning in tunings:
-                    previous = bw.set_decode_tuning(**parsed[tuning])
+                    config = bw.default_matmul_config(args.m, packed,
+                                                      bw.DecodeTuning(**parsed[tuning]))
+                    fn = jax.jit(lambda x, ws, down, lora_b, config=config: [
+                        bw.blockwise_matmul(x, w, spec=spec, config=config,
+                                            interpret=interpret, lora_down=down,
+                                            lora_b=lora_b, lora_scale=2.0) for w in ws])
+                    row = {"shape": name, "n": n, "k": k, "format": fmt, "tile_k": tile_k,
+                           "tuning": tuning, "config": _short(config), "copies": count}
                     try:
-                        config = bw.default_matmul_config(args.m, packed)
-                        fn = jax.jit(lambda x, ws, down, lora_b, config=config: [
-                            bw.blockwise_matmul(x, w, spec=spec, config=config,
-                                                interpret=interpret, lora_down=down,
-                                                lora_b=lora_b, lora_scale=2.0) for w in ws])
-                        row = {"shape": name, "n": n, "k": k, "format": fmt, "tile_k": tile_k,
-                               "tuning": tuning, "config": _short(config), "copies": count}
-                        try:
-                            y = fn(x, ws, down, lora_b)[0].astype(jnp.float32)
-                            error = float(jnp.max(jnp.abs(y - reference))
-                                          / jnp.max(jnp.abs(reference)))
-                            if first_output is None:
-                                first_output = y
-                            row["max_abs_diff_vs_first"] = float(
-                                jnp.max(jnp.abs(y - first_output)))
-                            marker = f"{fmt}_matmul"
-                            kernel_us, call_us, found = traced_device_us(
-                                fn, (x, ws, down, lora_b), args.repeats, count, marker)
-                            row.update(kernel_us=kernel_us, call_us=call_us,
-                                       TB_s=nbytes / call_us / 1e6, max_rel_err=error,
-                                       kernel_events=found)
-                        except Exception as e:  # a tuning Triton cannot compile: record, go on
-                            row.update(error=common.describe_error(e))
-                    finally:
-                        bw.set_decode_tuning(previous)
+                        y = fn(x, ws, down, lora_b)[0].astype(jnp.float32)
+                        error = float(jnp.max(jnp.abs(y - reference))
+                                      / jnp.max(jnp.abs(reference)))
+                        if first_output is None:
+                            first_output = y
+                        row["max_abs_diff_vs_first"] = float(
+                            jnp.max(jnp.abs(y - first_output)))
+                        marker = f"{fmt}_matmul"
+                        kernel_us, call_us, found = traced_device_us(
+                            fn, (x, ws, down, lora_b), args.repeats, count, marker)
+                        row.update(kernel_us=kernel_us, call_us=call_us,
+                                   TB_s=nbytes / call_us / 1e6, max_rel_err=error,
+                                   kernel_events=found)
+                    except Exception as e:  # a tuning Triton cannot compile: record, go on
+                        row.update(error=common.describe_error(e))
                     rows.append(row)
                     print(row, flush=True)
                 del ws, packed

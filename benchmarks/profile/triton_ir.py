@@ -81,9 +81,8 @@ def run_worker(args) -> None:
     x, down, lora_b = kernel_profile.layer_inputs(key, args.m, n, k, args.rank)
     ckpt = kernel_bench.random_checkpoint(args.format, n, k, jax.random.fold_in(key, 5))
     packed = kernel_bench.repack(args.format, ckpt, tile_k=256)
-    if args.worker != "base":
-        bw.set_decode_tuning(**bw.parse_tuning(args.worker))
-    config = bw.default_matmul_config(args.m, packed)
+    tuning = bw.DecodeTuning(**({} if args.worker == "base" else bw.parse_tuning(args.worker)))
+    config = bw.default_matmul_config(args.m, packed, tuning)
     y = bw.blockwise_matmul(x, packed, spec=kernel_bench.SPECS[args.format], config=config,
                             lora_down=down, lora_b=lora_b, lora_scale=2.0 if args.rank else 0.0)
     jax.block_until_ready(y)

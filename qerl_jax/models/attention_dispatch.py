@@ -2,14 +2,14 @@
 
 By default Attention runs its XLA path (einsums over the whole static cache, masked). A kernel
 registered here for a platform (pallas_kernels.decode_attention, registered by
-qerl_jax.quant.kernel_dispatch.enable_kernels / enable_decode_attention on the GPU, or
+qerl_jax.model_quant.kernels.enable_kernels / enable_decode_attention on the GPU, or
 interpreted in CPU tests) replaces it for decode steps (T = 1 with a cache) whose shapes it
 supports; prefill and training keep the XLA path.
 
     fn(q [B, KVH, G, D], keys [B, S, KVH, D], values, mask [B, S] bool, length int32 scalar,
        *, scale[, lora_a]) -> [B, KVH, G, D] in q's dtype
       lora_a [KVH * G * D, r] (the o-projection's LoRA A as stored, which the kernel rounds to
-      q's dtype; passed only to a kernel registered with lora_down=True): the kernel may return (out, down [B, KVH, G, r] float32), each
+      q's dtype; passed only to a kernel registered with lora_x_a=True): the kernel may return (out, down [B, KVH, G, r] float32), each
       query head's output row times its rows of lora_a, whose sum over heads is the
       o-projection's x @ A; or out alone, and the model computes x @ A itself
     supports(q, keys) -> None, or why not (then the XLA path runs; logged once)
@@ -31,7 +31,7 @@ class DecodeAttentionKernel:
     name: str
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None] | None = None
-    lora_down: bool = False  # fn takes lora_a (see the module docstring)
+    lora_x_a: bool = False  # fn takes lora_a and may return the o projection's x @ A
 
 
 _KERNELS: dict[str, DecodeAttentionKernel] = {}

@@ -52,12 +52,12 @@ class Linear(nnx.Module):
             self.lora_a.get_value(), self.lora_b.get_value(), self.lora_scale)
         return self.weight.get_value(), bias, lora
 
-    def __call__(self, x: jax.Array, lora_down: jax.Array | None = None) -> jax.Array:
-        """x [..., in] -> [..., out]; lora_down: x @ lora_a [..., r] made elsewhere, or None
+    def __call__(self, x: jax.Array, lora_x_a: jax.Array | None = None) -> jax.Array:
+        """x [..., in] -> [..., out]; lora_x_a: x @ lora_a [..., r] made elsewhere, or None
         (qerl_jax.quant.linear_op.linear)."""
         weight, bias, lora = self.operands()
         return linear(x, weight, bias, compute_dtype=self.compute_dtype, lora=lora,
-                      lora_down=lora_down)
+                      lora_x_a=lora_x_a)
 
 
 def apply_linears(x: jax.Array, layers, stacked_lora_a: jax.Array | None = None
@@ -66,7 +66,7 @@ def apply_linears(x: jax.Array, layers, stacked_lora_a: jax.Array | None = None
     qerl_jax.quant.linear_group: quantized layers share one kernel launch where the kernel
     allows (decode), otherwise each runs as layer(x). All layers need one compute dtype.
     `stacked_lora_a` [in, sum r]: the layers' LoRA A matrices side by side, precomputed
-    (qerl_jax.lora.stack_grouped_adapters), or None to stack them here when needed."""
+    (qerl_jax.models.decode_fusion.stack_grouped_adapters), or None to stack them here when needed."""
     dtypes = {jnp.dtype(layer.compute_dtype) for layer in layers}
     if len(dtypes) != 1:
         raise ValueError(f"apply_linears: layers with compute dtypes {sorted(map(str, dtypes))}")
@@ -83,7 +83,7 @@ def apply_swiglu_linears(x: jax.Array, gate_layer: Linear, up_layer: Linear,
     where the quantized kernel can (gate/up pair views at decode), one launch computes both
     projections and applies the SwiGLU in its epilogue; otherwise apply_linears then swiglu,
     unchanged. `stacked_lora_a` [in, r_gate + r_up] as for apply_linears; `pair_lora_b` the
-    fused launch's LoRA B made once (qerl_jax.lora.stack_grouped_adapters) or None.
+    fused launch's LoRA B made once (qerl_jax.models.decode_fusion.stack_grouped_adapters) or None.
     `next_lora_a`: the down projection's LoRA A [out, r], or None; with it returns (output,
     output @ next_lora_a from the fused launch, or None where it did not compute it)."""
     if jnp.dtype(gate_layer.compute_dtype) != jnp.dtype(up_layer.compute_dtype):

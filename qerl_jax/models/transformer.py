@@ -112,7 +112,7 @@ class Attention(nnx.Module):
                              use_bias=config.attention_bias and config.model_type == "llama",
                              **common)
         # [hidden, 3r]: the q/k/v adapters' A side by side, set only inside the sampler
-        # (qerl_jax.lora.stack_grouped_adapters), so the decode loop does not re-stack them
+        # (qerl_jax.models.decode_fusion.stack_grouped_adapters), so the decode loop does not re-stack them
         self.grouped_lora_a = nnx.data(None)
 
     def __call__(self, x, cos, sin, mask, cached_kv=None, cache_index=None):
@@ -157,15 +157,15 @@ class Attention(nnx.Module):
             # o-projection adapter, a kernel that can also returns each head's share of its
             # x @ A (one small launch fewer per layer); summed over the heads here.
             extra = {}
-            if kernel.lora_down and self.o_proj.lora_a is not None:  # rounded to q's dtype there
+            if kernel.lora_x_a and self.o_proj.lora_a is not None:  # rounded to q's dtype there
                 extra["lora_a"] = self.o_proj.lora_a.get_value()
             result = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
                                scale=1.0 / math.sqrt(self.head_dim), **extra)
-            out, down = result if isinstance(result, tuple) else (result, None)
+            out, lora_x_a = result if isinstance(result, tuple) else (result, None)
             out = out.astype(self.compute_dtype).reshape(batch, 1, self.num_heads * self.head_dim)
-            if down is not None:  # [B, KVH, G, r] float32 -> x @ A [B, 1, r], rounded once
-                down = down.sum(axis=(1, 2)).astype(self.compute_dtype)[:, None, :]
-            return self.o_proj(out, lora_down=down), new_kv
+            if lora_x_a is not None:  # [B, KVH, G, r] float32 -> x @ A [B, 1, r], rounded once
+                lora_x_a = lora_x_a.sum(axis=(1, 2)).astype(self.compute_dtype)[:, None, :]
+            return self.o_proj(out, lora_x_a=lora_x_a), new_kv
         scale = 1.0 / math.sqrt(self.head_dim)
         if mask.shape[-1] < keys.shape[1]:
             # a mask over the cache's first slots only (prefill into an empty cache): the
@@ -196,20 +196,20 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inner, hidden, **common)
         self.grouped_lora_a = nnx.data(None)  # [hidden, 2r], as Attention.grouped_lora_a
         # the fused SwiGLU launch's LoRA B of gate/up pair views, made once per rollout
-        # (qerl_jax.lora.stack_grouped_adapters), or None
+        # (qerl_jax.models.decode_fusion.stack_grouped_adapters), or None
         self.pair_lora_b = nnx.data(None)
 
     def __call__(self, x):
         """With a down-projection adapter, the fused SwiGLU launch (decode) also returns
         swiglu @ A_down, so the down projection runs no x @ A product of its own
-        (linear_op.linear_swiglu's next_lora_a); elsewhere down_proj computes it."""
+        (linear_swiglu.linear_swiglu's next_lora_a); elsewhere down_proj computes it."""
         if self.down_proj.lora_a is None:
             return self.down_proj(apply_swiglu_linears(x, self.gate_proj, self.up_proj,
                                                        self.grouped_lora_a, self.pair_lora_b))
-        hidden, down = apply_swiglu_linears(x, self.gate_proj, self.up_proj,
+        hidden, lora_x_a = apply_swiglu_linears(x, self.gate_proj, self.up_proj,
                                             self.grouped_lora_a, self.pair_lora_b,
                                             next_lora_a=self.down_proj.lora_a.get_value())
-        return self.down_proj(hidden, lora_down=down)
+        return self.down_proj(hidden, lora_x_a=lora_x_a)
 
 
 class DecoderLayer(nnx.Module):

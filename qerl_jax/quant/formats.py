@@ -5,8 +5,9 @@
     dense = fmt.dequantize(quantized, jnp.bfloat16)                   # [N, K]
 
 Every quantize takes keyword arguments `name` (for error messages) and `check_finite` (see
-qarray.validate_weight); the quantized formats return a QuantizedWeight, "bf16" returns the
-weight cast to bfloat16 (same layout as given).
+validate_weight); the quantized formats return a QuantizedWeight, "bf16" returns the weight
+cast to bfloat16 (same layout as given). Each quantized format registers itself at the end of
+its module (nvfp4.py, mxfp4.py, nf4.py), which the package imports.
 """
 
 from __future__ import annotations
@@ -18,11 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qerl_jax.quant.mxfp4 import MXFP4_BLOCK_SIZE, mxfp4_dequantize, mxfp4_quantize
-from qerl_jax.quant.nf4 import (DOUBLE_QUANT_BLOCK_SIZE, NF4_BLOCK_SIZE, nf4_dequantize,
-                                nf4_quantize)
-from qerl_jax.quant.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
-from qerl_jax.quant.qarray import QuantizedWeight, validate_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +61,40 @@ def _bf16_dequantize(weight: jax.Array, dtype=None) -> jax.Array:
     return weight.astype(dtype or weight.dtype)
 
 
+def validate_weight(weight, *, block_size: int, format_name: str, name: str,
+                    check_finite: bool) -> None:
+    """Checks a weight [N, K] before quantization; raises ValueError naming the layer.
+
+    Shape checks are static and always run (also under jit). The NaN/Inf check needs concrete
+    values: with check_finite=True it runs eagerly (one device-side reduction, one bool to the
+    host) and raises if `weight` is a tracer, rather than silently skipping; inside jit pass
+    check_finite=False and check before tracing.
+    """
+    shape = tuple(weight.shape)
+    if len(shape) != 2:
+        raise ValueError(f"layer {name}: expected a 2-D weight [out_features, in_features], "
+                         f"got shape {shape}")
+    if not jnp.issubdtype(weight.dtype, jnp.floating):
+        raise ValueError(f"layer {name}: weight dtype {weight.dtype} is not floating point")
+    in_features = shape[1]
+    if in_features % block_size:
+        raise ValueError(f"layer {name}: in_features={in_features} (weight shape {shape} as "
+                         f"[out, in]) is not divisible by {format_name}'s block size "
+                         f"{block_size}")
+    if not check_finite:
+        return
+    try:
+        finite = bool(jnp.isfinite(weight).all())
+    except jax.errors.ConcretizationTypeError as error:
+        raise ValueError(
+            f"layer {name}: cannot check a traced weight for NaN/Inf inside jit; check it "
+            f"eagerly and call the {format_name} quantizer with check_finite=False") from error
+    if not finite:
+        count = int(jnp.sum(~jnp.isfinite(weight)))
+        raise ValueError(f"layer {name}: weight of shape {shape} holds {count} NaN/Inf "
+                         f"value(s); refusing to quantize to {format_name}")
+
+
 _FORMATS: dict[str, Format] = {}
 
 
@@ -80,25 +110,13 @@ register_format(Format(
     name="bf16", bits=16, block_size=1, bytes_per_parameter=2.0,
     quantize=_bf16_quantize, dequantize=_bf16_dequantize,
     description="dense bfloat16, no quantization"))
-register_format(Format(
-    name="nvfp4", bits=4, block_size=NVFP4_BLOCK_SIZE,
-    bytes_per_parameter=0.5 + 1 / NVFP4_BLOCK_SIZE,
-    quantize=nvfp4_quantize, dequantize=nvfp4_dequantize,
-    description="E2M1 + FP8 E4M3 scale per 16 + FP32 tensor scale (compressed-tensors)"))
-register_format(Format(
-    name="mxfp4", bits=4, block_size=MXFP4_BLOCK_SIZE,
-    bytes_per_parameter=0.5 + 1 / MXFP4_BLOCK_SIZE,
-    quantize=mxfp4_quantize, dequantize=mxfp4_dequantize,
-    description="E2M1 + E8M0 power-of-two scale per 32 (OCP MX v1.0)"))
-register_format(Format(
-    name="nf4", bits=4, block_size=NF4_BLOCK_SIZE,
-    bytes_per_parameter=0.5 + 1 / NF4_BLOCK_SIZE + 4 / (NF4_BLOCK_SIZE * DOUBLE_QUANT_BLOCK_SIZE),
-    quantize=nf4_quantize, dequantize=nf4_dequantize,
-    description="NormalFloat4 + absmax per 64, double-quantized (bitsandbytes / QLoRA)"))
-
-
 def known_formats() -> tuple[str, ...]:
     return tuple(_FORMATS)
+
+
+def quantized_format_names() -> tuple[str, ...]:
+    """The registered formats that make a QuantizedWeight (all but "bf16")."""
+    return tuple(name for name, fmt in _FORMATS.items() if fmt.is_quantized)
 
 
 def get_format(name: str | Format) -> Format:
@@ -130,5 +148,5 @@ def quantized_nbytes(tree: Any) -> int:
     return total
 
 
-__all__ = ["Format", "QuantizedWeight", "bytes_per_parameter", "get_format", "known_formats",
-           "quantized_nbytes", "register_format"]
+__all__ = ["Format", "bytes_per_parameter", "get_format", "known_formats", "quantized_nbytes",
+           "register_format", "validate_weight"]

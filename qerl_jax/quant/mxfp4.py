@@ -31,7 +31,8 @@ from qerl_jax.quant.e2m1 import e2m1_decode, e2m1_encode, pack_nibbles, unpack_n
 from qerl_jax.quant.nvfp4 import (BFLOAT16_SMALLEST_SUBNORMAL_EXPONENT,
                                   FLOAT32_SMALLEST_SUBNORMAL_EXPONENT,
                                   quotient_rounds_to_nonzero)
-from qerl_jax.quant.qarray import QuantizedWeight, validate_weight
+from qerl_jax.quant.formats import Format, register_format, validate_weight
+from qerl_jax.quant.qarray import QuantizedWeight
 
 MXFP4_BLOCK_SIZE = 32
 E8M0_BIAS = 127
@@ -118,3 +119,10 @@ def mxfp4_dequantize(quantized: QuantizedWeight, dtype=None) -> jax.Array:
         raise ValueError(f"mxfp4_dequantize got a {quantized.format!r} QuantizedWeight")
     return _mxfp4_dequantize(quantized.codes, quantized.block_scales,
                              jnp.dtype(dtype or quantized.dtype))
+
+
+register_format(Format(
+    name="mxfp4", bits=4, block_size=MXFP4_BLOCK_SIZE,
+    bytes_per_parameter=0.5 + 1 / MXFP4_BLOCK_SIZE,
+    quantize=mxfp4_quantize, dequantize=mxfp4_dequantize,
+    description="E2M1 + E8M0 power-of-two scale per 32 (OCP MX v1.0)"))

@@ -34,7 +34,8 @@ import numpy as np
 
 from qerl_jax.quant.e2m1 import pack_nibbles, unpack_nibbles
 from qerl_jax.quant.nvfp4 import exact_divide
-from qerl_jax.quant.qarray import QuantizedWeight, validate_weight
+from qerl_jax.quant.formats import Format, register_format, validate_weight
+from qerl_jax.quant.qarray import QuantizedWeight
 
 NF4_BLOCK_SIZE = 64
 DOUBLE_QUANT_BLOCK_SIZE = 256
@@ -200,3 +201,10 @@ def nf4_dequantize(quantized: QuantizedWeight, dtype=None) -> jax.Array:
         raise ValueError(f"nf4_dequantize got a {quantized.format!r} QuantizedWeight")
     return _nf4_dequantize(quantized.codes, quantized.block_scales, quantized.tensor_scale,
                            quantized.double_quant_scales, jnp.dtype(dtype or quantized.dtype))
+
+
+register_format(Format(
+    name="nf4", bits=4, block_size=NF4_BLOCK_SIZE,
+    bytes_per_parameter=0.5 + 1 / NF4_BLOCK_SIZE + 4 / (NF4_BLOCK_SIZE * DOUBLE_QUANT_BLOCK_SIZE),
+    quantize=nf4_quantize, dequantize=nf4_dequantize,
+    description="NormalFloat4 + absmax per 64, double-quantized (bitsandbytes / QLoRA)"))

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 from qerl_jax.quant.e2m1 import (E2M1_MAX, e2m1_decode, e2m1_encode, pack_nibbles,
                                  unpack_nibbles)
-from qerl_jax.quant.qarray import QuantizedWeight, validate_weight
+from qerl_jax.quant.formats import Format, register_format, validate_weight
+from qerl_jax.quant.qarray import QuantizedWeight
 
 NVFP4_BLOCK_SIZE = 16
 FP8_E4M3_MAX = 448.0
@@ -201,3 +202,10 @@ def nvfp4_dequantize(quantized: QuantizedWeight, dtype=None) -> jax.Array:
         raise ValueError(f"nvfp4_dequantize got a {quantized.format!r} QuantizedWeight")
     return _nvfp4_dequantize(quantized.codes, quantized.block_scales, quantized.tensor_scale,
                              jnp.dtype(dtype or quantized.dtype))
+
+
+register_format(Format(
+    name="nvfp4", bits=4, block_size=NVFP4_BLOCK_SIZE,
+    bytes_per_parameter=0.5 + 1 / NVFP4_BLOCK_SIZE,
+    quantize=nvfp4_quantize, dequantize=nvfp4_dequantize,
+    description="E2M1 + FP8 E4M3 scale per 16 + FP32 tensor scale (compressed-tensors)"))

@@ -19,9 +19,9 @@ along K (the reduction dimension). Layouts, per format (see docs/formats.md):
 Array fields are pytree children (None fields are empty subtrees); format, shape and dtype are
 static (they are part of the treedef, so jit specializes on them).
 
-For the Pallas GPU kernels, qerl_jax.quant.kernel_dispatch repacks a QuantizedWeight once at
-load time into a `KernelLayoutWeight` (a subclass: the checkpoint arrays above stay readable
-from it, unpacked losslessly on access).
+For the Pallas GPU kernels, qerl_jax.quant.backends.kernel_layout repacks a QuantizedWeight
+once at load time into a `KernelLayoutWeight` (a subclass: the checkpoint arrays above stay
+readable from it, unpacked losslessly on access).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QUANTIZED_FORMATS = ("nvfp4", "mxfp4", "nf4")
+from qerl_jax.quant.formats import get_format, quantized_format_names
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -65,9 +65,9 @@ class QuantizedWeight:
     def __post_init__(self):
         # Only static fields are checked: array fields may hold tracers or placeholders while
         # JAX transforms the pytree.
-        if self.format not in QUANTIZED_FORMATS:
+        if self.format not in quantized_format_names():
             raise ValueError(f"QuantizedWeight.format={self.format!r}; known quantized "
-                             f"formats: {', '.join(QUANTIZED_FORMATS)}")
+                             f"formats: {', '.join(quantized_format_names())}")
         shape = tuple(int(d) for d in self.shape)
         if len(shape) != 2:
             raise ValueError(f"QuantizedWeight.shape must be (out_features, in_features), "
@@ -91,39 +91,4 @@ class QuantizedWeight:
 
     def dequantize(self, dtype=None) -> jax.Array:
         """The dense weight [N, K] in `dtype` (default: self.dtype)."""
-        from qerl_jax.quant.formats import get_format
         return get_format(self.format).dequantize(self, dtype)
-
-
-def validate_weight(weight, *, block_size: int, format_name: str, name: str,
-                    check_finite: bool) -> None:
-    """Checks a weight [N, K] before quantization; raises ValueError naming the layer.
-
-    Shape checks are static and always run (also under jit). The NaN/Inf check needs concrete
-    values: with check_finite=True it runs eagerly (one device-side reduction, one bool to the
-    host) and raises if `weight` is a tracer, rather than silently skipping; inside jit pass
-    check_finite=False and check before tracing.
-    """
-    shape = tuple(weight.shape)
-    if len(shape) != 2:
-        raise ValueError(f"layer {name}: expected a 2-D weight [out_features, in_features], "
-                         f"got shape {shape}")
-    if not jnp.issubdtype(weight.dtype, jnp.floating):
-        raise ValueError(f"layer {name}: weight dtype {weight.dtype} is not floating point")
-    in_features = shape[1]
-    if in_features % block_size:
-        raise ValueError(f"layer {name}: in_features={in_features} (weight shape {shape} as "
-                         f"[out, in]) is not divisible by {format_name}'s block size "
-                         f"{block_size}")
-    if not check_finite:
-        return
-    try:
-        finite = bool(jnp.isfinite(weight).all())
-    except jax.errors.ConcretizationTypeError as error:
-        raise ValueError(
-            f"layer {name}: cannot check a traced weight for NaN/Inf inside jit; check it "
-            f"eagerly and call the {format_name} quantizer with check_finite=False") from error
-    if not finite:
-        count = int(jnp.sum(~jnp.isfinite(weight)))
-        raise ValueError(f"layer {name}: weight of shape {shape} holds {count} NaN/Inf "
-                         f"value(s); refusing to quantize to {format_name}")

@@ -122,27 +122,22 @@ def test_all_masked_row_stays_finite_and_errors():
     assert default_splits(1, 1, 100, 64) == 2
 
 
-def test_default_config_is_settable_and_parsed():
-    """set_default_config changes what decode_attention uses without a config (the benchmarks'
-    $QERL_DECODE_ATTENTION), and parse_config checks names and values."""
+def test_config_is_checked_and_parsed():
+    """DecodeAttentionConfig checks its fields; parse_config (benchmark command lines) checks
+    names and values; a config given to decode_attention is the one it uses."""
     from pallas_kernels import decode_attention as module
     assert module.parse_config("splits=1,block_s=128") == {"splits": 1, "block_s": 128}
     assert module.parse_config("splits=none") == {"splits": None}
     with pytest.raises(ValueError, match="expected name=value"):
         module.parse_config("split=2")
+    with pytest.raises(ValueError, match="block_s"):
+        module.DecodeAttentionConfig(block_s=48)
+    with pytest.raises(ValueError, match="balanced"):
+        module.DecodeAttentionConfig(balanced=2)
     _, q, k, v = _problem(2, 2, 96, 2, 4, 16)
     mask = jnp.ones((2, 96), bool)
-    previous = module.set_default_config(splits=1)
-    try:
-        assert module.default_config().splits == 1
-        with pytest.raises(ValueError, match="block_s"):
-            module.set_default_config(block_s=48)
-        with pytest.raises(ValueError, match="balanced"):
-            module.set_default_config(balanced=2)
-        got = decode_attention(q, k, v, mask, 70, scale=0.25, interpret=True)
-    finally:
-        module.set_default_config(previous)
-    assert module.default_config() == previous
+    got = decode_attention(q, k, v, mask, 70, scale=0.25, interpret=True,
+                           config=module.DecodeAttentionConfig(splits=1))
     ref = _reference(q, k, v, np.ones((2, 96), bool), 70, 0.25)
     np.testing.assert_allclose(np.asarray(got, np.float32), ref,
                                atol=TOLERANCE * np.abs(ref).max())

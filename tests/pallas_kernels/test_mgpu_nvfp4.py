@@ -3,8 +3,9 @@ checkpoint's float64 dequantization), its bit math (an integer emulation of the 
 gives those weights), the LoRA operands' scale folding (float64), the split-K counts, that the
 Mosaic GPU kernel (split-K, uneven splits, grouped operand widths) and the SwiGLU path lower
 for CUDA, and
-kernel_dispatch's Mosaic path (which weights get copies and operands; the SwiGLU and grouped
-q|k|v launches with a jnp stand-in for the kernel against the interpreted Triton launches). The
+the Mosaic GPU backend (qerl_jax/quant/backends/mosaic.py: which weights get buffers and
+operands; the SwiGLU and grouped q|k|v launches with a jnp stand-in for the kernel against the
+interpreted Triton launches). The
 kernel's numbers are checked on a GPU by test_mgpu_nvfp4_gpu.py (Mosaic GPU has no interpret
 mode for TMA copies)."""
 
@@ -15,6 +16,11 @@ import pytest
 
 from pallas_kernels import mgpu_nvfp4 as mg
 from pallas_kernels import nvfp4_matmul
+from qerl_jax.quant.backends import kernel_layout as kl
+from qerl_jax.quant.backends import mosaic
+from qerl_jax.quant.backends.triton import TritonDecodeBackend
+from qerl_jax.quant.kernel_options import KernelOptions
+from qerl_jax.quant.kernels import unregister_kernels
 from qerl_jax.quant.nvfp4 import nvfp4_quantize
 from tests.pallas_kernels import kernel_checks as kc
 
@@ -153,29 +159,25 @@ def test_refusals_and_bad_shapes():
 
 
 def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
-    """kernel_dispatch.with_mosaic_lora_operand (the sampler's per-rollout preparation): with
-    the experimental flag on and a Mosaic copy present, the weight carries lora_operand(B) as a
-    pytree child (it survives flatten/unflatten); otherwise the weight is returned as it is."""
-    from qerl_jax.quant import kernel_dispatch as kd
+    """mosaic.with_lora_operand (the sampler's per-rollout preparation): with a permuted buffer
+    present, the weight carries lora_operand(B) as a pytree child (it survives
+    flatten/unflatten); otherwise the weight is returned as it is."""
     n, k, rank = 192, 512, 16
     w = jax.random.normal(jax.random.key(4), (n, k), jnp.float32)
-    weight = kd.to_kernel_layout(nvfp4_quantize(w), tile_k=256)
+    weight = kl.to_kernel_layout(nvfp4_quantize(w), tile_k=256)
     b = jax.random.normal(jax.random.key(5), (rank, n), jnp.float32)
-    monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
-    assert kd.with_mosaic_lora_operand(weight, b, 0.5) is weight  # no Mosaic copy
-    weight = kd._replace_children(weight, mosaic_tiles=mg.permute_packed(weight.packed()))
-    prepared = kd.with_mosaic_lora_operand(weight, b, 0.5)
+    assert mosaic.with_lora_operand(weight, b, 0.5) is weight  # no Mosaic copy
+    weight = weight.replace(mosaic_tiles=mg.permute_packed(weight.packed()))
+    prepared = mosaic.with_lora_operand(weight, b, 0.5)
     expected = mg.lora_operand(b, weight.packed().tensor_scale, 0.5,
                                n_pad=weight.packed().codes.shape[0])
     assert jnp.array_equal(prepared.mosaic_lora_operand, expected)
     assert prepared.mosaic_tiles is weight.mosaic_tiles
     rebuilt = jax.tree.map(lambda leaf: leaf, prepared)
     assert jnp.array_equal(rebuilt.mosaic_lora_operand, expected)
-    assert kd._prepared_lora_operand(prepared, jnp.zeros((8, rank))) is not None
-    assert kd._prepared_lora_operand(prepared, jnp.zeros((8, 32))) is None
-    assert kd.with_mosaic_lora_operand(weight, jnp.zeros((24, n)), 0.5) is weight  # rank
-    monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", False)
-    assert kd.with_mosaic_lora_operand(weight, b, 0.5) is weight
+    assert mosaic._prepared_lora_operand(prepared, jnp.zeros((8, rank))) is not None
+    assert mosaic._prepared_lora_operand(prepared, jnp.zeros((8, 32))) is None
+    assert mosaic.with_lora_operand(weight, jnp.zeros((24, n)), 0.5) is weight  # rank
 
 
 def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
@@ -209,20 +211,19 @@ def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_
 
 
 def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch):
-    """kernel_dispatch's Mosaic SwiGLU path (a gate/up pair's permuted copy, the pair LoRA
+    """The Mosaic GPU SwiGLU launch (a gate/up pair's permuted buffer, the pair LoRA
     operand, de-interleaving, per-half tensor scales, bf16 roundings, next-layer LoRA product)
     with the kernel replaced by a jnp reference, against the Triton fused SwiGLU launch
     (interpreted) on the same pair: equal within bf16 rounding of the outputs (2^-7 of the
     largest |output|; the two sum in different orders). The prepared operand
-    (with_mosaic_pair_lora_operand, as the sampler makes it) gives the same numbers."""
-    from qerl_jax.quant import kernel_dispatch as kd
+    (mosaic.with_pair_lora_operand, as the sampler makes it) gives the same numbers."""
     n, k, rank, m = 96, 512, 16, 5
     keys = jax.random.split(jax.random.key(6), 8)
-    gate, up = (kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))),
+    gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))),
                                     tile_k=256) for i in (0, 1))
-    views = kd.pair_gate_up(gate, up)
-    tiles = mg.permute_packed(kd._whole_pair(views[0]))
-    views = tuple(kd._replace_children(v, mosaic_tiles=tiles) for v in views)
+    views = kl.pair_gate_up(gate, up)
+    tiles = mg.permute_packed(views[0].whole_pair())
+    views = tuple(v.replace(mosaic_tiles=tiles) for v in views)
     x = jax.random.normal(keys[2], (m, k)).astype(jnp.bfloat16)
     a = jax.random.normal(keys[3], (k, 2 * rank)) * 0.05
     down = (x.astype(jnp.float32) @ a).astype(jnp.bfloat16)
@@ -231,15 +232,14 @@ def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch):
     scales = (0.5, 0.5)
 
     def launch(weights, interpret):
-        return kd._fused_forward_swiglu(x, weights, down, lora_bs, scales, None,
-                                        compute_dtype=jnp.bfloat16, interpret=interpret,
-                                        next_lora_a=next_a)
+        backend = TritonDecodeBackend("nvfp4", KernelOptions(), interpret=interpret)
+        return backend.apply_swiglu(x, weights, down, lora_bs, scales, None, next_a,
+                                    compute_dtype=jnp.bfloat16)
 
     expected, expected_next = launch(views, True)  # Triton, interpreted
-    monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
     monkeypatch.setattr(mg, "available", lambda: None)
     monkeypatch.setattr(mg, "matmul_unscaled", _reference_unscaled)
-    assert kd._mosaic_swiglu_refusal(x, views[0], down, lora_bs) is None
+    assert mosaic.swiglu_refusal(x, views[0], down, lora_bs) is None
     got, got_next = launch(views, False)
     assert got.shape == expected.shape == (m, n) and got.dtype == jnp.bfloat16
     top = float(jnp.abs(expected.astype(jnp.float32)).max())
@@ -248,23 +248,22 @@ def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch):
     top_next = float(jnp.abs(expected_next).max())
     np.testing.assert_allclose(np.asarray(got_next), np.asarray(expected_next), rtol=0,
                                atol=2.0 ** -7 * top_next)
-    prepared = kd.with_mosaic_pair_lora_operand(*views, *lora_bs, scales[0])
+    prepared = mosaic.with_pair_lora_operand(*views, *lora_bs, scales[0])
     assert prepared is not views[0] and prepared.mosaic_lora_operand.shape == (2 * 128, 32)
     again, again_next = launch((prepared, views[1]), False)
     assert jnp.array_equal(again, got) and jnp.array_equal(again_next, got_next)
     # the single-weight path leaves pair views alone; ranks the pair operand cannot take
-    assert kd.with_mosaic_lora_operand(views[0], lora_bs[0], 0.5) is views[0]
-    assert kd._mosaic_swiglu_refusal(x, views[0], jnp.zeros((m, 48)), lora_bs) is not None
+    assert mosaic.with_lora_operand(views[0], lora_bs[0], 0.5) is views[0]
+    assert mosaic.swiglu_refusal(x, views[0], jnp.zeros((m, 48)), lora_bs) is not None
 
 
 def test_swiglu_lowers_for_cuda():
-    from qerl_jax.quant import kernel_dispatch as kd
     n, k, m = 128, 512, 8
-    gate, up = (kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(i),
+    gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(i),
                                                                       (n, k))), tile_k=256)
                 for i in (0, 1))
-    view = kd.pair_gate_up(gate, up)[0]
-    tiles = jax.ShapeDtypeStruct(mg.permute_packed(kd._whole_pair(view)).shape, jnp.uint8)
+    view = kl.pair_gate_up(gate, up)[0]
+    tiles = jax.ShapeDtypeStruct(mg.permute_packed(view.whole_pair()).shape, jnp.uint8)
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), tiles,
             jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
             jax.ShapeDtypeStruct((m, 64), jnp.bfloat16),
@@ -291,46 +290,11 @@ def test_swiglu_lowers_for_cuda():
         assert shapes == (((m, n), (m, 32)) if with_next else (m, n)), shapes
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-def test_permuted_copies_are_made_for_the_launches_that_read_them(grouped):
-    """_add_mosaic_tiles (enable_kernels with QERL_MOSAIC_NVFP4=1 on a GPU): o/down and the
-    gate/up pair get permuted copies (the pair's two views one shared copy, equal to the whole
-    pair's permute_packed); q/k/v each their own without grouped launches, else q one buffer
-    of the three stacked by rows (the grouped launch's) and k, v none."""
-    from qerl_jax.models.config import tiny_qwen2
-    from qerl_jax.models.transformer import init_model
-    from qerl_jax.quant import kernel_dispatch as kd
-    from qerl_jax.quant.model_quantization import quantize_model
-    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
-    quantize_model(model, "nvfp4")
-    kd.enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
-    try:
-        kd._add_mosaic_tiles(model, grouped=grouped)
-        for layer in model.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            q, k, v = (p.weight.get_value() for p in (attention.q_proj, attention.k_proj,
-                                                         attention.v_proj))
-            if grouped:  # q holds the grouped launch's buffer of [W_q; W_k; W_v]
-                assert k.mosaic_tiles is None and v.mosaic_tiles is None
-                expected = jnp.concatenate([mg.permute_packed(w.packed()) for w in (q, k, v)])
-                assert jnp.array_equal(q.mosaic_tiles, expected)
-            else:
-                for w in (q, k, v):
-                    assert jnp.array_equal(w.mosaic_tiles, mg.permute_packed(w.packed()))
-            for proj in (attention.o_proj, mlp.down_proj):
-                weight = proj.weight.get_value()
-                assert jnp.array_equal(weight.mosaic_tiles, mg.permute_packed(weight.packed()))
-            gate, up = mlp.gate_proj.weight.get_value(), mlp.up_proj.weight.get_value()
-            assert gate.pair_view is not None and gate.mosaic_tiles is up.mosaic_tiles
-            assert jnp.array_equal(gate.mosaic_tiles, mg.permute_packed(kd._whole_pair(gate)))
-    finally:
-        kd.unregister_kernels("cpu")
-
-
-@pytest.mark.parametrize("grouped", [True, False])
-def test_single_copy_keeps_only_the_permuted_buffers(grouped, caplog):
-    """_add_mosaic_tiles(single_copy=True) (QERL_MOSAIC_SINGLE_COPY, the flag's default): the
-    weights given permuted buffers, and k, v of a group, drop their kernel-layout arrays and
+def test_permuted_buffers_are_the_only_copy(caplog):
+    """decode_fusion.add_decode_layouts (enable_kernels on a Hopper GPU): o/down get their
+    permuted buffers, the gate/up pair one shared buffer (the whole pair's permute_packed), q
+    one buffer of q|k|v stacked by rows (the grouped launch's) and k, v none. The weights given
+    permuted buffers, and k, v of a group, drop their kernel-layout arrays and
     read their tiles from the buffer (the same array: q/k/v the group's at lines 0, q's rows,
     q's + k's; the pair views their pair's). Their kernel operands and checkpoint view are bit
     for bit the ones before, so the model's logits are identical at decode M (fused kernel,
@@ -345,16 +309,19 @@ def test_single_copy_keeps_only_the_permuted_buffers(grouped, caplog):
 
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
-    from qerl_jax.quant import kernel_dispatch as kd
-    from qerl_jax.quant.model_quantization import quantize_model
+    from qerl_jax.model_quant.kernels import enable_kernels
+    from qerl_jax.model_quant.quantize import quantize_model
+    from qerl_jax.models import decode_fusion
+    from qerl_jax.quant.backends import mosaic, triton
+    from qerl_jax.quant.kernel_options import KernelOptions
     model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
     quantize_model(model, "nvfp4")
-    kd.enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
+    enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
     try:
         def weights():
             return {path: node.get_value() for path, node in nnx.iter_graph(model)
                     if isinstance(node, nnx.Variable)
-                    and isinstance(node.get_value(), kd.KernelLayoutWeight)}
+                    and isinstance(node.get_value(), kl.KernelLayoutWeight)}
 
         tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, model.config.vocab_size)
 
@@ -370,7 +337,22 @@ def test_single_copy_keeps_only_the_permuted_buffers(grouped, caplog):
                   for path, w in weights().items()}
         stored = [weakref.ref(a) for w in weights().values() for a in w.kernel_arrays()]
         logits = [forward(model, tokens[:1, :8]), forward(model, tokens)]  # M 8 and M 80
-        kd._add_mosaic_tiles(model, grouped=grouped, single_copy=True)
+        expected_buffers = {}
+        for layer in model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv = [p.weight.get_value() for p in (attention.q_proj, attention.k_proj,
+                                                    attention.v_proj)]
+            expected_buffers[id(attention)] = np.asarray(jnp.concatenate(
+                [mg.permute_packed(w.packed()) for w in qkv]))
+            for proj in (attention.o_proj, mlp.down_proj):
+                expected_buffers[id(proj)] = np.asarray(mg.permute_packed(
+                    proj.weight.get_value().packed()))
+            expected_buffers[id(mlp)] = np.asarray(mg.permute_packed(
+                mlp.gate_proj.weight.get_value().whole_pair()))
+        del qkv  # nothing but the model may keep the kernel-layout arrays alive
+        layer_count = len(model.layers)
+        assert decode_fusion.add_decode_layouts(model) == (4 * layer_count, layer_count,
+                                                           layer_count)
         gc.collect()
         assert all(ref() is None for ref in stored)
         after = weights()
@@ -387,21 +369,25 @@ def test_single_copy_keeps_only_the_permuted_buffers(grouped, caplog):
             attention, mlp = layer.self_attn, layer.mlp
             q, k, v = (p.weight.get_value() for p in (attention.q_proj, attention.k_proj,
                                                          attention.v_proj))
-            if grouped:
-                assert q.kernel_source is k.kernel_source is v.kernel_source is q.mosaic_tiles
-                assert (q.kernel_source_line, k.kernel_source_line, v.kernel_source_line) == (
-                    0, kd._mosaic_rows(q), kd._mosaic_rows(q) + kd._mosaic_rows(k))
-            else:
-                assert all(w.kernel_source is w.mosaic_tiles and w.kernel_source_line == 0
-                           for w in (q, k, v))
+            assert q.kernel_source is k.kernel_source is v.kernel_source is q.mosaic_tiles
+            assert k.mosaic_tiles is None and v.mosaic_tiles is None
+            assert (q.kernel_source_line, k.kernel_source_line, v.kernel_source_line) == (
+                0, mosaic.rows(q), mosaic.rows(q) + mosaic.rows(k))
+            assert np.array_equal(q.mosaic_tiles, expected_buffers[id(attention)])
+            for proj in (attention.o_proj, mlp.down_proj):
+                weight = proj.weight.get_value()
+                assert weight.kernel_source is weight.mosaic_tiles
+                assert np.array_equal(weight.mosaic_tiles, expected_buffers[id(proj)])
             gate, up = mlp.gate_proj.weight.get_value(), mlp.up_proj.weight.get_value()
-            assert gate.kernel_source is up.kernel_source is gate.mosaic_tiles
-            assert kd._swiglu_supports(8, (gate, up), None) is None
+            assert gate.kernel_source is up.kernel_source is gate.mosaic_tiles is up.mosaic_tiles
+            assert np.array_equal(gate.mosaic_tiles, expected_buffers[id(mlp)])
+            backend = triton.TritonDecodeBackend("nvfp4", KernelOptions(), interpret=True)
+            assert backend.swiglu_refusal(8, (gate, up), None) is None
         leaves, tree = jax.tree.flatten(q)
         rebuilt = jax.tree.unflatten(tree, leaves)
         assert (rebuilt.single_copy, rebuilt.kernel_source_line) == (True, q.kernel_source_line)
-        kd._SINGLE_COPY_FALLBACKS.clear()
-        with caplog.at_level("WARNING", logger=kd.__name__):
+        triton._LOGGED.clear()
+        with caplog.at_level("WARNING", logger=triton.__name__):
             again = [forward(model, tokens[:1, :8]), forward(model, tokens)]
         for expected, got in zip(logits, again):
             assert jnp.array_equal(got, expected)
@@ -411,10 +397,10 @@ def test_single_copy_keeps_only_the_permuted_buffers(grouped, caplog):
         assert "nvfp4_permuted_dequantize" in jaxpr and "nvfp4_dequantize" not in jaxpr
         warned = [r.getMessage() for r in caplog.records if "unpermutes them" in r.getMessage()]
         assert any("gate|up SwiGLU launch" in m and "interpret mode" in m for m in warned)
-        assert any(("grouped launch" if grouped else "single-weight launch") in m
-                   for m in warned), warned
+        assert any("grouped launch" in m for m in warned), warned
+        assert any("single-weight launch" in m for m in warned), warned
     finally:
-        kd.unregister_kernels("cpu")
+        unregister_kernels("cpu")
 
 
 def test_default_splits_at_the_model_shapes():
@@ -475,17 +461,16 @@ def test_group_lora_operand_is_block_diagonal():
 
 
 def test_mosaic_group_dispatch_matches_the_triton_launch(monkeypatch):
-    """kernel_dispatch's Mosaic grouped q/k/v path (one matmul over the stacked buffer, the
+    """The Mosaic GPU grouped q|k|v launch (one matmul over the stacked buffer, the
     block-diagonal LoRA operand, each member's own tensor scale, bf16 rounding) with the kernel
     replaced by a jnp reference, against the Triton grouped launch (interpreted) on the same
     weights: equal within bf16 rounding of each output (2^-7 of its largest |value|). The
-    prepared operand (with_mosaic_group_lora_operand) gives the same numbers; the single-weight
-    path refuses q's grouped buffer."""
-    from qerl_jax.quant import kernel_dispatch as kd
+    prepared operand (mosaic.with_group_lora_operand) gives the same numbers; the single-weight
+    launch refuses q's grouped buffer."""
     k, rank, m = 512, 16, 5
     ns = (192, 64, 64)
     keys = jax.random.split(jax.random.key(9), 8)
-    weights = tuple(kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))
+    weights = tuple(kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))
                                                        * (i + 1)), tile_k=256)
                     for i, n in enumerate(ns))
     x = jax.random.normal(keys[3], (m, k)).astype(jnp.bfloat16)
@@ -495,34 +480,34 @@ def test_mosaic_group_dispatch_matches_the_triton_launch(monkeypatch):
     scales = (0.5, 0.5, 0.5)
 
     def launch(ws, interpret):
-        return kd._fused_forward_group(x, ws, down, lora_bs, scales,
-                                       compute_dtype=jnp.bfloat16, interpret=interpret)
+        backend = TritonDecodeBackend("nvfp4", KernelOptions(), interpret=interpret)
+        return backend.apply_grouped(x, ws, down, lora_bs, scales, compute_dtype=jnp.bfloat16)
 
     expected = launch(weights, True)  # Triton, interpreted
-    monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
     monkeypatch.setattr(mg, "available", lambda: None)
     monkeypatch.setattr(mg, "matmul_unscaled", _reference_unscaled)
     tiles = mg.group_permuted([mg.permute_packed(w.packed()) for w in weights], [k] * 3)
-    grouped = (kd._replace_children(weights[0], mosaic_tiles=tiles), *weights[1:])
-    assert kd._mosaic_group_refusal(x, grouped, down, lora_bs) is None
-    assert kd._mosaic_group_refusal(x, weights, down, lora_bs) == "off"
+    grouped = (weights[0].replace(mosaic_tiles=tiles), *weights[1:])
+    assert mosaic.group_refusal(x, grouped, down, lora_bs) is None
+    assert mosaic.group_refusal(x, weights, down, lora_bs) == "no permuted group buffer"
     got = launch(grouped, False)
     for g, e, n in zip(got, expected, ns):
         assert g.shape == e.shape == (m, n)
         top = float(jnp.abs(e).max())
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=0, atol=2.0 ** -7 * top)
-    prepared = kd.with_mosaic_group_lora_operand(grouped, lora_bs, scales)
+    prepared = mosaic.with_group_lora_operand(grouped, lora_bs, scales)
     assert prepared is not grouped[0] and prepared.mosaic_lora_operand.shape == (512, 48)  # N_pad: 128s
     again = launch((prepared, *grouped[1:]), False)
     assert all(jnp.array_equal(a_, g) for a_, g in zip(again, got))
     # q's grouped buffer is not its own: the single-weight path and its operand refuse it
-    assert "grouped" in kd._mosaic_refusal(x, grouped[0], None)
-    assert kd.with_mosaic_lora_operand(grouped[0], lora_bs[0], 0.5) is grouped[0]
+    assert "grouped" in mosaic.refusal(x, grouped[0], None)
+    assert mosaic.with_lora_operand(grouped[0], lora_bs[0], 0.5) is grouped[0]
     # ranks whose sum the kernel cannot take; a stale group (k given its own buffer)
-    assert kd.with_mosaic_group_lora_operand(grouped, [jnp.zeros((24, n)) for n in ns],
-                                             scales) is grouped[0]
-    own = kd._replace_children(weights[1], mosaic_tiles=mg.permute_packed(weights[1].packed()))
-    assert kd._mosaic_group_refusal(x, (grouped[0], own, weights[2]), down, lora_bs) == "off"
+    assert mosaic.with_group_lora_operand(grouped, [jnp.zeros((24, n)) for n in ns],
+                                          scales) is grouped[0]
+    own = weights[1].replace(mosaic_tiles=mg.permute_packed(weights[1].packed()))
+    assert mosaic.group_refusal(x, (grouped[0], own, weights[2]), down,
+                                lora_bs) == "no permuted group buffer"
 
 
 def test_l2_prefetch_plans_and_lowering():
@@ -556,33 +541,29 @@ def test_l2_prefetch_plans_and_lowering():
         assert "mosaic_gpu" in lowered.as_text() and lowered.out_info.shape == (m, n)
 
 
-def test_link_mosaic_prefetch_chains_the_decode_launches(monkeypatch):
-    """link_mosaic_prefetch (QERL_MOSAIC_PREFETCH): in decode order each Mosaic launch's weight
+def test_link_decode_prefetch_chains_the_decode_launches():
+    """decode_fusion.link_decode_prefetch: in decode order each Mosaic launch's weight
     holds the next launch's permuted buffer (the same array, no copy) and its K: q|k|v -> o ->
     gate|up -> down -> the next layer's q|k|v; the last down none; and the LoRA A that the
     x @ A before that launch reads (o's A, the MLP's and next attention's stacked A, down's
-    A: the same arrays), in the plan unless QERL_MOSAIC_PREFETCH_LORA_A=0. Off with
-    QERL_MOSAIC_PREFETCH=0. The pytree round trip keeps the link."""
+    A: the same arrays), in the plan (KernelOptions.mosaic_prefetch_tiles K tiles; none with 0).
+    The pytree round trip keeps the link."""
     from qerl_jax.lora import LoRAConfig, add_lora, cast_adapters_for_compute
-    from qerl_jax.lora import stack_grouped_adapters
+    from qerl_jax.model_quant.kernels import enable_kernels
+    from qerl_jax.model_quant.quantize import quantize_model
+    from qerl_jax.models import decode_fusion
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
-    from qerl_jax.quant import kernel_dispatch as kd
-    from qerl_jax.quant.model_quantization import quantize_model
     model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
     quantize_model(model, "nvfp4")
     add_lora(model, LoRAConfig(rank=16), jax.random.key(1))
-    kd.enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
+    enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
     try:
-        kd._add_mosaic_tiles(model, grouped=True)
-        monkeypatch.setitem(kd._MOSAIC_NVFP4, "single", True)
+        decode_fusion.add_decode_layouts(model)
         cast_adapters_for_compute(model)
-        stack_grouped_adapters(model)
-        monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_ahead", 0)
-        assert kd.link_mosaic_prefetch(model) == 0  # QERL_MOSAIC_PREFETCH=0
-        monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_ahead", 1)
+        decode_fusion.stack_grouped_adapters(model)
         layers = list(model.layers)
-        assert kd.link_mosaic_prefetch(model) == 4 * len(layers) - 1
+        assert decode_fusion.link_decode_prefetch(model) == 4 * len(layers) - 1
         chain = []
         for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
@@ -593,25 +574,24 @@ def test_link_mosaic_prefetch_chains_the_decode_launches(monkeypatch):
         for (proj, _), following in zip(chain, chain[1:] + [None]):
             weight = proj.weight.get_value()
             if following is None:
-                assert weight.mosaic_prefetch is None and kd._prefetch_plan(weight) is None
+                assert weight.mosaic_prefetch is None
+                assert mosaic._prefetch_plan(weight, 1) is None
                 continue
             target, lora_a = following[0].weight.get_value(), following[1]
             assert weight.mosaic_prefetch is target.mosaic_tiles
-            assert weight.mosaic_prefetch_extra is lora_a
+            assert weight.mosaic_prefetch_lora_a is lora_a
             assert weight.mosaic_prefetch_k == target.shape[1]
-            plan = kd._prefetch_plan(weight)
+            plan = mosaic._prefetch_plan(weight, 1)
             assert plan.buffer is target.mosaic_tiles and plan.ahead == 1
             assert plan.extra is lora_a and mg.extra_prefetchable(lora_a)
-            monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_lora_a", False)
-            assert kd._prefetch_plan(weight).extra is None
-            monkeypatch.setitem(kd._MOSAIC_NVFP4, "prefetch_lora_a", True)
+            assert mosaic._prefetch_plan(weight, 0) is None
             leaves, treedef = jax.tree_util.tree_flatten(weight)
             again = jax.tree_util.tree_unflatten(treedef, leaves)
             assert again.mosaic_prefetch_k == weight.mosaic_prefetch_k
         up = layers[0].mlp.up_proj.weight.get_value()
         assert up.mosaic_prefetch is None  # the pair's launch is the gate view's
     finally:
-        kd.unregister_kernels("cpu")
+        unregister_kernels("cpu")
 
 
 def test_fused_swiglu_epilogue_plumbing(monkeypatch):
@@ -621,13 +601,12 @@ def test_fused_swiglu_epilogue_plumbing(monkeypatch):
     its outputs equal the XLA epilogue's (fused=False) within bf16 rounding. The epilogue's own
     numbers are checked on the GPU (test_mgpu_nvfp4_gpu.py: the 32B SwiGLU launch against
     Triton's, the sampler)."""
-    from qerl_jax.quant import kernel_dispatch as kd
     n, k, m, rank = 96, 512, 5, 16  # out_n 96: the next A is padded from 96 to 128 rows
     keys = jax.random.split(jax.random.key(12), 6)
-    gate, up = (kd.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))),
+    gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k))),
                                     tile_k=256) for i in (0, 1))
-    view = kd.pair_gate_up(gate, up)[0]
-    tiles = mg.permute_packed(kd._whole_pair(view))
+    view = kl.pair_gate_up(gate, up)[0]
+    tiles = mg.permute_packed(view.whole_pair())
     x = jax.random.normal(keys[2], (m, k)).astype(jnp.bfloat16)
     next_a = (jax.random.normal(keys[3], (n, rank)) * 0.1).astype(jnp.bfloat16)
     calls = []
@@ -638,11 +617,11 @@ def test_fused_swiglu_epilogue_plumbing(monkeypatch):
 
     monkeypatch.setattr(mg, "matmul_unscaled", stand_in)
     common = dict(out_n=n, k=k, half_block=32, splits=1, next_lora_a=next_a)
-    fused, fused_next = mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_divisor(),
-                                             up.kernel_divisor(), **common)
+    fused, fused_next = mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_tensor_scale(),
+                                             up.kernel_tensor_scale(), **common)
     assert calls[-1] is not None and calls[-1].next_lora_a.shape == (128, rank)
-    plain, plain_next = mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_divisor(),
-                                             up.kernel_divisor(), fused=False, **common)
+    plain, plain_next = mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_tensor_scale(),
+                                             up.kernel_tensor_scale(), fused=False, **common)
     assert calls[-1] is None
     assert fused.shape == plain.shape == (m, n) and fused.dtype == jnp.bfloat16
     assert jnp.array_equal(fused, plain)  # the same roundings in the same order
@@ -651,13 +630,13 @@ def test_fused_swiglu_epilogue_plumbing(monkeypatch):
     np.testing.assert_allclose(np.asarray(fused_next), np.asarray(plain_next), rtol=0,
                                atol=1e-5 * top)
     # more than one split, or blocks of other than 32 rows: the XLA epilogue
-    mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_divisor(), up.kernel_divisor(), out_n=n, k=k,
+    mg.mgpu_nvfp4_swiglu(x, tiles, gate.kernel_tensor_scale(), up.kernel_tensor_scale(), out_n=n, k=k,
                          half_block=32, splits=2)
     assert calls[-1] is None
     monkeypatch.undo()  # the kernel's own argument checks
     with pytest.raises(ValueError, match="one split"):
         mg.matmul_unscaled(x, tiles, n=256, k=k, splits=2,
-                           swiglu=mg.SwigluEpilogue(gate.kernel_divisor(), up.kernel_divisor()))
+                           swiglu=mg.SwigluEpilogue(gate.kernel_tensor_scale(), up.kernel_tensor_scale()))
 
 
 def test_identical_launches_lower_to_one_kernel():
@@ -685,56 +664,38 @@ def test_identical_launches_lower_to_one_kernel():
 
 
 @pytest.mark.parametrize("rank,ok", [(16, True), (12, False)])
-def test_mosaic_flag_default_and_lora_ranks(monkeypatch, caplog, rank, ok):
-    """QERL_MOSAIC_NVFP4 is on unless "0" (other values: an error naming the variable), and a
-    LoRA rank the Mosaic GPU kernel does not take (the enable_kernels lora_rank argument, or
+def test_mosaic_option_and_lora_ranks(caplog, rank, ok):
+    """KernelOptions.mosaic_nvfp4 ('auto', 'on' or 'off'; another value an error naming the
+    field), and a LoRA rank the Mosaic GPU kernel does not take (enable_kernels' lora_rank, or
     an adapter the model has) keeps the Triton kernels for the whole model, with the reason
-    logged (info when the flag is the default, a warning when set to 1)."""
+    logged (info for 'auto', a warning for 'on')."""
     import logging
     from qerl_jax.lora import LoRAConfig, add_lora
+    from qerl_jax.model_quant.kernels import _lora_ranks
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
-    from qerl_jax.quant import kernel_dispatch as kd
-    monkeypatch.delenv(kd.MOSAIC_FLAG, raising=False)
-    assert kd._mosaic_flag() == (True, False)
-    monkeypatch.setenv(kd.MOSAIC_FLAG, "0")
-    assert kd._mosaic_flag() == (False, True)
-    monkeypatch.setenv(kd.MOSAIC_FLAG, "yes")
-    with pytest.raises(ValueError, match="QERL_MOSAIC_NVFP4='yes'"):
-        kd._mosaic_flag()
-    monkeypatch.setenv(kd.MOSAIC_FLAG, "1")
-    assert kd._mosaic_flag() == (True, True)
+    from qerl_jax.quant import kernels
+    with pytest.raises(ValueError, match="mosaic_nvfp4='yes'"):
+        KernelOptions(mosaic_nvfp4="yes")
+    assert kernels.mosaic_refusal(KernelOptions(mosaic_nvfp4="off"), interpret=False) == (
+        "mosaic_nvfp4 is off")
+    assert kernels.mosaic_refusal(KernelOptions(), interpret=True) == "interpret mode"
+    assert mosaic.rank_refusal({16, 32, 64}) is None
     model = init_model(tiny_qwen2(), seed=0)
-    with caplog.at_level(logging.INFO, logger=kd.logger.name):
-        assert (kd._mosaic_ranks_refusal(model, rank) is None) == ok
-        assert kd._mosaic_ranks_refusal(model, None) is None  # no adapters yet
-        add_lora(model, LoRAConfig(rank=rank, alpha=16.0), jax.random.key(0))
-        refusal = kd._mosaic_ranks_refusal(model, None)
-        assert (refusal is None) == ok
+    assert (mosaic.rank_refusal(_lora_ranks(model, rank)) is None) == ok
+    assert not _lora_ranks(model, None)  # no adapters yet
+    add_lora(model, LoRAConfig(rank=rank, alpha=16.0), jax.random.key(0))
+    refusal = mosaic.rank_refusal(_lora_ranks(model, None))
+    assert (refusal is None) == ok
     if not ok:
-        assert f"LoRA rank [{rank}]" in refusal and "keep the Triton kernels" in caplog.text
-        assert any(r.levelno == logging.WARNING for r in caplog.records)  # the flag was set
-
-
-
-@pytest.mark.parametrize("name,setting", [
-    ("QERL_MOSAIC_PREFETCH_LORA_A", "prefetch_lora_a"),
-    ("QERL_MOSAIC_SWIGLU_EPILOGUE", "swiglu_epilogue"),
-    ("QERL_MOSAIC_SINGLE_COPY", "single_copy"),
-    ("QERL_MOSAIC_PERMUTED_DEQUANTIZE", "permuted_dequantize")])
-def test_mosaic_switches_take_only_0_or_1(monkeypatch, name, setting):
-    """Each Mosaic GPU on/off variable is 1, 0 or unset (on): another value ("false", which
-    used to mean on) is an error naming the variable when the kernels are registered."""
-    from qerl_jax.quant import kernel_dispatch as kd
-    try:
-        monkeypatch.setenv(name, "false")
-        with pytest.raises(ValueError, match=f"{name}='false'"):
-            kd.register_kernels("cpu", interpret=True)
-        monkeypatch.setenv(name, "0")
-        kd.register_kernels("cpu", interpret=True)
-        assert kd._MOSAIC_NVFP4[setting] is False
-        monkeypatch.delenv(name)
-        kd.register_kernels("cpu", interpret=True)
-        assert kd._MOSAIC_NVFP4[setting] is True
-    finally:
-        kd.unregister_kernels("cpu")
+        assert f"LoRA rank [{rank}]" in refusal
+        with caplog.at_level(logging.INFO, logger=kernels.logger.name):
+            original = mosaic.unavailable
+            mosaic.unavailable = lambda: None  # as on a Hopper GPU
+            try:
+                assert kernels.mosaic_refusal(KernelOptions(mosaic_nvfp4="on"), interpret=False,
+                                              lora_ranks={rank}) == refusal
+            finally:
+                mosaic.unavailable = original
+        assert "keep the kernel layout and the Triton kernels" in caplog.text
+        assert any(r.levelno == logging.WARNING for r in caplog.records)

@@ -193,29 +193,23 @@ def test_decode_tuning_drives_the_default_config():
                                tile_k=256)
 
     gate = packed(18944, 3584)
-    before = bw.default_matmul_config(8, gate)
-    previous = bw.set_decode_tuning(**bw.parse_tuning("block_n=32,num_warps=8,weight_as_lhs=true"))
-    try:
-        tuned = bw.default_matmul_config(8, gate)
-        assert (tuned.block_n, tuned.num_warps, tuned.weight_as_lhs) == (32, 8, True)
-        assert tuned.split_k == 1  # 592 N tiles >= 264: no split
-        assert bw.default_matmul_config(32, gate).num_warps == 4  # only decode M is tuned
-    finally:
-        bw.set_decode_tuning(previous)
-    assert bw.default_matmul_config(8, gate) == before
+    assert bw.default_matmul_config(8, gate) == bw.default_matmul_config(8, gate,
+                                                                         bw.DecodeTuning())
+    tuning = bw.DecodeTuning(**bw.parse_tuning("block_n=32,num_warps=8,weight_as_lhs=true"))
+    tuned = bw.default_matmul_config(8, gate, tuning)
+    assert (tuned.block_n, tuned.num_warps, tuned.weight_as_lhs) == (32, 8, True)
+    assert tuned.split_k == 1  # 592 N tiles >= 264: no split
+    assert bw.default_matmul_config(32, gate, tuning).num_warps == 4  # only decode M is tuned
     assert bw.parse_tuning("decoder=asms,num_stages=4") == {"decoder": "asms", "num_stages": 4}
     with pytest.raises(ValueError, match="expected name=value"):
         bw.parse_tuning("block_size=3")
     with pytest.raises(ValueError, match="power of two"):
-        bw.set_decode_tuning(block_n=48)
+        bw.DecodeTuning(block_n=48)
     with pytest.raises(ValueError, match="row blocks"):  # row tiles lie in one 64-row block
-        bw.set_decode_tuning(block_n=128)
-    previous = bw.set_decode_tuning(num_warps=2)
-    try:  # target_programs splits narrow weights: 7B down, 56 N tiles of 64
-        assert bw.default_matmul_config(8, packed(3584, 18944)).split_k == 8
-    finally:
-        bw.set_decode_tuning(previous)
-    assert bw.decode_tuning() == previous
+        bw.DecodeTuning(block_n=128)
+    # target_programs splits narrow weights: 7B down, 56 N tiles of 64
+    assert bw.default_matmul_config(8, packed(3584, 18944), bw.DecodeTuning(num_warps=2)
+                                    ).split_k == 8
 
 
 @pytest.mark.parametrize("m,split,lora", [(3, 1, False), (5, 2, True), (20, 3, True)])

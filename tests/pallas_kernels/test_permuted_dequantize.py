@@ -43,24 +43,25 @@ def test_pair_views_read_their_half_of_each_block():
     own weight, as the kernel-layout dequantize of the view does."""
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
-    from qerl_jax.quant import kernel_dispatch as kd
-    from qerl_jax.quant.model_quantization import quantize_model
+    from qerl_jax.model_quant.kernels import enable_kernels
+    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.model_quant.quantize import quantize_model
     model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
     quantize_model(model, "nvfp4")
     try:
-        kd.enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
+        enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
         mlp = model.layers[0].mlp
         for proj in (mlp.gate_proj, mlp.up_proj):
             view = proj.weight.get_value()
             assert view.pair_view is not None
-            buffer = mg.permute_packed(kd._whole_pair(view))
-            got = permuted_dequantize(buffer, view.kernel_divisor(), n=view.shape[0],
+            buffer = mg.permute_packed(view.whole_pair())
+            got = permuted_dequantize(buffer, view.kernel_tensor_scale(), n=view.shape[0],
                                       k=view.shape[1], pair_view=view.pair_view,
                                       interpret=True)
             want = bw.blockwise_dequantize(view.packed(), spec=view.spec, interpret=True)
             np.testing.assert_array_equal(_bits(got), _bits(want))
     finally:
-        kd.unregister_kernels("cpu")
+        unregister_kernels("cpu")
 
 
 def test_bad_input_names_the_argument():

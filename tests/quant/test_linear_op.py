@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qerl_jax.quant import linear_op
+from qerl_jax.quant.backends.xla import XlaBackend, xla_backward, xla_forward
 from qerl_jax.quant.formats import get_format
-from qerl_jax.quant.linear_op import (linear, quantized_matmul, register_matmul_kernel,
-                                      select_matmul_path, unregister_matmul_kernel)
+from qerl_jax.quant.linear_op import (linear, quantized_matmul, register_backend,
+                                      select_matmul_path, unregister_backend)
 
 FORMATS = ["nvfp4", "mxfp4", "nf4"]
 TOLERANCE = {jnp.bfloat16: 2.0 ** -8, jnp.float32: 1e-5}
@@ -124,14 +124,17 @@ def test_dispatch_defaults_to_xla_and_honours_registered_kernels(caplog):
     assert select_matmul_path("nf4", 4096, "gpu") == "xla"
     kernel_calls = []
 
-    def fake_kernel(x2d, weight, *, compute_dtype):
-        kernel_calls.append(x2d.shape)
-        return linear_op._xla_forward(x2d, weight, compute_dtype=compute_dtype)
+    class FakeSmallM(XlaBackend):
+        name, max_m = "fake_small_m", 8
 
-    register_matmul_kernel("nvfp4", "cpu", fake_kernel, name="fake_small_m", min_m=1, max_m=8)
+        def apply(self, x2d, weight, *, compute_dtype):
+            kernel_calls.append(x2d.shape)
+            return xla_forward(x2d, weight, compute_dtype=compute_dtype)
+
+    register_backend("nvfp4", "cpu", FakeSmallM())
     try:
         with pytest.raises(ValueError, match="already registered"):
-            register_matmul_kernel("nvfp4", "cpu", fake_kernel, name="fake_small_m")
+            register_backend("nvfp4", "cpu", FakeSmallM())
         assert select_matmul_path("nvfp4", 8, "cpu") == "fake_small_m"
         assert select_matmul_path("nvfp4", 9, "cpu") == "xla"
         assert select_matmul_path("mxfp4", 8, "cpu") == "xla"
@@ -146,7 +149,7 @@ def test_dispatch_defaults_to_xla_and_honours_registered_kernels(caplog):
         np.testing.assert_array_equal(np.asarray(small, np.float32),
                                       np.asarray(large[:1, :4], np.float32))
     finally:
-        unregister_matmul_kernel("nvfp4", "cpu", "fake_small_m")
+        unregister_backend("nvfp4", "cpu", "fake_small_m")
     assert select_matmul_path("nvfp4", 4, "cpu") == "xla"
 
 
@@ -154,16 +157,18 @@ def test_registered_backward_kernel_is_used():
     quantized, x, _, _ = _problem("mxfp4")
     used = []
 
-    def fake_grad(grad_output, weight, *, compute_dtype):
-        used.append(grad_output.shape)
-        return linear_op._xla_backward(grad_output, weight, compute_dtype=compute_dtype)
+    class FakeWithGrad(XlaBackend):
+        name = "fake_with_grad"
 
-    register_matmul_kernel("mxfp4", "cpu", linear_op._xla_forward, name="fake_with_grad",
-                           grad_fn=fake_grad)
+        def apply_backward(self, grad_output, weight, *, compute_dtype):
+            used.append(grad_output.shape)
+            return xla_backward(grad_output, weight, compute_dtype=compute_dtype)
+
+    register_backend("mxfp4", "cpu", FakeWithGrad())
     try:
         grad = jax.grad(lambda x: jnp.sum(linear(x, quantized).astype(jnp.float32)))(x)
     finally:
-        unregister_matmul_kernel("mxfp4", "cpu", "fake_with_grad")
+        unregister_backend("mxfp4", "cpu", "fake_with_grad")
     assert used == [(10, 96)] and grad.shape == x.shape
 
 
@@ -231,15 +236,15 @@ def test_linear_lora_matches_float64_and_names_bad_shapes():
         expected = x @ matrix + bias + 0.5 * (x @ a) @ b
         np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
         # x @ A made elsewhere (the decode attention's combine kernel): the same result
-        down = jnp.asarray(x @ a, jnp.float32)
+        x_a = jnp.asarray(x @ a, jnp.float32)
         given = linear(jnp.asarray(x, jnp.float32), weight, jnp.asarray(bias, jnp.float32),
-                       compute_dtype=jnp.float32, lora=lora, lora_down=down)
+                       compute_dtype=jnp.float32, lora=lora, lora_x_a=x_a)
         np.testing.assert_allclose(np.asarray(given), expected, rtol=1e-5, atol=1e-5)
     bad = LoRAProduct(jnp.zeros((32, 4)), jnp.zeros((5, 48)), 1.0)
     with pytest.raises(ValueError, match=r"LoRA A \(32, 4\) and B \(5, 48\)"):
         linear(jnp.asarray(x, jnp.float32), jnp.asarray(dense, jnp.float32), lora=bad,
                compute_dtype=jnp.float32)
-    for wrong in (dict(lora=None, lora_down=down), dict(lora=lora, lora_down=down[:, :2])):
-        with pytest.raises(ValueError, match="lora_down"):
+    for wrong in (dict(lora=None, lora_x_a=x_a), dict(lora=lora, lora_x_a=x_a[:, :2])):
+        with pytest.raises(ValueError, match="lora_x_a"):
             linear(jnp.asarray(x, jnp.float32), jnp.asarray(dense, jnp.float32),
                    compute_dtype=jnp.float32, **wrong)

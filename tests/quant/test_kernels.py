@@ -1,5 +1,6 @@
-"""Kernel dispatch of the quantized linear op (qerl_jax/quant/kernel_dispatch.py), on CPU with
-the Pallas kernels in interpret mode.
+"""The kernel backends of the quantized linear op (qerl_jax/quant/kernels.py, backends/), and
+the kernels on a model (qerl_jax/model_quant/kernels.py), on CPU with the Pallas kernels in
+interpret mode.
 
 Reference: the XLA path on the same QuantizedWeight in the checkpoint layout (dequantize to
 bf16 with the format's jnp code, then one dot), i.e. what runs without kernels.
@@ -25,11 +26,14 @@ import pytest
 from flax import nnx
 
 from pallas_kernels import blockwise_matmul as bw
-from qerl_jax.quant import kernel_dispatch, linear_op
+from qerl_jax.model_quant.kernels import (disable_decode_attention, disable_kernels,
+                                          enable_decode_attention, enable_kernels)
+from qerl_jax.quant import linear_op
+from qerl_jax.quant.backends import kernel_layout
+from qerl_jax.quant.backends.kernel_layout import KernelLayoutWeight, to_kernel_layout
+from qerl_jax.quant.backends.triton import kernel_names
 from qerl_jax.quant.formats import get_format
-from qerl_jax.quant.kernel_dispatch import (KernelLayoutWeight, disable_kernels, enable_kernels,
-                                            kernel_names, register_kernels, to_kernel_layout,
-                                            unregister_kernels)
+from qerl_jax.quant.kernels import register_kernels, unregister_kernels
 from qerl_jax.quant.linear_op import linear, select_matmul_path
 from qerl_jax.quant.qarray import QuantizedWeight
 
@@ -123,27 +127,6 @@ def test_kernel_paths_match_xla_forward_and_dx(format_name, m, interpret_kernels
     _assert_close(dx, dx_ref, TOLERANCE, context + " dx")
 
 
-@pytest.mark.parametrize("format_name", ["nvfp4", "nf4"])  # E2M1 and table decoders
-def test_transposed_backward_option(format_name):
-    """small_m_backward="transposed": dx from the fused transposed kernel (M <= 64)."""
-    rng = np.random.default_rng(secrets.randbits(32))
-    # N = 192: a multiple of block_n (64) but not of the 128-row padding
-    quantized = _weight(format_name, rng, n=192)
-    register_kernels("cpu", interpret=True, small_m_backward="transposed")
-    try:
-        x = jnp.asarray(rng.standard_normal((5, K)), jnp.bfloat16)
-        dy = jnp.asarray(rng.standard_normal((5, 192)), jnp.bfloat16)
-        prepared = to_kernel_layout(quantized)
-        jaxpr = str(jax.make_jaxpr(_forward_and_dx)(x, prepared, None, dy))
-        assert "_matmul_transposed" in jaxpr
-        y, dx = jax.jit(_forward_and_dx)(x, prepared, None, dy)
-        y_ref, dx_ref = jax.jit(_forward_and_dx)(x, quantized, None, dy)
-    finally:
-        unregister_kernels("cpu")
-    _assert_close(y, y_ref, TOLERANCE, f"{format_name} forward")
-    _assert_close(dx, dx_ref, TOLERANCE, f"{format_name} transposed dx")
-
-
 @pytest.mark.parametrize("format_name,kwargs", [("nvfp4", {}), ("mxfp4", {}),
                                                 ("nf4", {"double_quant": True}),
                                                 ("nf4", {"double_quant": False})])
@@ -211,12 +194,6 @@ def test_path_selection_by_m():
             for m in (65, 256, 2048):
                 assert select_matmul_path(format_name, m, "gpu") == dequantize
         assert select_matmul_path("nvfp4", 8, "cpu") == "xla"
-        register_kernels("gpu", fused_max_m={"nf4": 16})
-        assert select_matmul_path("nf4", 16, "gpu") == "nf4_fused"
-        assert select_matmul_path("nf4", 17, "gpu") == "nf4_dequantize_xla"
-        assert select_matmul_path("nvfp4", 64, "gpu") == "nvfp4_fused"
-        with pytest.raises(ValueError, match="fused_max_m"):
-            register_kernels("gpu", fused_max_m={"nvfp4": 128})
     finally:
         unregister_kernels("gpu")
     assert select_matmul_path("nvfp4", 8, "gpu") == "xla"
@@ -238,8 +215,8 @@ def test_fallbacks_take_the_xla_path_and_say_why(interpret_kernels, caplog):
                                   np.asarray(linear(x, quantized, compute_dtype=jnp.float32)))
 
 
-def test_fused_lora_epilogue_takes_a_given_lora_down(interpret_kernels):
-    """linear(..., lora_down=x @ A) on a kernel-layout NVFP4 weight at decode M (the fused
+def test_fused_lora_epilogue_takes_a_given_lora_x_a(interpret_kernels):
+    """linear(..., lora_x_a=x @ A) on a kernel-layout NVFP4 weight at decode M (the fused
     kernel's LoRA epilogue) gives linear(...)'s output bit for bit when the given x @ A is the
     one linear computes (bf16 dot, float32 accumulation)."""
     from qerl_jax.quant.linear_op import LoRAProduct
@@ -250,14 +227,14 @@ def test_fused_lora_epilogue_takes_a_given_lora_down(interpret_kernels):
                        jnp.asarray(rng.standard_normal((16, N)) * 0.1, jnp.float32), 2.0)
     down = jnp.dot(x, lora.a.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16)
     np.testing.assert_array_equal(
-        np.asarray(linear(x, prepared, lora=lora, lora_down=down), np.float32),
+        np.asarray(linear(x, prepared, lora=lora, lora_x_a=down), np.float32),
         np.asarray(linear(x, prepared, lora=lora), np.float32))
 
 
 def _tiny_quantized_model(format_name, compute_dtype="bfloat16", layers=2):
     from qerl_jax.models.config import preset
     from qerl_jax.models.transformer import init_model
-    from qerl_jax.quant.model_quantization import quantize_model
+    from qerl_jax.model_quant.quantize import quantize_model
     config = preset("tiny_qwen2", compute_dtype=compute_dtype, num_hidden_layers=layers)
     model = init_model(config, seed=3)
     quantize_model(model, format_name)
@@ -270,7 +247,7 @@ def test_tiny_model_logits_with_kernels(format_name, interpret_kernels):
     the frozen state. (Gradients through the kernels: test_kernel_paths_match_xla_forward_and_dx;
     a model-level backward in interpret mode takes ~20 s, too slow here.)"""
     from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
-    from qerl_jax.quant.model_quantization import QuantizedParam
+    from qerl_jax.model_quant.quantize import QuantizedParam
     # one decoder layer (7 projections, N and K in {64, 128}) keeps interpret mode quick
     model = _tiny_quantized_model(format_name, layers=1)
     add_lora(model, LoRAConfig(rank=4), jax.random.key(0))
@@ -309,7 +286,7 @@ def test_tiny_model_logits_with_kernels(format_name, interpret_kernels):
 
 
 def test_enable_kernels_on_cpu_without_interpret_changes_nothing():
-    from qerl_jax.quant.model_quantization import QuantizedParam
+    from qerl_jax.model_quant.quantize import QuantizedParam
     model = _tiny_quantized_model("nvfp4", compute_dtype="float32")
     enable_kernels(model, platform="cpu")
     values = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, QuantizedParam)]
@@ -320,16 +297,16 @@ def test_enable_kernels_on_cpu_without_interpret_changes_nothing():
 def test_export_merge_and_state_conversion_after_enabling(tmp_path):
     from qerl_jax.lora import LoRAConfig, add_lora, merge_lora
     from qerl_jax.models.safetensors_io import SafetensorsFile
-    from qerl_jax.quant.compressed_tensors_io import export_compressed_tensors
+    from qerl_jax.model_quant.compressed_tensors_io import export_compressed_tensors
     model = _tiny_quantized_model("nvfp4", compute_dtype="float32", layers=1)
     export_compressed_tensors(model, str(tmp_path / "before"))
     state_before = nnx.state(model)
     leaves_before = jax.tree_util.tree_leaves(state_before)  # nnx.state shares the Variables
     # pure conversion of a State, and back
-    converted = kernel_dispatch.prepare_for_kernels(state_before)
+    converted = kernel_layout.prepare_for_kernels(state_before)
     assert any(isinstance(leaf, KernelLayoutWeight) for leaf in jax.tree_util.tree_leaves(
         converted, is_leaf=lambda v: isinstance(v, QuantizedWeight)))
-    _leaves_equal(kernel_dispatch.restore_checkpoint_layout(converted), leaves_before)
+    _leaves_equal(kernel_layout.restore_checkpoint_layout(converted), leaves_before)
 
     enable_kernels(model, platform="cpu", interpret=True)
     try:
@@ -347,7 +324,7 @@ def test_export_merge_and_state_conversion_after_enabling(tmp_path):
         for target in (model, reference):
             add_lora(target, LoRAConfig(rank=4), jax.random.key(1))
             merge_lora(target, dtype=jnp.float32)
-        _leaves_equal(kernel_dispatch.restore_checkpoint_layout(nnx.state(model)),
+        _leaves_equal(kernel_layout.restore_checkpoint_layout(nnx.state(model)),
                       nnx.state(reference))
     finally:
         unregister_kernels("cpu")
@@ -435,7 +412,7 @@ def test_gate_up_pair_views_share_one_copy_and_read_back_losslessly(format_name,
     rng = np.random.default_rng(secrets.randbits(32))
     quantized = [_weight(format_name, rng, n=136, k=192, **kwargs) for _ in range(2)]
     plain = [to_kernel_layout(w) for w in quantized]
-    gate, up = kernel_dispatch.pair_gate_up(*plain)
+    gate, up = kernel_layout.pair_gate_up(*plain)
     assert gate.kernel_codes is up.kernel_codes and gate.kernel_scales is up.kernel_scales
     assert gate.kernel_codes.shape[0] == 2 * plain[0].kernel_codes.shape[0]
     assert (gate.pair_view, up.pair_view) == ((32, 0), (32, 1))
@@ -447,11 +424,11 @@ def test_gate_up_pair_views_share_one_copy_and_read_back_losslessly(format_name,
         assert isinstance(rebuilt, KernelLayoutWeight) and rebuilt.pair_view == view.pair_view
         _leaves_equal(rebuilt.to_checkpoint(), original)
     assert "pair_view=(32, 1)" in repr(up)
-    assert "pair views already" in kernel_dispatch.pair_refusal(gate, up)
-    assert "kernel layout" in kernel_dispatch.pair_refusal(quantized[0], plain[1])
+    assert "pair views already" in kernel_layout.pair_refusal(gate, up)
+    assert "kernel layout" in kernel_layout.pair_refusal(quantized[0], plain[1])
     other = to_kernel_layout(_weight(format_name, rng, n=72, k=192, **kwargs))
     with pytest.raises(ValueError, match="differ in format, shape or layout"):
-        kernel_dispatch.pair_gate_up(plain[0], other)
+        kernel_layout.pair_gate_up(plain[0], other)
 
 
 @pytest.mark.parametrize("format_name", FORMATS)
@@ -463,10 +440,11 @@ def test_fused_swiglu_of_pair_views_matches_the_unfused_mlp(interpret_kernels, f
     and gradients w.r.t. x, A and B against the unfused SwiGLU of the single XLA-path linears
     (checkpoint layout), within twice the module's tolerance (a product of two products)."""
     from qerl_jax.models.layers import swiglu
-    from qerl_jax.quant.linear_op import LoRAProduct, linear_swiglu
+    from qerl_jax.quant.linear_op import LoRAProduct
+    from qerl_jax.quant.linear_swiglu import linear_swiglu
     rng = np.random.default_rng(secrets.randbits(32))
     quantized = [_weight(format_name, rng) for _ in range(2)]
-    views = kernel_dispatch.pair_gate_up(*(to_kernel_layout(w) for w in quantized))
+    views = kernel_layout.pair_gate_up(*(to_kernel_layout(w) for w in quantized))
     x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
     a = [jnp.asarray(rng.standard_normal((K, 8)) * 0.1, jnp.float32) for _ in range(2)]
     b = [jnp.asarray(rng.standard_normal((8, N)) * 0.1, jnp.float32) for _ in range(2)]
@@ -499,13 +477,13 @@ def test_fused_swiglu_also_computes_the_next_lora_down(interpret_kernels, format
     """linear_swiglu(next_lora_a=A_down) at decode M: the same output bit for bit, and
     output @ A_down from the launch (within one bf16 rounding of the float32 product of the
     bf16 output and A); gradients (x, A, B of gate/up, A_down) against the same fused SwiGLU
-    followed by an XLA dot, within twice the module's tolerance. Above the fused M, and with
-    DecodeTuning.swiglu_next_lora off, the product is None (the caller computes it)."""
-    from pallas_kernels import blockwise_matmul as bw
+    followed by an XLA dot, within twice the module's tolerance. Above the fused M the product
+    is None (the caller computes it)."""
     from qerl_jax.models.layers import swiglu
-    from qerl_jax.quant.linear_op import LoRAProduct, linear_swiglu
+    from qerl_jax.quant.linear_op import LoRAProduct
+    from qerl_jax.quant.linear_swiglu import linear_swiglu
     rng = np.random.default_rng(secrets.randbits(32))
-    views = kernel_dispatch.pair_gate_up(*(to_kernel_layout(_weight(format_name, rng))
+    views = kernel_layout.pair_gate_up(*(to_kernel_layout(_weight(format_name, rng))
                                            for _ in range(2)))
     m = 3
     x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
@@ -541,11 +519,6 @@ def test_fused_swiglu_also_computes_the_next_lora_down(interpret_kernels, format
     np.testing.assert_array_equal(np.asarray(y_large, np.float32),
                                   np.asarray(run(x_large, a, b, a_next, next_lora=False),
                                              np.float32))
-    previous = bw.set_decode_tuning(swiglu_next_lora=False)
-    try:
-        assert run(x, a, b, a_next)[1] is None
-    finally:
-        bw.set_decode_tuning(previous)
 
 
 def test_fused_swiglu_needs_one_pair_and_falls_back_otherwise(interpret_kernels, caplog):
@@ -553,10 +526,11 @@ def test_fused_swiglu_needs_one_pair_and_falls_back_otherwise(interpret_kernels,
     unfused path (saying why); with the prepared pair B (prepare_swiglu_lora_b) the fused
     launch gives bit for bit what it gives when it builds B itself."""
     from qerl_jax.models.layers import swiglu
-    from qerl_jax.quant.linear_op import LoRAProduct, linear_swiglu, prepare_swiglu_lora_b
+    from qerl_jax.quant.linear_op import LoRAProduct
+    from qerl_jax.quant.linear_swiglu import linear_swiglu, prepare_swiglu_lora_b
     rng = np.random.default_rng(secrets.randbits(32))
     plain = [to_kernel_layout(_weight("nvfp4", rng)) for _ in range(4)]
-    first, second = (kernel_dispatch.pair_gate_up(*plain[i:i + 2]) for i in (0, 2))
+    first, second = (kernel_layout.pair_gate_up(*plain[i:i + 2]) for i in (0, 2))
     x = jnp.asarray(rng.standard_normal((2, K)), jnp.bfloat16)
     loras = [LoRAProduct(jnp.asarray(rng.standard_normal((K, 4)) * 0.1, jnp.float32),
                          jnp.asarray(rng.standard_normal((4, N)) * 0.1, jnp.float32), s)
@@ -629,13 +603,13 @@ def test_decode_steps_with_the_decode_attention_kernel():
 
     reference = run()
     try:
-        assert kernel_dispatch.enable_decode_attention("cpu", interpret=True)
+        assert enable_decode_attention("cpu", interpret=True)
         with_kernel = run()
         cache = init_kv_cache(model.config, 3, 40)
         jaxpr = str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
         assert "decode_attention" in jaxpr
     finally:
-        kernel_dispatch.disable_decode_attention("cpu")
+        disable_decode_attention("cpu")
     for step, (got, want) in enumerate(zip(with_kernel, reference)):
         scale = float(np.abs(np.asarray(want[:2])).max())
         diff = np.abs(np.asarray(got[:2]) - np.asarray(want[:2]))  # the finished row is unused
@@ -645,13 +619,15 @@ def test_decode_steps_with_the_decode_attention_kernel():
 
 
 @pytest.mark.parametrize("rank", [16, 12])
-def test_decode_attention_computes_the_o_projection_lora_down(rank):
+def test_decode_attention_computes_the_o_projection_lora_x_a(rank):
     """With an o-projection adapter, the decode attention's combine kernel returns each head's
     share of x @ A (rank 16; rank 12 is not a Triton tile: XLA makes the shares) and the layer
     uses their sum: every decode step's logits equal, within 2^-6 of their scale, those of the
-    same kernel with the option off (the model's own x @ A), which the test above checks against
-    the XLA attention; the option's combine kernel is in the decode program."""
-    from pallas_kernels import decode_attention as decode_attention_kernels
+    same kernel registered without it (the model's own x @ A), which the test above checks
+    against the XLA attention; the combine kernel with the product is in the decode program."""
+    from qerl_jax.models import attention_dispatch
+    from qerl_jax.quant.kernel_options import KernelOptions
+    from pallas_kernels.decode_attention import DecodeAttentionConfig
     from qerl_jax.lora import LoRAConfig, add_lora
     from qerl_jax.models.config import preset
     from qerl_jax.models.kv_cache import init_kv_cache
@@ -679,19 +655,19 @@ def test_decode_attention_computes_the_o_projection_lora_down(rank):
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return steps
 
-    previous = decode_attention_kernels.default_config()
+    options = KernelOptions(decode_attention_tiling=DecodeAttentionConfig(block_s=16, splits=3))
     try:
-        assert kernel_dispatch.enable_decode_attention("cpu", interpret=True)
-        decode_attention_kernels.set_default_config(previous, block_s=16, splits=3, lora_down=0)
+        assert enable_decode_attention("cpu", options, interpret=True)
+        kernel = attention_dispatch._KERNELS["cpu"]
+        attention_dispatch._KERNELS["cpu"] = dataclasses.replace(kernel, lora_x_a=False)
         own = run()
-        decode_attention_kernels.set_default_config(previous, block_s=16, splits=3, lora_down=1)
+        attention_dispatch._KERNELS["cpu"] = kernel
         shared = run()
         cache = init_kv_cache(model.config, 3, 40)
         jaxpr = str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
         assert ("decode_attention_combine_lora" in jaxpr) == (rank == 16)
     finally:
-        decode_attention_kernels.set_default_config(previous)
-        kernel_dispatch.disable_decode_attention("cpu")
+        disable_decode_attention("cpu")
     for step, (got, want) in enumerate(zip(shared, own)):
         scale = float(np.abs(np.asarray(want)).max())
         assert np.isfinite(np.asarray(got)).all()
@@ -726,11 +702,13 @@ def _while_body_equations(jaxpr, primitive: str) -> list[tuple[tuple[int, ...], 
 
 def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kernels, monkeypatch):
     """The sampler stacks each layer's [A_q | A_k | A_v] and [A_gate | A_up], and the fused
-    SwiGLU launch's pair B, once, before its while_loop (lora.stack_grouped_adapters): the loop
+    SwiGLU launch's pair B, once, before its while_loop (decode_fusion.stack_grouped_adapters): the loop
     body has no concatenate of adapter shapes, and the sampled tokens and log-probs equal, bit
     for bit, those of the sampler that stacks them inside every launch."""
     from qerl_jax import sampling
-    from qerl_jax.lora import LoRAConfig, add_lora, stack_grouped_adapters
+    from qerl_jax.lora import LoRAConfig, add_lora
+    from qerl_jax.models import decode_fusion
+    from qerl_jax.models.decode_fusion import stack_grouped_adapters
     from qerl_jax.models.layers import apply_linears
     model = _tiny_quantized_model("nvfp4", layers=1)
     add_lora(model, LoRAConfig(rank=4), jax.random.key(0))
@@ -758,7 +736,7 @@ def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kerne
     assert not [s for s in in_loop if s in ((hidden, 12), (hidden, 8), pair_b)], in_loop
     assert (2,) not in in_loop  # the pair's two tensor scales reach the kernel unstacked
 
-    monkeypatch.setattr(sampling, "stack_grouped_adapters", lambda model: 0)
+    monkeypatch.setattr(decode_fusion, "stack_grouped_adapters", lambda model: 0)
     sampling._generate_program.clear_cache()  # retrace with the patched function
     in_loop = _while_body_concatenates(program_jaxpr())
     assert [s for s in in_loop if s in ((hidden, 12), (hidden, 8))]  # the check can see them
@@ -779,10 +757,10 @@ def test_sampler_stacks_grouped_adapters_outside_the_decode_loop(interpret_kerne
 def test_decode_loop_takes_the_down_lora_product_from_the_swiglu_launch(interpret_kernels):
     """With LoRA on the down projection, the sampler's decode loop runs no x @ A_down dot of
     its own: the fused SwiGLU launch returns it (linear_swiglu's next_lora_a). With
-    DecodeTuning.swiglu_next_lora off the dot is back, and the tokens are the same (the two
-    products differ only in the order of their float32 sums)."""
-    from pallas_kernels import blockwise_matmul as bw
+    the launch asked for no product (the model's own dot) the dot is back, and the tokens are
+    the same (the two products differ only in the order of their float32 sums)."""
     from qerl_jax import sampling
+    from qerl_jax.models import layers
     from qerl_jax.lora import LoRAConfig, add_lora
     model = _tiny_quantized_model("nvfp4", layers=1)
     add_lora(model, LoRAConfig(rank=4), jax.random.key(0))
@@ -809,13 +787,19 @@ def test_decode_loop_takes_the_down_lora_product_from_the_swiglu_launch(interpre
 
     assert down_dots() == []
     fused = sampling.generate(model, prompts, mask, key, config)
-    previous = bw.set_decode_tuning(swiglu_next_lora=False)
+    fused_swiglu = layers.linear_swiglu
+
+    def without_next_product(*args, next_lora_a=None, **kwargs):
+        y = fused_swiglu(*args, **kwargs)
+        return y if next_lora_a is None else (y, None)
+
+    layers.linear_swiglu = without_next_product
     try:
         assert down_dots()  # the check can see the dot
         sampling._generate_program.clear_cache()
         separate = sampling.generate(model, prompts, mask, key, config)
     finally:
-        bw.set_decode_tuning(previous)
+        layers.linear_swiglu = fused_swiglu
         sampling._generate_program.clear_cache()
     np.testing.assert_array_equal(np.asarray(fused.tokens), np.asarray(separate.tokens))
 
@@ -831,9 +815,9 @@ def test_donating_repack_gives_the_same_layout_and_consumes_only_unpadded_weight
     for shape, padded in (((256, 512), False), ((96, 192), True)):
         dense = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
         fmt = get_format(format_name)
-        expected = kernel_dispatch.to_kernel_layout(fmt.quantize(dense, name="w"))
+        expected = kernel_layout.to_kernel_layout(fmt.quantize(dense, name="w"))
         weight = fmt.quantize(dense, name="w")
-        donated = kernel_dispatch.to_kernel_layout(weight, donate=True)
+        donated = kernel_layout.to_kernel_layout(weight, donate=True)
         _leaves_equal(donated, expected)
         assert weight.codes.is_deleted() is not padded, shape
     model = _tiny_quantized_model("nvfp4", compute_dtype="float32", layers=1)
@@ -843,4 +827,4 @@ def test_donating_repack_gives_the_same_layout_and_consumes_only_unpadded_weight
         enable_kernels(model, platform="cpu", interpret=True, donate=True)
         np.testing.assert_allclose(np.asarray(model(tokens)), before, rtol=1e-5, atol=1e-5)
     finally:
-        kernel_dispatch.unregister_kernels("cpu")
+        unregister_kernels("cpu")

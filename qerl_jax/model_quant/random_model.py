@@ -15,7 +15,7 @@ from qerl_jax.models.hf_io import tensor_specs, variable_at
 from qerl_jax.models.layers import INIT_STD
 from qerl_jax.models.transformer import abstract_model
 from qerl_jax.quant.formats import get_format
-from qerl_jax.quant.model_quantization import mark_quantized_params
+from qerl_jax.model_quant.quantize import mark_quantized_params
 
 _RANDOM_PROGRAMS: dict = {}
 

@@ -18,9 +18,9 @@ import transformers
 
 from qerl_jax.models.hf_io import CheckpointError
 from qerl_jax.models.safetensors_io import SafetensorsFile
-from qerl_jax.quant.compressed_tensors_io import (export_compressed_tensors,
+from qerl_jax.model_quant.compressed_tensors_io import (export_compressed_tensors,
                                                   load_compressed_tensors_model)
-from qerl_jax.quant.model_quantization import QuantizedParam
+from qerl_jax.model_quant.quantize import QuantizedParam
 from qerl_jax.quant.qarray import QuantizedWeight
 from tests.hf_reference import hf_logits, make_hf_model, rewrite_config
 
@@ -112,7 +112,7 @@ def test_export_round_trip_is_bit_exact_and_readable(nvfp4_checkpoint, tmp_path)
 
 def test_quantized_by_us_exports_and_compressed_tensors_reads_it(tmp_path):
     from qerl_jax.models.hf_io import load_hf_model
-    from qerl_jax.quant.model_quantization import quantize_model
+    from qerl_jax.model_quant.quantize import quantize_model
     source = str(tmp_path / "dense")
     make_hf_model("llama", seed=5).save_pretrained(source)
     ours = load_hf_model(source, param_dtype="bfloat16")

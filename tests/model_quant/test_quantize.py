@@ -10,7 +10,7 @@ from flax import nnx
 from qerl_jax.models import init_model, preset
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.quant.formats import get_format
-from qerl_jax.quant.model_quantization import (QuantizedParam, load_quantized_hf_model,
+from qerl_jax.model_quant.quantize import (QuantizedParam, load_quantized_hf_model,
                                                quantize_model)
 from qerl_jax.quant.qarray import QuantizedWeight
 from tests.hf_reference import make_hf_model

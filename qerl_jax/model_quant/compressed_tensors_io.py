@@ -25,7 +25,7 @@ from qerl_jax.models.hf_io import (CONFIG_FILE, CheckpointError, check_shape,
                                    open_checkpoint_files, tensor_specs, to_model_layout,
                                    variable_at, write_checkpoint)
 from qerl_jax.models.transformer import CausalLM, abstract_model
-from qerl_jax.quant.model_quantization import mark_quantized_params
+from qerl_jax.model_quant.quantize import mark_quantized_params
 from qerl_jax.quant.qarray import QuantizedWeight
 
 NVFP4_FORMAT = "nvfp4-pack-quantized"

@@ -1,0 +1,72 @@
+"""The kernel choices and tunings of the quantized linear layers and the decode attention: one
+frozen dataclass, carried in the config as `config.quant.kernels.*` (qerl_jax/config_defaults.py
+describes and validates each field; run.json records them with the config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from pallas_kernels.blockwise_matmul import DecodeTuning
+from pallas_kernels.decode_attention import DecodeAttentionConfig
+
+MOSAIC_CHOICES = ("auto", "on", "off")
+WEIGHT_AS_LHS = {"auto": None, "weights": True, "activations": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Which Pallas kernels run, and their tunings."""
+
+    # the Pallas kernels on a GPU (False: the XLA path everywhere)
+    enabled: bool = True
+    # each MLP's gate and up weights as one interleaved copy, run at decode in one launch with
+    # the SwiGLU in its epilogue
+    gate_up_pairs: bool = True
+    # NVFP4 decode launches on the Mosaic GPU kernel: 'auto' where it runs (Hopper), 'on' the
+    # same but a warning where it cannot, 'off' the Triton kernels
+    mosaic_nvfp4: str = "auto"
+    # K tiles per program of the next Mosaic launch that each launch prefetches into L2 (0: none)
+    mosaic_prefetch_tiles: int = 1
+    # the Pallas decode-attention kernel for one-token decode steps
+    decode_attention: bool = True
+    # tiling of the Triton fused kernel at decode M (M <= 16)
+    decode_matmul: DecodeTuning = DecodeTuning()
+    # tiling of the decode-attention kernel
+    decode_attention_tiling: DecodeAttentionConfig = DecodeAttentionConfig()
+
+    def __post_init__(self):
+        if self.mosaic_nvfp4 not in MOSAIC_CHOICES:
+            raise ValueError(f"KernelOptions.mosaic_nvfp4={self.mosaic_nvfp4!r}: one of "
+                             f"{MOSAIC_CHOICES}")
+        if not 0 <= self.mosaic_prefetch_tiles <= 3:
+            raise ValueError(f"KernelOptions.mosaic_prefetch_tiles={self.mosaic_prefetch_tiles}"
+                             ": 0 (off) to 3")
+
+    @property
+    def mosaic(self) -> bool:
+        """Whether NVFP4 decode launches may take the Mosaic GPU kernel (where it runs)."""
+        return self.mosaic_nvfp4 != "off"
+
+    @classmethod
+    def from_config(cls, kernels: Mapping[str, Any]) -> KernelOptions:
+        """The options of a validated `config.quant.kernels` section."""
+        matmul, attention = kernels["decode_matmul"], kernels["decode_attention_tiling"]
+        return cls(
+            enabled=kernels["enabled"], gate_up_pairs=kernels["gate_up_pairs"],
+            mosaic_nvfp4=kernels["mosaic_nvfp4"],
+            mosaic_prefetch_tiles=kernels["mosaic_prefetch_tiles"],
+            decode_attention=kernels["decode_attention"],
+            decode_matmul=DecodeTuning(
+                target_programs=matmul["target_programs"],
+                min_tiles_per_split=matmul["min_tiles_per_split"],
+                no_split_programs=matmul["no_split_programs"], max_split=matmul["max_split"],
+                block_n=matmul["block_n"], num_warps=matmul["num_warps"],
+                num_stages=matmul["num_stages"],
+                weight_as_lhs=WEIGHT_AS_LHS[matmul["weight_as_lhs"]],
+                decoder=None if matmul["decoder"] == "auto" else matmul["decoder"]),
+            decode_attention_tiling=DecodeAttentionConfig(
+                block_s=attention["block_s"], splits=attention["splits"] or None,
+                balanced=int(attention["balanced"]), num_warps=attention["num_warps"],
+                num_stages=attention["num_stages"]))
