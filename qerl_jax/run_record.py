@@ -97,7 +97,7 @@ def current_config(workdir: str) -> dict:
         raise ConfigError(f"{path}: no such file (not a run directory)")
     starts = read_starts(workdir)
     if not starts or not isinstance(starts[-1].get("config"), dict):
-        raise ConfigError(f"{path}: its last start records no config")
+        raise ConfigError(f"{path}: its last start holds no config")
     return starts[-1]["config"]
 
 
