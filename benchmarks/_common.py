@@ -463,7 +463,7 @@ def grpo_config(*, preset: str, format_name: str, tokenizer_dir: str, rank: int 
     arithmetic prompts padded to `prompt` tokens, `completion` new tokens, G = `group`, remat on,
     LoRA rank `rank` (alpha = rank) on all projections + trainable norms. AQN defaults to on for
     the quantized formats (as grpo_step.py always did)."""
-    from qerl_jax.config_defaults import base_config
+    from qerl_jax.experiment_config import base_config
 
     config = base_config()
     config.model.preset = preset

@@ -1,11 +1,11 @@
-"""QeRL released-script hyperparameters, variant 'qlora' (see qerl_jax.config_defaults).
+"""QeRL released-script hyperparameters, variant 'qlora' (see qerl_jax.experiment_config).
 
     python -m qerl_jax.train --config configs/qlora.py:7b,gsm8k \
         --config.model.hf_path=/path/to/Qwen2.5-7B-Instruct --workdir runs/qlora_7b_gsm8k
 Spec 'SIZE,DATASET': SIZE in 3b/7b/14b/32b, DATASET in gsm8k/bigmath.
 """
 
-from qerl_jax.config_defaults import released_script_config
+from qerl_jax.experiment_config import released_script_config
 
 
 def get_config(spec="7b,gsm8k"):

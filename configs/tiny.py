@@ -12,7 +12,7 @@ and entropy rose). Truncated completions are not masked: with a 16-token limit, 
 a policy drift into truncation without any penalty (observed at lr 1e-2).
 """
 
-from qerl_jax.config_defaults import base_config
+from qerl_jax.experiment_config import base_config
 
 
 def get_config():

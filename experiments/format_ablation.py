@@ -101,7 +101,7 @@ class RunSpec:
 def plan_runs(config_path: str, formats: Sequence[str], seeds: Sequence[int],
               overrides: Sequence[str], out_dir: str) -> list[RunSpec]:
     """One RunSpec per (seed, format), seeds outermost (formats of a seed share a warm-up)."""
-    from qerl_jax.config_defaults import validate_config
+    from qerl_jax.experiment_config import validate_config
 
     specs = []
     # The progress bar writes carriage returns into train.log; the user's --set can turn it on.

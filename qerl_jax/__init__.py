@@ -5,7 +5,9 @@ schema stay free of JAX until something runs):
 
     import qerl_jax
     config = qerl_jax.base_config()            # or a configs/*.py get_config()
-    history = qerl_jax.train(config, "runs/x") # Trainer(config, workdir).train()
+    history = qerl_jax.Trainer(config, "runs/x").train()
+
+(`qerl_jax.train` is the training CLI's module: `python -m qerl_jax.train`.)
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     # configs and runs
-    "base_config": "qerl_jax.config_defaults",
-    "validate_config": "qerl_jax.config_defaults",
+    "base_config": "qerl_jax.experiment_config",
+    "validate_config": "qerl_jax.experiment_config",
     "Trainer": "qerl_jax.trainer",
     "ConfigError": "qerl_jax.errors",
     "TrainingStopped": "qerl_jax.errors",
@@ -52,14 +54,7 @@ _EXPORTS = {
     "REWARD_FUNCTIONS": "qerl_jax.rewards",
 }
 
-__all__ = sorted([*_EXPORTS, "train"])
-
-
-def train(config, workdir: str, **options) -> list[dict]:
-    """Trainer(config, workdir, **options).train(): the run's metrics rows of this call.
-    options: resume, overwrite, allow_config_changes (as the CLI's flags)."""
-    from qerl_jax.trainer import Trainer
-    return Trainer(config, workdir, **options).train()
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -31,7 +31,7 @@ from flax import nnx
 
 from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.checkpointing import TrainingCheckpoints
-from qerl_jax.config_defaults import FORMATS
+from qerl_jax.experiment_config import FORMATS
 from qerl_jax.data import encode_prompts, load_examples
 from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.errors import ConfigError

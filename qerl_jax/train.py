@@ -22,7 +22,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from qerl_jax.config_defaults import (FIELDS, MAPPING_FIELDS, base_config, config_leaves,
+from qerl_jax.experiment_config import (FIELDS, MAPPING_FIELDS, base_config, config_leaves,
                                       suggest_field, validate_config)
 from qerl_jax.data.sources import load_training_examples
 from qerl_jax.errors import ConfigError, TrainingStopped
@@ -182,7 +182,7 @@ def parse_command_line(argv: list[str]):
 def help_text(argv: list[str]) -> str:
     """The usage, the flags and every config field with its value and description: the file's
     values when --config names a loadable file, else the defaults of base_config()."""
-    config, source = base_config(), "defaults of qerl_jax.config_defaults.base_config()"
+    config, source = base_config(), "defaults of qerl_jax.experiment_config.base_config()"
     config_value = _config_argument(argv[1:])
     if config_value:
         try:

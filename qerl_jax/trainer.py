@@ -30,7 +30,7 @@ from flax import nnx
 from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
 from qerl_jax.checkpointing import TrainingCheckpoints
 from qerl_jax.compilation_cache import enable_compilation_cache
-from qerl_jax.config_defaults import validate_config
+from qerl_jax.experiment_config import validate_config
 from qerl_jax.data import PromptIterator, encode_prompts
 from qerl_jax.data.sources import load_training_examples
 from qerl_jax.data.prompts import build_prompt_text

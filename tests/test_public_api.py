@@ -13,7 +13,7 @@ def test_every_exported_name_resolves():
 
 
 def test_importing_the_package_imports_no_jax():
-    code = ("import sys, qerl_jax, qerl_jax.config_defaults; "
+    code = ("import sys, qerl_jax, qerl_jax.experiment_config; "
             "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)

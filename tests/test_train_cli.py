@@ -12,7 +12,7 @@ import types
 import pytest
 
 from qerl_jax import train
-from qerl_jax.config_defaults import FIELDS
+from qerl_jax.experiment_config import FIELDS
 from qerl_jax.errors import ConfigError, TrainingStopped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +80,7 @@ def test_typo_in_an_override_gets_a_suggestion():
 
 def test_config_file_errors_name_the_file_and_line(tmp_path):
     broken = tmp_path / "broken.py"
-    broken.write_text("from qerl_jax.config_defaults import base_config\n\n\n"
+    broken.write_text("from qerl_jax.experiment_config import base_config\n\n\n"
                       "def get_config():\n    return base_confg()\n")
     line = _one_error_line(_cli("--config", str(broken), "--workdir", "unused"))
     assert line == (f"error: {broken}:5: NameError: name 'base_confg' is not defined")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from qerl_jax.checkpointing import TrainingCheckpoints
-from qerl_jax.config_defaults import validate_config
+from qerl_jax.experiment_config import validate_config
 from qerl_jax.metrics import read_metrics
 from qerl_jax.errors import ConfigError, TrainingStopped
 from qerl_jax.run_record import read_starts

@@ -12,7 +12,7 @@ import textwrap
 import ml_collections
 import pytest
 
-from qerl_jax import config_defaults
+from qerl_jax import experiment_config
 from qerl_jax.xla_autotuning import (DUMP_FLAG, LOAD_FLAG, autotune_xla_flags,
                                      persist_autotuning)
 
@@ -50,11 +50,11 @@ def test_errors_name_the_field(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="already started its backend"):
         persist_autotuning(str(tmp_path / "a.textproto"))
     assert os.environ["XLA_FLAGS"] == ""
-    fields = config_defaults.base_config().to_dict()
+    fields = experiment_config.base_config().to_dict()
     fields["xla_autotune_results"] = 3  # a ConfigDict keeps a field's type: build it so
     config = ml_collections.ConfigDict(fields)
     with pytest.raises(ValueError, match="xla_autotune_results"):
-        config_defaults.validate_config(config)
+        experiment_config.validate_config(config)
 
 
 def test_fresh_process_sets_the_flags_before_the_backend_starts(tmp_path):

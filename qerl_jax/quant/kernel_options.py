@@ -1,5 +1,5 @@
 """The kernel choices and tunings of the quantized linear layers and the decode attention: one
-frozen dataclass, carried in the config as `config.quant.kernels.*` (qerl_jax/config_defaults.py
+frozen dataclass, carried in the config as `config.quant.kernels.*` (qerl_jax/experiment_config.py
 describes and validates each field; run.json records them with the config).
 """
 

@@ -3,14 +3,14 @@ dataclass defaults, its choices are the sources', and bad values are refused nam
 
 import pytest
 
-from qerl_jax import config_defaults
+from qerl_jax import experiment_config
 from qerl_jax.errors import ConfigError
 from qerl_jax.quant import kernel_options
 from qerl_jax.quant.kernel_options import KernelOptions
 
 
-def test_config_defaults_are_the_dataclass_defaults():
-    config = config_defaults.base_config()
+def test_experiment_config_are_the_dataclass_defaults():
+    config = experiment_config.base_config()
     assert KernelOptions.from_config(config.quant.kernels) == KernelOptions()
 
 
@@ -18,14 +18,14 @@ def test_config_choices_equal_their_sources():
     from pallas_kernels.mxfp4_matmul import MXFP4
     from pallas_kernels.nf4_matmul import NF4
     from pallas_kernels.nvfp4_matmul import NVFP4
-    assert config_defaults.ON_OFF_AUTO == kernel_options.MOSAIC_CHOICES
-    assert config_defaults.WEIGHT_AS_LHS == tuple(kernel_options.WEIGHT_AS_LHS)
+    assert experiment_config.ON_OFF_AUTO == kernel_options.MOSAIC_CHOICES
+    assert experiment_config.WEIGHT_AS_LHS == tuple(kernel_options.WEIGHT_AS_LHS)
     decoders = set(NVFP4.decoders) | set(MXFP4.decoders) | set(NF4.decoders)
-    assert set(config_defaults.KERNEL_DECODERS) == decoders
+    assert set(experiment_config.KERNEL_DECODERS) == decoders
 
 
 def test_every_option_reaches_the_dataclass():
-    config = config_defaults.base_config()
+    config = experiment_config.base_config()
     kernels = config.quant.kernels
     kernels.gate_up_pairs, kernels.mosaic_nvfp4, kernels.mosaic_prefetch_tiles = False, "off", 0
     kernels.decode_attention = False
@@ -56,7 +56,7 @@ def test_every_option_reaches_the_dataclass():
     ("quant.kernels.gate_up_pairs", "yes", "must be True or False"),
 ])
 def test_bad_values_name_the_field(path, value, message):
-    config = config_defaults.base_config().to_dict()
+    config = experiment_config.base_config().to_dict()
     node = config
     *sections, leaf = path.split(".")
     for section in sections:
@@ -65,6 +65,6 @@ def test_bad_values_name_the_field(path, value, message):
     import ml_collections
     with pytest.raises(ConfigError, match=rf"^config\.{path}: " + message.replace("(", r"\(")
                        .replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
-        config_defaults._check_fields(ml_collections.ConfigDict(config))
+        experiment_config._check_fields(ml_collections.ConfigDict(config))
     with pytest.raises(ValueError, match="mosaic_nvfp4"):
         KernelOptions(mosaic_nvfp4="1")

@@ -11,8 +11,8 @@ import sys
 import ml_collections
 import pytest
 
-from qerl_jax import config_defaults
-from qerl_jax.config_defaults import (FIELDS, base_config, field_descriptions,
+from qerl_jax import experiment_config
+from qerl_jax.experiment_config import (FIELDS, base_config, field_descriptions,
                                       released_script_config, validate_config)
 from qerl_jax.errors import ConfigError
 from tests.conftest import config_from_file
@@ -59,24 +59,24 @@ def test_constants_equal_their_jax_side_sources():
     from qerl_jax.rewards import REWARD_FUNCTIONS
     from qerl_jax.rl.losses import LOSS_TYPES
 
-    assert set(config_defaults.FORMATS) == set(known_formats())
-    assert config_defaults.SCHEDULES == aqn.SCHEDULES
-    assert config_defaults.TASKS == sources.TASKS
-    assert config_defaults.OFFLOAD_METHODS == device_offload.METHODS
-    assert config_defaults.ALL_PROJECTIONS == lora.ALL_PROJECTIONS
-    assert set(config_defaults.PRESET_NAMES) == set(PRESETS)
-    assert set(config_defaults.REWARD_NAMES) == set(REWARD_FUNCTIONS)
-    assert config_defaults.LOSS_TYPES == LOSS_TYPES
-    assert config_defaults.MODEL_CONFIG_FIELDS == tuple(
+    assert set(experiment_config.FORMATS) == set(known_formats())
+    assert experiment_config.SCHEDULES == aqn.SCHEDULES
+    assert experiment_config.TASKS == sources.TASKS
+    assert experiment_config.OFFLOAD_METHODS == device_offload.METHODS
+    assert experiment_config.ALL_PROJECTIONS == lora.ALL_PROJECTIONS
+    assert set(experiment_config.PRESET_NAMES) == set(PRESETS)
+    assert set(experiment_config.REWARD_NAMES) == set(REWARD_FUNCTIONS)
+    assert experiment_config.LOSS_TYPES == LOSS_TYPES
+    assert experiment_config.MODEL_CONFIG_FIELDS == tuple(
         field.name for field in dataclasses.fields(ModelConfig))
-    for style in config_defaults.PROMPT_STYLES:
+    for style in experiment_config.PROMPT_STYLES:
         build_prompt_text(None, "q", style=style, use_chat_template=False)
     with pytest.raises(ValueError, match="prompt style"):
         build_prompt_text(None, "q", style="chat", use_chat_template=False)
 
 
 def test_config_module_imports_without_jax():
-    code = ("import sys, qerl_jax.config_defaults, qerl_jax.train; "
+    code = ("import sys, qerl_jax.experiment_config, qerl_jax.train; "
             "print(sorted(m for m in ('jax', 'flax', 'optax', 'transformers') "
             "if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
@@ -85,7 +85,7 @@ def test_config_module_imports_without_jax():
 
 
 def test_every_field_has_a_default_and_a_one_line_description():
-    assert set(config_defaults.config_leaves(base_config())) == set(FIELDS)
+    assert set(experiment_config.config_leaves(base_config())) == set(FIELDS)
     descriptions = field_descriptions()
     assert list(descriptions) == [f"config.{path}" for path in FIELDS]
     for path, description in descriptions.items():

@@ -466,7 +466,7 @@ def _check_fields(config) -> None:
     for path in FIELDS:
         if path not in leaves:
             raise _fail(path, "missing; start the config from "
-                              "qerl_jax.config_defaults.base_config()")
+                              "qerl_jax.experiment_config.base_config()")
     for path, field in FIELDS.items():
         problem = _type_problem(leaves[path], field.default) or field.check(leaves[path])
         if problem:
