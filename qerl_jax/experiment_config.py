@@ -34,6 +34,8 @@ REWARD_NAMES = ("format", "gsm8k_exact", "gsm8k_numeric", "math_verify",
                 "arithmetic")                                # rewards.REWARD_FUNCTIONS
 LOSS_TYPES = ("sequence_mean", "micro_batch_token_mean", "constant_length_sum",
               "batch_token_mean", "grpo", "bnpo", "dr_grpo", "dapo")   # rl.losses.LOSS_TYPES
+LOSS_TYPE_ALIASES = {"grpo": "sequence_mean", "bnpo": "micro_batch_token_mean",   # rl.losses
+                     "dr_grpo": "constant_length_sum", "dapo": "batch_token_mean"}
 PROMPT_STYLES = ("paper", "system", "plain")                 # data.prompts.build_prompt_text
 MODEL_CONFIG_FIELDS = (                                      # models.config.ModelConfig
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

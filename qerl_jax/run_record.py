@@ -17,6 +17,7 @@ from typing import Any
 
 from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.errors import ConfigError
+from qerl_jax.experiment_config import LOSS_TYPE_ALIASES
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -55,11 +56,20 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# Values that name the same thing: compared by what they mean, not how they are spelled.
+_SAME_MEANING = {"loss.loss_type": LOSS_TYPE_ALIASES}
+
+
 def config_changes(old: dict, new: dict) -> list[dict]:
     """[{'field', 'old', 'new', 'harmless'}] for every leaf that differs (sorted by field);
-    tuples and lists compare equal, as in a JSON round trip."""
+    tuples and lists compare equal, as in a JSON round trip, and so do a loss type and its
+    alias (bnpo and micro_batch_token_mean)."""
     old_flat = flatten_config(json.loads(json.dumps(old)))
     new_flat = flatten_config(json.loads(json.dumps(new)))
+    for field, aliases in _SAME_MEANING.items():
+        for flat in (old_flat, new_flat):
+            if field in flat:
+                flat[field] = aliases.get(flat[field], flat[field])
     missing = object()
     changes = []
     for field in sorted(set(old_flat) | set(new_flat)):

@@ -57,7 +57,7 @@ def test_constants_equal_their_jax_side_sources():
     from qerl_jax.models.config import ModelConfig, PRESETS
     from qerl_jax.quant.formats import known_formats
     from qerl_jax.rewards import REWARD_FUNCTIONS
-    from qerl_jax.rl.losses import LOSS_TYPES
+    from qerl_jax.rl.losses import LOSS_TYPE_ALIASES, LOSS_TYPES
 
     assert set(experiment_config.FORMATS) == set(known_formats())
     assert experiment_config.SCHEDULES == aqn.SCHEDULES
@@ -67,6 +67,7 @@ def test_constants_equal_their_jax_side_sources():
     assert set(experiment_config.PRESET_NAMES) == set(PRESETS)
     assert set(experiment_config.REWARD_NAMES) == set(REWARD_FUNCTIONS)
     assert experiment_config.LOSS_TYPES == LOSS_TYPES
+    assert experiment_config.LOSS_TYPE_ALIASES == LOSS_TYPE_ALIASES
     assert experiment_config.MODEL_CONFIG_FIELDS == tuple(
         field.name for field in dataclasses.fields(ModelConfig))
     for style in experiment_config.PROMPT_STYLES:
