@@ -17,7 +17,7 @@ from typing import Any
 
 from qerl_jax.atomic_io import write_json_atomic
 from qerl_jax.errors import ConfigError
-from qerl_jax.experiment_config import LOSS_TYPE_ALIASES
+from qerl_jax.experiment_config import FIELDS, LOSS_TYPE_ALIASES
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -60,10 +60,15 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
 _SAME_MEANING = {"loss.loss_type": LOSS_TYPE_ALIASES}
 
 
+def _json_form(value):
+    return json.loads(json.dumps(value))
+
+
 def config_changes(old: dict, new: dict) -> list[dict]:
     """[{'field', 'old', 'new', 'harmless'}] for every leaf that differs (sorted by field);
     tuples and lists compare equal, as in a JSON round trip, and so do a loss type and its
-    alias (bnpo and micro_batch_token_mean)."""
+    alias (bnpo and micro_batch_token_mean). A field the old config lacks (added to the schema
+    since) is no change when the new value is its default."""
     old_flat = flatten_config(json.loads(json.dumps(old)))
     new_flat = flatten_config(json.loads(json.dumps(new)))
     for field, aliases in _SAME_MEANING.items():
@@ -74,6 +79,8 @@ def config_changes(old: dict, new: dict) -> list[dict]:
     changes = []
     for field in sorted(set(old_flat) | set(new_flat)):
         before, after = old_flat.get(field, missing), new_flat.get(field, missing)
+        if before is missing and field in FIELDS and after == _json_form(FIELDS[field].default):
+            continue   # a field added since the run started, at the default it behaved as
         if before != after:
             changes.append({"field": field,
                             "old": None if before is missing else before,

@@ -48,7 +48,7 @@ from qerl_jax.rl.advantages import group_advantages
 from qerl_jax.rl.optimizer import make_optimizer
 from qerl_jax.run_record import prepare_workdir, record_start
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
-                                 policy_loss_terms)
+                                 policy_loss_terms, rollout_mismatch_sums)
 from qerl_jax.sampling import (SamplingConfig, bucket_length, compile_generate,
                                generate_from_states, padded_prompt_shape)
 from qerl_jax.xla_autotuning import persist_autotuning
@@ -125,7 +125,8 @@ class Trainer:
             loss_type=config.loss.loss_type, epsilon_low=config.loss.epsilon_low,
             epsilon_high=config.loss.epsilon_high, beta=config.loss.beta,
             top_entropy_quantile=config.loss.top_entropy_quantile,
-            max_completion_length=rollout.max_new_tokens)
+            max_completion_length=rollout.max_new_tokens,
+            rollout_is_cap=config.loss.rollout_is_cap)
         offload = config.rollout.get("offload_weights_for_compile", "auto")
         self.offload_weights_for_compile = (jax.default_backend() == "gpu" if offload == "auto"
                                             else offload == "on")
@@ -172,10 +173,13 @@ class Trainer:
             terms = policy_loss_terms(
                 logprobs, old, batch["advantages"], batch["loss_mask"], loss_config,
                 ref_logprobs=batch.get("ref_logprobs"), entropies=entropy,
-                global_valid_tokens=global_valid_tokens, global_sequences=global_sequences)
+                global_valid_tokens=global_valid_tokens, global_sequences=global_sequences,
+                rollout_logprobs=batch["rollout_logprobs"])
             mask = batch["loss_mask"].astype(jnp.float32)
-            entropy_sum = jax.lax.stop_gradient((entropy * mask).sum())
-            return terms.numerator / terms.denominator, (terms, entropy_sum)
+            sums = {"entropy_sum": jax.lax.stop_gradient((entropy * mask).sum())}
+            sums["rollout_kl_sum"], sums["rollout_outside_sum"] = rollout_mismatch_sums(
+                logprobs, batch["rollout_logprobs"], mask)
+            return terms.numerator / terms.denominator, (terms, sums)
 
         self._logprobs_fn = jax.jit(lambda t, f, b: completion_logprobs(t, f, b)[0])
         value_and_grad = jax.value_and_grad(micro_batch_loss, has_aux=True)
@@ -319,6 +323,7 @@ class Trainer:
         attention = np.zeros_like(tokens, dtype=np.bool_)
         completion_tokens = np.zeros((rows, completion_length), np.int32)
         completion_mask = np.zeros((rows, completion_length), np.bool_)
+        rollout_logprobs = np.zeros((rows, completion_length), np.float32)
         truncated = np.zeros((rows,), np.bool_)
         rewards: dict[str, list[float]] = {}
         for index, entry in enumerate(groups):
@@ -330,6 +335,7 @@ class Trainer:
                 attention[row, prompt_length - len(prompt):prompt_length] = mask
                 completion_tokens[row] = entry["rollout"].tokens[g]
                 completion_mask[row] = entry["rollout"].mask[g]
+                rollout_logprobs[row] = entry["rollout"].logprobs[g]
                 truncated[row] = entry["rollout"].truncated[g]
             for name, values in entry["scores"].items():
                 rewards.setdefault(name, []).extend(values)
@@ -342,7 +348,7 @@ class Trainer:
         advantages = np.asarray(group_advantages(jnp.asarray(total), group))
         batch = {"tokens": tokens, "attention_mask": attention,
                  "completion_tokens": completion_tokens, "loss_mask": loss_mask,
-                 "advantages": advantages}
+                 "advantages": advantages, "rollout_logprobs": rollout_logprobs}
         return batch, rewards, completion_mask, truncated
 
     # -------------------------------------------------------------- one step
@@ -387,7 +393,7 @@ class Trainer:
         global_sequences = jnp.asarray(batch["tokens"].shape[0], jnp.float32)
         micro_count = math.ceil(batch["tokens"].shape[0] / config.train.micro_batch_size)
         stats = {"loss": 0.0, "valid_tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0,
-                 "entropy_sum": 0.0}
+                 "entropy_sum": 0.0, "rollout_kl_sum": 0.0, "rollout_outside_sum": 0.0}
         iterations = config.train.num_iterations
         # Iterations before the last update a copy, so the step's starting state survives an
         # interrupt; the last one donates (one copy of the state) inside the deferred section.
@@ -396,14 +402,15 @@ class Trainer:
         for iteration in range(iterations):
             grads = self._zero_grads(trainable)
             for micro in self._micro_batches(batch):
-                (loss, (terms, entropy_sum)), grads = self._grad_fn(
+                (loss, (terms, sums)), grads = self._grad_fn(
                     trainable, frozen, micro, global_tokens, global_sequences, grads)
                 if iteration == 0:
                     stats["loss"] += float(loss)
                     stats["valid_tokens"] += float(terms.valid_tokens)
                     stats["clipped_tokens"] += float(terms.clipped_tokens)
                     stats["kl_sum"] += float(terms.kl_sum)
-                    stats["entropy_sum"] += float(entropy_sum)
+                    for name, value in sums.items():
+                        stats[name] += float(value)
             if not self.loss_config.denominator_is_global:
                 grads = self._scale(grads, 1.0 / micro_count)   # bnpo: mean of micro ratios
                 stats["loss"] = stats["loss"] / micro_count if iteration == 0 else stats["loss"]
@@ -443,6 +450,10 @@ class Trainer:
                 "entropy": stats["entropy_sum"] / valid,
                 "kl": stats["kl_sum"] / valid,
                 "clip_fraction": stats["clipped_tokens"] / valid,
+                # the sampling policy (AQN noise, kernels) against the trained one, on the
+                # sampled tokens: k3 KL(rollout || train) and the share of ratios off [1/2, 2]
+                "rollout/kl": stats["rollout_kl_sum"] / valid,
+                "rollout/ratio_outside_2x": stats["rollout_outside_sum"] / valid,
                 "loss": stats["loss"],
                 "completion_length": float(completion_mask.sum(axis=1).mean()),
                 "truncated_fraction": float(truncated.mean()),

@@ -18,3 +18,11 @@ def test_a_loss_type_and_its_alias_are_no_change():
                           {"loss": {"loss_type": "micro_batch_token_mean"}}) == []
     assert config_changes({"loss": {"loss_type": "bnpo"}},
                           {"loss": {"loss_type": "dapo"}})[0]["harmless"] is False
+
+
+def test_a_field_added_since_at_its_default_is_no_change():
+    assert config_changes({"loss": {"beta": 0.0}},
+                          {"loss": {"beta": 0.0, "rollout_is_cap": 0.0}}) == []
+    assert config_changes({"loss": {"beta": 0.0}},
+                          {"loss": {"beta": 0.0, "rollout_is_cap": 2.0}}) == [
+        {"field": "loss.rollout_is_cap", "old": None, "new": 2.0, "harmless": False}]

@@ -99,6 +99,9 @@ class LossConfig:
     beta: float = 0.0
     top_entropy_quantile: float = 1.0
     max_completion_length: int = 1
+    # truncated importance sampling against the rollout policy: token weight
+    # min(pi_old / pi_rollout, cap) (0 = off)
+    rollout_is_cap: float = 0.0
 
     def __post_init__(self):
         canonical_loss_type(self.loss_type)
@@ -109,6 +112,8 @@ class LossConfig:
             raise ValueError(f"beta={self.beta} must be >= 0")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} not in (0, 1]")
+        if self.rollout_is_cap < 0:
+            raise ValueError(f"rollout_is_cap={self.rollout_is_cap} must be >= 0 (0 = off)")
         if self.max_completion_length <= 0:
             raise ValueError(f"max_completion_length={self.max_completion_length} must be > 0")
 
@@ -140,16 +145,42 @@ def entropy_threshold_mask(entropies: jax.Array, mask: jax.Array, quantile: floa
     return entropies >= threshold
 
 
+def truncated_importance_weights(old_logprobs: jax.Array, rollout_logprobs: jax.Array,
+                                 cap: float) -> jax.Array:
+    """min(pi_old / pi_rollout, cap) per token [B, T], without gradient."""
+    ratio = jnp.exp(jax.lax.stop_gradient(old_logprobs) - rollout_logprobs)
+    return jax.lax.stop_gradient(jnp.minimum(ratio, cap))
+
+
+def rollout_mismatch_sums(logprobs: jax.Array, rollout_logprobs: jax.Array,
+                          mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of the k3 estimate of KL(pi_rollout || pi_train), number of tokens whose ratio
+    pi_train / pi_rollout is outside [1/2, 2]) over the valid tokens of [B, T] log-probs of
+    tokens sampled from the rollout policy; divide by the valid tokens for means."""
+    log_ratio = jax.lax.stop_gradient(logprobs) - rollout_logprobs
+    mask = mask.astype(jnp.float32)
+    k3 = jnp.expm1(log_ratio) - log_ratio   # >= 0; expm1 keeps it accurate near 0
+    outside = (jnp.abs(log_ratio) > jnp.log(2.0)).astype(jnp.float32)
+    return (k3 * mask).sum(), (outside * mask).sum()
+
+
 def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
                       mask: jax.Array, config: LossConfig, *,
                       ref_logprobs: jax.Array | None = None,
                       entropies: jax.Array | None = None,
                       global_valid_tokens: jax.Array | None = None,
-                      global_sequences: jax.Array | None = None) -> LossTerms:
+                      global_sequences: jax.Array | None = None,
+                      rollout_logprobs: jax.Array | None = None) -> LossTerms:
     """The loss of one micro-batch as numerator and denominator.
 
+    With config.rollout_is_cap > 0 each token's policy loss is weighted by the truncated
+    importance ratio min(pi_old / pi_rollout, cap) (constant in the gradient), which corrects
+    for sampling from a policy that differs from the trained one (AQN noise on the rollout, the
+    kernels' rounding), as TRL's vllm_importance_sampling_correction and verl's truncated IS.
+
     Args:
-      logprobs, old_logprobs, ref_logprobs, entropies: [B, T] float32.
+      logprobs, old_logprobs, ref_logprobs, entropies, rollout_logprobs: [B, T] float32
+        (rollout_logprobs: the sampler's log-probs of the same tokens).
       advantages: [B]. mask: [B, T] valid (and non-truncated) completion tokens.
       global_valid_tokens: valid tokens of the whole generation batch (dapo).
       global_sequences: sequences of the whole generation batch (grpo, dr_grpo); defaults to B.
@@ -165,6 +196,11 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
         keep = entropy_threshold_mask(jax.lax.stop_gradient(entropies), mask,
                                       config.top_entropy_quantile)
         per_token = per_token * keep
+    if config.rollout_is_cap > 0:
+        if rollout_logprobs is None:
+            raise ValueError("rollout_is_cap > 0 needs the rollout's log-probs")
+        per_token = per_token * truncated_importance_weights(old_logprobs, rollout_logprobs,
+                                                             config.rollout_is_cap)
     kl = jnp.zeros_like(per_token)
     if config.beta != 0.0:
         if ref_logprobs is None:

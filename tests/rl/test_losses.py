@@ -8,7 +8,8 @@ import pytest
 
 from qerl_jax.rl.advantages import group_advantages, zero_variance_groups
 from qerl_jax.rl.losses import (LOSS_TYPE_ALIASES, LOSS_TYPES, LossConfig,
-                                chunked_token_logprobs_and_entropy, entropy_threshold_mask, policy_loss_terms,
+                                chunked_token_logprobs_and_entropy, entropy_threshold_mask,
+                                policy_loss_terms, rollout_mismatch_sums,
                                 token_logprobs_and_entropy)
 
 
@@ -248,3 +249,54 @@ def test_papers_names_are_aliases_of_the_registered_loss_types(alias):
     assert float(terms[0].denominator) == float(terms[1].denominator)
     assert (LossConfig(loss_type=alias).denominator_is_global
             == LossConfig(loss_type=LOSS_TYPE_ALIASES[alias]).denominator_is_global)
+
+
+def test_truncated_importance_sampling_matches_float64():
+    """rollout_is_cap: the policy loss of each token times min(exp(old - rollout), cap), held
+    constant in the gradient (micro_batch_token_mean, no KL); float64 numpy, rtol 1e-5."""
+    rng = np.random.default_rng()
+    shape, cap = (4, 7), 2.0
+    logp = rng.normal(-1.5, 0.4, shape)
+    old = logp + rng.normal(0, 0.05, shape)
+    rollout = old + rng.normal(0, 0.8, shape)          # some ratios above the cap
+    adv = rng.normal(size=shape[0])
+    mask = (rng.random(shape) > 0.25).astype(np.float64)
+    config = LossConfig(loss_type="micro_batch_token_mean", rollout_is_cap=cap)
+
+    def loss(lp):
+        terms = policy_loss_terms(lp, jnp.asarray(old, jnp.float32),
+                                  jnp.asarray(adv, jnp.float32), jnp.asarray(mask > 0), config,
+                                  rollout_logprobs=jnp.asarray(rollout, jnp.float32))
+        return terms.numerator / terms.denominator
+
+    value, grad = jax.value_and_grad(loss)(jnp.asarray(logp, jnp.float32))
+    weight = np.minimum(np.exp(old - rollout), cap)
+    assert (np.exp(old - rollout) > cap).any()
+    ratio = np.exp(logp - old)
+    a = adv[:, None]
+    clipped = np.clip(ratio, 0.8, 1.28)
+    pg = -np.minimum(ratio * a, clipped * a)
+    takes_clipped = ratio * a > clipped * a
+    d_pg = np.where(takes_clipped, 0.0, -a * ratio)
+    denominator = mask.sum()
+    np.testing.assert_allclose(float(value), (pg * weight * mask).sum() / denominator,
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), d_pg * weight * mask / denominator,
+                               rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="needs the rollout's log-probs"):
+        policy_loss_terms(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
+                          jnp.asarray(mask > 0), config)
+
+
+def test_rollout_mismatch_sums_match_float64():
+    rng = np.random.default_rng()
+    train, rollout = rng.normal(-1, 0.5, (3, 9)), rng.normal(-1, 0.5, (3, 9))
+    mask = rng.random((3, 9)) > 0.3
+    kl_sum, outside = rollout_mismatch_sums(jnp.asarray(train, jnp.float32),
+                                            jnp.asarray(rollout, jnp.float32),
+                                            jnp.asarray(mask))
+    log_ratio = train - rollout
+    np.testing.assert_allclose(float(kl_sum), ((np.exp(log_ratio) - 1 - log_ratio) * mask).sum(),
+                               rtol=1e-5)
+    ratio = np.exp(log_ratio)
+    assert float(outside) == float((((ratio < 0.5) | (ratio > 2.0)) & mask).sum())
