@@ -173,7 +173,8 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
              "attention_mask": jnp.ones((args.micro_batch, length), jnp.bool_),
              "completion_tokens": jnp.ones((args.micro_batch, args.completion), jnp.int32),
              "loss_mask": jnp.ones((args.micro_batch, args.completion), jnp.bool_),
-             "advantages": jnp.asarray(np.linspace(-1, 1, args.micro_batch), jnp.float32)}
+             "advantages": jnp.asarray(np.linspace(-1, 1, args.micro_batch), jnp.float32),
+             "rollout_logprobs": jnp.zeros((args.micro_batch, args.completion), jnp.float32)}
     frozen = trainer.frozen
     if trainer.aqn_schedule is not None and config.aqn.apply_in_training:
         frozen = aqn_noisy_state(frozen, trainer.aqn_key, 0, trainer.aqn_schedule)
