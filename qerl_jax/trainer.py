@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -608,7 +607,7 @@ class Trainer:
         return error
 
     def _plot(self) -> None:
-        rows = _read_all(self.metrics.path)
+        rows = read_metrics(self.workdir) if os.path.isfile(self.metrics.path) else []
         if not rows:
             return
         try:
@@ -622,9 +621,3 @@ class Trainer:
     def model(self) -> CausalLM:
         """The current (noise-free) model."""
         return nnx.merge(self.graphdef, self.trainable, self.frozen)
-
-
-def _read_all(path: str) -> list[dict[str, Any]]:
-    if not os.path.isfile(path):
-        return []
-    return read_metrics(os.path.dirname(path))
