@@ -223,7 +223,7 @@ def decode_candidates(m, packed):
     orientation, default first."""
     n_pad, half_k = packed.codes.shape
     k_tiles = 2 * half_k // packed.tile_k
-    bm = max(16, bw._next_pow2(m))
+    bm = max(16, bw.next_pow2(m))
     out = [bw.default_matmul_config(m, packed)]
     for bn in (32, 64, 128):
         for split in (1, 2, 3, 4, 6, 8):
@@ -383,8 +383,8 @@ def run_sweep(args):
             results.append(dict(label="bf16", n=n, k=k, m=m, us=t * 1e6))
             del w
     R = dataclasses.replace
-    gdecs = {"nvfp4": ("asmn", "asm", "fp8"), "mxfp4": ("asmn", "asm"), "nf4": ("lut16", "select")}
-    edec = {"nvfp4": "asm", "mxfp4": "asm", "nf4": "lut16"}
+    gdecs = {"nvfp4": ("ptx_scaled", "fp8"), "mxfp4": ("ptx_scaled",), "nf4": ("lut16", "select")}
+    edec = {"nvfp4": "ptx_scaled", "mxfp4": "ptx_scaled", "nf4": "lut16"}
     best_small = {}
     # 1. M=16: group-scaled dots vs the per-weight-scale kernel (best of the first sweep).
     for fmt in FORMATS:
@@ -422,7 +422,7 @@ def run_sweep(args):
             if cfg is None:
                 continue
             for m in (1, 4, 64, 256):
-                bm = max(16, min(128, bw._next_pow2(m)))
+                bm = max(16, min(128, bw.next_pow2(m)))
                 for lhs in ((cfg.weight_as_lhs,) if m < 64 else (True, False)):
                     measure(f"M{m}", fmt, n, k, m, R(cfg, block_m=bm, weight_as_lhs=lhs,
                                                      num_warps=cfg.num_warps if bm <= 64 else 8))

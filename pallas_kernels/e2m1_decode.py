@@ -5,29 +5,26 @@ byte j is element j of the tile's low plane, the high nibble element j of its hi
 `pallas_kernels.blockwise_matmul`) and return the two planes as bf16 values, unscaled, times a
 power of two that the caller folds into the block scale:
 
-* "fp8":  build the float8_e4m3fn bit pattern ((c&8)<<4)|((c&7)<<2) and convert: value = e2m1/64.
-          Exact everywhere, E2M1 subnormals (+-0.5) included (the fp8 conversion handles them),
-          so it is the decoder used in interpret mode on CPU.
-* "bits": build the bf16 bit pattern ((c&8)<<12)|((c&7)<<6) directly: value = e2m1 * 2^-126.
-          Codes +-0.5 become bf16 subnormals, which the GPU multiplies exactly but XLA:CPU
-          flushes to zero, so this decoder is GPU-only (checked against the reference on GPU).
-* "asm":  the "bits" pattern computed by inline PTX on packed registers (4 bytes at a time:
-          prmt, and, imad, and per pair of weights). GPU-only: inline asm cannot be interpreted.
-* "asmn": "asm" plus one packed bf16 fma by 2^126 in the same asm block: exact e2m1 values as
-          normal bf16 (for kernels that feed decoded values straight into a dot). GPU-only.
-* "asms": "asm" with the block scale applied in the same asm block (`e2m1_scaled_planes`):
-          one packed bf16 fma per pair of weights with their scales, instead of a scalar bf16
-          multiply per weight (the kernel's PTX showed Triton multiplying the "asm" planes by
-          their scales one weight at a time). Its unscaled planes (`e2m1_planes`) are "asm"'s.
-          GPU-only.
-* "asmq": "asms" with the scales arriving as packed bf16x2 patterns (s, s), one 32-bit value
-          per weight (`e2m1_paired_scaled_planes`): the caller builds each pattern from an
-          integer scale code with one integer multiply-add on the compact scale tile (NVFP4's
-          canonical UE5M3 codes, pallas_kernels/nvfp4_matmul.py), so the kernel neither converts
-          scales through float32 nor packs scaled weights into pairs. The two weights of a pair
-          (consecutive k, one mma register) share the first one's scale, which holds where the
-          4 weights of one asm instance lie in one scale block (the fused decode kernel's
-          operand layout; checked on the GPU). GPU-only; emulated in jnp on a CPU backend.
+* "fp8":   build the float8_e4m3fn bit pattern ((c&8)<<4)|((c&7)<<2) and convert: value =
+           e2m1/64. Exact everywhere, E2M1 subnormals (+-0.5) included (the fp8 conversion handles
+           them), so it is the decoder used in interpret mode on CPU.
+* "ptx_scaled": inline PTX on packed registers (4 code bytes at a time: prmt, and, imad, and per
+           pair of weights) builds the bf16 bit pattern ((c&8)<<12)|((c&7)<<6) = e2m1 * 2^-126,
+           and one packed bf16 fma per pair of weights applies their block scales in the same asm
+           block (`e2m1_scaled_planes`), instead of a scalar bf16 multiply per weight (the
+           kernel's PTX showed Triton multiplying separately decoded planes by their scales one
+           weight at a time). Its unscaled planes (`e2m1_planes`) are the patterns alone. Codes
+           +-0.5 are bf16 subnormals there, which the GPU multiplies exactly. GPU-only: inline
+           asm cannot be interpreted.
+* "ptx_paired_scales": "ptx_scaled" with the scales arriving as packed bf16x2 patterns (s, s),
+           one 32-bit value per weight (`e2m1_paired_scaled_planes`): the caller builds each
+           pattern from an integer scale code with one integer multiply-add on the compact scale
+           tile (NVFP4's canonical UE5M3 codes, pallas_kernels/nvfp4_matmul.py), so the kernel
+           neither converts scales through float32 nor packs scaled weights into pairs. The two
+           weights of a pair (consecutive k, one mma register) share the first one's scale, which
+           holds where the 4 weights of one asm instance lie in one scale block (the fused decode
+           kernel's operand layout; checked on the GPU). GPU-only; emulated in jnp on a CPU
+           backend.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = np.array(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=np.float32)
 
 # Power of two that each decoder's output carries (value = e2m1 * 2^DECODE_EXPONENT).
-DECODE_EXPONENT = {"fp8": -6, "bits": -126, "asm": -126, "asmn": 0, "asms": -126, "asmq": -126}
+DECODE_EXPONENT = {"fp8": -6, "ptx_scaled": -126, "ptx_paired_scales": -126}
 E2M1_DECODERS = tuple(DECODE_EXPONENT)
 
 
@@ -55,14 +52,6 @@ def _planes_fp8(c):
     lo = ((c & 0x08) << 4) | ((c & 0x07) << 2)
     hi = (c & 0x80) | ((c >> 2) & 0x1C)
     to_bf16 = lambda b: lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.bfloat16)
-    return to_bf16(lo), to_bf16(hi)
-
-
-def _planes_bits(c):
-    c = c.astype(jnp.uint16)
-    lo = ((c & 0x08) << 12) | ((c & 0x07) << 6)
-    hi = ((c & 0x80) << 8) | ((c & 0x70) << 2)
-    to_bf16 = lambda b: lax.bitcast_convert_type(b, jnp.bfloat16)
     return to_bf16(lo), to_bf16(hi)
 
 
@@ -85,22 +74,8 @@ and.b32 $1, y, 0x81C081C0;
 _ASM_HI = _ASM_LO.replace("0x000F000F", "0x00F000F0").replace("0x1040", "0x104")
 
 
-# fma.rn.bf16x2 by 2^126 (0x7E80) turns the subnormal-scaled pattern into the exact value.
-_ASM_NORMALIZE = (".reg .b32 x, y, z;\nmov.b32 z, 0;",
-                  ".reg .b32 x, y, z, s2, nz;\nmov.b32 z, 0;\nmov.b32 s2, 0x7E807E80;\n"
-                  "mov.b32 nz, 0x80008000;")
-
-
-def _normalized(asm):
-    asm = asm.replace(*_ASM_NORMALIZE)
-    for out in ("$0", "$1"):
-        asm = asm.replace(f"and.b32 {out}, y, 0x81C081C0;",
-                          f"and.b32 y, y, 0x81C081C0;\nfma.rn.bf16x2 {out}, y, s2, nz;")
-    return asm
-
-
 # 4 code bytes ($2) and the bf16 scales of their 4 weights of one plane ($3, $4; 2 per register,
-# element 0 in the low half) -> the 4 scaled weights ($0, $1): each nibble becomes the "asm" bit
+# element 0 in the low half) -> the 4 scaled weights ($0, $1): each nibble becomes the e2m1 * 2^-126 bit
 # pattern (e2m1 * 2^-126), then one fma.rn.bf16x2 by the scales with a -0 addend (an exact
 # product, also for the subnormal patterns of +-0.5; sm_80+) scales two weights. One asm per
 # plane: Pallas lowers an inline asm with one result only.
@@ -123,7 +98,7 @@ _ASM_SCALED_HI = _ASM_SCALED_LO.replace("0x000F000F", "0x00F000F0").replace("0x1
 
 
 def e2m1_scaled_planes(codes_tile: jax.Array, scale_lo: jax.Array, scale_hi: jax.Array):
-    """"asms": both planes of a kernel-layout byte tile uint8 [R, H], each multiplied by its
+    """\"ptx_scaled\": both planes of a kernel-layout byte tile uint8 [R, H], each multiplied by its
     bf16 scale tile [R, H] (one scale per weight, e.g. block scales broadcast over their
     blocks): (e2m1 * 2^-126 * scale_lo, e2m1 * 2^-126 * scale_hi), bf16 [R, H] each, rounded
     once (exact when the product fits bf16, as e2m1 * e4m3 * 2^k does). GPU-only."""
@@ -149,7 +124,7 @@ def _scaled_planes_asm(codes_tile, asms, scales, constraints):
     return tuple(outs)
 
 
-# "asmq": as _ASM_SCALED_LO, but the scales come as one packed (s, s) bf16x2 register per weight
+# "ptx_paired_scales": as _ASM_SCALED_LO, but the scales come as one packed (s, s) bf16x2 register per weight
 # ($3..$6 for the 4 weights): weights 0 and 1 are scaled by $3, weights 2 and 3 by $5.
 _ASM_PAIRED_LO = _ASM_SCALED_LO.replace("fma.rn.bf16x2 $1, y, $4, nz;",
                                         "fma.rn.bf16x2 $1, y, $5, nz;")
@@ -163,7 +138,7 @@ def _paired_pattern_values(pairs: jax.Array) -> jax.Array:
 
 
 def e2m1_paired_scaled_planes(codes_tile: jax.Array, pairs_lo: jax.Array, pairs_hi: jax.Array):
-    """"asmq": both planes of a kernel-layout byte tile uint8 [R, H], each weight multiplied by
+    """\"ptx_paired_scales\": both planes of a kernel-layout byte tile uint8 [R, H], each weight multiplied by
     the bf16 scale in its packed (s, s) pattern (uint32 [R, H] per plane, one per weight):
     (e2m1 * 2^-126 * s_lo, e2m1 * 2^-126 * s_hi), bf16 [R, H] each, rounded once by the fma
     (exact when the product fits bf16; a product below bf16's subnormal range is 0).
@@ -186,7 +161,7 @@ def e2m1_paired_scaled_planes(codes_tile: jax.Array, pairs_lo: jax.Array, pairs_
                               (pairs_lo, pairs_hi), "=r,=r,r,r,r,r,r")
 
 
-def _planes_asm(c, normalize=False):
+def _planes_asm(c):
     from jax.experimental.pallas import triton as plgpu
 
     def run(asm):
@@ -195,8 +170,6 @@ def _planes_asm(c, normalize=False):
             result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.bfloat16)])
         return out
 
-    if normalize:
-        return run(_normalized(_ASM_LO)), run(_normalized(_ASM_HI))
     return run(_ASM_LO), run(_ASM_HI)
 
 
@@ -207,12 +180,8 @@ def e2m1_planes(codes_tile: jax.Array, decoder: str):
     """
     if decoder == "fp8":
         return _planes_fp8(codes_tile)
-    if decoder == "bits":
-        return _planes_bits(codes_tile)
-    if decoder in ("asm", "asms", "asmq"):
+    if decoder in ("ptx_scaled", "ptx_paired_scales"):
         return _planes_asm(codes_tile)
-    if decoder == "asmn":
-        return _planes_asm(codes_tile, normalize=True)
     raise ValueError(f"unknown E2M1 decoder {decoder!r}; expected one of {E2M1_DECODERS}")
 
 
@@ -220,9 +189,9 @@ def e2m1_planes_times_scales(codes_tile: jax.Array, scale_lo: jax.Array, scale_h
                              decoder: str, out_dtype):
     """Both planes of a kernel-layout byte tile uint8 [R, H], each multiplied by its scale tile
     [R, H] (one scale per weight) in out_dtype: (e2m1 * 2^DECODE_EXPONENT[decoder] * scale_lo,
-    ... * scale_hi). "asms" at bf16 scales inside its decode asm (e2m1_scaled_planes); every
+    ... * scale_hi). "ptx_scaled" at bf16 scales inside its decode asm (e2m1_scaled_planes); every
     other decoder multiplies its planes after decoding."""
-    if decoder == "asms" and out_dtype == jnp.bfloat16:
+    if decoder == "ptx_scaled" and out_dtype == jnp.bfloat16:
         return e2m1_scaled_planes(codes_tile, scale_lo, scale_hi)
     planes = e2m1_planes(codes_tile, decoder)
     return tuple(plane.astype(out_dtype) * scale

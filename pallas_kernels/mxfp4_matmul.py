@@ -5,7 +5,7 @@ Checkpoint layout (OCP MX v1.0 elements as compressed-tensors packs them):
   [0, .5, 1, 1.5, 2, 3, 4, 6]); block_scales uint8 E8M0 [N, K/32]: w = e2m1(code) * 2^(s-127).
 Kernel layout: see pallas_kernels.blockwise_matmul (nibble planes per K tile, zero padding).
 Decoding is exact (e2m1 * 2^e fits bf16). Supported scales: s <= 248 for the "fp8" decoder,
-28 <= s <= 154 for "bits"/"asm" (blocks with s < 28, i.e. |w| < 2^-98, lose precision there);
+28 <= s <= 154 for "ptx_scaled" (blocks with s < 28, i.e. |w| < 2^-98, lose precision there);
 repack rejects s in (154, 255]. 0xFF (NaN) is rejected.
 """
 
@@ -21,8 +21,8 @@ from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference,
 SCALE_BLOCK = 32
 MAX_SCALE_CODE = 154
 # Power of two folded into the block scale per decoder: the multiplier 2^(s-127+a) is built from
-# its exponent bits, (s + a) must stay in [1, 254] (fp8: a=6 -> s <= 248; bits: a=100 -> s <= 154).
-_PRESCALE_EXPONENT = {"fp8": 6, "bits": 100, "asm": 100, "asmn": 0, "asms": 100}
+# its exponent bits, (s + a) must stay in [1, 254] (fp8: a=6 -> s <= 248; ptx_scaled: a=100 -> s <= 154).
+_PRESCALE_EXPONENT = {"fp8": 6, "ptx_scaled": 100}
 
 
 def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
@@ -41,10 +41,11 @@ def _scale_values(s):
 
 
 MXFP4 = bw.FormatSpec(
-    name="mxfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "bits", "asm", "asmn", "asms"),
-    # "asms" (block scale applied in the decode asm) was 3-4% faster than "asm" on 7B layer
+    name="mxfp4", scale_block=SCALE_BLOCK, decoders=("fp8", "ptx_scaled"),
+    # "ptx_scaled" (block scale applied in the decode asm) was 3-4% faster than the PTX decode
+    # with a separate scale multiply on 7B layer
     # shapes at M=8 (H100, commit d6d8d70), with the same output bits.
-    interpret_decoder="fp8", gpu_decoder="asms", decode=_decode,
+    interpret_decoder="fp8", gpu_decoder="ptx_scaled", decode=_decode,
     epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]),
     decode_values=e2m1_values, value_exponent=lambda d: -6 if d == "fp8" else 0,
     scale_values=_scale_values)

@@ -14,7 +14,7 @@ losslessly for every finite nonnegative e4m3 scale, -0 becoming +0):
   normalized) is the byte ((e + 10) << 3) | m, in [8, 151]; zero is ZERO_SCALE_CODE (255).
   The bf16 bit pattern of scale * 2^P is then (code << 4) + ((117 + P) << 7): one integer
   multiply-add, no float conversion, and for P = 118 one multiply-add makes the packed pair
-  (s, s) of the "asmq" decoder: code * 0x00100010 + 0x75807580. For the zero code that pattern
+  (s, s) of the "ptx_paired_scales" decoder: code * 0x00100010 + 0x75807580. For the zero code that pattern
   is about -2^-117: times any e2m1 pattern (<= 6 * 2^-126) the product rounds to 0, so zero
   scales need no special case there; the other decoders select 0 for it.
 """
@@ -34,7 +34,7 @@ from pallas_kernels.e2m1_decode import (DECODE_EXPONENT, e2m1_decode_reference,
 SCALE_BLOCK = 16
 # Power of two folded into the block scale per decoder so that decoded weights are normal bf16
 # (fp8 decode is e2m1/64; the bf16-pattern decoders give e2m1 * 2^-126 and 448 * 2^118 < 2^127).
-_PRESCALE_EXPONENT = {"fp8": 6, "bits": 118, "asm": 118, "asmn": 0, "asms": 118, "asmq": 118}
+_PRESCALE_EXPONENT = {"fp8": 6, "ptx_scaled": 118, "ptx_paired_scales": 118}
 
 # ----------------------------------------------------------------------------------------------
 # Canonical scale codes (UE5M3; see the module docstring)
@@ -125,7 +125,7 @@ _PAIR_OFFSET = scale_pattern_offset(118) * 0x00010001
 
 def scale_pair_patterns(codes: jax.Array) -> jax.Array:
     """Canonical codes (uint8, any shape) -> uint32 packed bf16x2 patterns (s * 2^118, s * 2^118),
-    one integer multiply-add each (the "asmq" decoder's scale operand; the zero code gives a
+    one integer multiply-add each (the "ptx_paired_scales" decoder's scale operand; the zero code gives a
     pattern of about -2^-117, whose products with e2m1 patterns round to 0)."""
     return codes.astype(jnp.uint32) * jnp.uint32(_PAIR_MULTIPLIER) + jnp.uint32(_PAIR_OFFSET)
 
@@ -136,7 +136,7 @@ def scale_pair_patterns(codes: jax.Array) -> jax.Array:
 
 def _decode(c, s_lo, s_hi, aux_refs, decoder, out_dtype):
     del aux_refs
-    if decoder == "asmq" and out_dtype == jnp.bfloat16:
+    if decoder == "ptx_paired_scales" and out_dtype == jnp.bfloat16:
         pairs = [bw.expand_block_scale(scale_pair_patterns(s), SCALE_BLOCK) for s in (s_lo, s_hi)]
         return e2m1_paired_scaled_planes(c, *pairs)
     prescale = _PRESCALE_EXPONENT[decoder]
@@ -151,11 +151,12 @@ def _scale_values(s):
 
 NVFP4 = bw.FormatSpec(
     name="nvfp4", scale_block=SCALE_BLOCK,
-    decoders=("fp8", "bits", "asm", "asmn", "asms", "asmq"),
-    # "asmq": 4-7% less kernel time than "asm" on the 7B decode shapes, 1983 vs 1943 tok/s in
+    decoders=("fp8", "ptx_scaled", "ptx_paired_scales"),
+    # "ptx_paired_scales": 4-7% less kernel time than the PTX decode with a separate scale
+    # multiply on the 7B decode shapes, 1983 vs 1943 tok/s in
     # the 7B batch-8 rollout; checked on the GPU in every kernel and orientation (H100,
     # commit 7590932).
-    interpret_decoder="fp8", gpu_decoder="asmq", decode=_decode,
+    interpret_decoder="fp8", gpu_decoder="ptx_paired_scales", decode=_decode,
     epilogue_exponent=lambda d: -(DECODE_EXPONENT[d] + _PRESCALE_EXPONENT[d]),
     decode_values=e2m1_values, value_exponent=lambda d: -6 if d == "fp8" else 0,
     scale_values=_scale_values, kernel_scale_dtype="uint8")

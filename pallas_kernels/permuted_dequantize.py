@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels import mgpu_nvfp4
+from pallas_kernels import mgpu_nvfp4_layout as mgpu_nvfp4
 from pallas_kernels.nvfp4_matmul import scale_values_from_codes
 
 BLOCK_ROWS = 32  # rows per program: half a permuted tile (a gate/up pair view's block)

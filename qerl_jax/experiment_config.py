@@ -48,8 +48,7 @@ COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ON_OFF_AUTO = ("auto", "on", "off")                          # quant.kernel_options.MOSAIC_CHOICES
 WEIGHT_AS_LHS = ("auto", "weights", "activations")           # quant.kernel_options.WEIGHT_AS_LHS
-KERNEL_DECODERS = ("fp8", "bits", "asm", "asmn", "asms", "asmq", "lut", "lut16",
-                   "select")                                 # FormatSpec.decoders
+KERNEL_DECODERS = ("fp8", "ptx_scaled", "ptx_paired_scales", "lut", "lut16", "select")                                 # FormatSpec.decoders
 DECODE_BLOCK_N = (16, 32, 64)                                # DecodeTuning.block_n
 ATTENTION_BLOCK_S = (16, 32, 64, 128, 256, 512)              # DecodeAttentionConfig.block_s
 NUM_WARPS = (1, 2, 4, 8, 16)

@@ -18,7 +18,6 @@ reference first.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from pallas_kernels.blockwise_matmul import DecodeTuning
+from pallas_kernels.blockwise_configs import DecodeTuning
 from pallas_kernels.decode_attention import DecodeAttentionConfig
 
 MOSAIC_CHOICES = ("auto", "on", "off")

@@ -187,7 +187,7 @@ def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_
     hint that changes no result); with swiglu, the fused epilogue's (h, shares) as its
     docstring states them."""
     del splits, stages, l2_prefetch
-    n_pad = mg._padded_rows(permuted, k)
+    n_pad = mg.padded_rows(permuted, k)
     raw = mg.permuted_dequantize_reference(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
                                  n=n_pad, k=k)  # e2m1 x block scale x 2^-8
     y = x.astype(jnp.float32) @ raw.T

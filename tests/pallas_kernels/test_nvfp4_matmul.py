@@ -142,7 +142,7 @@ def test_default_tilings_are_valid_and_split_narrow_decode_weights():
             for m in (1, 2, 8, 16, 17, 64):
                 config = bw.default_matmul_config(m, packed(n, k))
                 k_tiles = -(-k // 256)
-                assert bw._valid_split(config.split_k, k_tiles), (n, k, m, config)
+                assert bw.valid_split(config.split_k, k_tiles), (n, k, m, config)
     assert bw.default_matmul_config(8, packed(3584, 18944)).split_k == 8
     assert bw.default_matmul_config(8, packed(18944, 3584)).split_k == 1
     assert bw.default_matmul_config(128, packed(3584, 18944)).path == "dequantize"
@@ -200,7 +200,7 @@ def test_decode_tuning_drives_the_default_config():
     assert (tuned.block_n, tuned.num_warps, tuned.weight_as_lhs) == (32, 8, True)
     assert tuned.split_k == 1  # 592 N tiles >= 264: no split
     assert bw.default_matmul_config(32, gate, tuning).num_warps == 4  # only decode M is tuned
-    assert bw.parse_tuning("decoder=asms,num_stages=4") == {"decoder": "asms", "num_stages": 4}
+    assert bw.parse_tuning("decoder=ptx_scaled,num_stages=4") == {"decoder": "ptx_scaled", "num_stages": 4}
     with pytest.raises(ValueError, match="expected name=value"):
         bw.parse_tuning("block_size=3")
     with pytest.raises(ValueError, match="power of two"):
@@ -231,7 +231,7 @@ def test_grouped_matmul_equals_single_launches(m, split, lora):
               for r, p in zip(ranks, packed)]
         scales = (0.5, 1.0, 2.0)
         stacked = jnp.concatenate(downs, axis=1)
-    config = bw.MatmulConfig(block_m=max(16, bw._next_pow2(m)), block_n=32, split_k=split,
+    config = bw.MatmulConfig(block_m=max(16, bw.next_pow2(m)), block_n=32, split_k=split,
                              weight_as_lhs=False)
     ys = bw.blockwise_matmul_group(x, packed, spec=nv.NVFP4, config=config, interpret=True,
                                    poison_output=True, lora_down=stacked, lora_bs=bs,
@@ -423,7 +423,7 @@ def test_pair_views_read_gate_and_up_in_place(m, n):
 
 
 # ----------------------------------------------------------------------------------------------
-# Canonical scale codes of the kernel layout, and the "asmq" decoder's arithmetic
+# Canonical scale codes of the kernel layout, and the "ptx_paired_scales" decoder's arithmetic
 
 
 def _all_finite_nonnegative_e4m3():
@@ -470,8 +470,8 @@ def _bf16_pattern_value(pattern: np.ndarray) -> np.ndarray:
     return sign * np.where(exponent == 0, subnormal, normal)
 
 
-def test_asmq_arithmetic_is_exact_for_every_code_and_scale():
-    """The "asmq" asm in numpy: the e2m1 bf16 pattern ((c&8)<<12 | (c&7)<<6, what its
+def test_paired_scales_arithmetic_is_exact_for_every_code_and_scale():
+    """The "ptx_paired_scales" asm in numpy: the e2m1 bf16 pattern ((c&8)<<12 | (c&7)<<6, what its
     prmt/and/mul/and yields per nibble) times the low half of the packed pair pattern, rounded
     once to bf16, is e2m1 * scale * 2^-8 for every (code, finite nonnegative scale), and 0 for
     zero scales; both halves of each pair pattern are equal."""
@@ -492,8 +492,8 @@ def test_asmq_arithmetic_is_exact_for_every_code_and_scale():
     assert (np.abs(product[:, scales.astype(np.float32) == 0]) < 2.0 ** -200).all()
 
 
-def test_asmq_decoder_in_interpret_mode():
-    """The "asmq" data path (pair patterns expanded over the blocks, the paired decode, here
+def test_paired_scales_decoder_in_interpret_mode():
+    """The "ptx_paired_scales" data path (pair patterns expanded over the blocks, the paired decode, here
     in its jnp form on the CPU) against the float32 reference, zero scales included."""
     def with_zero_scales(rng, n, k):
         codes, scales, ts = make_checkpoint(rng, n, k)
@@ -504,7 +504,7 @@ def test_asmq_decoder_in_interpret_mode():
     fmt = dataclasses.replace(NVFP4, make_checkpoint=with_zero_scales)
     for m, split in ((3, 1), (5, 2)):
         kc.check_matmul(fmt, m, bw.MatmulConfig(block_m=16, block_n=32, split_k=split,
-                                                weight_as_lhs=False, decoder="asmq"))
+                                                weight_as_lhs=False, decoder="ptx_paired_scales"))
 
 
 def test_old_layout_scales_are_refused():
