@@ -359,7 +359,7 @@ def default_tile_k(format_name: str, in_features: int) -> int:
     no faster in the 7B rollout, benchmarks/RESULTS.md); smaller for K < 256 (less padding), at
     least 2 scale blocks and 32."""
     block = KERNEL_FORMATS[format_name].spec.scale_block
-    return max(min(DEFAULT_TILE_K, bw._next_pow2(in_features)), 2 * block, 32)
+    return max(min(DEFAULT_TILE_K, bw.next_pow2(in_features)), 2 * block, 32)
 
 
 def _repack_arrays(weight: QuantizedWeight, tile_k: int) -> KernelLayoutWeight:
