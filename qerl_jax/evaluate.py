@@ -1,5 +1,6 @@
 """Evaluation CLI: pass@1 on GSM8K / MATH-500 jsonl for a base model plus a LoRA adapter, or
-for a training run's checkpoint.
+for a training run's checkpoint. Its scoring (`pass_at_1`) is also the trainer's held-out
+evaluation (config.eval).
 
     python -m qerl_jax.evaluate --base /path/to/Qwen2.5-7B-Instruct --format nvfp4 \\
         --data ../shared/data/gsm8k/test.jsonl --task gsm8k [--peft DIR] \\
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import sys
+from typing import Callable
 
 import jax
 import ml_collections
@@ -41,10 +43,11 @@ from qerl_jax.models.config import preset
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.models.safetensors_io import SafetensorsFile
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids, load_tokenizer
+from qerl_jax.rewards.arithmetic import arithmetic_reward
 from qerl_jax.rewards.gsm8k import gsm8k_numeric_reward
 from qerl_jax.rewards.math_answers import math_accuracy_reward
 from qerl_jax.run_record import RUN_FILE, current_config
-from qerl_jax.sampling import SamplingConfig, generate
+from qerl_jax.sampling import Rollout, SamplingConfig, generate
 from qerl_jax.warmup import require_cached_warmup, warmup_settings
 
 logger = logging.getLogger(__name__)
@@ -168,33 +171,59 @@ def model_from_run(workdir: str, step: int | None = None,
 
 
 def correctness(task: str, completion: str, gold: str) -> float:
+    """1.0 for a correct final answer, else 0.0: GSM8K numeric, arithmetic exact integer, MATH
+    math-verify."""
     if task == "gsm8k":
         return gsm8k_numeric_reward(completion, gold) / 2.0
+    if task == "arithmetic":
+        return arithmetic_reward(completion, gold)
     return math_accuracy_reward(completion, gold)
 
 
-def evaluate(model, tokenizer, examples, *, task: str, sampling: SamplingConfig,
-             max_prompt_length: int, batch_size: int, prompt_style: str,
-             use_chat_template: bool = True, seed: int = 0) -> dict:
-    """pass@1 of `model` on `examples`: the mean correctness over every sampled completion."""
-    scores = []
+def pass_at_1(sample: Callable[[np.ndarray, np.ndarray, jax.Array], Rollout], tokenizer,
+              examples, *, task: str, samples_per_problem: int, max_prompt_length: int,
+              batch_size: int, prompt_style: str, use_chat_template: bool = True,
+              seed: int = 0) -> dict:
+    """pass@1 of the policy `sample` draws from: the mean correctness over every completion.
+
+    Args:
+      sample: (prompt tokens [P, T], prompt mask [P, T], key) -> Rollout of P *
+        samples_per_problem rows, prompt-major (generate / generate_from_states).
+      examples: the problems, scored in batches of `batch_size`; batch b's key is
+        fold_in(key(seed), b * batch_size).
+    Returns:
+      {'pass@1', 'problems', 'samples_per_problem', 'pass@1_std_over_samples', 'mean_length'
+      (generated tokens per completion)}.
+    """
+    scores, lengths = [], []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         texts = [build_prompt_text(tokenizer, e.question, style=prompt_style,
                                    use_chat_template=use_chat_template) for e in chunk]
         prompts = encode_prompts(tokenizer, texts, max_prompt_length)
-        rollout = jax.device_get(generate(model, prompts.tokens, prompts.mask,
-                                          jax.random.fold_in(jax.random.key(seed), start),
-                                          sampling))
-        group = sampling.num_generations
+        rollout = jax.device_get(sample(prompts.tokens, prompts.mask,
+                                        jax.random.fold_in(jax.random.key(seed), start)))
         for row in range(rollout.tokens.shape[0]):
-            text = decode_completion(tokenizer,
-                                     rollout.tokens[row, :int(rollout.lengths[row])].tolist())
-            scores.append(correctness(task, text, chunk[row // group].gold))
-    per_problem = np.asarray(scores).reshape(len(examples), sampling.num_generations)
+            length = int(rollout.lengths[row])
+            text = decode_completion(tokenizer, rollout.tokens[row, :length].tolist())
+            scores.append(correctness(task, text, chunk[row // samples_per_problem].gold))
+            lengths.append(length)
+    per_problem = np.asarray(scores).reshape(len(examples), samples_per_problem)
     return {"pass@1": float(per_problem.mean()), "problems": len(examples),
-            "samples_per_problem": sampling.num_generations,
-            "pass@1_std_over_samples": float(per_problem.mean(axis=0).std())}
+            "samples_per_problem": samples_per_problem,
+            "pass@1_std_over_samples": float(per_problem.mean(axis=0).std()),
+            "mean_length": float(np.mean(lengths))}
+
+
+def evaluate(model, tokenizer, examples, *, task: str, sampling: SamplingConfig,
+             max_prompt_length: int, batch_size: int, prompt_style: str,
+             use_chat_template: bool = True, seed: int = 0) -> dict:
+    """pass@1 of `model` on `examples`, completions drawn with `sampling` (pass_at_1)."""
+    return pass_at_1(lambda tokens, mask, key: generate(model, tokens, mask, key, sampling),
+                     tokenizer, examples, task=task,
+                     samples_per_problem=sampling.num_generations,
+                     max_prompt_length=max_prompt_length, batch_size=batch_size,
+                     prompt_style=prompt_style, use_chat_template=use_chat_template, seed=seed)
 
 
 def _parse_args(argv):

@@ -309,6 +309,18 @@ FIELDS: dict[str, Field] = {
                            names_from(REWARD_NAMES, allow_empty=False)),
     "rewards.time_limit_seconds": Field(5.0, "Time limit of scoring one completion (0 = no "
                                         "limit, scored in-process).", at_least(0)),
+    # eval
+    "eval.every_steps": Field(0, "Held-out greedy pass@1 of the noise-free policy at step 0 "
+                              "(the base model), every N steps and after the last (0 = off).",
+                              at_least(0)),
+    "eval.num_examples": Field(128, "Size of the fixed held-out subset: the first N rows of "
+                               "the test split, in file order.", greater_than(0)),
+    "eval.data_path": Field("", "Test split: a .jsonl/.parquet file or a hub dataset (its "
+                            "'test' split); '' = data.path's 'test' split (arithmetic: "
+                            "generated problems outside the training set)."),
+    "eval.max_new_tokens": Field(0, "Completion length limit of the evaluation (0 = "
+                                 "rollout.max_new_tokens).", at_least(0)),
+    "eval.batch_size": Field(32, "Prompts per evaluation batch.", greater_than(0)),
     # checkpoint
     "checkpoint.every_steps": Field(50, "Save a checkpoint every N steps (and at exit).",
                                     greater_than(0)),

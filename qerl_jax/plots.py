@@ -1,10 +1,11 @@
-"""The training-curves figure of one run: reward, accuracy, entropy and the AQN sigma / learning
-rate schedules against step, from the rows of its metrics.jsonl.
+"""The training-curves figure of one run: reward, accuracy, held-out pass@1 (when the run
+evaluated), entropy and the AQN sigma / learning rate schedules against step, from the rows of
+its metrics.jsonl.
 
 Noisy per-step metrics are drawn as faint raw points under a centred rolling mean whose window
 grows with the number of logged steps (`smoothing_window`); the legend states the window. The
 schedules (AQN sigma, learning rate) are exact values, not estimates, so they are drawn as they
-are, without smoothing.
+are, without smoothing; so is the held-out pass@1, measured every few steps on a fixed set.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ NOT_REWARDS = ("reward/timeouts",)   # a count of completions whose scoring time
 _METRIC_COLOR = "#1f77b4"
 _SIGMA_COLOR = "#d62728"
 _LEARNING_RATE_COLOR = "#2ca02c"
+_EVAL_COLOR = "#9467bd"
+EVAL_PASS_AT_1 = "eval/pass@1"   # Trainer.evaluate's column
 _COMPONENT_COLORS = ("#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
                      "#17becf")
 
@@ -152,6 +155,17 @@ def _reward_panel(axis, steps, rows, window) -> None:
     axis.set_ylabel("reward (mean per completion)")
 
 
+def _eval_panel(axis, steps, pass_at_1: np.ndarray, rows) -> None:
+    """Held-out greedy pass@1 at the steps that evaluated, joined by lines, not smoothed."""
+    evaluated = np.isfinite(pass_at_1)
+    axis.plot(steps[evaluated], pass_at_1[evaluated], color=_EVAL_COLOR, marker="o",
+              markersize=3.5, linewidth=1.4)
+    sizes = {row.get("eval/num_examples") for row, used in zip(rows, evaluated) if used}
+    size = f", {sizes.pop()} problems" if len(sizes) == 1 else ""
+    axis.set_title(f"greedy{size}", fontsize=9, color="#555555")
+    axis.set_ylabel("held-out pass@1")
+
+
 def _schedule_panel(axis, steps, sigma, learning_rate) -> None:
     """AQN sigma on the left axis, the learning rate on a right twin axis; with AQN off (no
     positive sigma) the learning rate takes the left axis and a note says AQN is off."""
@@ -218,8 +232,9 @@ def training_curves_figure(metrics: Sequence[dict], *, title: str, window: int |
     """The matplotlib Figure of one run's curves (not saved; a notebook can show it).
 
     Panels, each omitted when its metric has no finite value: reward (total, plus each
-    reward/<name> component as a faint dashed line), accuracy, entropy, and AQN sigma with the
-    learning rate. Null or NaN values are skipped.
+    reward/<name> component as a faint dashed line), accuracy, held-out pass@1 (eval/pass@1,
+    at the steps that have it), entropy, and AQN sigma with the learning rate. Null or NaN
+    values are skipped.
     Args:
       metrics: metrics.jsonl rows, one dict per step with at least 'step'.
       title: the figure's suptitle (`run_title`).
@@ -242,20 +257,24 @@ def training_curves_figure(metrics: Sequence[dict], *, title: str, window: int |
     panels = []
     if _column(rows, "reward") is not None:
         panels.append(lambda axis: _reward_panel(axis, steps, rows, window))
-    for key, label in (("accuracy", "accuracy (fraction correct)"),
-                       ("entropy", "entropy (nats / token)")):
-        values = _column(rows, key)
-        if values is not None:
-            def draw(axis, values=values, label=label):
-                _plot_noisy_metric(axis, steps, values, window)
-                axis.set_ylabel(label)
-            panels.append(draw)
+    def noisy_panel(values, label):
+        def draw(axis):
+            _plot_noisy_metric(axis, steps, values, window)
+            axis.set_ylabel(label)
+        return draw
+
+    if (accuracy := _column(rows, "accuracy")) is not None:
+        panels.append(noisy_panel(accuracy, "accuracy (fraction correct)"))
+    if (pass_at_1 := _column(rows, EVAL_PASS_AT_1)) is not None:
+        panels.append(lambda axis: _eval_panel(axis, steps, pass_at_1, rows))
+    if (entropy := _column(rows, "entropy")) is not None:
+        panels.append(noisy_panel(entropy, "entropy (nats / token)"))
     sigma, learning_rate = _column(rows, "aqn_sigma"), _column(rows, "learning_rate")
     if learning_rate is not None or (sigma is not None and (sigma > 0).any()):
         panels.append(lambda axis: _schedule_panel(axis, steps, sigma, learning_rate))
     if not panels:
-        raise ValueError(f"no plottable metric (reward, accuracy, entropy, aqn_sigma, "
-                         f"learning_rate) in {len(rows)} metrics rows")
+        raise ValueError(f"no plottable metric (reward, accuracy, {EVAL_PASS_AT_1}, entropy, "
+                         f"aqn_sigma, learning_rate) in {len(rows)} metrics rows")
 
     row_count = 1 if len(panels) <= 3 else 2
     column_count = math.ceil(len(panels) / row_count)
@@ -263,6 +282,8 @@ def training_curves_figure(metrics: Sequence[dict], *, title: str, window: int |
                     layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(row_count, column_count, squeeze=False).ravel()
+    for axis in axes[len(panels):]:   # a grid cell without a panel
+        axis.remove()
     for axis, draw in zip(axes, panels):
         draw(axis)
         axis.set_xlabel("step")

@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 from qerl_jax.experiment_config import (FIELDS, MAPPING_FIELDS, base_config, config_leaves,
                                       suggest_field, validate_config)
-from qerl_jax.data.sources import load_training_examples
+from qerl_jax.data.sources import load_eval_examples, load_training_examples
 from qerl_jax.errors import ConfigError, TrainingStopped
 
 EXIT_BAD_INPUT = 2
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, flag_values = parse_command_line(argv)
         validate_config(config)
-        load_training_examples(config)
+        load_eval_examples(config, load_training_examples(config))
     except (UsageError, ConfigError) as error:
         _report_error(str(error), debug)
         return EXIT_BAD_INPUT

@@ -7,6 +7,9 @@ One step (QeRL facts sections 2-3):
      sampling drops zero-variance groups and refills them.
   3. num_iterations passes of micro-batched gradient accumulation of the clipped policy loss
      (+ k3 KL against the LoRA-disabled model) on the noise-free model, then AdamW.
+With config.eval.every_steps, the noise-free policy's greedy pass@1 on a fixed held-out subset
+(evaluate.pass_at_1) joins the metrics row of step 0, of every N-th step and, in a row of its
+own, of the step count after the last step (row k: the policy after k updates).
 The model is split once: graphdef (static) / trainable (LoRA [+ norm scales]) / frozen (the
 quantized base); jitted functions take the states as inputs and merge inside.
 """
@@ -31,11 +34,12 @@ from qerl_jax.checkpointing import TrainingCheckpoints
 from qerl_jax.compilation_cache import enable_compilation_cache
 from qerl_jax.experiment_config import validate_config
 from qerl_jax.data import PromptIterator, encode_prompts
-from qerl_jax.data.sources import load_training_examples
+from qerl_jax.data.sources import load_eval_examples, load_training_examples
 from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
 from qerl_jax.errors import TrainingStopped
+from qerl_jax.evaluate import pass_at_1
 from qerl_jax.interrupts import Interrupted, StopSignals, logging_above_progress_bar
 from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run_metadata
 from qerl_jax.model_setup import build_model
@@ -82,6 +86,7 @@ class Trainer:
         persist_autotuning(config.get("xla_autotune_results", ""))
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
         examples = load_training_examples(config)   # the data checked before any model work
+        self.eval_examples = load_eval_examples(config, examples)
         self._config_dict = json.loads(config.to_json())
         os.makedirs(workdir, exist_ok=True)
         self.resume = resume
@@ -126,10 +131,15 @@ class Trainer:
             top_entropy_quantile=config.loss.top_entropy_quantile,
             max_completion_length=rollout.max_new_tokens,
             rollout_is_cap=config.loss.rollout_is_cap)
+        self.eval_sampling = SamplingConfig(
+            max_new_tokens=config.eval.max_new_tokens or rollout.max_new_tokens, greedy=True,
+            num_generations=1, prompt_bucket=rollout.prompt_bucket,
+            eos_token_ids=self.sampling.eos_token_ids)
         offload = config.rollout.get("offload_weights_for_compile", "auto")
         self.offload_weights_for_compile = (jax.default_backend() == "gpu" if offload == "auto"
                                             else offload == "on")
-        self._sampler_programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+        # (prompt shape, sampling config) -> executable
+        self._sampler_programs: dict[tuple, jax.stages.Compiled] = {}
         self._sampler_compile_seconds = 0.0
         self.aqn_schedule = AQNSchedule(
             total_steps=config.train.total_steps, sigma_start=config.aqn.sigma_start,
@@ -221,17 +231,22 @@ class Trainer:
             frozen = aqn_noisy_state(frozen, self.aqn_key, self.step, self.aqn_schedule)
         return trainable, frozen
 
-    def _sampler_program(self, prompt_shape: tuple[int, int], key):
-        """With rollout.offload_weights_for_compile: the sampler's executable for [P, T] prompts,
-        compiled on first use of their length bucket while the frozen weights are held in host
-        memory (qerl_jax.device_offload). Otherwise None: generate_from_states' jitted program,
-        which compiles with the weights on the device. Same program, same numbers."""
+    def _sampler_program(self, prompt_shape: tuple[int, int], key,
+                         sampling: SamplingConfig | None = None, states=None):
+        """With rollout.offload_weights_for_compile: the sampler's executable for [P, T] prompts
+        (`sampling`, default the rollouts'; `states`, a function returning the states it runs
+        on, default _rollout_states), compiled on first use of their length bucket while the
+        frozen weights are held in host memory (qerl_jax.device_offload). Otherwise None:
+        generate_from_states' jitted program, which compiles with the weights on the device.
+        Same program, same numbers."""
         if not self.offload_weights_for_compile:
             return None
-        shape = padded_prompt_shape(prompt_shape, self.sampling)
-        if shape not in self._sampler_programs:
+        sampling = self.sampling if sampling is None else sampling
+        shape = padded_prompt_shape(prompt_shape, sampling)
+        program_key = (shape, sampling)
+        if program_key not in self._sampler_programs:
             started = time.perf_counter()
-            abstract_states = jax.eval_shape(self._rollout_states)
+            abstract_states = jax.eval_shape(states or self._rollout_states)
             try:   # the copies are made before any device buffer is freed
                 host = offload_to_host(self.frozen,
                                        self.config.rollout.get("offload_method", "auto"))
@@ -241,8 +256,8 @@ class Trainer:
                                "sampler compiles: compiling with them on the device (XLA's "
                                "autotuner may raise the peak)")
             try:
-                self._sampler_programs[shape] = compile_generate(
-                    self.graphdef, abstract_states, shape, key, self.sampling)
+                self._sampler_programs[program_key] = compile_generate(
+                    self.graphdef, abstract_states, shape, key, sampling)
             finally:
                 if host is not None:
                     self.frozen = restore_to_device(host)
@@ -251,7 +266,7 @@ class Trainer:
             logger.info("sampler program for prompts %s compiled in %.1f s with %.2f GiB of "
                         "frozen weights in host memory", shape, seconds,
                         0.0 if host is None else host.nbytes / 2**30)
-        return self._sampler_programs[shape]
+        return self._sampler_programs[program_key]
 
     def _decode(self, tokens: np.ndarray, length: int) -> str:
         return decode_completion(self.tokenizer, tokens[:length].tolist())
@@ -350,6 +365,45 @@ class Trainer:
                  "advantages": advantages, "rollout_logprobs": rollout_logprobs}
         return batch, rewards, completion_mask, truncated
 
+    # -------------------------------------------------------------- held-out evaluation
+    def _evaluation_due(self) -> bool:
+        """At step 0, every eval.every_steps steps and at train.total_steps (eval on)."""
+        every = self.config.eval.every_steps
+        return bool(every) and (self.step % every == 0
+                                or self.step == self.config.train.total_steps)
+
+    def evaluate(self) -> dict:
+        """Greedy pass@1 of the current noise-free policy (the quantized base + LoRA, no AQN
+        noise) on the fixed held-out subset, scored as qerl_jax.evaluate scores it. Uses its own
+        key (greedy decoding draws nothing) and changes no training state.
+
+        Returns:
+          {'eval/pass@1', 'eval/mean_length' (tokens per completion), 'eval/num_examples',
+          'time/eval_s'}.
+        """
+        started = time.perf_counter()
+
+        def states():
+            return self.trainable, self.frozen
+
+        def sample(tokens, mask, key):
+            # first: compiling with the weights offloaded replaces self.frozen's buffers
+            compiled = self._sampler_program(tokens.shape, key, self.eval_sampling, states)
+            return generate_from_states(self.graphdef, states(), tokens, mask, key,
+                                        self.eval_sampling, compiled=compiled)
+
+        data = self.config.data
+        result = pass_at_1(sample, self.tokenizer, self.eval_examples, task=data.task,
+                           samples_per_problem=1, max_prompt_length=data.max_prompt_length,
+                           batch_size=self.config.eval.batch_size,
+                           prompt_style=data.prompt_style,
+                           use_chat_template=data.use_chat_template, seed=self.config.seed)
+        seconds = time.perf_counter() - started
+        logger.info("step %d: held-out pass@1 %.4f on %d examples (greedy, %.1f s)", self.step,
+                    result["pass@1"], result["problems"], seconds)
+        return {"eval/pass@1": result["pass@1"], "eval/mean_length": result["mean_length"],
+                "eval/num_examples": result["problems"], "time/eval_s": seconds}
+
     # -------------------------------------------------------------- one step
     def _micro_batches(self, batch: dict):
         size = self.config.train.micro_batch_size
@@ -373,6 +427,7 @@ class Trainer:
 
     def _train_step(self) -> dict:
         config = self.config
+        evaluation = self.evaluate() if self._evaluation_due() else {}
         self._sampler_compile_seconds = 0.0
         (batch, rewards, completion_mask, truncated), generated, rollout_seconds, dropped = (
             self._collect_rollouts())
@@ -467,6 +522,7 @@ class Trainer:
                 "time/sampler_compile_s": self._sampler_compile_seconds,   # part of rollout_s
                 "rollout_tokens_per_s": generated / max(rollout_seconds, 1e-9),
                 "peak_memory_bytes": peak_memory_bytes(),
+                **evaluation,
             }
             self._write_metrics(metrics)
             self.step += 1
@@ -524,7 +580,9 @@ class Trainer:
     # -------------------------------------------------------------- the loop
     def train(self, stop_after: int | None = None) -> list[dict]:
         """Runs until config.train.total_steps (or `stop_after` steps of this call),
-        checkpointing every config.checkpoint.every_steps and at exit.
+        checkpointing every config.checkpoint.every_steps and at exit; with eval.every_steps,
+        a run that reaches total_steps evaluates its final policy (a metrics row of its own,
+        not in the returned history).
 
         SIGINT, SIGTERM or an exception stop the run at a step boundary: the last completed
         step is checkpointed (with its data position) and TrainingStopped (signals) or the
@@ -557,6 +615,8 @@ class Trainer:
                     if self.step % self.config.checkpoint.every_steps == 0:
                         with self._signals.deferred():
                             self.save_checkpoint()
+                if self.step == total and self._evaluation_due():   # the final policy
+                    self._write_metrics({"step": self.step, **self.evaluate()})
         except BaseException as error:
             if progress is not None:
                 progress.close()

@@ -1,6 +1,7 @@
-"""The evaluation CLI: PEFT adapters load back exactly; pass@1 runs end to end on GSM8K jsonl; a
-training run is evaluated as it was trained (its format, prompt style, checkpoint) without
-writing anything into its directory; bad inputs are one line and exit status 2."""
+"""The evaluation CLI: PEFT adapters load back exactly; pass@1 runs end to end on GSM8K jsonl and
+scores every completion; a training run is evaluated as it was trained (its format, prompt
+style, checkpoint) without writing anything into its directory; bad inputs are one line and
+exit status 2."""
 
 import json
 import os
@@ -64,6 +65,47 @@ def test_completions_keep_special_think_and_answer_tokens(tmp_path):
     text = decode_completion(tokenizer, ids)
     assert text == "<think>6*12</think><answer>72</answer>"
     assert correctness("gsm8k", text, "72") == 1.0
+
+
+def test_pass_at_1_scores_and_averages_every_completion(tmp_path):
+    """pass_at_1 with a stand-in sampler whose completions are known: problem p's sample g is
+    its gold answer when p + g is even. Every completion is scored (arithmetic: exact integer),
+    pass@1 is the mean over all, mean_length the mean of the generated lengths, and each batch
+    gets its own key."""
+    from qerl_jax.data.sources import Example
+    from qerl_jax.evaluate import pass_at_1
+    from qerl_jax.models.tokenizer import load_tokenizer
+    from qerl_jax.sampling import Rollout
+    build_char_tokenizer(str(tmp_path / "tok"))
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    examples = [Example(f"{n}+1=", str(n + 1)) for n in range(5)]
+    keys, calls = [], []
+
+    def sample(tokens, mask, key):
+        keys.append(np.asarray(jax.random.key_data(key)))
+        first = sum(calls)
+        calls.append(tokens.shape[0])
+        texts = [examples[first + p].gold if (first + p + g) % 2 == 0 else "x"
+                 for p in range(tokens.shape[0]) for g in range(2)]
+        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        width = max(len(row) for row in ids)
+        padded = np.asarray([row + [0] * (width - len(row)) for row in ids], np.int32)
+        lengths = np.asarray([len(row) for row in ids], np.int32)
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        return Rollout(tokens=padded, logprobs=np.zeros(padded.shape, np.float32), mask=mask,
+                       lengths=lengths, truncated=np.zeros(len(ids), bool))
+
+    result = pass_at_1(sample, tokenizer, examples, task="arithmetic", samples_per_problem=2,
+                       max_prompt_length=16, batch_size=2, prompt_style="plain",
+                       use_chat_template=False)
+    assert calls == [2, 2, 1]
+    assert result["pass@1"] == 0.5 and result["problems"] == 5
+    assert result["samples_per_problem"] == 2
+    golds = [len(e.gold) for e in examples]
+    expected_length = np.mean([golds[p] if (p + g) % 2 == 0 else 1
+                               for p in range(5) for g in range(2)])
+    assert result["mean_length"] == pytest.approx(expected_length)
+    assert len({key.tobytes() for key in keys}) == 3
 
 
 # ---------------------------------------------------------------------- a training run

@@ -1,5 +1,5 @@
-"""Training-curves figure: written for 1 and 100 steps, with nulls, without AQN; the rolling
-mean against a plain numpy loop; the title and run.json helpers."""
+"""Training-curves figure: written for 1 and 100 steps, with nulls, without AQN, with held-out
+pass@1; the rolling mean against a plain numpy loop; the title and run.json helpers."""
 
 import json
 import math
@@ -109,6 +109,28 @@ def test_figure_without_aqn(tmp_path):
     axes = _axes_by_ylabel(figure)
     assert "AQN sigma" not in axes and len(figure.axes) == 4     # no twin axis
     assert axes["learning rate"].get_title() == "AQN sigma = 0 at every step"
+
+
+def test_held_out_pass_at_1_panel_when_the_run_evaluated(tmp_path):
+    """eval/pass@1 at every 10th step and in a final eval-only row: its own panel, the points
+    as logged (no smoothing); five panels fill a 2 x 3 grid with no empty axis left."""
+    metrics = synthetic_metrics(40)
+    for row in metrics[::10]:
+        row.update({"eval/pass@1": 0.1 + row["step"] / 100, "eval/num_examples": 128})
+    metrics.append({"step": 40, "eval/pass@1": 0.55, "eval/num_examples": 128})
+    _written_png(tmp_path, metrics)
+    figure = training_curves_figure(metrics, title="run")
+    axes = _axes_by_ylabel(figure)
+    assert set(axes) == {"reward (mean per completion)", "accuracy (fraction correct)",
+                         "held-out pass@1", "entropy (nats / token)", "AQN sigma",
+                         "learning rate"}
+    assert len(figure.axes) == 6                              # 5 panels + the twin axis
+    [line] = axes["held-out pass@1"].get_lines()
+    np.testing.assert_array_equal(line.get_xdata(), [0, 10, 20, 30, 40])
+    np.testing.assert_allclose(line.get_ydata(), [0.1, 0.2, 0.3, 0.4, 0.55])
+    assert axes["held-out pass@1"].get_title() == "greedy, 128 problems"
+    assert "held-out pass@1" not in _axes_by_ylabel(
+        training_curves_figure(synthetic_metrics(40), title="run"))
 
 
 def test_sigma_within_a_decade_is_linear():

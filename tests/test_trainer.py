@@ -1,5 +1,5 @@
 """The trainer end to end on a tiny CPU config: exact resume, a crash mid-save, non-finite
-updates skipped and counted, config validation."""
+updates skipped and counted, config validation, held-out evaluation during training."""
 
 import os
 import shutil
@@ -19,7 +19,8 @@ from qerl_jax.trainer import NonFiniteError, Trainer
 from tests.conftest import config_from_file
 
 TIMING_KEYS = ("time/rollout_s", "time/train_s", "time/sampler_compile_s", "rollout_tokens_per_s",
-               "peak_memory_bytes")
+               "peak_memory_bytes", "time/eval_s")
+EVAL_KEYS = ("eval/pass@1", "eval/mean_length", "eval/num_examples", "time/eval_s")
 
 
 def _config(**train_overrides):
@@ -587,3 +588,118 @@ def test_rollout_mismatch_is_logged_and_truncated_importance_sampling_runs(tmp_p
     assert rows[0]["aqn_sigma"] == 0.0 and rows[2]["aqn_sigma"] > 0.0
     assert rows[2]["rollout/kl"] > 100 * max(rows[0]["rollout/kl"], 1e-9)
     assert all(np.isfinite(row["loss"]) for row in rows)
+
+
+# ------------------------------------------------------------------ held-out evaluation
+def _eval_config():
+    """_config() evaluating every 2 of its 6 steps on 8 held-out problems in batches of 3 (a
+    ragged last batch), its sampler programs compiled with the weights offloaded (the GPU's
+    path; the same numbers as without)."""
+    config = _config()
+    config.eval.every_steps = 2
+    config.eval.num_examples = 8
+    config.eval.batch_size = 3
+    config.rollout.offload_weights_for_compile = "on"
+    return config
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory, warm_cache):
+    """An uninterrupted run of _eval_config(): (workdir, trainer after its last step)."""
+    workdir = str(tmp_path_factory.mktemp("eval_run"))
+    shutil.copytree(warm_cache, os.path.join(workdir, "warmup"))
+    trainer = Trainer(_eval_config(), workdir)
+    trainer.train()
+    return workdir, trainer
+
+
+def test_eval_rows_at_step_0_every_n_steps_and_after_the_last(eval_run):
+    """Rows 0, 2, 4 carry eval/* beside their training metrics; the final policy (6 updates)
+    gets a row of its own; the curves gain the held-out panel."""
+    from qerl_jax.plots import training_curves_figure
+    workdir, trainer = eval_run
+    rows = read_metrics(workdir)
+    assert [row["step"] for row in rows] == list(range(7))
+    assert [row["step"] for row in rows if "eval/pass@1" in row] == [0, 2, 4, 6]
+    assert set(rows[6]) == {"step", *EVAL_KEYS}
+    assert all("reward" in row for row in rows[:6])
+    for row in rows[0:7:2]:
+        assert row["eval/num_examples"] == 8 and 0.0 <= row["eval/pass@1"] <= 1.0
+        assert 0 < row["eval/mean_length"] <= trainer.config.rollout.max_new_tokens
+    # held out: no question of the training set
+    assert not {e.question for e in trainer.eval_examples} & {
+        e.question for e in trainer.iterator.examples}
+    assert os.path.isfile(os.path.join(workdir, "curves.png"))
+    axes = {axis.get_ylabel() for axis in training_curves_figure(rows, title="run").axes}
+    assert "held-out pass@1" in axes
+
+
+def test_eval_changes_no_training_number(eval_run, straight_run):
+    """Same seed, eval on or off: every training metric and the final params bitwise equal."""
+    workdir, trainer = eval_run
+    rows = [{k: v for k, v in row.items() if k not in EVAL_KEYS}
+            for row in read_metrics(workdir)[:6]]
+    _assert_same_run_rows(rows, trainer, straight_run)
+
+
+def _assert_same_run_rows(rows, trainer, straight_run):
+    metrics, leaves = straight_run
+    assert _comparable(rows) == metrics
+    for expected, got in zip(leaves, jax.tree_util.tree_leaves(trainer._state_arrays()),
+                             strict=True):
+        np.testing.assert_array_equal(expected, np.asarray(got))
+
+
+def test_eval_pass_at_1_equals_evaluate_on_the_same_params(tmp_path, warm_cache, eval_run):
+    """The row of the base model (step 0) and of the final policy (step 6) hold what
+    qerl_jax.evaluate.evaluate computes on the same model: jitted program, not the offloaded
+    compile, same examples, greedy."""
+    from qerl_jax.evaluate import evaluate
+    workdir, trained = eval_run
+    rows = read_metrics(workdir)
+    base = Trainer(_eval_config(), _workdir(tmp_path, "base", warm_cache))
+    config = base.config
+    for trainer, row in ((base, rows[0]), (trained, rows[6])):
+        result = evaluate(trainer.model(), trainer.tokenizer, trainer.eval_examples,
+                          task=config.data.task, sampling=trainer.eval_sampling,
+                          max_prompt_length=config.data.max_prompt_length,
+                          batch_size=config.eval.batch_size,
+                          prompt_style=config.data.prompt_style,
+                          use_chat_template=config.data.use_chat_template)
+        assert result["problems"] == row["eval/num_examples"] == 8
+        assert (result["pass@1"], result["mean_length"]) == (row["eval/pass@1"],
+                                                             row["eval/mean_length"])
+    assert trainer.eval_sampling.greedy and trainer.eval_sampling.max_new_tokens == 12
+
+
+def test_resume_with_eval_is_exact(tmp_path, warm_cache, eval_run):
+    """Stopped after step 2 (an evaluating step comes next) and resumed: the same rows, eval
+    rows included, and the same final params as the uninterrupted run."""
+    reference_dir, reference = eval_run
+    workdir = _workdir(tmp_path, "eval_resumed", warm_cache)
+    Trainer(_eval_config(), workdir).train(stop_after=2)
+    assert [row["step"] for row in read_metrics(workdir) if "eval/pass@1" in row] == [0]
+    resumed = Trainer(_eval_config(), workdir, resume=True)
+    assert resumed.step == 2
+    resumed.train()
+    assert _comparable(read_metrics(workdir)) == _comparable(read_metrics(reference_dir))
+    for x, y in zip(jax.tree_util.tree_leaves(reference._state_arrays()),
+                    jax.tree_util.tree_leaves(resumed._state_arrays()), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_bad_eval_settings_are_refused_before_any_model_work(tmp_path):
+    for field, value, message in (("every_steps", -1, "must be >= 0, got -1"),
+                                  ("num_examples", 0, "must be > 0, got 0"),
+                                  ("max_new_tokens", -4, "must be >= 0, got -4"),
+                                  ("batch_size", 0, "must be > 0, got 0"),
+                                  ("data_path", "test.jsonl", "'test.jsonl' is unused by task "
+                                                              "'arithmetic'"),
+                                  ("num_examples", 10_000, "10000 is more than the")):
+        config = _eval_config()
+        config.eval[field] = value
+        with pytest.raises(ConfigError) as error:
+            Trainer(config, str(tmp_path / "run"))
+        assert str(error.value).startswith(f"config.eval.{field}: {message}"), error.value
+        assert "\n" not in str(error.value)
+    assert not (tmp_path / "run").exists()

@@ -1,5 +1,6 @@
 """Examples (question + gold answer) from local jsonl / parquet files or a hub dataset name,
-checked row by row: a bad file or row raises ConfigError naming the file and its line.
+checked row by row: a bad file or row raises ConfigError naming the file and its line. The
+training examples (config.data) and the fixed held-out evaluation subset (config.eval).
 
 Task adapters map raw rows to Examples:
   gsm8k:      question, gold = text after '####' of `answer`
@@ -203,3 +204,71 @@ def load_training_examples(config) -> list[Example]:
                           f"fewer than config.train.prompts_per_step={needed} (one step's "
                           "prompts)")
     return examples
+
+
+def held_out_arithmetic_examples(count: int, seed: int, max_operand: int, training_count: int,
+                                 training_questions: set[str]) -> list[Example]:
+    """The arithmetic task's test split, first `count` rows: the problems drawn after the
+    `training_count` training ones from the same seeded stream, each question once, none of
+    `training_questions`.
+
+    Raises:
+      ConfigError: naming config.eval.num_examples when fewer such problems exist.
+    """
+    universe = 2 * (max_operand + 1) ** 2   # distinct 'a+b=' and 'a-b=' questions
+    available = universe - len(training_questions)
+    if count > available:
+        raise ConfigError(f"config.eval.num_examples: {count} is more than the {available} "
+                          f"arithmetic problems (operands 0..{max_operand}) outside the "
+                          "training set")
+    drawn = training_count + 4 * count
+    while True:   # ends: `available` >= count distinct unseen questions exist
+        picked, seen = [], set(training_questions)
+        for problem in arithmetic_problems(drawn, seed, max_operand=max_operand)[
+                training_count:]:
+            if problem["question"] not in seen:
+                seen.add(problem["question"])
+                picked.append(Example(problem["question"], problem["answer"]))
+                if len(picked) == count:
+                    return picked
+        drawn *= 2
+
+
+def load_eval_examples(config, training_examples: list[Example]) -> list[Example]:
+    """The fixed held-out subset config.eval asks for ([] when eval.every_steps is 0): the first
+    eval.num_examples rows of the task's test split, in file order (as `evaluate --limit`).
+
+    The test split is eval.data_path (a local file, or a hub dataset's 'test' split); '' means
+    the 'test' split of the hub dataset data.path. Task arithmetic generates it
+    (held_out_arithmetic_examples, never a training question).
+
+    Args:
+      config: a config validate_config accepts.
+      training_examples: load_training_examples(config).
+    Raises:
+      ConfigError: naming the config field, or the file and line of a bad row.
+    """
+    data, evaluation = config.data, config.eval
+    if not evaluation.every_steps:
+        return []
+    count = evaluation.num_examples
+    if data.task == "arithmetic":
+        if evaluation.data_path:
+            raise ConfigError(f"config.eval.data_path: {evaluation.data_path!r} is unused by "
+                              "task 'arithmetic' (its held-out problems are generated); set ''")
+        return held_out_arithmetic_examples(
+            count, config.seed, data.arithmetic_max_operand, data.arithmetic_count,
+            {example.question for example in training_examples})
+    source = evaluation.data_path or data.path
+    if not evaluation.data_path and is_local_source(data.path):
+        raise ConfigError(f"config.eval.data_path: required with a local data.path "
+                          f"({data.path!r} is the training split); set the test split's "
+                          ".jsonl/.parquet file")
+    try:
+        examples = load_examples(data.task, source, split="test", subset=data.subset or None)
+    except ConfigError as error:
+        raise ConfigError(f"config.eval.data_path: {error}") from None
+    if len(examples) < count:
+        raise ConfigError(f"config.eval.num_examples: {count} is more than the "
+                          f"{len(examples)} examples of the test split {source}")
+    return examples[:count]

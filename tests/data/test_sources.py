@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from qerl_jax.data.sources import is_local_source, load_examples, load_training_examples
+from qerl_jax.data.sources import (is_local_source, load_eval_examples, load_examples,
+                                   load_training_examples)
 from qerl_jax.errors import ConfigError
 from tests.conftest import config_from_file, SHARED_DATA_DIR
 
@@ -118,6 +119,51 @@ def test_training_examples_cover_one_step(tmp_path):
     with pytest.raises(ConfigError, match=r"^config.data.arithmetic_count: the arithmetic task "
                                           r"holds 4 examples, fewer than"):
         load_training_examples(config)
+
+
+def test_eval_examples_are_the_first_rows_of_the_test_split(tmp_path):
+    """config.eval: [] when off; a file's first eval.num_examples rows in file order; the
+    arithmetic task's held-out problems (none a training question, each once, the first N of a
+    longer list); each bad setting is one line naming its field."""
+    config = _tiny_config()
+    training = load_training_examples(config)
+    assert load_eval_examples(config, training) == []
+    config.eval.every_steps, config.eval.num_examples = 5, 40
+    held_out = load_eval_examples(config, training)
+    questions = [example.question for example in held_out]
+    assert len(set(questions)) == 40 and not set(questions) & {e.question for e in training}
+    config.eval.num_examples = 100
+    assert load_eval_examples(config, training)[:40] == held_out
+    config.eval.num_examples = 1000
+    with pytest.raises(ConfigError, match=r"^config.eval.num_examples: 1000 is more than the "
+                                          r"\d+ arithmetic problems \(operands 0..9\) outside "
+                                          r"the training set$"):
+        load_eval_examples(config, training)
+    config.eval.num_examples, config.eval.data_path = 4, "test.jsonl"
+    with pytest.raises(ConfigError, match=r"^config.eval.data_path: 'test.jsonl' is unused by "
+                                          r"task 'arithmetic'"):
+        load_eval_examples(config, training)
+
+    train_path = _jsonl(tmp_path, *[_gsm8k_row()] * 16, name="train.jsonl")
+    test_path = _jsonl(tmp_path, *[_gsm8k_row(f"What is {n}+1?", f"#### {n + 1}")
+                                   for n in range(6)], name="test.jsonl")
+    config.data.task, config.data.path, config.data.arithmetic_count = "gsm8k", train_path, 1000
+    config.data.arithmetic_max_operand = 20
+    config.eval.data_path = ""
+    with pytest.raises(ConfigError, match=r"^config.eval.data_path: required with a local "
+                                          r"data.path"):
+        load_eval_examples(config, training)
+    config.eval.data_path = test_path
+    assert load_eval_examples(config, training) == load_examples("gsm8k", test_path)[:4]
+    config.eval.num_examples = 7
+    with pytest.raises(ConfigError) as error:
+        load_eval_examples(config, training)
+    assert str(error.value) == ("config.eval.num_examples: 7 is more than the 6 examples of "
+                                f"the test split {test_path}")
+    config.eval.data_path = str(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match=r"^config.eval.data_path: .*missing.jsonl: does not "
+                                          r"exist"):
+        load_eval_examples(config, training)
 
 
 def test_shared_files_load_without_complaint():
