@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import nnx
 
 from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
@@ -47,12 +46,11 @@ from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
 from qerl_jax.models.transformer import CausalLM
 from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.plots import plot_training_curves, run_title
-from qerl_jax.rl.advantages import group_advantages
 from qerl_jax.rl.optimizer import make_optimizer
+from qerl_jax.rl.train_step import make_train_programs, training_batch
 from qerl_jax.run_record import prepare_workdir, record_start
-from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
-                                 policy_loss_terms, rollout_mismatch_sums)
-from qerl_jax.sampling import (SamplingConfig, bucket_length, compile_generate,
+from qerl_jax.rl.losses import (LossConfig)
+from qerl_jax.sampling import (SamplingConfig, compile_generate,
                                generate_from_states, padded_prompt_shape)
 from qerl_jax.xla_autotuning import persist_autotuning
 
@@ -161,67 +159,15 @@ class Trainer:
 
     # -------------------------------------------------------------- jitted pieces
     def _compile_functions(self):
-        graphdef, loss_config = self.graphdef, self.loss_config
-        temperature = self.config.rollout.temperature
-        completion_length = self.config.rollout.max_new_tokens
-        logits_chunk_size = self.config.train.logits_chunk_size
-        optimizer = self.optimizer
-
-        def completion_logprobs(trainable, frozen, batch):
-            model = nnx.merge(graphdef, trainable, frozen)
-            hidden = model.target_hidden(batch["tokens"], batch["attention_mask"],
-                                         completion_length)
-            return chunked_token_logprobs_and_entropy(
-                hidden, model.logits_function(), batch["completion_tokens"], temperature,
-                logits_chunk_size)
-
-        def micro_batch_loss(trainable, frozen, batch, global_valid_tokens, global_sequences):
-            logprobs, entropy = completion_logprobs(trainable, frozen, batch)
-            old = batch.get("old_logprobs")
-            old = jax.lax.stop_gradient(logprobs) if old is None else old
-            terms = policy_loss_terms(
-                logprobs, old, batch["advantages"], batch["loss_mask"], loss_config,
-                ref_logprobs=batch.get("ref_logprobs"), entropies=entropy,
-                global_valid_tokens=global_valid_tokens, global_sequences=global_sequences,
-                rollout_logprobs=batch["rollout_logprobs"])
-            mask = batch["loss_mask"].astype(jnp.float32)
-            sums = {"entropy_sum": jax.lax.stop_gradient((entropy * mask).sum())}
-            sums["rollout_kl_sum"], sums["rollout_outside_sum"] = rollout_mismatch_sums(
-                logprobs, batch["rollout_logprobs"], mask)
-            return terms.numerator / terms.denominator, (terms, sums)
-
-        self._logprobs_fn = jax.jit(lambda t, f, b: completion_logprobs(t, f, b)[0])
-        value_and_grad = jax.value_and_grad(micro_batch_loss, has_aux=True)
-
-        def accumulate_gradient(trainable, frozen, batch, global_valid_tokens, global_sequences,
-                                grad_sum):
-            """(loss, aux), grad_sum + this micro-batch's gradient. The sum is donated and
-            updated inside the program, so a step holds one gradient tree (plus the program's
-            own), not the sum, the last micro-batch's gradient and the new one."""
-            (loss, aux), grads = value_and_grad(trainable, frozen, batch, global_valid_tokens,
-                                                global_sequences)
-            return (loss, aux), jax.tree_util.tree_map(jnp.add, grad_sum, grads)
-
-        self._grad_fn = jax.jit(accumulate_gradient, donate_argnums=(5,))
-        # keep_unused: the (committed) input stays an argument, so the zeros come out committed
-        # like the sums _grad_fn returns (a program without inputs returns uncommitted arrays,
-        # and jit would compile _grad_fn once per committed flag)
-        self._zero_grads = jax.jit(lambda t: jax.tree_util.tree_map(jnp.zeros_like, t),
-                                   keep_unused=True)
-
-        def apply_update(trainable, opt_state, grads):
-            grad_norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(grad_norm)
-            updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
-            new_trainable = optax.apply_updates(trainable, updates)
-            keep = lambda new, old: jax.tree_util.tree_map(
-                lambda a, b: jnp.where(finite, a, b), new, old)
-            return (keep(new_trainable, trainable), keep(new_opt_state, opt_state), grad_norm,
-                    finite)
-
-        self._apply_update = jax.jit(apply_update, donate_argnums=(0, 1))
-        self._apply_update_copy = jax.jit(apply_update)
-        self._scale = jax.jit(lambda a, s: jax.tree_util.tree_map(lambda x: x * s, a))
+        programs = make_train_programs(
+            self.graphdef, self.loss_config, self.optimizer,
+            temperature=self.config.rollout.temperature,
+            completion_length=self.config.rollout.max_new_tokens,
+            logits_chunk_size=self.config.train.logits_chunk_size)
+        self._logprobs_fn, self._grad_fn = programs.logprobs, programs.accumulate_gradient
+        self._zero_grads, self._scale = programs.zero_grads, programs.scale
+        self._apply_update = programs.apply_update
+        self._apply_update_copy = programs.apply_update_copy
 
     # -------------------------------------------------------------- rollout + rewards
     def _rollout_states(self):
@@ -328,42 +274,8 @@ class Trainer:
         return self._training_arrays(groups), generated_tokens, rollout_seconds, len(dropped)
 
     def _training_arrays(self, groups: list[dict]):
-        group = self.sampling.num_generations
-        prompt_length = bucket_length(max(len(g["prompt_tokens"]) for g in groups),
-                                      self.sampling.prompt_bucket)
-        rows = len(groups) * group
-        completion_length = self.sampling.max_new_tokens
-        tokens = np.zeros((rows, prompt_length + completion_length), np.int32)
-        attention = np.zeros_like(tokens, dtype=np.bool_)
-        completion_tokens = np.zeros((rows, completion_length), np.int32)
-        completion_mask = np.zeros((rows, completion_length), np.bool_)
-        rollout_logprobs = np.zeros((rows, completion_length), np.float32)
-        truncated = np.zeros((rows,), np.bool_)
-        rewards: dict[str, list[float]] = {}
-        for index, entry in enumerate(groups):
-            prompt = entry["prompt_tokens"]
-            mask = entry["prompt_mask"]
-            for g in range(group):
-                row = index * group + g
-                tokens[row, prompt_length - len(prompt):prompt_length] = prompt
-                attention[row, prompt_length - len(prompt):prompt_length] = mask
-                completion_tokens[row] = entry["rollout"].tokens[g]
-                completion_mask[row] = entry["rollout"].mask[g]
-                rollout_logprobs[row] = entry["rollout"].logprobs[g]
-                truncated[row] = entry["rollout"].truncated[g]
-            for name, values in entry["scores"].items():
-                rewards.setdefault(name, []).extend(values)
-        tokens[:, prompt_length:] = completion_tokens
-        attention[:, prompt_length:] = completion_mask
-        loss_mask = completion_mask.copy()
-        if self.config.loss.mask_truncated_completions:
-            loss_mask &= ~truncated[:, None]
-        total = np.asarray(rewards["total"], np.float32)
-        advantages = np.asarray(group_advantages(jnp.asarray(total), group))
-        batch = {"tokens": tokens, "attention_mask": attention,
-                 "completion_tokens": completion_tokens, "loss_mask": loss_mask,
-                 "advantages": advantages, "rollout_logprobs": rollout_logprobs}
-        return batch, rewards, completion_mask, truncated
+        return training_batch(groups, self.sampling,
+                              mask_truncated=self.config.loss.mask_truncated_completions)
 
     # -------------------------------------------------------------- held-out evaluation
     def _evaluation_due(self) -> bool:

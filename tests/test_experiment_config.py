@@ -68,6 +68,11 @@ def test_constants_equal_their_jax_side_sources():
     assert set(experiment_config.REWARD_NAMES) == set(REWARD_FUNCTIONS)
     assert experiment_config.LOSS_TYPES == LOSS_TYPES
     assert experiment_config.LOSS_TYPE_ALIASES == LOSS_TYPE_ALIASES
+    from pallas_kernels import mxfp4_matmul, nf4_matmul, nvfp4_matmul
+
+    decoders = {d for spec in (nvfp4_matmul.NVFP4, mxfp4_matmul.MXFP4, nf4_matmul.NF4)
+                for d in spec.decoders}
+    assert set(experiment_config.KERNEL_DECODERS) == decoders
     assert experiment_config.MODEL_CONFIG_FIELDS == tuple(
         field.name for field in dataclasses.fields(ModelConfig))
     for style in experiment_config.PROMPT_STYLES:
