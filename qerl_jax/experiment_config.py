@@ -128,8 +128,11 @@ FIELDS: dict[str, Field] = {
                           one_of(("",) + PRESET_NAMES)),
     "model.hf_path": Field("", "Local HF checkpoint directory (config.json + *.safetensors) "
                            "to load and quantize; set this or model.preset."),
-    "model.tokenizer_path": Field("", "Tokenizer directory ('' = model.hf_path's); needed by a "
-                                  "preset model without warm-up."),
+    "model.gguf_path": Field("", "Local llama GGUF file to load (dequantized) and quantize, "
+                             "with its tokenizer; set this, model.hf_path or model.preset."),
+    "model.tokenizer_path": Field("", "Tokenizer directory ('' = model.hf_path's or "
+                                  "model.gguf_path's); needed by a preset model without "
+                                  "warm-up."),
     "model.overrides": Field({}, "ModelConfig fields replacing the preset's (e.g. hidden_size); "
                              "attention_query_chunk / attention_implementation here win."),
     "model.param_dtype": Field("bfloat16", "Storage dtype of the unquantized parameters.",
@@ -492,12 +495,18 @@ def _check_fields(config) -> None:
 
 def _check_model(config) -> None:
     model, warmup = config.model, config.warmup
+    if model.gguf_path and (model.hf_path or model.preset):
+        other = (f"model.hf_path ({model.hf_path!r}, an HF checkpoint)" if model.hf_path
+                 else f"model.preset ({model.preset!r}, a model built from scratch)")
+        raise _fail("model.gguf_path", f"set {other} or model.gguf_path (a GGUF file), not "
+                    "both")
     if model.preset and model.hf_path:
         raise _fail("model.hf_path", f"set model.preset ({model.preset!r}, a model built from "
                     "scratch) or model.hf_path (a checkpoint), not both")
-    if not model.preset and not model.hf_path:
+    if not model.preset and not model.hf_path and not model.gguf_path:
         raise _fail("model.preset", "set model.preset (a model built from scratch) or "
-                    "model.hf_path (a local HF checkpoint directory)")
+                    "model.hf_path (a local HF checkpoint directory) or model.gguf_path (a "
+                    "local GGUF file)")
     overrides = dict(model.overrides)
     for key in overrides:
         if key not in MODEL_CONFIG_FIELDS:
@@ -510,6 +519,9 @@ def _check_model(config) -> None:
         if model.hf_path and key not in ATTENTION_OVERRIDES:
             raise _fail(f"model.overrides.{key}", "shapes a preset model only; model.hf_path's "
                         "config.json sets the architecture")
+        if model.gguf_path and key not in ATTENTION_OVERRIDES:
+            raise _fail(f"model.overrides.{key}", "shapes a preset model only; model.gguf_path's "
+                        "metadata sets the architecture")
     chunk = overrides.get("attention_query_chunk", model.attention_query_chunk)
     implementation = overrides.get("attention_implementation", model.attention_implementation)
     if chunk and implementation == "cudnn":
@@ -522,6 +534,12 @@ def _check_model(config) -> None:
         if warmup.steps:
             raise _fail("warmup.steps", f"{warmup.steps}: the supervised warm-up trains a "
                         "preset model from scratch; set 0 with model.hf_path")
+    elif model.gguf_path:
+        if not os.path.isfile(model.gguf_path):
+            raise _fail("model.gguf_path", f"{model.gguf_path!r} is not a file")
+        if warmup.steps:
+            raise _fail("warmup.steps", f"{warmup.steps}: the supervised warm-up trains a "
+                        "preset model from scratch; set 0 with model.gguf_path")
     elif warmup.steps and model.tokenizer_path:
         raise _fail("model.tokenizer_path", "unused: the warm-up (warmup.steps > 0) builds its "
                     "own character tokenizer; set ''")

@@ -1,6 +1,7 @@
 """The model a config describes: the (quantized) base model and its tokenizer, built from an HF
-checkpoint, a preset with the cached supervised warm-up, or random weights, with the attention
-implementation and the Pallas kernels the config asks for. Used by the trainer and by evaluate.
+checkpoint, a GGUF file, a preset with the cached supervised warm-up, or random weights, with
+the attention implementation and the Pallas kernels the config asks for. Used by the trainer
+and by evaluate.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
             model, _ = load_quantized_hf_model(model_cfg.hf_path, fmt,   # logs its report
                                                compute_dtype=model_cfg.compute_dtype,
                                                remat=model_cfg.remat)
+        return _finish_model(model, config), tokenizer
+    if model_cfg.gguf_path:
+        from qerl_jax.models.gguf_io import load_gguf_model, load_gguf_tokenizer
+
+        tokenizer = (load_tokenizer(model_cfg.tokenizer_path) if model_cfg.tokenizer_path
+                     else load_gguf_tokenizer(model_cfg.gguf_path))
+        # a 4-bit format quantizes from bf16 weights, as load_quantized_hf_model does
+        param_dtype = model_cfg.param_dtype if fmt == "bf16" else "bfloat16"
+        model = load_gguf_model(model_cfg.gguf_path, param_dtype=param_dtype,
+                                compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+        if fmt != "bf16":
+            quantize_model(model, fmt)   # logs its report
         return _finish_model(model, config), tokenizer
     architecture = preset(model_cfg.preset, param_dtype=model_cfg.param_dtype,
                           compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -191,12 +191,26 @@ def load_hf_model(directory: str, *, param_dtype: str = "bfloat16",
     """
     config = load_hf_config(directory, param_dtype=param_dtype,
                             compute_dtype=compute_dtype or param_dtype, remat=remat)
-    files = open_checkpoint_files(directory)
+    return load_model_tensors(config, open_checkpoint_files(directory), directory,
+                              linear_weight_fn)
+
+
+def load_model_tensors(config: ModelConfig, files: Mapping[str, Any], source: str,
+                       linear_weight_fn: LinearWeightFn | None = None) -> CausalLM:
+    """Builds `config`'s model abstractly and fills it one tensor at a time, so the HF and
+    GGUF loaders share one checked path.
+
+    Args:
+      files: HF tensor name -> an object with `.path`, `.shape(name)` (HF layout) and
+        `[name]` (a host array, HF layout), e.g. a SafetensorsFile.
+      source: the directory or file named in errors.
+      linear_weight_fn: as in load_hf_model.
+    """
     specs = tensor_specs(config)
-    check_tensor_names(directory, {spec.hf_name for spec in specs}, set(files),
+    check_tensor_names(source, {spec.hf_name for spec in specs}, set(files),
                        config.tie_word_embeddings)
     model = abstract_model(config)
-    target = dtype_from_name(param_dtype, "param_dtype")
+    target = config.jnp_param_dtype
     for spec in specs:
         file = files[spec.hf_name]
         check_shape(file, spec.hf_name, spec.hf_shape)
