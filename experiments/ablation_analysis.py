@@ -1,56 +1,97 @@
 """Analysis of a format ablation: loads run directories, aggregates mean +- std over seeds,
-checks the paper's claims as observed, writes the summary table and the curves.
+tests the paper's claims with per-seed paired differences and 95% t-intervals, writes the
+summary table and the curves.
 
 A run directory is any directory holding the trainer's `metrics.jsonl` and `run.json`
 (`qerl_jax.trainer.Trainer.train` writes both); its format is read from the recorded config
-(quant.format, aqn.enabled) and its seed from run.json, so GPU runs made by other scripts load
-the same way as the ones `experiments/format_ablation.py` makes.
+(quant.format, aqn.enabled, loss.rollout_is_cap) and its seed from run.json, so GPU runs made
+by other scripts load the same way as the ones `experiments/format_ablation.py` makes. A run is
+complete when metrics.jsonl holds steps 0..T-1, optionally followed by the final held-out
+evaluation's row at step T (eval columns only; qerl_jax/trainer.py).
 
-Per run (T = config.train.total_steps, steps are 0-based):
-  early entropy   mean of `entropy` over steps < max(1, ceil(early_fraction * T))
-  reward AUC      trapezoid area under `reward` against `step` over all logged steps
-                  (reward x steps; the same T for every format makes them comparable)
-  final accuracy  mean of the rollout `accuracy` over the last max(1, ceil(final_fraction * T))
-                  steps (one step's 128 samples are noisy)
+Per run (T = config.train.total_steps, steps are 0-based; "first k" / "last k" steps below use
+k = max(1, ceil(fraction * T))):
+  early entropy     mean of `entropy` over the first k steps (early_fraction, 0.2)
+  reward AUC        trapezoid area under `reward` against `step` over all training steps
+                    (reward x steps; the same T for every format makes them comparable)
+  reward growth     mean `reward` over the last k steps (growth_late_fraction, 0.2) minus the
+                    mean over the first k steps (growth_early_fraction, 0.1)
+  final accuracy    mean of the rollout `accuracy` over the last k steps (final_fraction, 0.1;
+                    one step's samples are noisy)
+  pass@1 before     `eval/pass@1` (greedy, held-out) at step 0: the base model
+  pass@1 after      `eval/pass@1` of the last row holding it (step T in a complete run)
+  rollout KL        mean of `rollout/kl` over the training steps
+The last three only where the runs logged them (config.eval.every_steps; the trainer's
+rollout/trainer mismatch metrics).
 Over seeds: mean and sample std (ddof=1; NaN with one seed).
 
-Claims (QeRL facts section 6, paper Fig. 5), reported as observed whatever the outcome:
-  1. each quantized format (nf4, mxfp4, nvfp4, nvfp4+aqn) starts with a higher entropy than bf16
-  2. NVFP4+AQN's reward AUC >= NVFP4's
+Claims (QeRL facts sections 6-7, paper Fig. 5), tested on per-seed paired differences A - B
+(the formats of one seed share its data order, problems and warm-up, so pairing by seed removes
+the seed-to-seed spread): mean difference d and the t-interval d +- t_{0.975, n-1} s / sqrt(n)
+over the n seeds both formats have (s: sample std of the differences). Verdict 'holds' when the
+interval lies above 0, 'contradicted' when below, 'not resolved' when it spans 0 (or n < 2).
+  a. early entropy: each quantized format minus bf16 > 0
+  b. reward growth: nvfp4 minus nf4 > 0, mxfp4 minus nf4 > 0
+  c. AQN: nvfp4+aqn minus nvfp4 > 0 on reward growth and on the final held-out pass@1
+  d. TIS: nvfp4+aqn+tis minus nvfp4+aqn > 0 on reward growth and on the final held-out pass@1
+The point comparisons of the means (`checks`: the quantized formats' early entropy against
+bf16, nvfp4+aqn's reward AUC against nvfp4's) are kept as observed, without an interval.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from qerl_jax.run_record import read_starts
 
+# The study's formats in table order; FORMATS (the first five) is the script's default set.
 FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4", "nvfp4+aqn")
-QUANTIZED_FORMATS = ("nf4", "mxfp4", "nvfp4", "nvfp4+aqn")
+KNOWN_FORMATS = FORMATS + ("nvfp4+aqn+tis",)
+QUANTIZED_FORMATS = ("nf4", "mxfp4", "nvfp4", "nvfp4+aqn", "nvfp4+aqn+tis")
 FORMAT_COLORS = {"bf16": "#444444", "nf4": "#1f77b4", "mxfp4": "#2ca02c", "nvfp4": "#ff7f0e",
-                 "nvfp4+aqn": "#d62728"}
+                 "nvfp4+aqn": "#d62728", "nvfp4+aqn+tis": "#9467bd"}
+# The truncation cap of nvfp4+aqn+tis when the config sets none (TRL's and verl's default).
+TIS_CAP = 2.0
+CONFIDENCE = 0.95
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
+PASS_AT_1 = "eval/pass@1"
+ROLLOUT_KL = "rollout/kl"
 
 
-def format_overrides(name: str) -> dict[str, object]:
-    """Config fields that select ablation format `name` ('nvfp4+aqn' = NVFP4 with AQN)."""
-    if name not in FORMATS:
-        raise ValueError(f"format {name!r} not in {FORMATS}")
-    quant_format, _, extra = name.partition("+")
-    return {"quant.format": quant_format, "aqn.enabled": extra == "aqn"}
+def format_overrides(name: str, config_rollout_is_cap: float = 0.0) -> dict[str, object]:
+    """Config fields that select ablation format `name`.
+
+    bf16 / nf4 / mxfp4 / nvfp4: that quant.format, AQN off; nvfp4+aqn: NVFP4 with AQN (the
+    config's aqn.* schedule). These five set loss.rollout_is_cap = 0 whatever the config says.
+    nvfp4+aqn+tis: nvfp4+aqn plus truncated importance sampling against the rollout policy,
+    loss.rollout_is_cap = `config_rollout_is_cap` (the config's own cap, after --set) when it is
+    nonzero, else TIS_CAP (2.0).
+    """
+    if name not in KNOWN_FORMATS:
+        raise ValueError(f"format {name!r} not in {KNOWN_FORMATS}")
+    quant_format, *extras = name.split("+")
+    cap = (float(config_rollout_is_cap) or TIS_CAP) if "tis" in extras else 0.0
+    return {"quant.format": quant_format, "aqn.enabled": "aqn" in extras,
+            "loss.rollout_is_cap": cap}
 
 
 def format_of_config(config: dict) -> str:
-    """The ablation format name of a recorded config dict (run.json's 'config')."""
+    """The ablation format name of a recorded config dict (run.json's 'config'): quant.format,
+    '+aqn' with AQN on, '+tis' with loss.rollout_is_cap > 0."""
     name = config["quant"]["format"]
-    return f"{name}+aqn" if config.get("aqn", {}).get("enabled") else name
+    if config.get("aqn", {}).get("enabled"):
+        name += "+aqn"
+    if (config.get("loss", {}).get("rollout_is_cap") or 0) > 0:
+        name += "+tis"
+    return name
 
 
 def format_directory_name(name: str) -> str:
@@ -66,19 +107,40 @@ class Run:
     format: str
     seed: int
     total_steps: int
-    rows: list[dict]          # metrics.jsonl, sorted by step
+    rows: list[dict]          # metrics.jsonl, sorted by step (the final eval row included)
+
+    @property
+    def training_rows(self) -> list[dict]:
+        """The rows of training steps 0..T-1 (not the final evaluation's row at step T)."""
+        return [row for row in self.rows if row["step"] < self.total_steps]
 
     @property
     def steps(self) -> np.ndarray:
-        return np.array([row["step"] for row in self.rows], np.int64)
+        """Training steps [n]."""
+        return np.array([row["step"] for row in self.training_rows], np.int64)
 
     def values(self, key: str) -> np.ndarray:
-        return np.array([row.get(key, math.nan) for row in self.rows], np.float64)
+        """`key` at each training step [n] (NaN where a row lacks it)."""
+        return np.array([row.get(key, math.nan) for row in self.training_rows], np.float64)
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) of every row holding `key` (the final eval row included; a null
+        value is NaN)."""
+        rows = [row for row in self.rows if key in row]
+        return (np.array([row["step"] for row in rows], np.int64),
+                np.array([row[key] for row in rows], np.float64))
+
+    def has(self, key: str) -> bool:
+        return any(key in row for row in self.rows)
 
     @property
     def complete(self) -> bool:
-        return len(self.rows) == self.total_steps and (
-            self.total_steps == 0 or int(self.rows[-1]["step"]) == self.total_steps - 1)
+        """Steps 0..T-1 logged, and nothing after them but the final eval row (step T)."""
+        training = self.training_rows
+        extra = [row["step"] for row in self.rows if row["step"] >= self.total_steps]
+        return (len(training) == self.total_steps
+                and (self.total_steps == 0 or int(training[-1]["step"]) == self.total_steps - 1)
+                and extra in ([], [self.total_steps]))
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -87,9 +149,12 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def load_run(path: str) -> Run:
-    """Reads one run directory (metrics.jsonl + run.json)."""
+    """Reads one run directory (metrics.jsonl + run.json); a torn last line (a run being
+    written) is left out."""
+    from qerl_jax.metrics import read_metrics
+
     meta = read_starts(path)[-1]   # run.json keeps every start; the last one's config rules
-    rows = sorted(read_jsonl(os.path.join(path, METRICS_FILE)), key=lambda row: row["step"])
+    rows = sorted(read_metrics(path), key=lambda row: row["step"])
     # metrics.jsonl is strict JSON: a non-finite value (e.g. accuracy without a correctness
     # reward) is null there
     rows = [{key: math.nan if value is None else value for key, value in row.items()}
@@ -122,7 +187,7 @@ def load_runs(roots: str | Sequence[str]) -> list[Run]:
         if not os.path.isdir(root):
             raise FileNotFoundError(f"no run directory {root!r}")
         runs.extend(load_run(path) for path in find_run_directories(root))
-    order = {name: i for i, name in enumerate(FORMATS)}
+    order = {name: i for i, name in enumerate(KNOWN_FORMATS)}
     runs.sort(key=lambda run: (order.get(run.format, len(order)), run.format, run.seed))
     seen = {}
     for run in runs:
@@ -147,18 +212,51 @@ def trapezoid_area(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2.0))
 
 
+def _first_steps_mean(run: Run, key: str, fraction: float) -> float:
+    return float(np.mean(run.values(key)[run.steps < step_count(fraction, run.total_steps)]))
+
+
+def _last_steps_mean(run: Run, key: str, fraction: float) -> float:
+    count = step_count(fraction, run.total_steps)
+    return float(np.mean(run.values(key)[run.steps >= run.total_steps - count]))
+
+
 def early_entropy(run: Run, early_fraction: float) -> float:
-    limit = step_count(early_fraction, run.total_steps)
-    return float(np.mean(run.values("entropy")[run.steps < limit]))
+    return _first_steps_mean(run, "entropy", early_fraction)
 
 
 def reward_auc(run: Run) -> float:
     return trapezoid_area(run.steps, run.values("reward"))
 
 
+def reward_growth(run: Run, early_fraction: float = 0.1, late_fraction: float = 0.2) -> float:
+    """Mean reward over the last ceil(late_fraction T) steps minus over the first
+    ceil(early_fraction T)."""
+    return (_last_steps_mean(run, "reward", late_fraction)
+            - _first_steps_mean(run, "reward", early_fraction))
+
+
 def final_accuracy(run: Run, final_fraction: float) -> float:
-    count = step_count(final_fraction, run.total_steps)
-    return float(np.mean(run.values("accuracy")[run.steps >= run.total_steps - count]))
+    return _last_steps_mean(run, "accuracy", final_fraction)
+
+
+def pass_at_1_before(run: Run) -> float:
+    """Held-out pass@1 at step 0 (the base model); NaN when not evaluated there."""
+    steps, values = run.series(PASS_AT_1)
+    return float(values[0]) if steps.size and steps[0] == 0 else math.nan
+
+
+def pass_at_1_after(run: Run) -> float:
+    """Held-out pass@1 of the last evaluation (step T in a complete run); NaN without one."""
+    values = run.series(PASS_AT_1)[1]
+    return float(values[-1]) if values.size else math.nan
+
+
+def rollout_kl(run: Run) -> float:
+    """Mean of rollout/kl over the training steps that logged it; NaN without any."""
+    values = run.values(ROLLOUT_KL)
+    values = values[np.isfinite(values)]
+    return float(values.mean()) if values.size else math.nan
 
 
 # ------------------------------------------------------------------------------ over seeds
@@ -200,6 +298,33 @@ def _paired(a: Aggregate, b: Aggregate) -> dict:
             "seeds_a_greater": int((differences > 0).sum())}
 
 
+def paired_interval(a: Aggregate, b: Aggregate, confidence: float = CONFIDENCE) -> dict:
+    """Per-seed differences a - b over the seeds where both are finite, with the t-interval of
+    their mean: d +- t_{(1 + confidence) / 2, n - 1} * s / sqrt(n) (s: sample std).
+
+    Returns {'seeds', 'differences', 'n', 'mean_difference', 'std', 'ci_low', 'ci_high',
+    'verdict'}; verdict 'holds' (interval above 0), 'contradicted' (below 0) or 'not resolved'
+    (spans 0, or n < 2: no interval, NaN bounds).
+    """
+    from scipy import stats
+
+    a_by_seed = {s: v for s, v in zip(a.seeds, a.values) if math.isfinite(v)}
+    b_by_seed = {s: v for s, v in zip(b.seeds, b.values) if math.isfinite(v)}
+    seeds = sorted(set(a_by_seed) & set(b_by_seed))
+    differences = np.array([a_by_seed[seed] - b_by_seed[seed] for seed in seeds], np.float64)
+    n = len(seeds)
+    mean = float(differences.mean()) if n else math.nan
+    std = float(differences.std(ddof=1)) if n > 1 else math.nan
+    low = high = math.nan
+    if n > 1:
+        half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n)
+        low, high = mean - half, mean + half
+    verdict = ("holds" if low > 0 else "contradicted" if high < 0 else "not resolved")
+    return {"seeds": seeds, "differences": differences.tolist(), "n": n,
+            "mean_difference": mean, "std": std, "ci_low": low, "ci_high": high,
+            "verdict": verdict}
+
+
 def _difference(a: Aggregate, b: Aggregate) -> dict:
     """a.mean - b.mean and its standard error (unequal variances); SE NaN with one seed."""
     difference = a.mean - b.mean
@@ -212,11 +337,59 @@ def _difference(a: Aggregate, b: Aggregate) -> dict:
             if not math.isnan(error) else None, **_paired(a, b)}
 
 
+# ------------------------------------------------------------------------------ the claims
+METRIC_LABELS = {"early_entropy": "early entropy", "reward_auc": "reward AUC",
+                 "reward_growth": "reward growth", "final_accuracy": "final accuracy",
+                 "pass_at_1_before": "pass@1 before", "pass_at_1_after": "final pass@1",
+                 "rollout_kl": "rollout KL"}
+# Left out of a format's aggregate for the runs that did not log them (eval off, older runs).
+OPTIONAL_METRICS = ("pass_at_1_before", "pass_at_1_after", "rollout_kl")
+# (claim group, A, B, table metric): the claim is A - B > 0 (module docstring, a-d).
+CLAIMS = (
+    *(("early entropy", name, "bf16", "early_entropy") for name in QUANTIZED_FORMATS),
+    ("reward growth", "nvfp4", "nf4", "reward_growth"),
+    ("reward growth", "mxfp4", "nf4", "reward_growth"),
+    ("AQN", "nvfp4+aqn", "nvfp4", "reward_growth"),
+    ("AQN", "nvfp4+aqn", "nvfp4", "pass_at_1_after"),
+    ("TIS", "nvfp4+aqn+tis", "nvfp4+aqn", "reward_growth"),
+    ("TIS", "nvfp4+aqn+tis", "nvfp4+aqn", "pass_at_1_after"),
+)
+
+
+def claim_intervals(table: dict[str, dict[str, Aggregate]],
+                    confidence: float = CONFIDENCE) -> list[dict]:
+    """Each of CLAIMS tested on the per-seed paired differences (paired_interval), with a
+    'note' saying why a claim is not resolved when it has fewer than two paired seeds."""
+    rows = []
+    empty = aggregate([])
+    for group, a, b, metric in CLAIMS:
+        values = {name: table.get(name, {}).get(metric, empty) for name in (a, b)}
+        result = paired_interval(values[a], values[b], confidence)
+        missing = [name for name in (a, b) if name not in table]
+        unlogged = [name for name in (a, b) if name in table and not values[name].n]
+        if missing:
+            note = f"no complete {' or '.join(missing)} runs"
+        elif unlogged:
+            note = f"no {METRIC_LABELS[metric]} in the {' or '.join(unlogged)} runs"
+        elif result["n"] == 0:
+            note = f"no seed with {METRIC_LABELS[metric]} for both"
+        elif result["n"] == 1:
+            note = "one paired seed: no interval"
+        else:
+            note = ""
+        rows.append({"group": group, "claim": f"{a} - {b}: {METRIC_LABELS[metric]} > 0",
+                     "a": a, "b": b, "metric": metric, "confidence": confidence, **result,
+                     "note": note})
+    return rows
+
+
 def check_claims(table: dict[str, dict[str, Aggregate]]) -> list[dict]:
-    """The paper's claims on the aggregated table, each reported as observed."""
+    """Point comparisons of the means, each reported as observed (no interval)."""
     checks = []
     bf16 = table.get("bf16")
     for name in QUANTIZED_FORMATS:
+        if name not in FORMATS and name not in table:
+            continue   # an optional format not in this study
         claim = f"{name} starts with a higher entropy than bf16 (mean early entropy)"
         if bf16 is None or name not in table:
             checks.append({"claim": claim, "holds": None,
@@ -240,31 +413,45 @@ def check_claims(table: dict[str, dict[str, Aggregate]]) -> list[dict]:
 
 
 def summarize_runs(runs: Sequence[Run], early_fraction: float = 0.2,
-                   final_fraction: float = 0.1) -> dict:
-    """Table (format -> metric -> Aggregate over complete runs' seeds) plus the checks.
+                   final_fraction: float = 0.1, growth_early_fraction: float = 0.1,
+                   growth_late_fraction: float = 0.2, confidence: float = CONFIDENCE) -> dict:
+    """Table (format -> metric -> Aggregate over complete runs' seeds), the claims' paired
+    intervals and the point checks.
 
     Incomplete runs are listed but left out of the numbers.
     """
+    per_run: dict[str, Callable[[Run], float]] = {
+        "early_entropy": lambda run: early_entropy(run, early_fraction),
+        "reward_auc": reward_auc,
+        "reward_growth": lambda run: reward_growth(run, growth_early_fraction,
+                                                   growth_late_fraction),
+        "final_accuracy": lambda run: final_accuracy(run, final_fraction),
+        "pass_at_1_before": pass_at_1_before,
+        "pass_at_1_after": pass_at_1_after,
+        "rollout_kl": rollout_kl,
+    }
     complete = [run for run in runs if run.complete]
     table: dict[str, dict[str, Aggregate]] = {}
     for name in dict.fromkeys(run.format for run in complete):
         group = [run for run in complete if run.format == name]
-        seeds = [run.seed for run in group]
-        table[name] = {
-            "early_entropy": aggregate((early_entropy(run, early_fraction) for run in group),
-                                       seeds),
-            "reward_auc": aggregate((reward_auc(run) for run in group), seeds),
-            "final_accuracy": aggregate((final_accuracy(run, final_fraction) for run in group),
-                                        seeds),
-        }
+        table[name] = {}
+        for metric, function in per_run.items():
+            pairs = [(function(run), run.seed) for run in group]
+            if metric in OPTIONAL_METRICS:
+                pairs = [(value, seed) for value, seed in pairs if math.isfinite(value)]
+            table[name][metric] = aggregate([value for value, _ in pairs],
+                                            [seed for _, seed in pairs])
     total_steps = sorted({run.total_steps for run in complete})
-    return {"table": table, "checks": check_claims(table),
+    return {"table": table, "claims": claim_intervals(table, confidence),
+            "checks": check_claims(table),
             "seeds": {name: [run.seed for run in complete if run.format == name]
                       for name in table},
             "total_steps": total_steps, "early_fraction": early_fraction,
-            "final_fraction": final_fraction,
+            "final_fraction": final_fraction, "growth_early_fraction": growth_early_fraction,
+            "growth_late_fraction": growth_late_fraction, "confidence": confidence,
             "incomplete": [{"path": run.path, "format": run.format, "seed": run.seed,
-                            "steps_logged": len(run.rows), "total_steps": run.total_steps}
+                            "steps_logged": len(run.training_rows),
+                            "total_steps": run.total_steps}
                            for run in runs if not run.complete]}
 
 
@@ -282,25 +469,59 @@ def _json_ready(summary: dict) -> dict:
     return convert(summary)
 
 
+def _claims_markdown(claims: Sequence[dict]) -> list[str]:
+    if not claims:
+        return []
+    confidence = claims[0]["confidence"]
+    lines = [(f"Paper claims, per-seed paired differences A - B with {confidence:.0%} "
+              "t-intervals (holds: interval above 0; contradicted: below 0):"), "",
+             f"| claim | A - B | n | mean difference | {confidence:.0%} CI | verdict |",
+             "|---|---|---|---|---|---|"]
+    for claim in claims:
+        interval = ("-" if math.isnan(claim["ci_low"])
+                    else f"[{claim['ci_low']:+.4g}, {claim['ci_high']:+.4g}]")
+        mean = "-" if claim["n"] == 0 else f"{claim['mean_difference']:+.4g}"
+        verdict = f"**{claim['verdict']}**" + (f" ({claim['note']})" if claim["note"] else "")
+        lines.append(f"| {claim['group']} | {claim['a']} - {claim['b']}: "
+                     f"{METRIC_LABELS[claim['metric']]} | {claim['n']} | {mean} | {interval} | "
+                     f"{verdict} |")
+    return lines + [""]
+
+
 def summary_markdown(summary: dict) -> str:
-    """The table and the checks as markdown."""
+    """The table, the claims and the point checks as markdown."""
     lines = []
     steps = summary["total_steps"]
+    table = summary["table"]
+    columns = [("early_entropy", 4), ("reward_auc", 3), ("reward_growth", 3),
+               ("final_accuracy", 3)]
+    columns += [(metric, 4 if metric == "rollout_kl" else 3) for metric in OPTIONAL_METRICS
+                if any(metric in row and row[metric].n for row in table.values())]
     if steps:
-        early = ", ".join(str(step_count(summary["early_fraction"], t)) for t in steps)
-        final = ", ".join(str(step_count(summary["final_fraction"], t)) for t in steps)
-        lines.append(f"Runs of {', '.join(map(str, steps))} steps; early entropy over the first "
-                     f"{early} step(s), final accuracy over the last {final} step(s); "
-                     "mean ± sample std over seeds.")
+        def counts(fraction):
+            return ", ".join(str(step_count(fraction, t)) for t in steps)
+        pass_at_1 = ("; pass@1: greedy on the held-out subset, at step 0 (before) and at the "
+                     "last evaluation (after)"
+                     if any(metric == "pass_at_1_after" for metric, _ in columns) else "")
+        lines.append(
+            f"Runs of {', '.join(map(str, steps))} steps; early entropy over the first "
+            f"{counts(summary['early_fraction'])} step(s); reward growth = mean reward over "
+            f"the last {counts(summary['growth_late_fraction'])} step(s) minus over the first "
+            f"{counts(summary['growth_early_fraction'])}; final accuracy over the last "
+            f"{counts(summary['final_fraction'])} step(s){pass_at_1}; mean ± sample std over "
+            "seeds.")
         lines.append("")
-    lines.append("| format | seeds | early entropy | reward AUC | final accuracy |")
-    lines.append("|---|---|---|---|---|")
-    for name, row in summary["table"].items():
+    lines.append("| format | seeds | " + " | ".join(METRIC_LABELS[metric]
+                                                    for metric, _ in columns) + " |")
+    lines.append("|---|---|" + "---|" * len(columns))
+    for name, row in table.items():
         seeds = ",".join(map(str, summary["seeds"][name]))
-        lines.append(f"| {name} | {seeds} | {row['early_entropy'].text(4)} | "
-                     f"{row['reward_auc'].text(3)} | {row['final_accuracy'].text(3)} |")
+        cells = [row[metric].text(digits) if metric in row else "-"
+                 for metric, digits in columns]
+        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Paper claims, as observed:")
+    lines += _claims_markdown(summary.get("claims", []))
+    lines.append("Point comparisons of the means, as observed (no interval):")
     lines.append("")
     for check in summary["checks"]:
         verdict = {True: "holds", False: "does NOT hold", None: "not evaluated"}[check["holds"]]
@@ -337,15 +558,22 @@ def write_summary(summary: dict, out_dir: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------ curves
-def seed_band(runs: Sequence[Run], key: str, smooth: int = 1):
-    """(steps, mean, std) over the runs' common steps; std NaN-free (0) with one run.
+CURVE_KEYS = ("entropy", "reward", "accuracy")
+CURVE_LABELS = {PASS_AT_1: "held-out pass@1 (greedy)"}
 
-    smooth > 1 applies a trailing moving average of that many steps to each run first.
+
+def seed_band(runs: Sequence[Run], key: str, smooth: int = 1):
+    """(steps, mean, std) over the steps every run logged `key` at; std 0 with one run;
+    empty arrays when the runs share no such step.
+
+    smooth > 1 applies a trailing moving average of that many points to each run first.
     """
-    common = sorted(set.intersection(*(set(run.steps.tolist()) for run in runs)))
+    series = [dict(zip(*(array.tolist() for array in run.series(key)))) for run in runs]
+    common = sorted(set.intersection(*(set(by_step) for by_step in series)))
+    if not common:
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
     curves = []
-    for run in runs:
-        by_step = dict(zip(run.steps.tolist(), run.values(key)))
+    for by_step in series:
         curve = np.array([by_step[step] for step in common], np.float64)
         if smooth > 1:
             curve = np.array([curve[max(0, i - smooth + 1):i + 1].mean()
@@ -356,44 +584,71 @@ def seed_band(runs: Sequence[Run], key: str, smooth: int = 1):
     return np.array(common), stacked.mean(axis=0), std
 
 
+def curve_file_stem(key: str) -> str:
+    """'eval/pass@1' -> 'eval_pass_at_1_vs_step'."""
+    return key.replace("@", "_at_").replace("/", "_") + "_vs_step"
+
+
+def _save_png(figure, path: str, dpi: int) -> None:
+    """The figure as a 256-colour palette PNG (about a third of the RGBA file's size: the
+    committed results stay small)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(256).save(path, optimize=True)
+
+
 def plot_format_curves(runs: Sequence[Run], out_dir: str, smooth: int = 1,
-                       keys: Sequence[str] = ("entropy", "reward")) -> list[str]:
+                       keys: Sequence[str] | None = None) -> list[str]:
     """One figure per metric: a line per format (mean over seeds) with a +-1 std band.
 
-    Writes {key}_vs_step.png and .svg into `out_dir`; returns the paths.
+    keys: default CURVE_KEYS, plus eval/pass@1 when a run logged it (not smoothed: one point
+    per evaluation). Writes {curve_file_stem(key)}.png and .svg into `out_dir`; returns the
+    paths.
     """
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
+    if keys is None:
+        keys = CURVE_KEYS + ((PASS_AT_1,) if any(run.has(PASS_AT_1) for run in runs) else ())
     os.makedirs(out_dir, exist_ok=True)
     formats = list(dict.fromkeys(run.format for run in runs))
     paths = []
     for key in keys:
+        window = 1 if key.startswith("eval/") else smooth
         figure = Figure(figsize=(6.4, 4.0))
         axis = figure.add_subplot()
         for name in formats:
             group = [run for run in runs if run.format == name]
-            steps, mean, std = seed_band(group, key, smooth)
+            steps, mean, std = seed_band(group, key, window)
+            if not steps.size:
+                continue
             color = FORMAT_COLORS.get(name)
-            axis.plot(steps, mean, color=color, label=f"{name} (n={len(group)})")
+            axis.plot(steps, mean, color=color, label=f"{name} (n={len(group)})",
+                      marker="o" if key.startswith("eval/") else None, markersize=3)
             if len(group) > 1:
                 axis.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2,
                                   linewidth=0)
+        label = CURVE_LABELS.get(key, key)
         axis.set_xlabel("step")
-        axis.set_ylabel(key)
-        title = f"{key} vs step (mean ± std over seeds"
-        axis.set_title(title + (f", {smooth}-step moving average)" if smooth > 1 else ")"))
+        axis.set_ylabel(label)
+        title = f"{label} vs step (mean ± std over seeds"
+        axis.set_title(title + (f", {window}-step moving average)" if window > 1 else ")"))
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
         figure.tight_layout()
-        for extension in ("png", "svg"):
-            path = os.path.join(out_dir, f"{key}_vs_step.{extension}")
-            figure.savefig(path, dpi=120)
-            paths.append(path)
+        stem = os.path.join(out_dir, curve_file_stem(key))
+        _save_png(figure, stem + ".png", dpi=120)
+        figure.savefig(stem + ".svg")
+        paths += [stem + ".png", stem + ".svg"]
     return paths
 
 
 def analyze(roots: str | Sequence[str], out_dir: str, early_fraction: float = 0.2,
-            final_fraction: float = 0.1, smooth: int = 1) -> dict:
+            final_fraction: float = 0.1, smooth: int = 1, growth_early_fraction: float = 0.1,
+            growth_late_fraction: float = 0.2) -> dict:
     """Loads the runs under `roots`, writes summary.{md,json} and the plots into `out_dir`.
 
     Returns the summary dict with 'files' (paths written) and 'markdown' added.
@@ -401,7 +656,8 @@ def analyze(roots: str | Sequence[str], out_dir: str, early_fraction: float = 0.
     runs = load_runs(roots)
     if not runs:
         raise FileNotFoundError(f"no run directories (metrics.jsonl + run.json) under {roots}")
-    summary = summarize_runs(runs, early_fraction, final_fraction)
+    summary = summarize_runs(runs, early_fraction, final_fraction, growth_early_fraction,
+                             growth_late_fraction)
     files = write_summary(summary, out_dir)
     complete = [run for run in runs if run.complete] or runs
     files["plots"] = plot_format_curves(complete, out_dir, smooth)

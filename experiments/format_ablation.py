@@ -1,10 +1,14 @@
 """Format ablation: one config trained with each weight format x seed, then the summary table,
-the paper's claims as observed, and the entropy / reward curves.
+the paper's claims tested on per-seed paired differences (95% t-intervals), and the entropy /
+reward / accuracy (and held-out pass@1) curves.
 
     python -m experiments.format_ablation                        # tiny config, 5 formats x 3 seeds
     python -m experiments.format_ablation --config configs/tiny.py --seeds 0,1,2 \\
         --formats bf16,nf4,mxfp4,nvfp4,nvfp4+aqn --set train.total_steps=40 --jobs 1 \\
         --out experiments/results/tiny_format_ablation
+    python -m experiments.format_ablation --config configs/smollm2.py --seeds 0,1,2 \\
+        --formats bf16,nf4,mxfp4,nvfp4,nvfp4+aqn,nvfp4+aqn+tis --jobs 2 \\
+        --out experiments/results/smollm2_format_study
     python -m experiments.format_ablation --summarize-only --out DIR   # read existing runs only
 
 Each run goes into OUT/<format>/seed<k>/ (nvfp4+aqn -> nvfp4_aqn) through the trainer's CLI
@@ -15,8 +19,11 @@ fingerprint is skipped; one with another fingerprint stops the script (use anoth
 an unfinished one resumes from its last checkpoint.
 
 Formats: bf16 / nf4 / mxfp4 / nvfp4 set config.quant.format with AQN off; nvfp4+aqn sets
-nvfp4 with AQN on (the config's aqn.* schedule). Everything else comes from the config and
---set overrides, identical for all formats.
+nvfp4 with AQN on (the config's aqn.* schedule); these five (the default set) run with
+loss.rollout_is_cap = 0 whatever the config says. nvfp4+aqn+tis (-> nvfp4_aqn_tis; chosen with
+--formats) is nvfp4+aqn with truncated importance sampling against the rollout policy:
+loss.rollout_is_cap is the config's own cap (after --set) when nonzero, else 2.0. Everything
+else comes from the config and --set overrides, identical for all formats.
 
 The supervised warm-up (tiny config) depends on the seed and the model / warm-up / data fields,
 not on the format: it is trained once per seed into OUT/warmup/seed<k>-<hash>/ and each run's
@@ -42,6 +49,7 @@ from collections.abc import Sequence
 from experiments import ablation_analysis
 from experiments.ablation_analysis import (
     FORMATS,
+    KNOWN_FORMATS,
     format_directory_name,
     format_overrides,
 )
@@ -106,10 +114,11 @@ def plan_runs(config_path: str, formats: Sequence[str], seeds: Sequence[int],
     specs = []
     # The progress bar writes carriage returns into train.log; the user's --set can turn it on.
     base = ["logging.progress_bar=False", *overrides]
+    config_cap = resolve_config(config_path, base).loss.rollout_is_cap   # nvfp4+aqn+tis's cap
     for seed in seeds:
         for name in formats:
             run_overrides = base + [f"{field}={value}" for field, value in
-                                    format_overrides(name).items()] + [f"seed={seed}"]
+                                    format_overrides(name, config_cap).items()] + [f"seed={seed}"]
             config = resolve_config(config_path, run_overrides)
             validate_config(config)   # a bad override stops here, before any training
             config_json = json.loads(config.to_json())
@@ -263,7 +272,8 @@ def _parse_args(argv: Sequence[str] | None):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="config file (configs/*.py)")
     parser.add_argument("--formats", default=",".join(FORMATS),
-                        help=f"comma-separated subset of {','.join(FORMATS)}")
+                        help=f"comma-separated subset of {','.join(KNOWN_FORMATS)} (default "
+                             "the first five)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="FIELD=VALUE",
@@ -280,6 +290,11 @@ def _parse_args(argv: Sequence[str] | None):
                         help="early entropy = mean over the first ceil(f * total_steps) steps")
     parser.add_argument("--final-fraction", type=float, default=0.1,
                         help="final accuracy = mean over the last ceil(f * total_steps) steps")
+    parser.add_argument("--growth-early-fraction", type=float, default=0.1,
+                        help="reward growth = mean reward over the last ceil(late * "
+                             "total_steps) steps minus over the first ceil(early * total_steps)")
+    parser.add_argument("--growth-late-fraction", type=float, default=0.2,
+                        help="see --growth-early-fraction")
     parser.add_argument("--smooth", type=int, default=1,
                         help="moving-average window (steps) of the plotted curves")
     return parser.parse_args(argv)
@@ -300,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if return_code and not ablation_analysis.find_run_directories(args.out):
         return return_code   # nothing finished to summarize
     summary = ablation_analysis.analyze([args.out, *args.runs], args.out, args.early_fraction,
-                                        args.final_fraction, args.smooth)
+                                        args.final_fraction, args.smooth,
+                                        args.growth_early_fraction, args.growth_late_fraction)
     print(summary["markdown"])
     print("wrote " + ", ".join([summary["files"]["markdown"], summary["files"]["json"],
                                 *summary["files"]["plots"]]))

@@ -1,33 +1,44 @@
 """experiments/format_ablation.py and experiments/ablation_analysis.py: the summary numbers on
-synthetic metrics files against plain numpy, the claims, the plots, skipping finished runs and
-one very short real ablation (2 formats, 1 seed, 2 GRPO steps)."""
+synthetic metrics files against plain numpy, the claims' paired t-intervals against numpy and
+scipy, the final evaluation row, the plots, the formats' config overrides, skipping finished
+runs and one very short real ablation (2 formats, 1 seed, 2 GRPO steps, held-out eval on)."""
 
 import json
 import math
 import os
 
 import numpy as np
-
-from qerl_jax.run_record import read_starts
 import pytest
+from scipy import stats
 
 from experiments import ablation_analysis as analysis
 from experiments import format_ablation
+from qerl_jax.run_record import read_starts
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 
 
-def _write_run(directory, name, seed, total_steps, entropy, reward, accuracy):
-    """A run directory as the trainer writes it (only the fields the analysis reads)."""
+def _write_run(directory, name, seed, total_steps, entropy, reward, accuracy, columns=None,
+               final_row=None):
+    """A run directory as the trainer writes it (only the fields the analysis reads).
+
+    columns: {step: {key: value}} joined to the training rows (e.g. eval/pass@1, rollout/kl);
+    final_row: the eval-only row written after the last step (at step total_steps).
+    """
     os.makedirs(directory, exist_ok=True)
-    fmt, _, extra = name.partition("+")
-    config = {"quant": {"format": fmt}, "aqn": {"enabled": extra == "aqn"},
+    fmt, *extras = name.split("+")
+    config = {"quant": {"format": fmt}, "aqn": {"enabled": "aqn" in extras},
+              "loss": {"rollout_is_cap": 2.0 if "tis" in extras else 0.0},
               "train": {"total_steps": total_steps}, "seed": seed}
     with open(os.path.join(directory, "run.json"), "w") as handle:
         json.dump({"seed": seed, "config": config, "git_revision": "x", "versions": {}}, handle)
+    rows = [{"step": step, "entropy": entropy[step], "reward": reward[step],
+             "accuracy": accuracy[step], **(columns or {}).get(step, {})}
+            for step in range(len(entropy))]
+    if final_row is not None:
+        rows.append({"step": total_steps, **final_row})
     with open(os.path.join(directory, "metrics.jsonl"), "w") as handle:
-        handle.writelines(json.dumps({"step": step, "entropy": entropy[step],
-                                     "reward": reward[step], "accuracy": accuracy[step]}) + "\n" for step in range(len(entropy)))
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def _synthetic(root, rng, total_steps=17, seeds=(0, 1, 2), formats=analysis.FORMATS,
@@ -119,6 +130,177 @@ def test_paired_differences_by_seed(tmp_path):
     assert "paired by seed" in analysis.summary_markdown(summary)
 
 
+def _t_interval(differences):
+    """Hand computation: mean +- t_{0.975, n-1} * sample std / sqrt(n)."""
+    differences = np.asarray(differences, np.float64)
+    n = differences.size
+    half = stats.t.ppf(0.975, n - 1) * differences.std(ddof=1) / np.sqrt(n)
+    return differences.mean(), differences.mean() - half, differences.mean() + half
+
+
+def test_paired_interval_matches_hand_computation():
+    rng = np.random.default_rng()
+    seeds = [0, 1, 2, 3, 5]
+    a = analysis.aggregate(rng.normal(1.0, 0.5, 5), seeds)
+    b = analysis.aggregate(rng.normal(0.0, 0.5, 4), [5, 3, 1, 0])   # no seed 2; other order
+    by_seed = dict(zip(b.seeds, b.values))
+    differences = [value - by_seed[seed] for seed, value in zip(a.seeds, a.values)
+                   if seed in by_seed]
+    result = analysis.paired_interval(a, b)
+    mean, low, high = _t_interval(differences)
+    assert result["seeds"] == [0, 1, 3, 5] and result["n"] == 4
+    np.testing.assert_allclose(result["differences"], differences, rtol=1e-12)
+    np.testing.assert_allclose([result["mean_difference"], result["ci_low"], result["ci_high"]],
+                               [mean, low, high], rtol=1e-12)
+    np.testing.assert_allclose(result["std"], np.std(differences, ddof=1), rtol=1e-12)
+
+
+def test_claims_against_hand_computation(tmp_path):
+    """summary['claims']: early entropy (quantized - bf16) and reward growth (last 20% minus
+    first 10% of the steps; nvfp4 - nf4), paired by seed, from the raw synthetic rows."""
+    rng = np.random.default_rng()
+    total, seeds = 23, (0, 1, 2, 4)
+    data = _synthetic(str(tmp_path), rng, total, seeds, formats=analysis.KNOWN_FORMATS)
+    summary = analysis.summarize_runs(analysis.load_runs(str(tmp_path)))
+    early, first, last = math.ceil(0.2 * total), math.ceil(0.1 * total), math.ceil(0.2 * total)
+
+    def growth(name, seed):
+        reward = data[name, seed][1]
+        return reward[-last:].mean() - reward[:first].mean()
+
+    claims = {(claim["a"], claim["b"], claim["metric"]): claim for claim in summary["claims"]}
+    for name in analysis.QUANTIZED_FORMATS:
+        claim = claims[name, "bf16", "early_entropy"]
+        differences = [data[name, s][0][:early].mean() - data["bf16", s][0][:early].mean()
+                       for s in seeds]
+        np.testing.assert_allclose([claim["mean_difference"], claim["ci_low"],
+                                    claim["ci_high"]], _t_interval(differences), rtol=1e-12)
+        assert claim["n"] == 4 and claim["seeds"] == list(seeds)
+    for a, b in (("nvfp4", "nf4"), ("mxfp4", "nf4"), ("nvfp4+aqn", "nvfp4"),
+                 ("nvfp4+aqn+tis", "nvfp4+aqn")):
+        claim = claims[a, b, "reward_growth"]
+        differences = [growth(a, s) - growth(b, s) for s in seeds]
+        np.testing.assert_allclose([claim["mean_difference"], claim["ci_low"],
+                                    claim["ci_high"]], _t_interval(differences), rtol=1e-12)
+    for a, b in (("nvfp4+aqn", "nvfp4"), ("nvfp4+aqn+tis", "nvfp4+aqn")):
+        claim = claims[a, b, "pass_at_1_after"]   # no eval logged
+        assert claim["n"] == 0 and claim["verdict"] == "not resolved"
+        assert "final pass@1" in claim["note"]
+    saved = analysis._json_ready(summary)
+    assert saved["claims"][0]["ci_low"] == summary["claims"][0]["ci_low"]
+    text = analysis.summary_markdown(summary)
+    assert "95% CI" in text and "nvfp4+aqn+tis - nvfp4+aqn: reward growth" in text
+
+
+def test_claim_verdicts():
+    """holds: interval above 0; contradicted: below; not resolved: spans 0, or n < 2."""
+    seeds = [0, 1, 2]
+
+    def table(differences):
+        return {"bf16": {"early_entropy": analysis.aggregate([0.0, 0.0, 0.0], seeds)},
+                "nf4": {"early_entropy": analysis.aggregate(differences, seeds)}}
+
+    def verdict(differences):
+        claims = analysis.claim_intervals(table(differences))
+        return next(claim for claim in claims if claim["a"] == "nf4")
+
+    assert verdict([1.0, 1.1, 0.9])["verdict"] == "holds"
+    assert verdict([-1.0, -1.1, -0.9])["verdict"] == "contradicted"
+    spans = verdict([1.0, -1.0, 0.5])
+    assert spans["verdict"] == "not resolved" and spans["ci_low"] < 0 < spans["ci_high"]
+    assert spans["note"] == ""
+    one = analysis.claim_intervals({
+        "bf16": {"early_entropy": analysis.aggregate([0.0], [0])},
+        "nf4": {"early_entropy": analysis.aggregate([5.0], [0])}})[0]
+    assert one["verdict"] == "not resolved" and one["n"] == 1 and math.isnan(one["ci_low"])
+    assert "one paired seed" in one["note"]
+    missing = next(claim for claim in analysis.claim_intervals(table([1.0, 1.0, 1.0]))
+                   if claim["a"] == "mxfp4")
+    assert missing["verdict"] == "not resolved" and missing["note"] == "no complete mxfp4 runs"
+
+
+def test_entropy_shift_verdicts(tmp_path):
+    """+5 early entropy for nf4, -5 for mxfp4 (uniform(0.5, 2) noise cannot flip either)."""
+    rng = np.random.default_rng()
+    _synthetic(str(tmp_path), rng, entropy_offset={"nf4": 5.0, "mxfp4": -5.0})
+    claims = {claim["a"]: claim for claim in analysis.summarize_runs(
+        analysis.load_runs(str(tmp_path)))["claims"] if claim["metric"] == "early_entropy"}
+    assert claims["nf4"]["verdict"] == "holds"
+    assert claims["mxfp4"]["verdict"] == "contradicted"
+    assert claims["nvfp4+aqn+tis"]["n"] == 0
+
+
+def test_final_eval_row(tmp_path):
+    """With eval on, metrics.jsonl ends with an eval-only row at step T: the run is complete,
+    the training numbers ignore that row, pass@1 before = step 0's, after = the last row's,
+    rollout KL is the mean over the training steps, and the pass@1 curve is drawn."""
+    rng = np.random.default_rng()
+    total, seeds = 12, (0, 1, 2)
+    passes, kls, data = {}, {}, {}
+    for name in ("nvfp4", "nvfp4+aqn"):
+        for seed in seeds:
+            series = [rng.uniform(size=total) for _ in range(3)]
+            evaluated = {step: rng.uniform() for step in (0, 4, 8, 12)}
+            kl = rng.uniform(0, 1e-3, total)
+            columns = {step: {"rollout/kl": kl[step]} for step in range(total)}
+            for step in (0, 4, 8):
+                columns[step].update({"eval/pass@1": evaluated[step], "eval/mean_length": 9.0,
+                                      "eval/num_examples": 16})
+            final = {"eval/pass@1": evaluated[12], "eval/mean_length": 9.0,
+                     "eval/num_examples": 16, "time/eval_s": 0.1}
+            _write_run(str(tmp_path / analysis.format_directory_name(name) / f"seed{seed}"),
+                       name, seed, total, *series, columns=columns, final_row=final)
+            passes[name, seed], kls[name, seed], data[name, seed] = evaluated, kl, series
+    runs = analysis.load_runs(str(tmp_path))
+    assert all(run.complete for run in runs) and len(runs[0].rows) == total + 1
+    np.testing.assert_array_equal(runs[0].steps, np.arange(total))
+    summary = analysis.summarize_runs(runs)
+    assert not summary["incomplete"]
+    for name in ("nvfp4", "nvfp4+aqn"):
+        row = summary["table"][name]
+        np.testing.assert_allclose(row["pass_at_1_before"].values,
+                                   [passes[name, s][0] for s in seeds], rtol=1e-12)
+        np.testing.assert_allclose(row["pass_at_1_after"].values,
+                                   [passes[name, s][12] for s in seeds], rtol=1e-12)
+        np.testing.assert_allclose(row["rollout_kl"].values,
+                                   [kls[name, s].mean() for s in seeds], rtol=1e-12)
+        np.testing.assert_allclose(row["reward_auc"].values,
+                                   [np.trapezoid(data[name, s][1]) for s in seeds], rtol=1e-12)
+        np.testing.assert_allclose(row["final_accuracy"].values,
+                                   [data[name, s][2][-2:].mean() for s in seeds], rtol=1e-12)
+    claim = next(claim for claim in summary["claims"]
+                 if claim["a"] == "nvfp4+aqn" and claim["metric"] == "pass_at_1_after")
+    np.testing.assert_allclose(
+        [claim["mean_difference"], claim["ci_low"], claim["ci_high"]],
+        _t_interval([passes["nvfp4+aqn", s][12] - passes["nvfp4", s][12] for s in seeds]),
+        rtol=1e-12)
+    text = analysis.summary_markdown(summary)
+    assert "| pass@1 before | final pass@1 | rollout KL |" in text
+    paths = analysis.plot_format_curves(runs, str(tmp_path / "out"))
+    assert os.path.join(str(tmp_path / "out"), "eval_pass_at_1_vs_step.png") in paths
+    steps, mean, _ = analysis.seed_band([run for run in runs if run.format == "nvfp4"],
+                                        "eval/pass@1")
+    np.testing.assert_array_equal(steps, [0, 4, 8, 12])
+    np.testing.assert_allclose(mean, [np.mean([passes["nvfp4", s][k] for s in seeds])
+                                      for k in (0, 4, 8, 12)], rtol=1e-12)
+
+
+def test_complete_only_with_every_training_step(tmp_path):
+    """A run missing a training step, or holding a row past step T, is incomplete."""
+    rng = np.random.default_rng()
+    series = [rng.uniform(size=6) for _ in range(3)]
+    _write_run(str(tmp_path / "a"), "nvfp4", 0, 6, *series,
+               final_row={"eval/pass@1": 0.5})
+    _write_run(str(tmp_path / "b"), "nvfp4", 1, 7, *series,
+               final_row={"eval/pass@1": 0.5})      # 6 training rows + a row at step 7
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as handle:
+        handle.write(json.dumps({"step": 9, "eval/pass@1": 0.1}) + "\n")
+    runs = analysis.load_runs(str(tmp_path))
+    assert [run.complete for run in runs] == [False, False]
+    summary = analysis.summarize_runs(runs)
+    assert [item["steps_logged"] for item in summary["incomplete"]] == [6, 6]
+
+
 def test_missing_formats_and_incomplete_runs(tmp_path):
     rng = np.random.default_rng()
     _synthetic(str(tmp_path), rng, total_steps=10, seeds=(0,), formats=("bf16", "nvfp4"))
@@ -139,8 +321,8 @@ def test_analyze_writes_summary_and_plots(tmp_path):
     _synthetic(str(tmp_path / "runs"), rng, total_steps=8, seeds=(0, 1))
     summary = analysis.analyze(str(tmp_path / "runs"), str(tmp_path / "out"), smooth=3)
     names = sorted(os.path.basename(path) for path in summary["files"]["plots"])
-    assert names == ["entropy_vs_step.png", "entropy_vs_step.svg", "reward_vs_step.png",
-                     "reward_vs_step.svg"]
+    assert names == ["accuracy_vs_step.png", "accuracy_vs_step.svg", "entropy_vs_step.png",
+                     "entropy_vs_step.svg", "reward_vs_step.png", "reward_vs_step.svg"]
     for path in summary["files"]["plots"] + [summary["files"]["json"]]:
         assert os.path.getsize(path) > 1000
     with open(summary["files"]["json"]) as handle:
@@ -163,10 +345,38 @@ def test_seed_band_smoothing():
 
 def test_format_overrides():
     assert analysis.format_overrides("nvfp4+aqn") == {"quant.format": "nvfp4",
-                                                      "aqn.enabled": True}
-    assert analysis.format_overrides("bf16") == {"quant.format": "bf16", "aqn.enabled": False}
+                                                      "aqn.enabled": True,
+                                                      "loss.rollout_is_cap": 0.0}
+    assert analysis.format_overrides("bf16") == {"quant.format": "bf16", "aqn.enabled": False,
+                                                 "loss.rollout_is_cap": 0.0}
     with pytest.raises(ValueError, match="fp8"):
         analysis.format_overrides("fp8")
+
+
+def test_sixth_format_overrides(tmp_path):
+    """nvfp4+aqn+tis: NVFP4 + AQN + a truncation cap (2.0, or the config's own nonzero cap);
+    the five classic formats always run with the cap at 0, so a config's cap cannot leak."""
+    assert analysis.format_overrides("nvfp4+aqn+tis") == {
+        "quant.format": "nvfp4", "aqn.enabled": True, "loss.rollout_is_cap": 2.0}
+    assert analysis.format_overrides("nvfp4+aqn+tis", 3.5)["loss.rollout_is_cap"] == 3.5
+    for name in analysis.FORMATS:
+        assert analysis.format_overrides(name, 3.5)["loss.rollout_is_cap"] == 0.0
+    assert "nvfp4+aqn+tis" not in analysis.FORMATS   # the script's default set: the five
+    assert analysis.format_directory_name("nvfp4+aqn+tis") == "nvfp4_aqn_tis"
+    assert analysis.format_of_config({"quant": {"format": "nvfp4"}, "aqn": {"enabled": True},
+                                      "loss": {"rollout_is_cap": 2.0}}) == "nvfp4+aqn+tis"
+    assert "nvfp4+aqn+tis" in analysis.FORMAT_COLORS
+    out = str(tmp_path)
+    for overrides, cap in (([], 2.0), (["loss.rollout_is_cap=3.0"], 3.0)):
+        specs = format_ablation.plan_runs(os.path.abspath(CONFIG),
+                                          ["nvfp4", "nvfp4+aqn", "nvfp4+aqn+tis"], [0],
+                                          ["train.total_steps=3", *overrides], out)
+        assert [spec.config_json["loss"]["rollout_is_cap"] for spec in specs] == [0.0, 0.0, cap]
+        assert [analysis.format_of_config(spec.config_json) for spec in specs] == [
+            "nvfp4", "nvfp4+aqn", "nvfp4+aqn+tis"]
+        assert specs[2].directory == os.path.join(out, "nvfp4_aqn_tis", "seed0")
+        assert len({spec.warmup_directory for spec in specs}) == 1   # the loss is not warm-up
+    assert format_ablation._parse_args([]).formats == ",".join(analysis.FORMATS)
 
 
 def test_finished_runs_are_skipped(tmp_path, monkeypatch):
@@ -199,34 +409,46 @@ def test_finished_runs_are_skipped(tmp_path, monkeypatch):
 
 
 def test_short_real_ablation(tmp_path):
-    """Two formats, one seed, 2 GRPO steps of a shrunken tiny model: run dirs, shared warm-up,
-    summary and plots; the second invocation trains nothing."""
+    """Two formats (bf16, nvfp4+aqn+tis), one seed, 2 GRPO steps of a shrunken tiny model
+    with held-out eval every step: run dirs, shared warm-up, the final eval-only row, summary
+    and plots; the second invocation trains nothing."""
     out = str(tmp_path / "ablation")
     overrides = ["train.total_steps=2", "warmup.steps=5", "model.overrides.num_hidden_layers=2",
                  "train.prompts_per_step=4", "rollout.num_generations=4",
                  "train.micro_batch_size=16",
-                 "rollout.max_new_tokens=8"]
-    argv = ["--config", CONFIG, "--formats", "bf16,nvfp4+aqn", "--seeds", "0", "--out", out]
+                 "rollout.max_new_tokens=8", "eval.every_steps=1", "eval.num_examples=4",
+                 "eval.batch_size=4"]
+    formats = ["bf16", "nvfp4+aqn+tis"]
+    argv = ["--config", CONFIG, "--formats", ",".join(formats), "--seeds", "0", "--out", out]
     for override in overrides:
         argv += ["--set", override]
     assert format_ablation.main(argv) == 0
-    for name, directory in (("bf16", "bf16"), ("nvfp4+aqn", "nvfp4_aqn")):
+    for name, directory in (("bf16", "bf16"), ("nvfp4+aqn+tis", "nvfp4_aqn_tis")):
         run_dir = os.path.join(out, directory, "seed0")
         meta = read_starts(run_dir)[-1]
         assert meta["seed"] == 0 and meta["git_revision"] and "jax" in meta["versions"]
         assert analysis.format_of_config(meta["config"]) == name
         assert meta["config"]["model"]["overrides"]["num_hidden_layers"] == 2
+        assert meta["config"]["loss"]["rollout_is_cap"] == (2.0 if name.endswith("tis") else 0)
         rows = analysis.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-        assert [row["step"] for row in rows] == [0, 1]
-        assert all(np.isfinite(row["entropy"]) for row in rows)
+        assert [row["step"] for row in rows] == [0, 1, 2]   # 2: the final policy's eval row
+        assert all(np.isfinite(row["entropy"]) for row in rows[:2])
+        assert "entropy" not in rows[2]
+        assert all(0 <= row["eval/pass@1"] <= 1 for row in rows)
         assert os.path.islink(os.path.join(run_dir, "warmup"))
     bf16_status = format_ablation.read_status(os.path.join(out, "bf16", "seed0"))
-    aqn_status = format_ablation.read_status(os.path.join(out, "nvfp4_aqn", "seed0"))
+    aqn_status = format_ablation.read_status(os.path.join(out, "nvfp4_aqn_tis", "seed0"))
     assert bf16_status["status"] == aqn_status["status"] == "done"
     assert not bf16_status["warmup_reused"] and aqn_status["warmup_reused"]
     assert (os.path.realpath(os.path.join(out, "bf16", "seed0", "warmup"))
-            == os.path.realpath(os.path.join(out, "nvfp4_aqn", "seed0", "warmup")))
-    for name in ("summary.md", "summary.json", "entropy_vs_step.png", "reward_vs_step.svg"):
+            == os.path.realpath(os.path.join(out, "nvfp4_aqn_tis", "seed0", "warmup")))
+    for name in ("summary.md", "summary.json", "entropy_vs_step.png", "reward_vs_step.svg",
+                 "accuracy_vs_step.png", "eval_pass_at_1_vs_step.png"):
         assert os.path.isfile(os.path.join(out, name))
-    report = format_ablation.run_ablation(CONFIG, ["bf16", "nvfp4+aqn"], [0], overrides, out)
+    with open(os.path.join(out, "summary.json")) as handle:
+        saved = json.load(handle)
+    assert not saved["incomplete"]
+    assert saved["table"]["nvfp4+aqn+tis"]["pass_at_1_after"]["n"] == 1
+    assert saved["table"]["nvfp4+aqn+tis"]["rollout_kl"]["n"] == 1
+    report = format_ablation.run_ablation(CONFIG, formats, [0], overrides, out)
     assert len(report["skipped"]) == 2 and not report["done"] and not report["failed"]
