@@ -30,8 +30,9 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 PRESET_NAMES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b",
                 "qwen2p5_32b", "qwen2p5_72b", "llama3p1_8b",
                 "tiny_qwen2")                                # models.config.PRESETS
-REWARD_NAMES = ("format", "gsm8k_exact", "gsm8k_numeric", "math_verify",
-                "arithmetic")                                # rewards.REWARD_FUNCTIONS
+REWARD_NAMES = ("format", "gsm8k_exact", "gsm8k_numeric", "math_verify", "arithmetic",
+                "arithmetic_last_integer")                   # rewards.REWARD_FUNCTIONS
+ARITHMETIC_PHRASINGS = ("expression", "question")            # rewards.arithmetic.PHRASINGS
 LOSS_TYPES = ("sequence_mean", "micro_batch_token_mean", "constant_length_sum",
               "batch_token_mean", "grpo", "bnpo", "dr_grpo", "dapo")   # rl.losses.LOSS_TYPES
 LOSS_TYPE_ALIASES = {"grpo": "sequence_mean", "bnpo": "micro_batch_token_mean",   # rl.losses
@@ -238,6 +239,9 @@ FIELDS: dict[str, Field] = {
                                    greater_than(0)),
     "data.arithmetic_max_operand": Field(20, "Largest operand of the arithmetic problems (the "
                                          "task's and the warm-up's).", greater_than(0)),
+    "data.arithmetic_phrasing": Field("expression", "Arithmetic questions as '7+5=' "
+                                      "('expression') or 'What is 7 + 5?' ('question', for "
+                                      "instruct models).", one_of(ARITHMETIC_PHRASINGS)),
     "data.prompt_style": Field("paper", "'paper' appends QeRL's think/answer instruction, "
                                "'system' puts it in a system message, 'plain' adds nothing.",
                                one_of(PROMPT_STYLES)),
@@ -566,9 +570,10 @@ def _check_data(config) -> None:
         if not data.path:
             raise _fail("data.path", f"task {data.task!r} needs a .jsonl/.parquet file or a "
                         "hub dataset name")
-        if data.arithmetic_count != defaults["data.arithmetic_count"].default:
-            raise _fail("data.arithmetic_count", f"{data.arithmetic_count} is unused by task "
-                        f"{data.task!r} (it reads data.path)")
+        for name in ("arithmetic_count", "arithmetic_phrasing"):
+            if data[name] != defaults[f"data.{name}"].default:
+                raise _fail(f"data.{name}", f"{data[name]!r} is unused by task {data.task!r} "
+                            "(it reads data.path)")
         max_operand = defaults["data.arithmetic_max_operand"].default
         if data.arithmetic_max_operand != max_operand and not config.warmup.steps:
             raise _fail("data.arithmetic_max_operand", f"{data.arithmetic_max_operand} is "

@@ -68,6 +68,9 @@ def test_constants_equal_their_jax_side_sources():
     assert set(experiment_config.REWARD_NAMES) == set(REWARD_FUNCTIONS)
     assert experiment_config.LOSS_TYPES == LOSS_TYPES
     assert experiment_config.LOSS_TYPE_ALIASES == LOSS_TYPE_ALIASES
+    from qerl_jax.rewards.arithmetic import PHRASINGS
+
+    assert experiment_config.ARITHMETIC_PHRASINGS == PHRASINGS
     from pallas_kernels import mxfp4_matmul, nf4_matmul, nvfp4_matmul
 
     decoders = {d for spec in (nvfp4_matmul.NVFP4, mxfp4_matmul.MXFP4, nf4_matmul.NF4)

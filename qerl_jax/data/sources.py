@@ -139,7 +139,7 @@ def _to_example(task: str, row: object, where: str) -> Example:
 def load_examples(task: str, source: str = "", *, split: str = "train",
                   subset: str | None = None, limit: int | None = None,
                   arithmetic_count: int = 1000, arithmetic_max_operand: int = 20,
-                  seed: int = 0) -> list[Example]:
+                  arithmetic_phrasing: str = "expression", seed: int = 0) -> list[Example]:
     """Examples of `task` from `source`: a local .jsonl/.parquet path, or a hub dataset name.
 
     For task 'arithmetic' no source is needed: `arithmetic_count` problems from `seed`. Every
@@ -153,7 +153,8 @@ def load_examples(task: str, source: str = "", *, split: str = "train",
     if task == "arithmetic":
         examples = [Example(p["question"], p["answer"])
                     for p in arithmetic_problems(arithmetic_count, seed,
-                                                 max_operand=arithmetic_max_operand)]
+                                                 max_operand=arithmetic_max_operand,
+                                                 phrasing=arithmetic_phrasing)]
     else:
         if not source:
             raise ConfigError(f"task {task!r} needs a data source (a .jsonl/.parquet path or "
@@ -194,7 +195,7 @@ def load_training_examples(config) -> list[Example]:
                              subset=data.subset or None, limit=data.limit or None,
                              arithmetic_count=data.arithmetic_count,
                              arithmetic_max_operand=data.arithmetic_max_operand,
-                             seed=config.seed)
+                             arithmetic_phrasing=data.arithmetic_phrasing, seed=config.seed)
     needed = config.train.prompts_per_step
     if len(examples) < needed:
         field, source = (("data.arithmetic_count", "the arithmetic task") if not data.path
@@ -207,7 +208,8 @@ def load_training_examples(config) -> list[Example]:
 
 
 def held_out_arithmetic_examples(count: int, seed: int, max_operand: int, training_count: int,
-                                 training_questions: set[str]) -> list[Example]:
+                                 training_questions: set[str], *,
+                                 phrasing: str = "expression") -> list[Example]:
     """The arithmetic task's test split, first `count` rows: the problems drawn after the
     `training_count` training ones from the same seeded stream, each question once, none of
     `training_questions`.
@@ -224,7 +226,8 @@ def held_out_arithmetic_examples(count: int, seed: int, max_operand: int, traini
     drawn = training_count + 4 * count
     while True:   # ends: `available` >= count distinct unseen questions exist
         picked, seen = [], set(training_questions)
-        for problem in arithmetic_problems(drawn, seed, max_operand=max_operand)[
+        for problem in arithmetic_problems(drawn, seed, max_operand=max_operand,
+                                           phrasing=phrasing)[
                 training_count:]:
             if problem["question"] not in seen:
                 seen.add(problem["question"])
@@ -258,7 +261,8 @@ def load_eval_examples(config, training_examples: list[Example]) -> list[Example
                               "task 'arithmetic' (its held-out problems are generated); set ''")
         return held_out_arithmetic_examples(
             count, config.seed, data.arithmetic_max_operand, data.arithmetic_count,
-            {example.question for example in training_examples})
+            {example.question for example in training_examples},
+            phrasing=data.arithmetic_phrasing)
     source = evaluation.data_path or data.path
     if not evaluation.data_path and is_local_source(data.path):
         raise ConfigError(f"config.eval.data_path: required with a local data.path "

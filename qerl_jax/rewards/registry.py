@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from qerl_jax.rewards.answer_format import format_reward
-from qerl_jax.rewards.arithmetic import arithmetic_reward
+from qerl_jax.rewards.arithmetic import arithmetic_last_integer_reward, arithmetic_reward
 from qerl_jax.rewards.gsm8k import gsm8k_exact_reward, gsm8k_numeric_reward
 from qerl_jax.rewards.math_answers import math_accuracy_reward
 
@@ -21,6 +21,7 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "gsm8k_numeric": gsm8k_numeric_reward,
     "math_verify": math_accuracy_reward,
     "arithmetic": arithmetic_reward,
+    "arithmetic_last_integer": arithmetic_last_integer_reward,
 }
 
 

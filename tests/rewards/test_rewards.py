@@ -2,6 +2,7 @@
 gold answers verify against themselves; nothing raises on random text (hypothesis)."""
 
 import json
+import re
 import os
 
 import pytest
@@ -9,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from qerl_jax.rewards import REWARD_FUNCTIONS, get_reward_functions, score_completions
 from qerl_jax.rewards.answer_format import extract_answer, format_reward
-from qerl_jax.rewards.arithmetic import arithmetic_problems, arithmetic_reward
+from qerl_jax.rewards.arithmetic import (arithmetic_last_integer_reward, arithmetic_problems,
+                                        arithmetic_reward)
 from qerl_jax.rewards.gsm8k import gsm8k_exact_reward, gsm8k_gold_answer, gsm8k_numeric_reward
 from qerl_jax.rewards.math_answers import math_accuracy_reward
 from tests.conftest import SHARED_DATA_DIR
@@ -67,6 +69,24 @@ def test_arithmetic_task_is_seeded_and_exact():
         assert eval(problem["question"][:-1]) == int(problem["answer"])
         assert arithmetic_reward(problem["answer"], problem["answer"]) == 1.0
     assert arithmetic_reward("12", "13") == 0.0
+
+
+def test_question_phrasing_draws_the_same_problems():
+    expressions = arithmetic_problems(50, seed=3)
+    questions = arithmetic_problems(50, seed=3, phrasing="question")
+    for expression, question in zip(expressions, questions):
+        a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", expression["question"]).groups()
+        assert question["question"] == f"What is {a} {op} {b}?"
+        assert question["answer"] == expression["answer"]
+
+
+def test_last_integer_reward_reads_the_stated_result():
+    assert arithmetic_last_integer_reward("2 + 1 = 3", "3") == 1.0
+    assert arithmetic_reward("2 + 1 = 3", "3") == 0.0   # the first integer is an operand
+    assert arithmetic_last_integer_reward("The answer is -6.", "-6") == 1.0
+    assert arithmetic_last_integer_reward("<answer>7</answer> then 9", "7") == 1.0
+    assert arithmetic_last_integer_reward("7 + 5 = 12, not 13", "12") == 0.0
+    assert arithmetic_last_integer_reward("no number", "1") == 0.0
 
 
 @settings(max_examples=300, deadline=None)
