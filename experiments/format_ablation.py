@@ -242,7 +242,9 @@ def run_ablation(config_path: str = DEFAULT_CONFIG, formats: Sequence[str] = FOR
         _say(f"skipping finished run {directory}")
     env = dict(os.environ)
     if jobs > 1:
-        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share a GPU
+        # Processes share one GPU: each gets a fixed share of its memory (growing pools of 9
+        # SmolLM2 runs on one H100 ran out, in CUDA graph instantiation), 15% left to the driver.
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.85 / jobs:.3f}")
     # Phase 1: one run per warm-up cache that is not built yet; phase 2: all the others.
     first, seen = [], set()
     for spec in pending:

@@ -43,7 +43,7 @@ from qerl_jax.models.config import preset
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.models.safetensors_io import SafetensorsFile
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids, load_tokenizer
-from qerl_jax.rewards.arithmetic import arithmetic_reward
+from qerl_jax.rewards.arithmetic import arithmetic_last_integer_reward, arithmetic_reward
 from qerl_jax.rewards.gsm8k import gsm8k_numeric_reward
 from qerl_jax.rewards.math_answers import math_accuracy_reward
 from qerl_jax.run_record import RUN_FILE, current_config
@@ -170,20 +170,24 @@ def model_from_run(workdir: str, step: int | None = None,
     return nnx.merge(graphdef, arrays["trainable"], frozen), tokenizer, config, step
 
 
-def correctness(task: str, completion: str, gold: str) -> float:
-    """1.0 for a correct final answer, else 0.0: GSM8K numeric, arithmetic exact integer, MATH
-    math-verify."""
+def correctness(task: str, completion: str, gold: str, *,
+                arithmetic_phrasing: str = "expression") -> float:
+    """1.0 for a correct final answer, else 0.0: GSM8K numeric, arithmetic exact integer (the
+    first integer for '7+5=' problems, the last for 'What is 7 + 5?', as the task's rewards
+    read them), MATH math-verify."""
     if task == "gsm8k":
         return gsm8k_numeric_reward(completion, gold) / 2.0
     if task == "arithmetic":
-        return arithmetic_reward(completion, gold)
+        reward = (arithmetic_last_integer_reward if arithmetic_phrasing == "question"
+                  else arithmetic_reward)
+        return reward(completion, gold)
     return math_accuracy_reward(completion, gold)
 
 
 def pass_at_1(sample: Callable[[np.ndarray, np.ndarray, jax.Array], Rollout], tokenizer,
               examples, *, task: str, samples_per_problem: int, max_prompt_length: int,
               batch_size: int, prompt_style: str, use_chat_template: bool = True,
-              seed: int = 0) -> dict:
+              seed: int = 0, arithmetic_phrasing: str = "expression") -> dict:
     """pass@1 of the policy `sample` draws from: the mean correctness over every completion.
 
     Args:
@@ -206,7 +210,8 @@ def pass_at_1(sample: Callable[[np.ndarray, np.ndarray, jax.Array], Rollout], to
         for row in range(rollout.tokens.shape[0]):
             length = int(rollout.lengths[row])
             text = decode_completion(tokenizer, rollout.tokens[row, :length].tolist())
-            scores.append(correctness(task, text, chunk[row // samples_per_problem].gold))
+            scores.append(correctness(task, text, chunk[row // samples_per_problem].gold,
+                                      arithmetic_phrasing=arithmetic_phrasing))
             lengths.append(length)
     per_problem = np.asarray(scores).reshape(len(examples), samples_per_problem)
     return {"pass@1": float(per_problem.mean()), "problems": len(examples),

@@ -54,7 +54,9 @@ def run_title(config: dict, run_name: str = "") -> str:
     if config.get("aqn", {}).get("enabled"):
         quant_format += "+AQN"
     model = config.get("model", {})
-    model_name = model.get("preset") or os.path.basename(str(model.get("hf_path", "")).rstrip("/"))
+    model_name = (model.get("preset")
+                  or os.path.basename(str(model.get("hf_path", "")).rstrip("/"))
+                  or os.path.basename(str(model.get("gguf_path", ""))).removesuffix(".gguf"))
     parts = [run_name, model_name, quant_format, f"seed {config.get('seed', '?')}"]
     return " · ".join(part for part in parts if part)
 

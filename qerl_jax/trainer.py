@@ -309,7 +309,8 @@ class Trainer:
                            samples_per_problem=1, max_prompt_length=data.max_prompt_length,
                            batch_size=self.config.eval.batch_size,
                            prompt_style=data.prompt_style,
-                           use_chat_template=data.use_chat_template, seed=self.config.seed)
+                           use_chat_template=data.use_chat_template, seed=self.config.seed,
+                           arithmetic_phrasing=data.arithmetic_phrasing)
         seconds = time.perf_counter() - started
         logger.info("step %d: held-out pass@1 %.4f on %d examples (greedy, %.1f s)", self.step,
                     result["pass@1"], result["problems"], seconds)

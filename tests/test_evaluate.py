@@ -67,6 +67,17 @@ def test_completions_keep_special_think_and_answer_tokens(tmp_path):
     assert correctness("gsm8k", text, "72") == 1.0
 
 
+def test_arithmetic_correctness_reads_the_integer_the_phrasing_asks_for():
+    """'7+5=' problems are scored on the first integer (the trainer's 'arithmetic' reward),
+    'What is 7 + 5?' problems on the last ('arithmetic_last_integer'): an instruct model
+    restates the operands first."""
+    from qerl_jax.evaluate import correctness
+    assert correctness("arithmetic", "12", "12") == 1.0
+    assert correctness("arithmetic", "7 + 5 = 12", "12") == 0.0
+    assert correctness("arithmetic", "7 + 5 = 12", "12", arithmetic_phrasing="question") == 1.0
+    assert correctness("arithmetic", "12, not 13", "12", arithmetic_phrasing="question") == 0.0
+
+
 def test_pass_at_1_scores_and_averages_every_completion(tmp_path):
     """pass_at_1 with a stand-in sampler whose completions are known: problem p's sample g is
     its gold answer when p + g is even. Every completion is scored (arithmetic: exact integer),

@@ -184,6 +184,10 @@ def test_run_title_names_run_format_and_seed():
     plain = run_title({**CONFIG, "aqn": {"enabled": False}, "seed": 0,
                        "model": {"preset": "", "hf_path": "/models/Qwen2.5-3B/"}})
     assert plain == "Qwen2.5-3B · nvfp4 · seed 0"
+    gguf = run_title({**CONFIG, "aqn": {"enabled": False}, "seed": 0,
+                      "model": {"preset": "", "hf_path": "",
+                                "gguf_path": "/x/SmolLM2-135M-Instruct.Q4_1.gguf"}})
+    assert gguf == "SmolLM2-135M-Instruct.Q4_1 · nvfp4 · seed 0"
 
 
 def test_current_config_reads_both_run_json_forms():
