@@ -288,6 +288,49 @@ def state_gib(tree) -> float:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in unique.values()) / 2**30
 
 
+def decode_read_bytes(states, architecture, batch: int, prompt: int,
+                      new_tokens: int) -> tuple[int, int]:
+    """(weight bytes, KV-cache bytes) one decode step must read, on average over a generation:
+    every array of the model states once (pair views counted once), except an untied embedding
+    table (a step gathers `batch` of its rows; a tied one is the lm_head and is read whole), and
+    K and V of every layer at the mean context length prompt + new_tokens / 2."""
+    import jax
+    import numpy as np
+
+    unique = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(states):
+        if not hasattr(leaf, "dtype"):
+            continue
+        if "embed_tokens" in jax.tree_util.keystr(path) and not architecture.tie_word_embeddings:
+            continue
+        unique[id(leaf)] = leaf
+    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in unique.values())
+    head_dim = architecture.head_dim or architecture.hidden_size // architecture.num_attention_heads
+    itemsize = np.dtype(architecture.jnp_compute_dtype).itemsize
+    kv = (2 * architecture.num_hidden_layers * architecture.num_key_value_heads * head_dim
+          * itemsize * batch * (prompt + new_tokens / 2))
+    return int(weights), int(kv)
+
+
+def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read measured in this process: the sum of a float32 array of
+    `num_bytes` (one pass over it; the reduction writes one value), the best of `repeats` timed
+    calls after a compile."""
+    import jax
+    import jax.numpy as jnp
+
+    values = jnp.ones((num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(values).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        total(values).block_until_ready()
+        best = min(best, time.perf_counter() - begin)
+    del values
+    return num_bytes / best
+
+
 def random_quantized_model(architecture, format_name: str, seed: int = 0):
     """qerl_jax.model_quant.random_model.random_quantized_model, imported lazily (the parent
     process of the benchmarks never imports jax)."""

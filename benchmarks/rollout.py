@@ -137,6 +137,9 @@ def worker_main(args) -> None:
         base["init_s"] = time.perf_counter() - started
         base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()
         base["memory_limit_GiB"] = common.memory_limit_gib()
+        # the roofline's bandwidth, measured in this process before any case runs
+        base["read_GB_per_s"] = common.read_bandwidth(
+            (64 if args.smoke else 4096) * 2**20) / 1e9
     except Exception as error:  # recorded per case; the parent goes on with the next worker
         for batch in batches:
             emit({"batch": batch, "status": "init " + common.describe_error(error)})
@@ -207,6 +210,12 @@ def worker_main(args) -> None:
                 row["tokens_per_s_median"] = statistics.median(rates)
                 generated = min(count for _, count in runs)  # the status below covers all runs
             row["ms_per_token_step"] = 1e3 * row["run_s"] / args.new_tokens
+            weight_bytes, kv_bytes = common.decode_read_bytes(states, architecture, batch,
+                                                              args.prompt, args.new_tokens)
+            row["decode_read_GB"] = (weight_bytes + kv_bytes) / 1e9
+            row["roofline_tokens_per_s"] = (base["read_GB_per_s"] / row["decode_read_GB"]
+                                            * batch)
+            row["roofline_fraction"] = _rate(row) / row["roofline_tokens_per_s"]
             row["status"] = ("ok" if generated == batch * args.new_tokens
                              else f"ok, but {generated} != {batch}x{args.new_tokens} tokens")
             previous = row
@@ -226,6 +235,8 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status"
            ("generated_tokens", "generated tokens"), ("tokens_per_s", "tok/s"),
            ("tokens_per_s_median", "tok/s median"), ("tokens_per_s_runs", "tok/s runs"),
            ("vs_bf16", "x bf16"), ("paper_tokens_per_s", "paper tok/s"),
+           ("decode_read_GB", "GB read per decode step"), ("read_GB_per_s", "read GB/s"),
+           ("roofline_tokens_per_s", "roofline tok/s"), ("roofline_fraction", "of roofline"),
            ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
            ("tokens_crc32_runs", "tokens crc32 runs"), ("compilation_cache", "compilation cache"),
            ("weights_GiB", "weights GiB"),
@@ -353,7 +364,11 @@ def report(rows: list[dict], args, name: str) -> None:
     notes = ["", ("Peak memory: the device allocator's peak since the worker process started "
                   "(one process per size x format, batches ascending, so each batch's peak "
                   "includes the smaller ones'). 'paper tok/s': QeRL's vLLM numbers (facts "
-                  "section 6)."),
+                  "section 6). Roofline: the measured read bandwidth (the sum of a 4 GiB "
+                  "float32 array, best of 5, in the same process) over the bytes one decode "
+                  "step reads (every weight once except an untied embedding table, plus K and "
+                  "V at the mean context length), times the batch; prefill and sampling are "
+                  "not counted, so it is an upper bound."),
              "", "Targets:"] + [f"- {line}" for line in targets(rows)]
     text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
     print(text, flush=True)

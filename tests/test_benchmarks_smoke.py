@@ -203,3 +203,32 @@ def test_attention_memory_smoke(tmp_path):
     assert [row["chunk"] for row in rows] == [0, 16]
     assert all(row["temp_MiB"] > 0 for row in rows)
     assert rows[1]["one_scores_MiB"] == rows[0]["one_scores_MiB"] / 4  # [16, 64] vs [64, 64]
+
+
+def test_decode_read_bytes_counts_each_weight_once_and_the_mean_kv_cache():
+    """The rollout roofline's bytes per decode step against the architecture's parameter count:
+    bf16 weights (2 bytes each) without the untied embedding table, plus K and V of every layer
+    at the mean context length; a tied table is the lm_head and counts."""
+    import dataclasses
+
+    from flax import nnx
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import _common as common
+    from qerl_jax.models.config import preset
+    from qerl_jax.models.transformer import init_model
+
+    for tied in (False, True):
+        architecture = dataclasses.replace(
+            preset("tiny_qwen2", param_dtype="bfloat16", compute_dtype="bfloat16"),
+            tie_word_embeddings=tied)
+        model = init_model(architecture, seed=0)
+        _, state = nnx.split(model)
+        weights, kv = common.decode_read_bytes(state, architecture, batch=3, prompt=16,
+                                               new_tokens=8)
+        params = architecture.num_parameters()
+        table = architecture.vocab_size * architecture.hidden_size
+        assert weights == 2 * (params - (0 if tied else table))
+        head_dim = architecture.resolved_head_dim
+        assert kv == int(2 * architecture.num_hidden_layers * architecture.num_key_value_heads
+                         * head_dim * 2 * 3 * (16 + 4))
