@@ -75,6 +75,10 @@ def parse_args(argv=None):
     parser.add_argument("--tile-k", type=int, default=None,
                         help="K tile of every weight's kernel layout (default: "
                              "kernel_layout.default_tile_k per weight)")
+    parser.add_argument("--peer", action="store_true",
+                        help="also time transformers + torch.compile (static cache) generate at "
+                             "the same shapes (benchmarks/transformers_peer.py), after the "
+                             "size's own workers")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
     common.add_worker_arguments(parser, "rollout")
@@ -234,7 +238,8 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status"
            ("compile_s", "compile s"), ("run_s", "run s"),
            ("generated_tokens", "generated tokens"), ("tokens_per_s", "tok/s"),
            ("tokens_per_s_median", "tok/s median"), ("tokens_per_s_runs", "tok/s runs"),
-           ("vs_bf16", "x bf16"), ("paper_tokens_per_s", "paper tok/s"),
+           ("vs_bf16", "x bf16"), ("vs_transformers", "x transformers"),
+           ("paper_tokens_per_s", "paper tok/s"),
            ("decode_read_GB", "GB read per decode step"), ("read_GB_per_s", "read GB/s"),
            ("roofline_tokens_per_s", "roofline tok/s"), ("roofline_fraction", "of roofline"),
            ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
@@ -243,7 +248,7 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status"
            ("init_s", "init s"), ("path_decode", "decode path"),
            ("path_prefill", "prefill path"), ("kernel_hook", "kernel hook"),
            ("kernel_layout_weights", "weights in kernel layout"),
-           ("mosaic_weights", "weights on the Mosaic GPU path")]
+           ("mosaic_weights", "weights on the Mosaic GPU path"), ("peer", "peer")]
 
 
 def _lookup(rows, size, format_name, batch):
@@ -347,7 +352,38 @@ def parent_main(args) -> None:
                 print(f"[rollout] {tag}: worker {'killed' if code is None else 'rc=' + str(code)}"
                       f" after {wall:.0f} s; log tail:\n{common.tail(log)}", flush=True)
             rows += sorted(got, key=lambda row: row["batch"])
+        if args.peer:
+            rows += _peer_rows(args, size, raw_dir, budget)
     report(rows, args, common.output_name("rollout", sizes, args))
+
+
+def _peer_rows(args, size: str, raw_dir: str, budget) -> list[dict]:
+    """The transformers peer's rows for `size` (its worker under the budget's remainder)."""
+    results = os.path.join(raw_dir, f"{size}_transformers.jsonl")
+    if os.path.exists(results):
+        os.remove(results)
+    batches = sorted(int(b) for b in common.split_list(args.batches))
+    if budget.left() < 5:
+        return [{"size": size, "format": "bf16 transformers", "batch": batch,
+                 "status": "skipped: budget"} for batch in batches]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformers_peer.py")
+    command = [sys.executable, script, "--size", size, "--batches", args.batches,
+               "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+               "--repeats", str(args.repeats), "--seed", str(args.seed), "--results", results]
+    print(f"[rollout] {size}_transformers: starting worker ({budget.left():.0f} s of budget "
+          "left)", flush=True)
+    log = os.path.join(raw_dir, f"{size}_transformers.log")
+    code, _ = common.run_worker(command, log, budget.left())
+    got = common.read_jsonl(results)
+    done = {row["batch"] for row in got}
+    got += [{"size": size, "format": "bf16 transformers", "batch": batch,
+             "status": "killed at the budget deadline" if code is None
+             else f"worker exited with code {code} before this case"}
+            for batch in batches if batch not in done]
+    if code != 0:
+        print(f"[rollout] {size}_transformers: rc={code}; log tail:\n{common.tail(log)}",
+              flush=True)
+    return sorted(got, key=lambda row: row["batch"])
 
 
 def report(rows: list[dict], args, name: str) -> None:
@@ -357,6 +393,9 @@ def report(rows: list[dict], args, name: str) -> None:
         if row.get("tokens_per_s") and bf16:
             row["vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
         row["paper_tokens_per_s"] = PAPER.get((row["size"], row["format"], row["batch"]))
+        peer = _lookup(rows, row["size"], "bf16 transformers", row["batch"])
+        if row.get("tokens_per_s") and peer and peer.get("tokens_per_s"):
+            row["vs_transformers"] = _rate(row) / _rate(peer)
     header = common.header_line(
         f"Rollout throughput ({args.prompt}-token prompt, {args.new_tokens} new tokens, EOS "
         f"off, LoRA r{args.rank} unmerged, temperature 1, random weights; tok/s = all "

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
 
@@ -36,7 +38,7 @@ def _worker_logs(out_dir, raw):
 def test_rollout_and_grpo_step_smoke(tmp_path):
     rollout_out, step_out = tmp_path / "rollout", tmp_path / "grpo_step"
     rollout = _start("rollout.py", rollout_out, "--formats", "nvfp4", "--batches", "2,3",
-                     "--kernels-interpret", "--repeats", "2", "--same-key",
+                     "--kernels-interpret", "--repeats", "2", "--same-key", "--peer",
                      "--autotune-results", str(tmp_path / "autotune" / "a.textproto"))
     step = _start("grpo_step.py", step_out, "--formats", "nvfp4", "--compilation-cache",
                  str(tmp_path / "xla_cache"), "--trace-peaks", "--offload-for-compile", "on")
@@ -44,7 +46,15 @@ def test_rollout_and_grpo_step_smoke(tmp_path):
 
     with open(rollout_out / "rollout_tiny.json") as handle:
         rows = json.load(handle)["rows"]
+    peers = [row for row in rows if row["format"] == "bf16 transformers"]   # --peer
+    rows = [row for row in rows if row["format"] == "nvfp4"]
     assert [row["batch"] for row in rows] == [2, 3], rollout_text[-3000:]
+    assert [row["batch"] for row in peers] == [2, 3], rollout_text[-3000:]
+    for peer, row in zip(peers, rows):
+        assert peer["status"] == "ok", (peer, _worker_logs(rollout_out, "rollout_raw"))
+        assert peer["generated_tokens"] == peer["batch"] * 8 and peer["tokens_per_s"] > 0
+        assert "static cache" in peer["peer"]
+        assert row["vs_transformers"] > 0
     for row in rows:
         assert row["status"] == "ok", (row, _worker_logs(rollout_out, "rollout_raw"))
         assert row["generated_tokens"] == row["batch"] * 8      # EOS off: every token made
@@ -57,6 +67,9 @@ def test_rollout_and_grpo_step_smoke(tmp_path):
         assert row["tokens_crc32_runs"] == f"{row['tokens_crc32']} / {row['tokens_crc32']}"
         assert row["kernel_layout_weights"] == "14 of 14"         # 2 layers x 7 projections
         assert row["path_decode"] == "nvfp4_fused"
+        assert row["decode_read_GB"] > 0 and row["read_GB_per_s"] > 0
+        assert row["roofline_fraction"] == pytest.approx(
+            row["tokens_per_s_median"] / row["roofline_tokens_per_s"])
     assert (rollout_out / "rollout_tiny.md").read_text().count("| tiny | nvfp4 |") == 2
 
     with open(step_out / "grpo_step_tiny.json") as handle:
@@ -87,7 +100,9 @@ def test_rollout_and_grpo_step_smoke(tmp_path):
                    cwd=ROOT, check=True, capture_output=True, timeout=60)
     with open(merged_out / "rollout_merged.json") as handle:
         merged = json.load(handle)["rows"]
-    assert [(row["batch"], row["status"]) for row in merged] == [(2, "ok"), (3, "ok")]
+    assert [(row["format"], row["batch"], row["status"]) for row in merged] == [
+        ("nvfp4", 2, "ok"), ("nvfp4", 3, "ok"), ("bf16 transformers", 2, "ok"),
+        ("bf16 transformers", 3, "ok")]
 
 
 def test_run_on_gpus_queue_budget_and_skip(tmp_path):
