@@ -5,7 +5,7 @@
 Spec 'SIZE,DATASET': SIZE in 3b/7b/14b/32b, DATASET in gsm8k/bigmath.
 """
 
-from qerl_jax.experiment_config import released_script_config
+from qerl_jax.released_configs import released_script_config
 
 
 def get_config(spec="7b,gsm8k"):

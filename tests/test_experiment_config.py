@@ -13,8 +13,9 @@ import pytest
 
 from qerl_jax import experiment_config
 from qerl_jax.experiment_config import (FIELDS, base_config, field_descriptions,
-                                      released_script_config, validate_config)
+                                      validate_config)
 from qerl_jax.errors import ConfigError
+from qerl_jax.released_configs import released_script_config
 from tests.conftest import config_from_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
