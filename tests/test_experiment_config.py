@@ -314,6 +314,12 @@ def test_data_inputs_that_would_be_ignored_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^config.data.arithmetic_count: 64 is unused by "
                                           r"task 'gsm8k'"):
         validate_config(_gsm8k(tmp_path, data__arithmetic_count=64))
+    with pytest.raises(ConfigError, match=r"^config.data.arithmetic_phrasing: 'question' is "
+                                          r"unused by task 'gsm8k'"):
+        validate_config(_gsm8k(tmp_path, data__arithmetic_phrasing="question"))
+    validate_config(_with(_tiny(), data__arithmetic_phrasing="question"))
+    with pytest.raises(ConfigError, match=r"^config.data.arithmetic_phrasing"):
+        validate_config(_with(_tiny(), data__arithmetic_phrasing="words"))
     # the warm-up draws its problems up to data.arithmetic_max_operand: used with a file task
     validate_config(_gsm8k(tmp_path, data__arithmetic_max_operand=9))
     with pytest.raises(ConfigError, match=r"^config.data.arithmetic_max_operand: 9 is unused "

@@ -173,3 +173,24 @@ def test_shared_files_load_without_complaint():
         pytest.skip(f"no shared data under {SHARED_DATA}")
     assert len(load_examples("gsm8k", gsm8k)) == 7473
     assert len(load_examples("math", math)) == 500
+
+
+def test_held_out_arithmetic_questions_follow_the_phrasing_and_avoid_training():
+    """The test split of the question phrasing: the same problems as the expression phrasing's
+    (same seed, same draws), asked as questions, none a training question."""
+    from qerl_jax.data.sources import held_out_arithmetic_examples, load_examples
+
+    training = load_examples("arithmetic", arithmetic_count=32, arithmetic_max_operand=9,
+                             arithmetic_phrasing="question", seed=5)
+    assert all(example.question.startswith("What is ") for example in training)
+    held_out = held_out_arithmetic_examples(16, 5, 9, 32, {e.question for e in training},
+                                            phrasing="question")
+    assert len(held_out) == 16
+    assert not {e.question for e in held_out} & {e.question for e in training}
+    expressions = held_out_arithmetic_examples(
+        16, 5, 9, 32, {e.question.removeprefix("What is ").removesuffix("?").replace(" ", "")
+                       + "=" for e in training})
+    assert [e.gold for e in expressions] == [e.gold for e in held_out]
+    assert [e.question for e in expressions] == [
+        e.question.removeprefix("What is ").removesuffix("?").replace(" ", "") + "="
+        for e in held_out]
