@@ -141,9 +141,6 @@ def worker_main(args) -> None:
         base["init_s"] = time.perf_counter() - started
         base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()
         base["memory_limit_GiB"] = common.memory_limit_gib()
-        # the roofline's bandwidth, measured in this process before any case runs
-        base["read_GB_per_s"] = common.read_bandwidth(
-            (64 if args.smoke else 4096) * 2**20) / 1e9
     except Exception as error:  # recorded per case; the parent goes on with the next worker
         for batch in batches:
             emit({"batch": batch, "status": "init " + common.describe_error(error)})
@@ -217,9 +214,6 @@ def worker_main(args) -> None:
             weight_bytes, kv_bytes = common.decode_read_bytes(states, architecture, batch,
                                                               args.prompt, args.new_tokens)
             row["decode_read_GB"] = (weight_bytes + kv_bytes) / 1e9
-            row["roofline_tokens_per_s"] = (base["read_GB_per_s"] / row["decode_read_GB"]
-                                            * batch)
-            row["roofline_fraction"] = _rate(row) / row["roofline_tokens_per_s"]
             row["status"] = ("ok" if generated == batch * args.new_tokens
                              else f"ok, but {generated} != {batch}x{args.new_tokens} tokens")
             previous = row
@@ -231,6 +225,28 @@ def worker_main(args) -> None:
         emit(row)
         del compiled, rollout
         gc.collect()
+    # The roofline's bandwidth, measured in this process after its cases (so their peak memory
+    # does not hold the probe's array); the parent puts it into this worker's rows.
+    try:
+        common.append_jsonl(args.results, {"read_GB_per_s": common.read_bandwidth(
+            (64 if args.smoke else 4096) * 2**20) / 1e9})
+    except Exception as error:  # the rows stand without a roofline
+        print(f"read bandwidth not measured: {common.describe_error(error)}", flush=True)
+
+
+def _with_roofline(records: list[dict]) -> list[dict]:
+    """A worker's case rows, with the roofline of its bandwidth record (if it wrote one): the
+    read bandwidth over the bytes one decode step reads, times the batch, and the fraction of
+    it the case reached."""
+    rows = [record for record in records if "batch" in record]
+    bandwidth = next((record["read_GB_per_s"] for record in records if "batch" not in record),
+                     None)
+    for row in rows:
+        if bandwidth and row.get("decode_read_GB") and row.get("tokens_per_s"):
+            row["read_GB_per_s"] = bandwidth
+            row["roofline_tokens_per_s"] = bandwidth / row["decode_read_GB"] * row["batch"]
+            row["roofline_fraction"] = _rate(row) / row["roofline_tokens_per_s"]
+    return rows
 
 
 # ============================================================================== parent
@@ -337,14 +353,8 @@ def parent_main(args) -> None:
             print(f"[rollout] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
             log = os.path.join(raw_dir, f"{tag}.log")
             code, wall = common.run_worker(command, log, left)
-            got = common.read_jsonl(results)
-            done = {row["batch"] for row in got}
-            for batch in batches:
-                if batch not in done:
-                    why = ("killed at the budget deadline" if code is None
-                           else f"worker exited with code {code} before this case")
-                    got.append({"size": size, "format": format_name, "batch": batch,
-                                "status": why})
+            got = _with_roofline(common.read_jsonl(results))
+            got += _missing_rows(got, size, format_name, batches, code)
             first = next((row for row in got if row.get("status", "").startswith("ok")), None)
             if first is not None:
                 worker_costs.append(first["elapsed_s"])
@@ -355,6 +365,16 @@ def parent_main(args) -> None:
         if args.peer:
             rows += _peer_rows(args, size, raw_dir, budget)
     report(rows, args, common.output_name("rollout", sizes, args))
+
+
+def _missing_rows(got: list[dict], size: str, format_name: str, batches: list[int],
+                  code: int | None) -> list[dict]:
+    """Rows for the batches a worker (exit code `code`, None: killed) did not report."""
+    done = {row["batch"] for row in got}
+    why = ("killed at the budget deadline" if code is None
+           else f"worker exited with code {code} before this case")
+    return [{"size": size, "format": format_name, "batch": batch, "status": why}
+            for batch in batches if batch not in done]
 
 
 def _peer_rows(args, size: str, raw_dir: str, budget) -> list[dict]:
@@ -375,11 +395,7 @@ def _peer_rows(args, size: str, raw_dir: str, budget) -> list[dict]:
     log = os.path.join(raw_dir, f"{size}_transformers.log")
     code, _ = common.run_worker(command, log, budget.left())
     got = common.read_jsonl(results)
-    done = {row["batch"] for row in got}
-    got += [{"size": size, "format": "bf16 transformers", "batch": batch,
-             "status": "killed at the budget deadline" if code is None
-             else f"worker exited with code {code} before this case"}
-            for batch in batches if batch not in done]
+    got += _missing_rows(got, size, "bf16 transformers", batches, code)
     if code != 0:
         print(f"[rollout] {size}_transformers: rc={code}; log tail:\n{common.tail(log)}",
               flush=True)

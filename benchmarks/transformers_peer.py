@@ -58,13 +58,14 @@ def hf_model(size: str, seed: int, device: str):
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
+    import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
     base = {"size": args.size, "format": "bf16 transformers", "prompt": args.prompt,
-            "new_tokens": args.new_tokens, "peer": "transformers "
-            + __import__("transformers").__version__ + f", torch {torch.__version__}, "
-            + ("static cache + torch.compile" if use_compile else "static cache, eager")}
+            "new_tokens": args.new_tokens,
+            "peer": f"transformers {transformers.__version__}, torch {torch.__version__}, "
+                    + ("static cache + torch.compile" if use_compile else "static cache, eager")}
     started = time.perf_counter()
     architecture, model = hf_model(args.size, args.seed, device)
     base["init_s"] = time.perf_counter() - started
