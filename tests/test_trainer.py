@@ -364,13 +364,20 @@ def test_sampler_compiles_in_place_when_host_memory_runs_out(tmp_path, warm_cach
 
 
 # ------------------------------------------------------------------ interrupts and resume
+def _finished_run(tmp_path_factory, warm_cache, name: str, config):
+    """An uninterrupted run of `config` in a new workdir with the warm-up cache: (workdir,
+    trainer after its last step)."""
+    workdir = str(tmp_path_factory.mktemp(name))
+    shutil.copytree(warm_cache, os.path.join(workdir, "warmup"))
+    trainer = Trainer(config, workdir)
+    trainer.train()
+    return workdir, trainer
+
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, warm_cache):
     """An uninterrupted run of _config(): its metrics and final trainable/optimizer state."""
-    workdir = str(tmp_path_factory.mktemp("straight"))
-    shutil.copytree(warm_cache, os.path.join(workdir, "warmup"))
-    trainer = Trainer(_config(), workdir)
-    trainer.train()
+    workdir, trainer = _finished_run(tmp_path_factory, warm_cache, "straight", _config())
     return (_comparable(read_metrics(workdir)),
             [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(trainer._state_arrays())])
 
@@ -606,11 +613,7 @@ def _eval_config():
 @pytest.fixture(scope="module")
 def eval_run(tmp_path_factory, warm_cache):
     """An uninterrupted run of _eval_config(): (workdir, trainer after its last step)."""
-    workdir = str(tmp_path_factory.mktemp("eval_run"))
-    shutil.copytree(warm_cache, os.path.join(workdir, "warmup"))
-    trainer = Trainer(_eval_config(), workdir)
-    trainer.train()
-    return workdir, trainer
+    return _finished_run(tmp_path_factory, warm_cache, "eval_run", _eval_config())
 
 
 def test_eval_rows_at_step_0_every_n_steps_and_after_the_last(eval_run):
