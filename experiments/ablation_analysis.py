@@ -11,6 +11,7 @@ evaluation's row at step T (eval columns only; qerl_jax/trainer.py).
 
 Per run (T = config.train.total_steps, steps are 0-based; "first k" / "last k" steps below use
 k = max(1, ceil(fraction * T))):
+  initial entropy   `entropy` at step 0: the base model's sampling entropy before any update
   early entropy     mean of `entropy` over the first k steps (early_fraction, 0.2)
   reward AUC        trapezoid area under `reward` against `step` over all training steps
                     (reward x steps; the same T for every format makes them comparable)
@@ -30,7 +31,7 @@ Claims (QeRL facts sections 6-7, paper Fig. 5), tested on per-seed paired differ
 the seed-to-seed spread): mean difference d and the t-interval d +- t_{0.975, n-1} s / sqrt(n)
 over the n seeds both formats have (s: sample std of the differences). Verdict 'holds' when the
 interval lies above 0, 'contradicted' when below, 'not resolved' when it spans 0 (or n < 2).
-  a. early entropy: each quantized format minus bf16 > 0
+  a. initial entropy and early entropy: each quantized format minus bf16 > 0
   b. reward growth: nvfp4 minus nf4 > 0, mxfp4 minus nf4 > 0
   c. AQN: nvfp4+aqn minus nvfp4 > 0 on reward growth and on the final held-out pass@1
   d. TIS: nvfp4+aqn+tis minus nvfp4+aqn > 0 on reward growth and on the final held-out pass@1
@@ -221,6 +222,10 @@ def _last_steps_mean(run: Run, key: str, fraction: float) -> float:
     return float(np.mean(run.values(key)[run.steps >= run.total_steps - count]))
 
 
+def initial_entropy(run: Run) -> float:
+    return float(run.values("entropy")[0])
+
+
 def early_entropy(run: Run, early_fraction: float) -> float:
     return _first_steps_mean(run, "entropy", early_fraction)
 
@@ -338,14 +343,16 @@ def _difference(a: Aggregate, b: Aggregate) -> dict:
 
 
 # ------------------------------------------------------------------------------ the claims
-METRIC_LABELS = {"early_entropy": "early entropy", "reward_auc": "reward AUC",
-                 "reward_growth": "reward growth", "final_accuracy": "final accuracy",
+METRIC_LABELS = {"initial_entropy": "initial entropy", "early_entropy": "early entropy",
+                 "reward_auc": "reward AUC", "reward_growth": "reward growth",
+                 "final_accuracy": "final accuracy",
                  "pass_at_1_before": "pass@1 before", "pass_at_1_after": "final pass@1",
                  "rollout_kl": "rollout KL"}
 # Left out of a format's aggregate for the runs that did not log them (eval off, older runs).
 OPTIONAL_METRICS = ("pass_at_1_before", "pass_at_1_after", "rollout_kl")
 # (claim group, A, B, table metric): the claim is A - B > 0 (module docstring, a-d).
 CLAIMS = (
+    *(("initial entropy", name, "bf16", "initial_entropy") for name in QUANTIZED_FORMATS),
     *(("early entropy", name, "bf16", "early_entropy") for name in QUANTIZED_FORMATS),
     ("reward growth", "nvfp4", "nf4", "reward_growth"),
     ("reward growth", "mxfp4", "nf4", "reward_growth"),
@@ -421,6 +428,7 @@ def summarize_runs(runs: Sequence[Run], early_fraction: float = 0.2,
     Incomplete runs are listed but left out of the numbers.
     """
     per_run: dict[str, Callable[[Run], float]] = {
+        "initial_entropy": initial_entropy,
         "early_entropy": lambda run: early_entropy(run, early_fraction),
         "reward_auc": reward_auc,
         "reward_growth": lambda run: reward_growth(run, growth_early_fraction,
@@ -493,7 +501,7 @@ def summary_markdown(summary: dict) -> str:
     lines = []
     steps = summary["total_steps"]
     table = summary["table"]
-    columns = [("early_entropy", 4), ("reward_auc", 3), ("reward_growth", 3),
+    columns = [("initial_entropy", 4), ("early_entropy", 4), ("reward_auc", 3), ("reward_growth", 3),
                ("final_accuracy", 3)]
     columns += [(metric, 4 if metric == "rollout_kl" else 3) for metric in OPTIONAL_METRICS
                 if any(metric in row and row[metric].n for row in table.values())]
@@ -504,7 +512,8 @@ def summary_markdown(summary: dict) -> str:
                      "last evaluation (after)"
                      if any(metric == "pass_at_1_after" for metric, _ in columns) else "")
         lines.append(
-            f"Runs of {', '.join(map(str, steps))} steps; early entropy over the first "
+            f"Runs of {', '.join(map(str, steps))} steps; initial entropy at step 0; early "
+            f"entropy over the first "
             f"{counts(summary['early_fraction'])} step(s); reward growth = mean reward over "
             f"the last {counts(summary['growth_late_fraction'])} step(s) minus over the first "
             f"{counts(summary['growth_early_fraction'])}; final accuracy over the last "

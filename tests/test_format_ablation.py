@@ -156,7 +156,7 @@ def test_paired_interval_matches_hand_computation():
 
 
 def test_claims_against_hand_computation(tmp_path):
-    """summary['claims']: early entropy (quantized - bf16) and reward growth (last 20% minus
+    """summary['claims']: initial (step 0) and early entropy (quantized - bf16) and reward growth (last 20% minus
     first 10% of the steps; nvfp4 - nf4), paired by seed, from the raw synthetic rows."""
     rng = np.random.default_rng()
     total, seeds = 23, (0, 1, 2, 4)
@@ -176,6 +176,10 @@ def test_claims_against_hand_computation(tmp_path):
         np.testing.assert_allclose([claim["mean_difference"], claim["ci_low"],
                                     claim["ci_high"]], _t_interval(differences), rtol=1e-12)
         assert claim["n"] == 4 and claim["seeds"] == list(seeds)
+        claim = claims[name, "bf16", "initial_entropy"]   # step 0 alone
+        differences = [data[name, s][0][0] - data["bf16", s][0][0] for s in seeds]
+        np.testing.assert_allclose([claim["mean_difference"], claim["ci_low"],
+                                    claim["ci_high"]], _t_interval(differences), rtol=1e-12)
     for a, b in (("nvfp4", "nf4"), ("mxfp4", "nf4"), ("nvfp4+aqn", "nvfp4"),
                  ("nvfp4+aqn+tis", "nvfp4+aqn")):
         claim = claims[a, b, "reward_growth"]
@@ -202,16 +206,18 @@ def test_claim_verdicts():
 
     def verdict(differences):
         claims = analysis.claim_intervals(table(differences))
-        return next(claim for claim in claims if claim["a"] == "nf4")
+        return next(claim for claim in claims
+                    if claim["a"] == "nf4" and claim["metric"] == "early_entropy")
 
     assert verdict([1.0, 1.1, 0.9])["verdict"] == "holds"
     assert verdict([-1.0, -1.1, -0.9])["verdict"] == "contradicted"
     spans = verdict([1.0, -1.0, 0.5])
     assert spans["verdict"] == "not resolved" and spans["ci_low"] < 0 < spans["ci_high"]
     assert spans["note"] == ""
-    one = analysis.claim_intervals({
+    one = next(claim for claim in analysis.claim_intervals({
         "bf16": {"early_entropy": analysis.aggregate([0.0], [0])},
-        "nf4": {"early_entropy": analysis.aggregate([5.0], [0])}})[0]
+        "nf4": {"early_entropy": analysis.aggregate([5.0], [0])}})
+        if claim["metric"] == "early_entropy")
     assert one["verdict"] == "not resolved" and one["n"] == 1 and math.isnan(one["ci_low"])
     assert "one paired seed" in one["note"]
     missing = next(claim for claim in analysis.claim_intervals(table([1.0, 1.0, 1.0]))
