@@ -70,8 +70,14 @@ def main(argv=None) -> None:
     architecture, model = hf_model(args.size, args.seed, device)
     base["init_s"] = time.perf_counter() - started
     model.generation_config.cache_implementation = "static"
+    # generate compiles the decode forward itself with a static cache (CompileConfig, CUDA
+    # graphs through mode="reduce-overhead"); wrapping model.forward in torch.compile as well
+    # makes its graphs replay over outputs generate still reads (a RuntimeError on the GPU).
     if use_compile:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        model.generation_config.compile_config = transformers.CompileConfig(
+            fullgraph=True, mode="reduce-overhead")
+    else:
+        model.generation_config.disable_compile = True
     generator = torch.Generator(device=device).manual_seed(args.seed)
     for batch in sorted(int(b) for b in common.split_list(args.batches)):
         row = {**base, "batch": batch}
