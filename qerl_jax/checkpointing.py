@@ -64,12 +64,37 @@ def _first_line(error: BaseException) -> str:
     return reason if len(reason) <= 200 else reason[:197] + "..."
 
 
+def _on_many_devices(leaf) -> bool:
+    """A jax.Array placed on a device mesh (saved and restored shard by shard)."""
+    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+
+
+def _restore_target(leaf):
+    """What orbax restores a template leaf as: a mesh-placed array onto the template's
+    sharding (whatever mesh the checkpoint was written from), anything else as numpy."""
+    if _on_many_devices(leaf):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    return np.zeros(np.shape(leaf), np.asarray(leaf).dtype)
+
+
+def check_resume_meta(meta: dict, seed: int) -> None:
+    """ValueError unless a checkpoint's metadata fits a run of `seed`: the same seed and a
+    data_position [epoch, index]."""
+    if meta.get("seed") != seed:
+        raise ValueError(f"its seed {meta.get('seed')} != config.seed {seed}")
+    position = meta.get("data_position")
+    if not (isinstance(position, list) and len(position) == 2):
+        raise ValueError(f"its data_position {position!r} is not [epoch, index]")
+
+
 class TrainingCheckpoints:
     """Saves and restores (arrays pytree, JSON metadata) under `directory`.
 
     The arrays pytree is stored as its flat list of leaves; restoring unflattens them into the
     structure of a template (the freshly initialized state), so any pytree (nnx.State, optax
-    states) round-trips exactly.
+    states) round-trips exactly. Arrays on a device mesh are written shard by shard (each
+    process its own) and restored onto the template's shardings, so a checkpoint written on
+    one mesh (or one device) restores onto another.
     """
 
     def __init__(self, directory: str, max_to_keep: int = 2, *, read_only: bool = False):
@@ -99,7 +124,8 @@ class TrainingCheckpoints:
     def save(self, step: int, arrays: Any, meta: dict) -> None:
         """Writes step `step` and waits until it is complete; TrainingStopped naming the path
         when it cannot be written (the partial write is removed, earlier steps stay)."""
-        leaves = {f"{index:06d}": np.asarray(jax.device_get(leaf))
+        leaves = {f"{index:06d}": leaf if _on_many_devices(leaf)
+                  else np.asarray(jax.device_get(leaf))
                   for index, leaf in enumerate(jax.tree_util.tree_leaves(arrays))}
         try:
             with _quiet_orbax():
@@ -140,7 +166,7 @@ class TrainingCheckpoints:
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
         template_leaves, treedef = jax.tree_util.tree_flatten(template)
-        abstract = {f"{index:06d}": np.zeros(np.shape(leaf), np.asarray(leaf).dtype)
+        abstract = {f"{index:06d}": _restore_target(leaf)
                     for index, leaf in enumerate(template_leaves)}
         with _quiet_orbax():
             restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -155,7 +181,8 @@ class TrainingCheckpoints:
             if np.shape(value) != np.shape(leaf):
                 raise ValueError(f"array {index} has shape {np.shape(value)}, the configured "
                                  f"model needs {np.shape(leaf)}")
-            values.append(jax.numpy.asarray(value, dtype=np.asarray(leaf).dtype))
+            values.append(value if _on_many_devices(leaf)
+                          else jax.numpy.asarray(value, dtype=np.asarray(leaf).dtype))
         meta = restored["meta"]
         if not isinstance(meta, dict) or meta.get("step") != step:
             raise ValueError(f"its metadata names step {getattr(meta, 'get', dict().get)('step')}")

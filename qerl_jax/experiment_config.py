@@ -337,6 +337,23 @@ FIELDS: dict[str, Field] = {
     "logging.tensorboard": Field(True, "TensorBoard event files next to metrics.jsonl when "
                                  "tensorboardX is installed."),
     "logging.progress_bar": Field(True, "Show a tqdm progress bar."),
+    # mesh (qerl_jax.parallel.mesh): the product of the three sizes is jax.device_count()
+    "mesh.data": Field(1, "Devices along the data axis: rollout prompts, KV cache and "
+                       "training rows are split over them.", greater_than(0)),
+    "mesh.fsdp": Field(1, "Devices along the FSDP axis: params, optimizer state and 4-bit "
+                       "weights (and training rows) are split over them.", greater_than(0)),
+    "mesh.tensor": Field(1, "Devices along the tensor axis: attention heads, MLP columns and "
+                         "the vocabulary are split over them.", greater_than(0)),
+    # distributed (qerl_jax.parallel.distributed): several processes, one per host
+    "distributed.initialize": Field("auto", "jax.distributed.initialize first: 'auto' when "
+                                    "SLURM / Open MPI or distributed.coordinator_address say "
+                                    "so, 'on' always, 'off' never.", one_of(ON_OFF_AUTO)),
+    "distributed.coordinator_address": Field("", "host:port of process 0's coordinator ('' = "
+                                             "from the cluster's environment)."),
+    "distributed.num_processes": Field(0, "Processes of the run (0 = from the cluster's "
+                                       "environment).", at_least(0)),
+    "distributed.process_id": Field(-1, "This process's index (-1 = from the cluster's "
+                                    "environment).", at_least(-1)),
 }
 # fields holding a mapping whose keys the config chooses (checked separately)
 MAPPING_FIELDS = ("model.overrides",)
@@ -539,6 +556,20 @@ def _check_training(config) -> None:
                     f"prompts_per_step * num_generations = {rows}")
 
 
+def _check_parallel(config) -> None:
+    dist = config.distributed
+    explicit = (dist.coordinator_address, dist.num_processes, dist.process_id != -1)
+    if any(explicit) and not all(explicit):
+        raise _fail("distributed.coordinator_address", "set it with distributed.num_processes "
+                    "and distributed.process_id, or none of them (the cluster's environment)")
+    if dist.num_processes and not dist.process_id < dist.num_processes:
+        raise _fail("distributed.process_id", f"{dist.process_id} must be < "
+                    f"distributed.num_processes={dist.num_processes}")
+    if any(explicit) and dist.initialize == "off":
+        raise _fail("distributed.initialize", "'off' leaves distributed.coordinator_address "
+                    "unused; set 'auto' or 'on'")
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Checks the whole config before any model work: unknown and missing fields, each field's
     type and range, and the combinations that cannot run or would ignore a field.
@@ -553,3 +584,4 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _check_model(config)
     _check_data(config)
     _check_training(config)
+    _check_parallel(config)

@@ -11,6 +11,7 @@ are, without smoothing; so is the held-out pass@1, measured every few steps on a
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -313,3 +314,16 @@ def plot_training_curves(metrics: Sequence[dict], path: str, *, title: str,
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def write_run_curves(metrics: Sequence[dict], workdir: str, config: dict) -> None:
+    """A run's curves.png in its workdir (nothing without metrics rows); a failed write is one
+    warning, never an error: the run's results are its metrics and checkpoints."""
+    if not metrics:
+        return
+    path = os.path.join(workdir, "curves.png")
+    try:
+        plot_training_curves(metrics, path, title=run_title(config, os.path.basename(
+            os.path.normpath(workdir))))
+    except OSError as error:
+        logging.getLogger(__name__).warning("could not write %s: %s", path, error)

@@ -36,6 +36,7 @@ HARMLESS_FIELDS = (
     "model.attention_implementation", "model.attention_query_chunk",
     "model.remat", "train.micro_batch_size", "train.logits_chunk_size",
     "train.max_consecutive_nonfinite", "rewards.time_limit_seconds",
+    "mesh.", "distributed.",   # a checkpoint restores onto any mesh
 )
 
 

@@ -7,6 +7,8 @@ generate(model, prompts, mask, key, config) runs:
   3. a lax.while_loop of one-token decode steps that exits as soon as every sequence has emitted
      an EOS id, or at max_new_tokens.
 Every random draw is fold_in(key, step): the same key gives the same tokens.
+On a device mesh (qerl_jax.parallel.mesh) the prompts, the KV cache and every per-row array of
+the loop are split by rows over the data (and FSDP) axes; the weights keep their own shardings.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from qerl_jax.lora import cast_adapters_for_compute
 from qerl_jax.models.decode_fusion import prepare_decode
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
+from qerl_jax.parallel.mesh import BATCH_AXES, batch_spec, constrain_rows
 
 logger = logging.getLogger(__name__)
 
@@ -131,15 +134,16 @@ def _repeat_rows(tree, times: int):
 
 
 # ------------------------------------------------------------------------------ the program
-@functools.partial(jax.jit, static_argnames=("graphdef", "config", "cache_length"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "cache_length", "mesh"))
 def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
-                      config: SamplingConfig, cache_length: int):
+                      config: SamplingConfig, cache_length: int, mesh=None):
     model = nnx.merge(graphdef, *states)
     cast_adapters_for_compute(model)  # once here, not at every decode step
     prepare_decode(model)  # grouped [A_q | A_k | A_v], [A_gate | A_up], launch operands, prefetch
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
-    cache = init_kv_cache(model.config, prompt_tokens.shape[0], cache_length)
+    cache = constrain_rows(init_kv_cache(model.config, prompt_tokens.shape[0], cache_length),
+                           mesh)
     logits, cache = prefill(model, prompt_tokens, prompt_mask, cache, empty_cache=True)
     groups = config.num_generations
     if groups > 1:
@@ -167,11 +171,11 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
         active = ~done
         done = done | jnp.isin(token, eos)
         logits, cache = decode_step(model, token, cache, active=active)
-        return step + 1, tokens, logprobs, done, logits, cache
+        return step + 1, *constrain_rows((tokens, logprobs, done, logits, cache), mesh)
 
-    carry = (jnp.zeros((), jnp.int32), jnp.zeros((batch, steps), jnp.int32),
-             jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch,), jnp.bool_), logits,
-             cache)
+    carry = (jnp.zeros((), jnp.int32), *constrain_rows(
+        (jnp.zeros((batch, steps), jnp.int32), jnp.zeros((batch, steps), jnp.float32),
+         jnp.zeros((batch,), jnp.bool_), logits, cache), mesh))
     step, tokens, logprobs, done, _, _ = jax.lax.while_loop(cond, body, carry)
     # a row's length: tokens up to and including its first EOS, else all `step` tokens
     is_eos = jnp.isin(tokens, eos) & (jnp.arange(steps)[None, :] < step)
@@ -217,8 +221,20 @@ def padded_prompt_shape(prompt_shape: tuple[int, int], config: SamplingConfig) -
     return count, bucket_length(length, config.prompt_bucket)
 
 
+def _replicated(mesh):
+    """Whole on every device of `mesh` (None without one)."""
+    return None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _prompt_sharding(shape, mesh):
+    """Rows over the batch axes of `mesh` (None without one)."""
+    if mesh is None:
+        return None
+    return jax.sharding.NamedSharding(mesh, batch_spec(shape, dict(mesh.shape), BATCH_AXES))
+
+
 def compile_generate(graphdef, abstract_states: tuple, prompt_shape: tuple[int, int],
-                     key, config: SamplingConfig) -> jax.stages.Compiled:
+                     key, config: SamplingConfig, mesh=None) -> jax.stages.Compiled:
     """Compiles the sampler program ahead of time from shapes only.
 
     Args:
@@ -227,6 +243,8 @@ def compile_generate(graphdef, abstract_states: tuple, prompt_shape: tuple[int, 
         weights need to be on the device while XLA compiles and autotunes.
       prompt_shape: (P, T_bucket), already bucketed (padded_prompt_shape).
       key: the PRNG key the program will get, or its jax.ShapeDtypeStruct.
+      mesh: the device mesh the states are placed on (their abstract values then carry their
+        shardings), or None.
     Returns the executable for generate_from_states(..., compiled=); it raises TypeError when
     called with other shapes or dtypes (no silent recompilation).
     """
@@ -234,17 +252,18 @@ def compile_generate(graphdef, abstract_states: tuple, prompt_shape: tuple[int, 
     if length != bucket_length(length, config.prompt_bucket):
         raise ValueError(f"prompt_shape {prompt_shape}: length {length} is not a bucket of "
                          f"prompt_bucket={config.prompt_bucket} (use padded_prompt_shape)")
-    tokens = jax.ShapeDtypeStruct((count, length), jnp.int32)
-    mask = jax.ShapeDtypeStruct((count, length), jnp.bool_)
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype)
+    rows = _prompt_sharding((count, length), mesh)
+    tokens = jax.ShapeDtypeStruct((count, length), jnp.int32, sharding=rows)
+    mask = jax.ShapeDtypeStruct((count, length), jnp.bool_, sharding=rows)
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_replicated(mesh))
     return _generate_program.lower(graphdef, tuple(abstract_states), tokens, mask, key,
-                                   config=config,
-                                   cache_length=length + config.max_new_tokens).compile()
+                                   config=config, cache_length=length + config.max_new_tokens,
+                                   mesh=mesh).compile()
 
 
 def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, key: jax.Array,
                          config: SamplingConfig,
-                         compiled: jax.stages.Compiled | None = None) -> Rollout:
+                         compiled: jax.stages.Compiled | None = None, mesh=None) -> Rollout:
     """Samples config.num_generations completions for each left-padded prompt.
 
     Args:
@@ -255,12 +274,18 @@ def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, ke
       key: PRNG key for the whole batch (fold_in by step).
       compiled: compile_generate's executable for these shapes and this config (None: the
         jitted program, compiled on first use of each shape).
+      mesh: the device mesh the states are placed on (qerl_jax.parallel.mesh): the prompts'
+        rows are split over its batch axes; None: one device.
     Returns:
       Rollout with B = P * G rows, row p*G + g = generation g of prompt p.
     """
     prompt_tokens, prompt_mask = pad_prompts(prompt_tokens, prompt_mask, config)
+    if mesh is not None:
+        rows = _prompt_sharding(prompt_tokens.shape, mesh)
+        prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), rows)
+        key = jax.device_put(key, _replicated(mesh))
     if compiled is not None:
         return compiled(tuple(states), prompt_tokens, prompt_mask, key)
     total = prompt_tokens.shape[1] + config.max_new_tokens
     return _generate_program(graphdef, tuple(states), prompt_tokens, prompt_mask, key,
-                             config=config, cache_length=total)
+                             config=config, cache_length=total, mesh=mesh)

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
-from qerl_jax.checkpointing import TrainingCheckpoints
+from qerl_jax.checkpointing import TrainingCheckpoints, check_resume_meta
 from qerl_jax.compilation_cache import enable_compilation_cache
 from qerl_jax.experiment_config import validate_config
 from qerl_jax.data import PromptIterator, encode_prompts
@@ -44,8 +44,9 @@ from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run
 from qerl_jax.model_setup import build_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
 from qerl_jax.models.transformer import CausalLM
+from qerl_jax.parallel.mesh import Placement
 from qerl_jax.rewards import get_reward_functions, score_completions
-from qerl_jax.plots import plot_training_curves, run_title
+from qerl_jax.plots import write_run_curves
 from qerl_jax.rl.optimizer import make_optimizer
 from qerl_jax.rl.train_step import make_train_programs, training_batch
 from qerl_jax.run_record import prepare_workdir, record_start
@@ -83,6 +84,7 @@ class Trainer:
         # before the first JAX computation: XLA reads its flags when the backend starts
         persist_autotuning(config.get("xla_autotune_results", ""))
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
+        self.placement = Placement.from_config(config)   # config.mesh against the devices
         examples = load_training_examples(config)   # the data checked before any model work
         self.eval_examples = load_eval_examples(config, examples)
         self._config_dict = json.loads(config.to_json())
@@ -104,14 +106,16 @@ class Trainer:
         self.model_config = model.config
         # committed to the device from the start (same buffers): jit keys its programs on the
         # committed flag, and arrays out of jitted programs or back from host memory carry it
-        self.graphdef, self.trainable, self.frozen = commit_to_devices(
-            nnx.split(model, TRAINABLE, ...))
+        self.graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
+        self.trainable, self.frozen = commit_to_devices(self.placement.states((trainable, frozen)))
+        del model, trainable, frozen
         # LoRA B = 0 and the original norm scales: the reference (LoRA-disabled) policy, kept
         # only when the KL term needs it (a copy of every adapter: 0.3 GiB at 7B, rank 32).
         self.reference_trainable = (jax.tree_util.tree_map(jnp.copy, self.trainable)
                                     if config.loss.beta != 0.0 else None)
         self.optimizer, self.lr_schedule = make_optimizer(config.train)
-        self.opt_state = commit_to_devices(self.optimizer.init(self.trainable))
+        self.opt_state = commit_to_devices(
+            self.placement.states(self.optimizer.init(self.trainable)))
 
         self.iterator = PromptIterator(examples, config.train.prompts_per_step, config.seed)
         self.reward_functions = get_reward_functions(list(config.rewards.names))
@@ -163,7 +167,10 @@ class Trainer:
             self.graphdef, self.loss_config, self.optimizer,
             temperature=self.config.rollout.temperature,
             completion_length=self.config.rollout.max_new_tokens,
-            logits_chunk_size=self.config.train.logits_chunk_size)
+            logits_chunk_size=self.config.train.logits_chunk_size,
+            state_shardings=(None if self.placement.mesh is None else (
+                self.placement.shardings(self.trainable),
+                self.placement.shardings(self.opt_state))))
         self._logprobs_fn, self._grad_fn = programs.logprobs, programs.accumulate_gradient
         self._zero_grads, self._scale = programs.zero_grads, programs.scale
         self._apply_update = programs.apply_update
@@ -192,7 +199,8 @@ class Trainer:
         program_key = (shape, sampling)
         if program_key not in self._sampler_programs:
             started = time.perf_counter()
-            abstract_states = jax.eval_shape(states or self._rollout_states)
+            abstract_states = self.placement.abstract(jax.eval_shape(
+                states or self._rollout_states))
             try:   # the copies are made before any device buffer is freed
                 host = offload_to_host(self.frozen,
                                        self.config.rollout.get("offload_method", "auto"))
@@ -203,7 +211,8 @@ class Trainer:
                                "autotuner may raise the peak)")
             try:
                 self._sampler_programs[program_key] = compile_generate(
-                    self.graphdef, abstract_states, shape, key, sampling)
+                    self.graphdef, abstract_states, shape, key, sampling,
+                    mesh=self.placement.mesh)
             finally:
                 if host is not None:
                     self.frozen = restore_to_device(host)
@@ -226,7 +235,8 @@ class Trainer:
         key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, self.step), attempt)
         compiled = self._sampler_program(prompts.tokens.shape, key)
         rollout = generate_from_states(self.graphdef, self._rollout_states(), prompts.tokens,
-                                       prompts.mask, key, self.sampling, compiled=compiled)
+                                       prompts.mask, key, self.sampling, compiled=compiled,
+                                       mesh=self.placement.mesh)
         rollout = jax.device_get(rollout)
         group = self.sampling.num_generations
         completions = [self._decode(rollout.tokens[row], int(rollout.lengths[row]))
@@ -302,7 +312,8 @@ class Trainer:
             # first: compiling with the weights offloaded replaces self.frozen's buffers
             compiled = self._sampler_program(tokens.shape, key, self.eval_sampling, states)
             return generate_from_states(self.graphdef, states(), tokens, mask, key,
-                                        self.eval_sampling, compiled=compiled)
+                                        self.eval_sampling, compiled=compiled,
+                                        mesh=self.placement.mesh)
 
         data = self.config.data
         result = pass_at_1(sample, self.tokenizer, self.eval_examples, task=data.task,
@@ -322,7 +333,8 @@ class Trainer:
         size = self.config.train.micro_batch_size
         rows = batch["tokens"].shape[0]
         for start in range(0, rows, size):
-            yield {name: jnp.asarray(value[start:start + size]) for name, value in batch.items()}
+            yield {name: self.placement.rows(value[start:start + size])
+                   for name, value in batch.items()}
 
     def train_step(self) -> dict:
         """One GRPO step, all or nothing: its metrics, with the trainer at the next step.
@@ -465,18 +477,11 @@ class Trainer:
                 "consecutive_nonfinite": self.consecutive_nonfinite}
         self.checkpoints.save(self.step, self._state_arrays(), meta)
 
-    def _check_checkpoint_meta(self, meta: dict) -> None:
-        if meta.get("seed") != self.config.seed:
-            raise ValueError(f"its seed {meta.get('seed')} != config.seed {self.config.seed}")
-        position = meta.get("data_position")
-        if not (isinstance(position, list) and len(position) == 2):
-            raise ValueError(f"its data_position {position!r} is not [epoch, index]")
-
     def restore_newest(self) -> bool:
         """Restores the newest checkpoint that restores (skipping damaged ones, each named in
         one warning); False when there is none."""
-        restored = self.checkpoints.restore_newest(self._state_arrays(),
-                                                   check=self._check_checkpoint_meta)
+        restored = self.checkpoints.restore_newest(
+            self._state_arrays(), check=lambda meta: check_resume_meta(meta, self.config.seed))
         if restored is None:
             return False
         arrays, meta, step = restored
@@ -580,16 +585,8 @@ class Trainer:
         return error
 
     def _plot(self) -> None:
-        rows = read_metrics(self.workdir) if os.path.isfile(self.metrics.path) else []
-        if not rows:
-            return
-        try:
-            plot_training_curves(rows, os.path.join(self.workdir, "curves.png"),
-                                 title=run_title(self._config_dict, os.path.basename(
-                                     os.path.normpath(self.workdir))))
-        except OSError as error:
-            logger.warning("could not write %s: %s", os.path.join(self.workdir, "curves.png"),
-                           error)
+        if os.path.isfile(self.metrics.path):
+            write_run_curves(read_metrics(self.workdir), self.workdir, self._config_dict)
 
     def model(self) -> CausalLM:
         """The current (noise-free) model."""

@@ -40,8 +40,13 @@ class TrainPrograms(NamedTuple):
 
 def make_train_programs(graphdef, loss_config: LossConfig,
                         optimizer: optax.GradientTransformation, *, temperature: float,
-                        completion_length: int, logits_chunk_size: int) -> TrainPrograms:
-    """The update's programs for one model graph, loss and optimizer."""
+                        completion_length: int, logits_chunk_size: int,
+                        state_shardings: tuple | None = None) -> TrainPrograms:
+    """The update's programs for one model graph, loss and optimizer.
+
+    state_shardings: (trainable's, opt_state's) NamedSharding trees on a device mesh
+      (qerl_jax.parallel.mesh.tree_shardings): the gradients and updated states keep them
+      (None: one device, shardings left to the inputs)."""
 
     def completion_logprobs(trainable, frozen, batch):
         model = nnx.merge(graphdef, trainable, frozen)
@@ -76,14 +81,25 @@ def make_train_programs(graphdef, loss_config: LossConfig,
         own), not the sum, the last micro-batch's gradient and the new one."""
         (loss, aux), grads = value_and_grad(trainable, frozen, batch, global_valid_tokens,
                                             global_sequences)
-        return (loss, aux), jax.tree_util.tree_map(jnp.add, grad_sum, grads)
+        grad_sum = jax.tree_util.tree_map(jnp.add, grad_sum, grads)
+        if state_shardings is not None:
+            grad_sum = jax.lax.with_sharding_constraint(grad_sum, state_shardings[0])
+        return (loss, aux), grad_sum
 
+    grads_out, update_out = {}, {}
+    if state_shardings is not None:
+        trainable_shardings, opt_shardings = state_shardings
+        replicated = jax.sharding.NamedSharding(
+            jax.tree_util.tree_leaves(trainable_shardings)[0].mesh, jax.sharding.PartitionSpec())
+        grads_out = {"out_shardings": trainable_shardings}
+        update_out = {"out_shardings": (trainable_shardings, opt_shardings, replicated,
+                                        replicated)}
     accumulate_gradient_program = jax.jit(accumulate_gradient, donate_argnums=(5,))
     # keep_unused: the (committed) input stays an argument, so the zeros come out committed
     # like the sums accumulate_gradient returns (a program without inputs returns uncommitted
     # arrays, and jit would compile accumulate_gradient once per committed flag)
     zero_grads = jax.jit(lambda t: jax.tree_util.tree_map(jnp.zeros_like, t),
-                               keep_unused=True)
+                         keep_unused=True, **grads_out)
 
     def apply_update(trainable, opt_state, grads):
         grad_norm = optax.tree.norm(grads)
@@ -95,8 +111,8 @@ def make_train_programs(graphdef, loss_config: LossConfig,
         return (keep(new_trainable, trainable), keep(new_opt_state, opt_state), grad_norm,
                 finite)
 
-    apply_update_program = jax.jit(apply_update, donate_argnums=(0, 1))
-    apply_update_copy = jax.jit(apply_update)
+    apply_update_program = jax.jit(apply_update, donate_argnums=(0, 1), **update_out)
+    apply_update_copy = jax.jit(apply_update, **update_out)
     scale = jax.jit(lambda a, s: jax.tree_util.tree_map(lambda x: x * s, a))
     return TrainPrograms(logprobs, accumulate_gradient_program, zero_grads, apply_update_program,
                          apply_update_copy, scale)

@@ -1,0 +1,177 @@
+"""Runs a tiny NVFP4 + LoRA model on one device and on device meshes, and writes what each run
+computed to an .npz file for tests/parallel/test_mesh_equality.py to compare.
+
+Started in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag must
+be set before JAX starts, so the rest of the test suite keeps one CPU device).
+
+    python tests/parallel/mesh_worker.py equality OUT.npz data=8 fsdp=2,tensor=4 fsdp=8
+    python tests/parallel/mesh_worker.py checkpoint OUT.npz CHECKPOINT_DIR
+
+equality: per mesh (and for the single device, key prefix 'single'): greedy rollout tokens,
+the micro-batch loss, the gradient leaves and the LoRA leaves after one AdamW update.
+checkpoint: the train state saved on one mesh and restored on another (and on one device):
+the restored leaves, and whether each restored leaf carries the target's sharding.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from qerl_jax.checkpointing import TrainingCheckpoints  # noqa: E402
+from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora  # noqa: E402
+from qerl_jax.model_quant.quantize import quantize_model  # noqa: E402
+from qerl_jax.models.config import preset  # noqa: E402
+from qerl_jax.models.transformer import init_model  # noqa: E402
+from qerl_jax.parallel.mesh import Placement, make_mesh  # noqa: E402
+from qerl_jax.rl.losses import LossConfig  # noqa: E402
+from qerl_jax.rl.optimizer import make_optimizer  # noqa: E402
+from qerl_jax.rl.train_step import make_train_programs  # noqa: E402
+from qerl_jax.sampling import SamplingConfig, generate_from_states  # noqa: E402
+
+ROWS, PROMPT, COMPLETION = 16, 8, 8
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'fsdp=2,tensor=4' -> {'fsdp': 2, 'tensor': 4} (unnamed axes are 1)."""
+    return {name: int(size) for name, size in (part.split("=") for part in text.split(","))}
+
+
+def build_states():
+    """(graphdef, trainable, frozen) of a 2-layer float32 NVFP4 model with LoRA on every
+    projection (B drawn non-zero, so every adapter has a gradient) and trainable norms."""
+    architecture = preset("tiny_qwen2", param_dtype="float32", compute_dtype="float32",
+                          remat=False, vocab_size=104, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64, tie_word_embeddings=False)
+    model = init_model(architecture, seed=0)
+    # a larger head than the N(0, 0.02) init: distinct logits, so greedy ties cannot flip
+    model.lm_head.weight.set_value(model.lm_head.weight.get_value() * 20.0)
+    quantize_model(model, "nvfp4")
+    add_lora(model, LoRAConfig(rank=8, alpha=16.0, train_norms=True), jax.random.key(1))
+    graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
+    keys = iter(jax.random.split(jax.random.key(2), len(jax.tree_util.tree_leaves(trainable))))
+    trainable = jax.tree_util.tree_map(
+        lambda leaf: leaf + 0.05 * jax.random.normal(next(keys), leaf.shape, leaf.dtype),
+        trainable)
+    return graphdef, trainable, frozen
+
+
+def training_batch() -> dict:
+    rng = np.random.default_rng(3)
+    length = PROMPT + COMPLETION
+    tokens = rng.integers(1, 104, (ROWS, length), dtype=np.int32)
+    attention = np.ones((ROWS, length), np.bool_)
+    attention[:, :2] = rng.random((ROWS, 2)) < 0.5    # some left padding
+    loss_mask = rng.random((ROWS, COMPLETION)) < 0.85
+    return {"tokens": tokens, "attention_mask": attention,
+            "completion_tokens": tokens[:, PROMPT:], "loss_mask": loss_mask,
+            "advantages": rng.normal(size=ROWS).astype(np.float32),
+            "rollout_logprobs": (-4.6 + 0.3 * rng.normal(size=(ROWS, COMPLETION))).astype(
+                np.float32)}
+
+
+def optimizer_config():
+    return ml_collections.ConfigDict(dict(warmup_ratio=0.0, total_steps=10, learning_rate=1e-2,
+                                          adam_b1=0.9, adam_b2=0.99, weight_decay=0.1,
+                                          max_grad_norm=1.0))
+
+
+def run(graphdef, trainable, frozen, placement: Placement) -> dict:
+    """Greedy tokens, loss, gradients and the updated trainable leaves on `placement`."""
+    optimizer, _ = make_optimizer(optimizer_config())
+    trainable, frozen = placement.states(trainable), placement.states(frozen)
+    opt_state = placement.states(optimizer.init(trainable))
+    shardings = (None if placement.mesh is None
+                 else (placement.shardings(trainable), placement.shardings(opt_state)))
+    programs = make_train_programs(graphdef, LossConfig(max_completion_length=COMPLETION),
+                                   optimizer, temperature=1.0, completion_length=COMPLETION,
+                                   logits_chunk_size=4, state_shardings=shardings)
+    batch = {name: placement.rows(value) for name, value in training_batch().items()}
+    tokens = jnp.float32(batch["loss_mask"].sum())
+    (loss, _), grads = programs.accumulate_gradient(
+        trainable, frozen, batch, tokens, jnp.float32(ROWS), programs.zero_grads(trainable))
+    updated, _, norm, _ = programs.apply_update_copy(trainable, opt_state, grads)
+    prompts = training_batch()["tokens"][:, :PROMPT]
+    rollout = generate_from_states(
+        graphdef, (trainable, frozen), prompts, np.ones_like(prompts, np.bool_),
+        jax.random.key(4), SamplingConfig(max_new_tokens=12, greedy=True, prompt_bucket=8),
+        mesh=placement.mesh)
+    out = {"tokens": np.asarray(rollout.tokens), "loss": np.asarray(loss),
+           "grad_norm": np.asarray(norm)}
+    out.update({f"grad{i:03d}": np.asarray(g) for i, g in
+                enumerate(jax.tree_util.tree_leaves(grads))})
+    out.update({f"updated{i:03d}": np.asarray(u) for i, u in
+                enumerate(jax.tree_util.tree_leaves(updated))})
+    if placement.mesh is not None:   # the frozen 4-bit weights keep their shardings
+        out["frozen_sharded"] = np.asarray(any(
+            not leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(frozen)))
+    return out
+
+
+def equality(path: str, meshes: list[str]) -> None:
+    graphdef, trainable, frozen = build_states()
+    results = {f"single/{k}": v for k, v in run(graphdef, trainable, frozen,
+                                                Placement(None)).items()}
+    for text in meshes:
+        placement = Placement(make_mesh(parse_mesh(text)))
+        results.update({f"{text}/{k}": v for k, v in
+                        run(graphdef, trainable, frozen, placement).items()})
+    np.savez(path, **results)
+
+
+def checkpoint(path: str, directory: str) -> None:
+    """Saves on fsdp=2,tensor=4 and restores onto data=8, fsdp=8 and one device; saves on one
+    device and restores onto fsdp=2,tensor=4."""
+    _, trainable, _ = build_states()
+    optimizer, _ = make_optimizer(optimizer_config())
+
+    def state(placement):
+        placed = placement.states(trainable)
+        return {"trainable": placed, "opt_state": placement.states(optimizer.init(placed))}
+
+    results = {}
+    source = Placement(make_mesh(parse_mesh("fsdp=2,tensor=4")))
+    saved = state(source)
+    results.update({f"saved/{i:03d}": np.asarray(leaf)
+                    for i, leaf in enumerate(jax.tree_util.tree_leaves(saved))})
+    checkpoints = TrainingCheckpoints(os.path.join(directory, "sharded"))
+    checkpoints.save(1, saved, {"step": 1})
+    for name, placement in (("data=8", Placement(make_mesh(parse_mesh("data=8")))),
+                            ("fsdp=8", Placement(make_mesh(parse_mesh("fsdp=8")))),
+                            ("single", Placement(None))):
+        template = state(placement)
+        restored, _ = checkpoints.restore(template, 1)
+        leaves = jax.tree_util.tree_leaves(restored)
+        results.update({f"{name}/{i:03d}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
+        results[f"{name}/shardings_match"] = np.asarray(all(
+            r.sharding.is_equivalent_to(t.sharding, np.ndim(t)) for r, t in
+            zip(leaves, jax.tree_util.tree_leaves(template), strict=True)))
+    checkpoints.close()
+    single = TrainingCheckpoints(os.path.join(directory, "single"))
+    single.save(1, state(Placement(None)), {"step": 1})
+    restored, _ = single.restore(saved, 1)
+    leaves = jax.tree_util.tree_leaves(restored)
+    results.update({f"from_single/{i:03d}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
+    results["from_single/shardings_match"] = np.asarray(all(
+        r.sharding.is_equivalent_to(t.sharding, np.ndim(t))
+        for r, t in zip(leaves, jax.tree_util.tree_leaves(saved), strict=True)))
+    single.close()
+    np.savez(path, **results)
+
+
+if __name__ == "__main__":
+    assert jax.device_count() == 8, jax.devices()
+    part, out, *rest = sys.argv[1:]
+    if part == "equality":
+        equality(out, rest)
+    else:
+        checkpoint(out, rest[0])
