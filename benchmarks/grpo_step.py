@@ -3,8 +3,9 @@
 For each model size (Qwen2.5-7B/14B/32B shapes, random weights) and format (bf16-LoRA / nf4 /
 nvfp4), one worker subprocess (so the peak memory is the case's own) builds the qerl_jax Trainer
 (char-level tokenizer, arithmetic prompts left-padded to --prompt tokens, --completion new
-tokens, G = --group samples of one prompt, LoRA rank --rank on all projections + norm scales,
-remat on, micro-batch --micro-batch, AQN on for nvfp4/mxfp4 as in QeRL) and runs --steps
+tokens, G = --group samples of each of --prompts prompts (default 1), LoRA rank --rank on all
+projections + norm scales, remat on, micro-batch --micro-batch, AQN on for nvfp4/mxfp4 as in
+QeRL) on the --mesh device mesh (default one device) and runs --steps
 train_step calls. Step 0 includes the compiles (reported separately as compile + run); the last
 step is the measurement, and every step after step 0 is listed (later_steps_rollout_s /
 later_steps_train_s in the jsonl) for the spread. A random model almost never samples EOS, so
@@ -25,6 +26,18 @@ kept). OOM or errors are recorded per case.
     python benchmarks/grpo_step.py --sizes 7b --formats nvfp4 --trace-peaks \
         --compilation-cache DIR --out $OUT
     python benchmarks/grpo_step.py --smoke --out /tmp/grpo_step_smoke   # CPU, tiny model
+
+On several devices (config.mesh; qerl_jax/parallel/mesh.py), e.g. data parallel on 2 GPUs with
+one prompt per GPU, or FSDP x tensor:
+
+    python benchmarks/grpo_step.py --sizes 7b --formats nvfp4 --mesh data=2 --prompts 2 \
+        --micro-batch 4 --out $OUT
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/grpo_step.py --smoke \
+        --mesh data=2,fsdp=2,tensor=2 --prompts 2 --micro-batch 8 --out /tmp/grpo_mesh_smoke
+
+The rows record the mesh and the device count; "rollout tok/s per device" divides the rollout
+throughput by it. Rows are split over data x fsdp only where the counts divide (P prompts for
+the prefill, P*G rollouts, --micro-batch training rows); otherwise those arrays are replicated.
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", help=f"comma list of 7b,14b,32b; default {DEFAULTS['sizes']}")
     parser.add_argument("--formats", help=f"default {DEFAULTS['formats']} (run in this order)")
-    parser.add_argument("--group", type=int, help="G samples per prompt (1 prompt per step)")
+    parser.add_argument("--group", type=int, help="G samples per prompt (--prompts prompts per step)")
     parser.add_argument("--prompt", type=int, help="prompt tokens (padded bucket)")
     parser.add_argument("--completion", type=int, help="new tokens per sample")
     parser.add_argument("--micro-batch", type=int, help="training micro-batch (sequences)")
@@ -56,6 +69,13 @@ def parse_args(argv=None):
                                                   "compiles)")
     parser.add_argument("--budget-s", type=float, help="wall-clock budget of the command")
     parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=1,
+                        help="prompts per step (P; P * G rollouts): scale it with the data "
+                             "axis for the same work per device")
+    parser.add_argument("--mesh", default="",
+                        help="config.mesh sizes, e.g. 'data=2' or 'data=1,fsdp=2,tensor=1' "
+                             "(unnamed axes 1; the product must be the device count; default: "
+                             "one device)")
     parser.add_argument("--logits-chunk", type=int, default=None,
                         help="config.train.logits_chunk_size (log-probs computed this many "
                              "completion positions at a time; 0 = all at once); default: the "
@@ -88,7 +108,23 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    try:
+        args.mesh_shape = parse_mesh(args.mesh)
+    except ValueError as error:
+        parser.error(f"--mesh {args.mesh!r}: {error}")
     return args
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,fsdp=1' -> {'data': 2, 'fsdp': 1, 'tensor': 1} ('' = one device)."""
+    shape = {"data": 1, "fsdp": 1, "tensor": 1}
+    for part in filter(None, (part.strip() for part in text.split(","))):
+        name, _, size = part.partition("=")
+        if name not in shape or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"'{part}' is not AXIS=SIZE with AXIS in {tuple(shape)} and "
+                             "SIZE >= 1")
+        shape[name] = int(size)
+    return shape
 
 
 # ============================================================================== worker
@@ -106,7 +142,10 @@ def worker_main(args) -> None:
            "aqn": format_name in AQN_FORMATS, "group": args.group,
            "prompt": args.prompt, "completion": args.completion,
            "micro_batch": args.micro_batch, "lora_rank": args.rank, "steps_done": 0,
-           **common.device_info()}
+           "prompts": args.prompts,
+           "mesh": ",".join(f"{k}={v}" for k, v in args.mesh_shape.items()),
+           "mesh_devices": args.mesh_shape["data"] * args.mesh_shape["fsdp"]
+           * args.mesh_shape["tensor"], **common.device_info()}
 
     def emit(status):
         row["status"] = status
@@ -140,10 +179,12 @@ def worker_main(args) -> None:
         build_char_tokenizer(tokenizer_dir)
         config = common.grpo_config(
             preset=row["preset"], format_name=format_name, tokenizer_dir=tokenizer_dir,
-            rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
+            rank=args.rank, group=args.group, prompts=args.prompts, prompt=args.prompt,
             completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
             aqn=row["aqn"])
         config.quant.kernels.enabled = not args.no_kernels
+        for axis, size in args.mesh_shape.items():
+            config.mesh[axis] = size
         config.quant.kernels.gate_up_pairs = not args.no_gate_up_pairs
         config.quant.kernels.mosaic_nvfp4 = args.mosaic_nvfp4
         config.quant.kernels.decode_attention = not args.no_decode_attention
@@ -215,6 +256,8 @@ def worker_main(args) -> None:
         row[f"{prefix}_train_s"] = metrics["time/train_s"]
         row[f"{prefix}_s"] = metrics["time/rollout_s"] + metrics["time/train_s"]
         row[f"{prefix}_tokens_per_s"] = metrics["rollout_tokens_per_s"]
+        row[f"{prefix}_tokens_per_s_per_device"] = (metrics["rollout_tokens_per_s"]
+                                                    / row["mesh_devices"])
         row[f"{prefix}_sampler_compile_s"] = metrics["time/sampler_compile_s"]
         if step > 0:  # every later step, so several steps give a spread, not one sample
             row.setdefault("later_steps_rollout_s", []).append(metrics["time/rollout_s"])
@@ -271,12 +314,14 @@ def _trace_peaks(trainer, row) -> None:
                                         key=lambda item: -item[2])[:15]
 
 
-COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("status", "status"),
+COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("mesh", "mesh"),
+           ("prompts", "prompts"), ("status", "status"),
            ("step0_rollout_s", "step 0 rollout s (compile+run)"),
            ("step0_train_s", "step 0 train s (compile+run)"),
            ("step_rollout_s", "rollout s"), ("step_train_s", "train s"), ("step_s", "step s"),
            ("later_steps_s", "step s, every step after step 0"),
            ("speedup_vs_bf16", "x bf16 (step)"), ("step_tokens_per_s", "rollout tok/s"),
+           ("step_tokens_per_s_per_device", "rollout tok/s per device"),
            ("completion_length", "completion length"), ("peak_GiB", "peak GiB"),
            ("peak_vs_bf16", "peak / bf16 peak"),
            ("peak_after_rollout0_GiB", "peak after step-0 rollout GiB"),
@@ -350,7 +395,8 @@ def parent_main(args) -> None:
                        "--format", format_name, "--group", str(args.group),
                        "--prompt", str(args.prompt), "--completion", str(args.completion),
                        "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
-                       "--rank", str(args.rank),
+                       "--rank", str(args.rank), "--prompts", str(args.prompts),
+                       *(["--mesh", args.mesh] if args.mesh else []),
                        *(["--logits-chunk", str(args.logits_chunk)]
                          if args.logits_chunk is not None else []),
                        *(["--compilation-cache", args.compilation_cache]
@@ -395,7 +441,8 @@ def report(rows: list[dict], args, name: str) -> None:
         if rollouts and trains:
             row["later_steps_s"] = " / ".join(f"{a + b:.2f}" for a, b in zip(rollouts, trains))
     header = common.header_line(
-        f"GRPO step (rollout + train), random weights, 1 prompt x G={args.group}, prompt "
+        f"GRPO step (rollout + train), random weights, {args.prompts} prompt(s) x "
+        f"G={args.group}, mesh {args.mesh or 'one device'}, prompt "
         f"{args.prompt}, completion {args.completion}, LoRA r{args.rank} (+ norm scales), "
         f"micro-batch {args.micro_batch}, remat on; last of "
         f"{args.steps} steps reported, step 0 = compile + run", rows)
@@ -413,7 +460,8 @@ def merge_main(args) -> None:
     rows = common.merged_rows(args.merge)
     first = rows[0]
     args.rank = first.get("lora_rank", args.rank)
-    for name in ("group", "prompt", "completion", "micro_batch", "steps"):
+    args.mesh = "per row"
+    for name in ("group", "prompt", "completion", "micro_batch", "steps", "prompts"):
         if first.get(name) is not None:
             setattr(args, name, first[name])
     report(rows, args, "grpo_step_merged")

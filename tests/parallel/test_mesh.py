@@ -131,3 +131,40 @@ def test_a_checkpoint_saved_on_one_mesh_restores_on_another(tmp_path):
                                           err_msg=f"{target} {name}")
         if target != "single":
             assert bool(results[f"{target}/shardings_match"]), target
+
+
+def test_grpo_step_benchmark_runs_on_a_mesh(tmp_path):
+    """benchmarks/grpo_step.py --mesh (the GPU scaling runs' entry) as a CPU smoke on 8 forced
+    host devices: two GRPO steps of the tiny NVFP4 model on data=2 x fsdp=2 x tensor=2, the
+    sampler compiled ahead of time for the mesh-placed weights (--offload-for-compile on)."""
+    import json
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "grpo_step.py"), "--smoke",
+         "--formats", "nvfp4", "--mesh", "data=2,fsdp=2,tensor=2", "--prompts", "2",
+         "--micro-batch", "8", "--offload-for-compile", "on", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "grpo_step_tiny.json") as handle:
+        (row,) = json.load(handle)["rows"]
+    assert row["status"] == "ok", row
+    assert row["mesh"] == "data=2,fsdp=2,tensor=2" and row["mesh_devices"] == 8
+    assert row["prompts"] == 2 and row["steps_done"] == 2
+    assert row["step_tokens_per_s_per_device"] * 8 == pytest.approx(row["step_tokens_per_s"])
+    assert row["step0_sampler_compile_s"] > 0
+
+
+def test_grpo_step_mesh_flag_is_parsed():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import grpo_step
+    finally:
+        sys.path.remove(os.path.join(REPO, "benchmarks"))
+    assert grpo_step.parse_mesh("") == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert grpo_step.parse_mesh("data=1,fsdp=2") == {"data": 1, "fsdp": 2, "tensor": 1}
+    with pytest.raises(ValueError, match="'model=2' is not AXIS=SIZE"):
+        grpo_step.parse_mesh("model=2")
+    with pytest.raises(SystemExit):
+        grpo_step.parse_args(["--mesh", "data=0"])
