@@ -36,7 +36,9 @@ one prompt per GPU, or FSDP x tensor:
         --mesh data=2,fsdp=2,tensor=2 --prompts 2 --micro-batch 8 --out /tmp/grpo_mesh_smoke
 
 The rows record the mesh and the device count; "rollout tok/s per device" divides the rollout
-throughput by it. Rows are split over data x fsdp only where the counts divide (P prompts for
+throughput by it. On a mesh of several devices the quantized matmuls and attention run on the
+XLA path (the Pallas kernels are per-device programs; qerl_jax/model_setup.py): compare such
+runs with a one-device run with --no-kernels for the scaling efficiency. Rows are split over data x fsdp only where the counts divide (P prompts for
 the prefill, P*G rollouts, --micro-batch training rows); otherwise those arrays are replicated.
 """
 
@@ -155,6 +157,8 @@ def worker_main(args) -> None:
                                        "peak_GiB")}, flush=True)
 
     workdir = tempfile.mkdtemp(prefix="grpo_step_")
+    # the trainer keeps the Pallas kernels off on a mesh of several devices (model_setup)
+    use_kernels = not args.no_kernels and row["mesh_devices"] == 1
     original_build_model = trainer_module.build_model
 
     def build_model_for_benchmark(config, run_dir):
@@ -162,12 +166,14 @@ def worker_main(args) -> None:
         model, tokenizer = original_build_model(config, run_dir)
         row["build_model_s"] = time.perf_counter() - begin
         row["peak_after_build_GiB"], _ = common.peak_memory_gib()
-        model, hook = common._prepare_model(model, format_name, not args.no_kernels,
+        model, hook = common._prepare_model(model, format_name, use_kernels,
                                             args.kernels_interpret,
                                             decode_attention=not args.no_decode_attention,
                                             pair_mlp=not args.no_gate_up_pairs,
                                             **common.kernel_settings(args))
         row.update(hook)
+        if use_kernels != (not args.no_kernels):
+            row["kernel_hook"] = f"off (a mesh of {row['mesh_devices']} devices): XLA"
         row["params_B"] = model.config.num_parameters() / 1e9
         row["attention"] = model.config.attention_implementation
         return model, tokenizer
@@ -182,7 +188,7 @@ def worker_main(args) -> None:
             rank=args.rank, group=args.group, prompts=args.prompts, prompt=args.prompt,
             completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
             aqn=row["aqn"])
-        config.quant.kernels.enabled = not args.no_kernels
+        config.quant.kernels.enabled = use_kernels
         for axis, size in args.mesh_shape.items():
             config.mesh[axis] = size
         config.quant.kernels.gate_up_pairs = not args.no_gate_up_pairs

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def peak_memory_bytes() -> int:
     """Peak device memory where the backend reports it, else the process's peak RSS."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return int(stats["peak_bytes_in_use"])
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -59,7 +59,10 @@ class MetricsWriter:
     """Appends one strict-JSON object per step to metrics.jsonl (and TensorBoard scalars when
     tensorboardX is installed and `tensorboard` is on)."""
 
-    def __init__(self, workdir: str, tensorboard: bool = False):
+    def __init__(self, workdir: str, tensorboard: bool = False, *, enabled: bool = True):
+        """enabled=False: start, write and close do nothing (a run's processes but the
+        first: one writer per run)."""
+        self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tensorboard_directory = os.path.join(workdir, "tensorboard")
         self.want_tensorboard = tensorboard
@@ -82,6 +85,8 @@ class MetricsWriter:
         """Cuts metrics.jsonl back to the steps before `resume_step` (0: empties it), so a run
         never holds a step twice; a torn last line (a kill or a full disk mid-append) is
         dropped with one warning naming the file."""
+        if not self.enabled:
+            return
         rows: list[dict] = []
         if os.path.isfile(self.path):
             rows, torn = _read_lines(self.path)
@@ -101,6 +106,8 @@ class MetricsWriter:
         self._open_tensorboard()
 
     def write(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
         row = {name: _finite_or_none(value) for name, value in metrics.items()}
         line = json.dumps(row, sort_keys=True, allow_nan=False) + "\n"
         with open(self.path, "a") as handle:

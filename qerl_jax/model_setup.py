@@ -104,12 +104,21 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
     as config.quant.kernels says (GPU only; a no-op on CPU). bf16 weights get the
     decode-attention kernel only. quant.kernels.enabled=False keeps the XLA path. The kernels
     compute in bfloat16: with another compute dtype every matmul would take the XLA path and
-    unpack the kernel layout again on each call, so nothing is repacked."""
+    unpack the kernel layout again on each call, so nothing is repacked. On a mesh of more than
+    one device (config.mesh) the XLA path runs too."""
     from qerl_jax.model_quant.kernels import enable_decode_attention, enable_kernels
     from qerl_jax.quant.kernel_options import KernelOptions
 
     options = KernelOptions.from_config(config.quant.kernels)
     if not options.enabled:
+        return
+    mesh = config.get("mesh", {})
+    devices = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("tensor", 1)
+    if devices > 1:
+        # XLA cannot split a Pallas call over a mesh: it would run whole on every device
+        logger.info("Pallas kernels not enabled: config.mesh spans %d devices and the kernels "
+                    "run on one device's arrays only; the quantized layers use the XLA path",
+                    devices)
         return
     if config.quant.format == "bf16":
         if config.model.compute_dtype == "bfloat16" and options.decode_attention:

@@ -27,6 +27,7 @@ from qerl_jax.lora import cast_adapters_for_compute
 from qerl_jax.models.decode_fusion import prepare_decode
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
+from qerl_jax.parallel.distributed import put_global
 from qerl_jax.parallel.mesh import BATCH_AXES, batch_spec, constrain_rows
 
 logger = logging.getLogger(__name__)
@@ -275,15 +276,17 @@ def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, ke
       compiled: compile_generate's executable for these shapes and this config (None: the
         jitted program, compiled on first use of each shape).
       mesh: the device mesh the states are placed on (qerl_jax.parallel.mesh): the prompts'
-        rows are split over its batch axes; None: one device.
+        rows are split over its batch axes (with several processes, every process passes the
+        same prompts and key); None: one device.
     Returns:
       Rollout with B = P * G rows, row p*G + g = generation g of prompt p.
     """
     prompt_tokens, prompt_mask = pad_prompts(prompt_tokens, prompt_mask, config)
     if mesh is not None:
         rows = _prompt_sharding(prompt_tokens.shape, mesh)
-        prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), rows)
-        key = jax.device_put(key, _replicated(mesh))
+        prompt_tokens, prompt_mask = (put_global(prompt_tokens, rows),
+                                      put_global(prompt_mask, rows))
+        key = put_global(key, _replicated(mesh))
     if compiled is not None:
         return compiled(tuple(states), prompt_tokens, prompt_mask, key)
     total = prompt_tokens.shape[1] + config.max_new_tokens

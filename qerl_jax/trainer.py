@@ -44,6 +44,7 @@ from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run
 from qerl_jax.model_setup import build_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
 from qerl_jax.models.transformer import CausalLM
+from qerl_jax.parallel.distributed import initialize_distributed, is_primary, to_host
 from qerl_jax.parallel.mesh import Placement
 from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.plots import write_run_curves
@@ -84,15 +85,16 @@ class Trainer:
         # before the first JAX computation: XLA reads its flags when the backend starts
         persist_autotuning(config.get("xla_autotune_results", ""))
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
+        initialize_distributed(config)   # config.distributed (or SLURM's / Open MPI's launch)
         self.placement = Placement.from_config(config)   # config.mesh against the devices
         examples = load_training_examples(config)   # the data checked before any model work
         self.eval_examples = load_eval_examples(config, examples)
         self._config_dict = json.loads(config.to_json())
         os.makedirs(workdir, exist_ok=True)
         self.resume = resume
-        self._config_changes = prepare_workdir(workdir, self._config_dict, resume=resume,
-                                               overwrite=overwrite,
-                                               allow_config_changes=allow_config_changes)
+        self._config_changes = prepare_workdir(
+            workdir, self._config_dict, resume=resume, overwrite=overwrite,
+            allow_config_changes=allow_config_changes) if is_primary() else []
         base_key = jax.random.key(config.seed)
         self.lora_key = jax.random.fold_in(base_key, 1)
         self.rollout_key = jax.random.fold_in(base_key, 2)
@@ -154,7 +156,7 @@ class Trainer:
         self.skipped_updates = 0
         self.checkpoints = TrainingCheckpoints(os.path.join(workdir, "checkpoints"),
                                                config.checkpoint.max_to_keep)
-        self.metrics = MetricsWriter(workdir, config.logging.tensorboard)
+        self.metrics = MetricsWriter(workdir, config.logging.tensorboard, enabled=is_primary())
         self._compile_functions()
         self.start_step = 0
         if resume and not self.restore_newest():
@@ -237,7 +239,7 @@ class Trainer:
         rollout = generate_from_states(self.graphdef, self._rollout_states(), prompts.tokens,
                                        prompts.mask, key, self.sampling, compiled=compiled,
                                        mesh=self.placement.mesh)
-        rollout = jax.device_get(rollout)
+        rollout = to_host(rollout)
         group = self.sampling.num_generations
         completions = [self._decode(rollout.tokens[row], int(rollout.lengths[row]))
                        for row in range(rollout.tokens.shape[0])]
@@ -311,9 +313,9 @@ class Trainer:
         def sample(tokens, mask, key):
             # first: compiling with the weights offloaded replaces self.frozen's buffers
             compiled = self._sampler_program(tokens.shape, key, self.eval_sampling, states)
-            return generate_from_states(self.graphdef, states(), tokens, mask, key,
-                                        self.eval_sampling, compiled=compiled,
-                                        mesh=self.placement.mesh)
+            return to_host(generate_from_states(self.graphdef, states(), tokens, mask, key,
+                                                self.eval_sampling, compiled=compiled,
+                                                mesh=self.placement.mesh))
 
         data = self.config.data
         result = pass_at_1(sample, self.tokenizer, self.eval_examples, task=data.task,
@@ -362,14 +364,14 @@ class Trainer:
             frozen = aqn_noisy_state(frozen, self.aqn_key, self.step, self.aqn_schedule)
         if config.train.num_iterations > 1:
             batch["old_logprobs"] = np.concatenate([
-                np.asarray(self._logprobs_fn(self.trainable, frozen, micro))
+                to_host(self._logprobs_fn(self.trainable, frozen, micro))
                 for micro in self._micro_batches(batch)])
         if config.loss.beta != 0.0:
             batch["ref_logprobs"] = np.concatenate([
-                np.asarray(self._logprobs_fn(self.reference_trainable, frozen, micro))
+                to_host(self._logprobs_fn(self.reference_trainable, frozen, micro))
                 for micro in self._micro_batches(batch)])
-        global_tokens = jnp.asarray(batch["loss_mask"].sum(), jnp.float32)
-        global_sequences = jnp.asarray(batch["tokens"].shape[0], jnp.float32)
+        global_tokens = np.float32(batch["loss_mask"].sum())   # host scalars: any mesh
+        global_sequences = np.float32(batch["tokens"].shape[0])
         micro_count = math.ceil(batch["tokens"].shape[0] / config.train.micro_batch_size)
         stats = {"loss": 0.0, "valid_tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0,
                  "entropy_sum": 0.0, "rollout_kl_sum": 0.0, "rollout_outside_sum": 0.0}
@@ -506,10 +508,11 @@ class Trainer:
         step is checkpointed (with its data position) and TrainingStopped (signals) or the
         exception propagates, after one log line saying where the run stopped."""
         self.metrics.start(self.step)
-        record_start(self.workdir, {
-            **run_metadata(self.config.to_json(), self.config.seed),
-            "start_step": self.step, "resumed": self.resume,
-            "config_changes": self._config_changes})
+        if is_primary():
+            record_start(self.workdir, {
+                **run_metadata(self.config.to_json(), self.config.seed),
+                "start_step": self.step, "resumed": self.resume,
+                "config_changes": self._config_changes})
         self._config_changes = []
         total = self.config.train.total_steps
         last = total if stop_after is None else min(total, self.step + stop_after)
@@ -585,7 +588,7 @@ class Trainer:
         return error
 
     def _plot(self) -> None:
-        if os.path.isfile(self.metrics.path):
+        if is_primary() and os.path.isfile(self.metrics.path):
             write_run_curves(read_metrics(self.workdir), self.workdir, self._config_dict)
 
     def model(self) -> CausalLM:

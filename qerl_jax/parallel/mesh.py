@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qerl_jax.errors import ConfigError
+from qerl_jax.parallel.distributed import put_global, put_tree
 from qerl_jax.quant.qarray import QuantizedWeight
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -225,7 +226,8 @@ class Placement:
     shardings(tree): those shardings (None without a mesh).
     abstract(tree): shapes, dtypes and those shardings, for ahead-of-time compilation.
     rows(array): a host or device array with its rows split over BATCH_AXES (jnp.asarray
-      without a mesh).
+      without a mesh); with several processes each one passes the whole array and transfers
+      the rows its devices hold.
     """
 
     mesh: Mesh | None = None
@@ -240,7 +242,7 @@ class Placement:
     def states(self, tree):
         if self.mesh is None:
             return tree
-        return jax.device_put(tree, self.shardings(tree))
+        return put_tree(tree, self.shardings(tree))
 
     def abstract(self, tree):
         """jax.ShapeDtypeStructs of `tree` (arrays or abstract values) carrying the shardings
@@ -257,4 +259,4 @@ class Placement:
         if self.mesh is None:
             return jnp.asarray(array)
         spec = batch_spec(np.shape(array), _axis_sizes(self.mesh), axes)
-        return jax.device_put(array, NamedSharding(self.mesh, spec))
+        return put_global(array, NamedSharding(self.mesh, spec))

@@ -6,11 +6,14 @@ be set before JAX starts, so the rest of the test suite keeps one CPU device).
 
     python tests/parallel/mesh_worker.py equality OUT.npz data=8 fsdp=2,tensor=4 fsdp=8
     python tests/parallel/mesh_worker.py checkpoint OUT.npz CHECKPOINT_DIR
+    python tests/parallel/mesh_worker.py trainer WORKDIR MESH [COORDINATOR PROCESS_ID | resume]
 
 equality: per mesh (and for the single device, key prefix 'single'): greedy rollout tokens,
 the micro-batch loss, the gradient leaves and the LoRA leaves after one AdamW update.
 checkpoint: the train state saved on one mesh and restored on another (and on one device):
 the restored leaves, and whether each restored leaf carries the target's sharding.
+trainer: two steps of tests/test_trainer.py's tiny run on MESH ('' = one device), as one of two
+processes with COORDINATOR, or a third step resumed from WORKDIR's checkpoint.
 """
 
 from __future__ import annotations
@@ -168,9 +171,51 @@ def checkpoint(path: str, directory: str) -> None:
     np.savez(path, **results)
 
 
+def trainer_config(mesh: str):
+    """tests/test_trainer.py's tiny run (3 steps) on `mesh` ('' = one device)."""
+    from tests.conftest import config_from_file
+
+    config = config_from_file("tiny")
+    config.model.overrides = dict(config.model.overrides, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2)
+    config.warmup.steps = 40
+    config.warmup.batch_size = 32
+    config.train.prompts_per_step = 4
+    config.rollout.num_generations = 4
+    config.rollout.max_new_tokens = 12
+    config.train.micro_batch_size = 8
+    config.train.total_steps = 3
+    config.logging.progress_bar = False
+    config.logging.tensorboard = False
+    config.loss.beta = 0.04
+    for axis, size in (parse_mesh(mesh).items() if mesh else ()):
+        config.mesh[axis] = size
+    return config
+
+
+def trainer(workdir: str, mesh: str, coordinator: str = "", process_id: str = "") -> None:
+    """The first two steps of the tiny run in `workdir` (checkpointed at the stop); with
+    `coordinator`, as process `process_id` of two (config.distributed set explicitly); with
+    coordinator 'resume', the third step, resumed from the workdir's checkpoint."""
+    from qerl_jax.trainer import Trainer
+
+    config = trainer_config(mesh)
+    if coordinator == "resume":
+        Trainer(config, workdir, resume=True).train()
+        return
+    if coordinator:
+        config.distributed.coordinator_address = coordinator
+        config.distributed.num_processes = 2
+        config.distributed.process_id = int(process_id)
+    Trainer(config, workdir).train(stop_after=2)
+
+
 if __name__ == "__main__":
-    assert jax.device_count() == 8, jax.devices()
     part, out, *rest = sys.argv[1:]
+    if part == "trainer":   # device count: whatever the caller set up
+        trainer(out, *rest)
+        sys.exit(0)
+    assert jax.device_count() == 8, jax.devices()
     if part == "equality":
         equality(out, rest)
     else:
