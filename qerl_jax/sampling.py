@@ -28,7 +28,7 @@ from qerl_jax.models.decode_fusion import prepare_decode
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
 from qerl_jax.parallel.distributed import put_global
-from qerl_jax.parallel.mesh import BATCH_AXES, batch_spec, constrain_rows
+from qerl_jax.parallel.mesh import BATCH_AXES, batch_spec, constrain_logical, constrain_rows
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,19 @@ def choose_tokens(logits: jax.Array, key: jax.Array, config: SamplingConfig):
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
+def _constrain_cache(cache: KVCache, mesh) -> KVCache:
+    """The cache's rows over the mesh's batch axes, its keys' and values' kv heads over the
+    tensor axis (where they divide)."""
+    if mesh is None:
+        return cache
+    keys, values = constrain_logical((cache.keys, cache.values), mesh,
+                                     ("batch", None, "heads", None))
+    valid, next_position, index = constrain_rows(
+        (cache.valid, cache.next_position, cache.index), mesh)
+    return KVCache(keys=keys, values=values, valid=valid, next_position=next_position,
+                   index=index)
+
+
 def _repeat_rows(tree, times: int):
     return jax.tree_util.tree_map(
         lambda leaf: jnp.repeat(leaf, times, axis=0) if leaf.ndim >= 1 else leaf, tree)
@@ -143,8 +156,8 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
     prepare_decode(model)  # grouped [A_q | A_k | A_v], [A_gate | A_up], launch operands, prefetch
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
-    cache = constrain_rows(init_kv_cache(model.config, prompt_tokens.shape[0], cache_length),
-                           mesh)
+    cache = _constrain_cache(
+        init_kv_cache(model.config, prompt_tokens.shape[0], cache_length), mesh)
     logits, cache = prefill(model, prompt_tokens, prompt_mask, cache, empty_cache=True)
     groups = config.num_generations
     if groups > 1:
@@ -172,11 +185,12 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
         active = ~done
         done = done | jnp.isin(token, eos)
         logits, cache = decode_step(model, token, cache, active=active)
-        return step + 1, *constrain_rows((tokens, logprobs, done, logits, cache), mesh)
+        return (step + 1, *constrain_rows((tokens, logprobs, done, logits), mesh),
+                _constrain_cache(cache, mesh))
 
     carry = (jnp.zeros((), jnp.int32), *constrain_rows(
         (jnp.zeros((batch, steps), jnp.int32), jnp.zeros((batch, steps), jnp.float32),
-         jnp.zeros((batch,), jnp.bool_), logits, cache), mesh))
+         jnp.zeros((batch,), jnp.bool_), logits), mesh), _constrain_cache(cache, mesh))
     step, tokens, logprobs, done, _, _ = jax.lax.while_loop(cond, body, carry)
     # a row's length: tokens up to and including its first EOS, else all `step` tokens
     is_eos = jnp.isin(tokens, eos) & (jnp.arange(steps)[None, :] < step)

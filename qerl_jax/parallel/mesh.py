@@ -101,15 +101,18 @@ def _axis_sizes(mesh) -> dict[str, int]:
 def logical_spec(logical: Sequence[str | None], shapes: Sequence[Sequence[int]],
                  axis_sizes: Mapping[str, int]) -> PartitionSpec:
     """PartitionSpec of arrays whose leading dims carry the `logical` axes: each dimension
-    is split over its rule's mesh axes (size-1 axes dropped) when every array in `shapes` has a
-    multiple of their size there, else left whole; a mesh axis splits one dimension at most."""
+    is split over its rule's mesh axes (size-1 axes dropped), less the rule's last axes until
+    every array in `shapes` has a multiple of their size there (none: left whole); a mesh axis
+    splits one dimension at most."""
     used: set[str] = set()
     spec = []
     for dim, name in enumerate(logical):
-        axes = [axis for axis in (LOGICAL_AXIS_RULES.get(name) or ()) if name is not None
-                and axis_sizes.get(axis, 1) > 1 and axis not in used]
-        size = math.prod(axis_sizes[axis] for axis in axes)
-        if not axes or any(len(shape) <= dim or shape[dim] % size for shape in shapes):
+        rule = LOGICAL_AXIS_RULES.get(name) or () if name is not None else ()
+        axes = [axis for axis in rule if axis_sizes.get(axis, 1) > 1 and axis not in used]
+        while axes and any(len(shape) <= dim or shape[dim] % math.prod(
+                axis_sizes[axis] for axis in axes) for shape in shapes):
+            axes.pop()   # the last axes of the rule go first (rows: data before fsdp)
+        if not axes:
             spec.append(None)
             continue
         used.update(axes)
@@ -215,6 +218,18 @@ def constrain_rows(tree: Any, mesh: Mesh | None, axes: Sequence[str] = BATCH_AXE
         spec = batch_spec(leaf.shape, sizes, axes) if leaf.ndim else PartitionSpec()
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
     return jax.tree_util.tree_map(constrain, tree)
+
+
+def constrain_logical(tree: Any, mesh: Mesh | None, logical: Sequence[str | None]) -> Any:
+    """Inside jit: every array of `tree` split as logical_spec(`logical`) gives (e.g. a KV
+    cache's [B, S, kv_heads, head_dim] as ('batch', None, 'heads', None)). A no-op without a
+    mesh."""
+    if mesh is None:
+        return tree
+    sizes = _axis_sizes(mesh)
+    return jax.tree_util.tree_map(
+        lambda leaf: jax.lax.with_sharding_constraint(leaf, NamedSharding(
+            mesh, logical_spec(logical, [leaf.shape], sizes))), tree)
 
 
 # ------------------------------------------------------------------------------ placement

@@ -188,6 +188,9 @@ def trainer_config(mesh: str):
     config.logging.progress_bar = False
     config.logging.tensorboard = False
     config.loss.beta = 0.04
+    config.eval.every_steps = 2      # held-out greedy pass@1 at steps 0 and 2
+    config.eval.num_examples = 8
+    config.eval.batch_size = 8
     for axis, size in (parse_mesh(mesh).items() if mesh else ()):
         config.mesh[axis] = size
     return config

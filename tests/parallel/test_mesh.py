@@ -191,7 +191,8 @@ def _trainer_run(workdir, mesh: str, devices: int, *extra, background=False):
 
 
 def test_the_trainer_on_a_mesh_and_over_two_processes(tmp_path):
-    """tests/test_trainer.py's tiny run (2 GRPO steps, sampled rollouts, AQN, KL term) on one
+    """tests/test_trainer.py's tiny run (2 GRPO steps, sampled rollouts, AQN, KL term, held-out
+    greedy evaluation at step 0) on one
     device and on data=2 x fsdp=2 x tensor=2 over two processes of 4 forced host devices each
     (jax.distributed on localhost, CPU collectives over gloo). Same
     rollouts (rewards, accuracy and completion lengths exactly: the random draws do not depend
@@ -217,13 +218,13 @@ def test_the_trainer_on_a_mesh_and_over_two_processes(tmp_path):
         if other.poll() is None:
             other.kill()
     reference = read_metrics(str(single))
-    assert [row["step"] for row in reference] == [0, 1]
+    assert [row["step"] for row in reference] == [0, 1] and "eval/pass@1" in reference[0]
     rows = read_metrics(str(processes))
     assert len(rows) == 2
     for row, expected in zip(rows, reference):
         for name in ("reward", "accuracy", "completion_length", "truncated_fraction",
-                     "learning_rate", "aqn_sigma"):
-            assert row[name] == expected[name], name
+                     "learning_rate", "aqn_sigma", "eval/pass@1", "eval/mean_length"):
+            assert row.get(name) == expected.get(name), name
         for name in ("loss", "grad_norm", "entropy", "kl", "clip_fraction"):
             assert row[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
     assert len(read_starts(str(processes))) == 1   # one writer
@@ -231,6 +232,7 @@ def test_the_trainer_on_a_mesh_and_over_two_processes(tmp_path):
         assert len(handle.read().splitlines()) == 2
     _trainer_run(processes, "", 1, "resume")   # the 8-device checkpoint onto one device
     rows = read_metrics(str(processes))
-    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]   # 3: the final policy's evaluation
+    assert "eval/pass@1" in rows[2] and "eval/pass@1" in rows[3]
     starts = read_starts(str(processes))
     assert starts[-1]["start_step"] == 2 and starts[-1]["config"]["mesh"]["data"] == 1
