@@ -12,6 +12,7 @@ import pytest
 from scipy import stats
 
 from experiments import ablation_analysis as analysis
+from experiments import ablation_plots
 from experiments import format_ablation
 from qerl_jax.run_record import read_starts
 
@@ -282,10 +283,10 @@ def test_final_eval_row(tmp_path):
         rtol=1e-12)
     text = analysis.summary_markdown(summary)
     assert "| pass@1 before | final pass@1 | rollout KL |" in text
-    paths = analysis.plot_format_curves(runs, str(tmp_path / "out"))
+    paths = ablation_plots.plot_format_curves(runs, str(tmp_path / "out"))
     assert os.path.join(str(tmp_path / "out"), "eval_pass_at_1_vs_step.png") in paths
-    steps, mean, _ = analysis.seed_band([run for run in runs if run.format == "nvfp4"],
-                                        "eval/pass@1")
+    steps, mean, _ = ablation_plots.seed_band([run for run in runs if run.format == "nvfp4"],
+                                              "eval/pass@1")
     np.testing.assert_array_equal(steps, [0, 4, 8, 12])
     np.testing.assert_allclose(mean, [np.mean([passes["nvfp4", s][k] for s in seeds])
                                       for k in (0, 4, 8, 12)], rtol=1e-12)
@@ -342,7 +343,7 @@ def test_seed_band_smoothing():
     runs = [analysis.Run(path="", format="nvfp4", seed=seed, total_steps=9,
                          rows=[{"step": step, "reward": values[seed, step]} for step in range(9)])
             for seed in range(2)]
-    steps, mean, std = analysis.seed_band(runs, "reward", smooth=3)
+    steps, mean, std = ablation_plots.seed_band(runs, "reward", smooth=3)
     smoothed = np.stack([[row[max(0, i - 2):i + 1].mean() for i in range(9)] for row in values])
     np.testing.assert_allclose(mean, smoothed.mean(axis=0), rtol=1e-12)
     np.testing.assert_allclose(std, smoothed.std(axis=0, ddof=1), rtol=1e-12)
