@@ -51,3 +51,22 @@ def config_from_file(name: str, *args):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(*args)
+
+
+def small_trainer_config(total_steps: int):
+    """configs/tiny.py shrunk for trainer tests: a 2-layer width-64 model, a 40-step warm-up,
+    4 prompts x 4 samples of 12 tokens per step, one micro-batch of 8, KL on (beta 0.04), no
+    progress bar."""
+    config = config_from_file("tiny")
+    config.model.overrides = dict(config.model.overrides, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2)
+    config.warmup.steps = 40
+    config.warmup.batch_size = 32
+    config.train.prompts_per_step = 4
+    config.rollout.num_generations = 4
+    config.rollout.max_new_tokens = 12
+    config.train.micro_batch_size = 8
+    config.train.total_steps = total_steps
+    config.logging.progress_bar = False
+    config.loss.beta = 0.04          # exercise the KL reference path too
+    return config

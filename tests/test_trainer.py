@@ -16,7 +16,7 @@ from qerl_jax.metrics import read_metrics
 from qerl_jax.errors import ConfigError, TrainingStopped
 from qerl_jax.run_record import read_starts
 from qerl_jax.trainer import NonFiniteError, Trainer
-from tests.conftest import config_from_file
+from tests.conftest import small_trainer_config
 
 TIMING_KEYS = ("time/rollout_s", "time/train_s", "time/sampler_compile_s", "rollout_tokens_per_s",
                "peak_memory_bytes", "time/eval_s")
@@ -24,19 +24,8 @@ EVAL_KEYS = ("eval/pass@1", "eval/mean_length", "eval/num_examples", "time/eval_
 
 
 def _config(**train_overrides):
-    config = config_from_file("tiny")
-    config.model.overrides = dict(config.model.overrides, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2)
-    config.warmup.steps = 40
-    config.warmup.batch_size = 32
-    config.train.prompts_per_step = 4
-    config.rollout.num_generations = 4
-    config.rollout.max_new_tokens = 12
-    config.train.micro_batch_size = 8
-    config.train.total_steps = 6
+    config = small_trainer_config(total_steps=6)
     config.checkpoint.every_steps = 3
-    config.logging.progress_bar = False
-    config.loss.beta = 0.04          # exercise the KL reference path too
     config.model.remat = True        # and per-layer remat with trainable norm scales
     config.aqn.stages = 3
     for key, value in train_overrides.items():

@@ -173,21 +173,10 @@ def checkpoint(path: str, directory: str) -> None:
 
 def trainer_config(mesh: str):
     """tests/test_trainer.py's tiny run (3 steps) on `mesh` ('' = one device)."""
-    from tests.conftest import config_from_file
+    from tests.conftest import small_trainer_config
 
-    config = config_from_file("tiny")
-    config.model.overrides = dict(config.model.overrides, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2)
-    config.warmup.steps = 40
-    config.warmup.batch_size = 32
-    config.train.prompts_per_step = 4
-    config.rollout.num_generations = 4
-    config.rollout.max_new_tokens = 12
-    config.train.micro_batch_size = 8
-    config.train.total_steps = 3
-    config.logging.progress_bar = False
+    config = small_trainer_config(total_steps=3)
     config.logging.tensorboard = False
-    config.loss.beta = 0.04
     config.eval.every_steps = 2      # held-out greedy pass@1 at steps 0 and 2
     config.eval.num_examples = 8
     config.eval.batch_size = 8
