@@ -538,14 +538,17 @@ def test_disk_full_stops_with_one_line_and_resumes_exactly(tmp_path, warm_cache,
         save = trainer.save_checkpoint
 
         def save_on_a_full_disk():
-            if trainer.step == 6:
-                with open(filler, "wb") as handle:   # take every free byte
-                    try:
-                        while True:
-                            handle.write(b"\0" * (1 << 16))
-                            handle.flush()
-                    except OSError:
-                        pass
+            if trainer.step == 6 and not os.path.exists(filler):
+                # Take every free byte, unbuffered: a buffered file keeps the tail of a partial
+                # write and raises ENOSPC again when it is closed.
+                descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT)
+                try:
+                    while True:
+                        os.write(descriptor, b"\0" * (1 << 16))
+                except OSError:
+                    pass
+                finally:
+                    os.close(descriptor)
             save()
         trainer.save_checkpoint = save_on_a_full_disk
         with pytest.raises(TrainingStopped) as stopped:
