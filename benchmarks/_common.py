@@ -399,12 +399,15 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
                    interpret: bool = False, tile_k: int | None = None,
                    decode_attention: bool = True, pair_mlp: bool = True,
                    mosaic_nvfp4: str = "auto", decode_tuning: str = "",
-                   attention_tiling: str = ""):
+                   attention_tiling: str = "", mesh=None):
     """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
     when qerl_jax.model_quant.kernels.enable_kernels exists; otherwise the pure XLA path. The
     kernel options (KernelOptions) come from the arguments: gate/up pairs, decode attention,
     mosaic_nvfp4, and decode_tuning / attention_tiling ('name=value,...' fields of
-    DecodeTuning / DecodeAttentionConfig).
+    DecodeTuning / DecodeAttentionConfig). On a `mesh` of several devices the kernels run per
+    device (as the trainer runs them: qerl_jax/model_setup.py); where it splits the weights
+    (fsdp or tensor > 1) the matmuls take the XLA path and only the decode attention is a
+    kernel.
 
     Call it after quantization (and before nnx.split). Returns (model, info):
     info["kernel_hook"] says what was done; info["kernel_layout_weights"] how many quantized
@@ -431,13 +434,18 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
         # the trainer's build_model may have registered it already
         from qerl_jax.model_quant.kernels import disable_decode_attention
         disable_decode_attention("cpu" if interpret else None)
-    if format_name == "bf16":
+    splits_weights = mesh is not None and (mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1)
+    on_mesh = "" if mesh is None or mesh.size == 1 else f", per device on {dict(mesh.shape)}"
+    if format_name == "bf16" or (use_kernels and splits_weights):
+        if format_name != "bf16":
+            _unregister_all_kernels(format_name)
         attention = False
         if use_kernels and decode_attention:
             from qerl_jax.model_quant.kernels import enable_decode_attention
-            attention = enable_decode_attention(options=options, interpret=interpret)
-        info["kernel_hook"] = "dense bf16 (no quantized matmul)" + (
-            ", Pallas decode attention" if attention else "") + (
+            attention = enable_decode_attention(options=options, interpret=interpret, mesh=mesh)
+        info["kernel_hook"] = ("dense bf16 (no quantized matmul)" if format_name == "bf16"
+                               else "XLA matmuls (the mesh splits the weights)") + (
+            f", Pallas decode attention{on_mesh}" if attention else "") + (
             f", decode tuning {tuning}" if tuning else "")
     elif not use_kernels:
         removed = _unregister_all_kernels(format_name)
@@ -446,11 +454,11 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
     elif enable_kernels is None:
         info["kernel_hook"] = f"enable_kernels absent ({missing}): XLA"
     else:
-        result = enable_kernels(model, options, interpret=interpret, tile_k=tile_k)
+        result = enable_kernels(model, options, interpret=interpret, tile_k=tile_k, mesh=mesh)
         if result is not None and hasattr(result, "config"):  # returned the (same) model
             model = result
         info["kernel_hook"] = (f"enable_kernels on {jax.default_backend()}"
-                               + (" (Pallas interpret mode)" if interpret else "")
+                               + (" (Pallas interpret mode)" if interpret else "") + on_mesh
                                + ("" if mosaic_nvfp4 == "auto" else f", mosaic_nvfp4 "
                                   f"{mosaic_nvfp4}")
                                + ("" if pair_mlp else ", no gate/up pairs")

@@ -36,10 +36,12 @@ one prompt per GPU, or FSDP x tensor:
         --mesh data=2,fsdp=2,tensor=2 --prompts 2 --micro-batch 8 --out /tmp/grpo_mesh_smoke
 
 The rows record the mesh and the device count; "rollout tok/s per device" divides the rollout
-throughput by it. On a mesh of several devices the quantized matmuls and attention run on the
-XLA path (the Pallas kernels are per-device programs; qerl_jax/model_setup.py): compare such
-runs with a one-device run with --no-kernels for the scaling efficiency. Rows are split over data x fsdp only where the counts divide (P prompts for
-the prefill, P*G rollouts, --micro-batch training rows); otherwise those arrays are replicated.
+throughput by it. On a mesh of several devices the Pallas kernels run per device on its rows
+(qerl_jax/quant/backends/sharded.py); where the mesh splits the weights (fsdp or tensor > 1) the
+quantized matmuls take the XLA path and only the decode attention is a kernel
+(qerl_jax/model_setup.py). Rows are split over data x fsdp only where the counts divide (P
+prompts for the prefill, P*G rollouts, --micro-batch training rows); otherwise those arrays are
+replicated.
 """
 
 from __future__ import annotations
@@ -157,23 +159,24 @@ def worker_main(args) -> None:
                                        "peak_GiB")}, flush=True)
 
     workdir = tempfile.mkdtemp(prefix="grpo_step_")
-    # the trainer keeps the Pallas kernels off on a mesh of several devices (model_setup)
-    use_kernels = not args.no_kernels and row["mesh_devices"] == 1
+    use_kernels = not args.no_kernels
     original_build_model = trainer_module.build_model
 
     def build_model_for_benchmark(config, run_dir):
+        from qerl_jax.parallel.mesh import mesh_from_config
+
         begin = time.perf_counter()
         model, tokenizer = original_build_model(config, run_dir)
         row["build_model_s"] = time.perf_counter() - begin
         row["peak_after_build_GiB"], _ = common.peak_memory_gib()
+        # on a mesh the kernels run per device, as the trainer runs them (model_setup)
         model, hook = common._prepare_model(model, format_name, use_kernels,
                                             args.kernels_interpret,
                                             decode_attention=not args.no_decode_attention,
                                             pair_mlp=not args.no_gate_up_pairs,
+                                            mesh=mesh_from_config(config),
                                             **common.kernel_settings(args))
         row.update(hook)
-        if use_kernels != (not args.no_kernels):
-            row["kernel_hook"] = f"off (a mesh of {row['mesh_devices']} devices): XLA"
         row["params_B"] = model.config.num_parameters() / 1e9
         row["attention"] = model.config.attention_implementation
         return model, tokenizer

@@ -105,24 +105,27 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
     decode-attention kernel only. quant.kernels.enabled=False keeps the XLA path. The kernels
     compute in bfloat16: with another compute dtype every matmul would take the XLA path and
     unpack the kernel layout again on each call, so nothing is repacked. On a mesh of more than
-    one device (config.mesh) the XLA path runs too."""
+    one device (config.mesh) every kernel runs per device on its rows; where the mesh splits the
+    weights (fsdp or tensor > 1) the quantized matmuls keep the XLA path, whose sharded dots
+    move far less than gathering each weight for a kernel launch, and only the decode
+    attention runs as a kernel."""
     from qerl_jax.model_quant.kernels import enable_decode_attention, enable_kernels
+    from qerl_jax.parallel.mesh import mesh_from_config
     from qerl_jax.quant.kernel_options import KernelOptions
 
     options = KernelOptions.from_config(config.quant.kernels)
     if not options.enabled:
         return
-    mesh = config.get("mesh", {})
-    devices = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("tensor", 1)
-    if devices > 1:
-        # XLA cannot split a Pallas call over a mesh: it would run whole on every device
-        logger.info("Pallas kernels not enabled: config.mesh spans %d devices and the kernels "
-                    "run on one device's arrays only; the quantized layers use the XLA path",
-                    devices)
+    mesh = mesh_from_config(config)
+    if mesh is not None and (mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1):
+        logger.info("Pallas matmul kernels not enabled: config.mesh %s splits the weights; the "
+                    "quantized layers use the XLA path (sharded dots)", dict(mesh.shape))
+        if config.model.compute_dtype == "bfloat16" and options.decode_attention:
+            enable_decode_attention(options=options, mesh=mesh)
         return
     if config.quant.format == "bf16":
         if config.model.compute_dtype == "bfloat16" and options.decode_attention:
-            enable_decode_attention(options=options)
+            enable_decode_attention(options=options, mesh=mesh)
         return
     if config.model.compute_dtype != "bfloat16":
         logger.info("Pallas kernels not enabled: model.compute_dtype=%s (they compute in "
@@ -131,4 +134,4 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
         return
     # the model was just built: nothing else holds it; its adapters come later (their rank
     # decides whether the NVFP4 decode launches can run the Mosaic GPU kernel)
-    enable_kernels(model, options, donate=True, lora_rank=config.lora.rank)
+    enable_kernels(model, options, donate=True, lora_rank=config.lora.rank, mesh=mesh)

@@ -13,14 +13,17 @@ runs.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import decode_attention as decode_attention_kernels
 from qerl_jax.models import attention_dispatch, decode_fusion
+from qerl_jax.parallel.mesh import batch_spec
 from qerl_jax.quant import kernels
 from qerl_jax.quant.backends.kernel_layout import (KernelLayoutWeight, prepare_for_kernels,
                                                    restore_checkpoint_layout, to_kernel_layout)
@@ -39,14 +42,42 @@ def _decode_attention_refusal(q, keys) -> str | None:
     return None
 
 
+def _per_device_attention(mesh, run):
+    """`run` (the decode-attention kernel) per device of `mesh`: each device attends over its
+    rows (the mesh's batch axes) and, where the tensor axis divides the kv heads, its heads;
+    the o projection's LoRA A enters split by the same heads (its rows are the flattened
+    heads), so each device returns its heads' share of x @ A, summed over all heads by the
+    model."""
+    sizes = dict(mesh.shape)
+
+    def sharded(q, keys, values, mask, length, *, scale, lora_a=None):
+        rows = batch_spec((q.shape[0],), sizes)
+        rows = rows[0] if rows else None
+        heads = "tensor" if sizes["tensor"] > 1 and q.shape[1] % sizes["tensor"] == 0 else None
+        q_spec, cache_spec = P(rows, heads), P(rows, None, heads)
+        body = functools.partial(run, scale=scale)
+        in_specs = (q_spec, cache_spec, cache_spec, P(rows), P())
+        operands = (q, keys, values, mask, jnp.asarray(length, jnp.int32))
+        out_specs = q_spec
+        if lora_a is not None:
+            body = lambda *args: run(*args[:-1], scale=scale, lora_a=args[-1])  # noqa: E731
+            in_specs += (P(heads),)
+            operands += (lora_a,)
+            out_specs = (q_spec, q_spec)
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)(*operands)
+    return sharded
+
+
 def enable_decode_attention(platform: str | None = None,
                             options: KernelOptions = KernelOptions(), *,
-                            interpret: bool = False) -> bool:
+                            interpret: bool = False, mesh=None) -> bool:
     """Registers the Pallas decode-attention kernel (pallas_kernels.decode_attention: reads only
     the used part of the KV cache; its combine step also computes the o projection's LoRA
     x @ A) for one-token decode steps on `platform`, with options.decode_attention_tiling.
-    Independent of the weight format (bf16 models use it too). Returns whether it was
-    registered (not on a platform without compiled kernels unless interpret=True)."""
+    Independent of the weight format (bf16 models use it too). With a `mesh` of several
+    devices it runs per device on its rows and heads. Returns whether it was registered (not
+    on a platform without compiled kernels unless interpret=True)."""
     platform = platform or jax.default_backend()
     if platform not in kernels.KERNEL_PLATFORMS and not interpret:
         return False
@@ -57,11 +88,14 @@ def enable_decode_attention(platform: str | None = None,
                                                          scale=scale, config=tiling,
                                                          interpret=interpret, lora_a=lora_a)
 
+    if mesh is not None and mesh.size > 1:
+        run = _per_device_attention(mesh, run)
+
     attention_dispatch.register_decode_attention(platform, attention_dispatch.DecodeAttentionKernel(
         name="pallas_decode_attention", fn=run, supports=_decode_attention_refusal,
         lora_x_a=True))
-    logger.info("registered the Pallas decode attention for %s (interpret=%s)", platform,
-                interpret)
+    logger.info("registered the Pallas decode attention for %s (interpret=%s%s)", platform,
+                interpret, "" if mesh is None else f", per device on mesh {dict(mesh.shape)}")
     return True
 
 
@@ -81,7 +115,7 @@ def _lora_ranks(model: nnx.Module, lora_rank: int | None) -> set[int]:
 def enable_kernels(model_or_state, options: KernelOptions = KernelOptions(), *,
                    platform: str | None = None, interpret: bool = False,
                    tile_k: int | None = None, donate: bool = False,
-                   lora_rank: int | None = None):
+                   lora_rank: int | None = None, mesh=None):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
     Registers the kernels (qerl_jax.quant.kernels.register_kernels) and repacks every
@@ -107,15 +141,21 @@ def enable_kernels(model_or_state, options: KernelOptions = KernelOptions(), *,
         trainer's config.lora.rank), if not yet added. The Mosaic GPU kernel takes LoRA ranks
         in pallas_kernels.mgpu_nvfp4.LORA_RANKS only: with another rank (this one, or an
         adapter the model already has) the weights keep the Triton kernels.
+      mesh: the device mesh the model will run on (None: one device); its weights must be
+        replicated (fsdp = tensor = 1). Every launch then runs per device on its rows.
     """
     platform = platform or jax.default_backend()
     if not options.enabled or (platform not in kernels.KERNEL_PLATFORMS and not interpret):
         logger.info("enable_kernels: no Pallas kernels (platform %r, enabled=%s); the quantized "
                     "layers keep the XLA path (dequantize + dot)", platform, options.enabled)
         return model_or_state
-    kernels.register_kernels(platform, options, interpret=interpret)
+    if mesh is not None and (mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1):
+        raise ValueError(f"enable_kernels: mesh {dict(mesh.shape)} splits the weights; the "
+                         "matmul kernels run per device on replicated weights (fsdp = tensor "
+                         "= 1) only")
+    kernels.register_kernels(platform, options, interpret=interpret, mesh=mesh)
     if options.decode_attention:
-        enable_decode_attention(platform, options, interpret=interpret)
+        enable_decode_attention(platform, options, interpret=interpret, mesh=mesh)
     else:
         disable_decode_attention(platform)
     if not isinstance(model_or_state, nnx.Module):

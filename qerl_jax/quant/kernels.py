@@ -17,6 +17,7 @@ import logging
 from qerl_jax.quant import linear_op
 from qerl_jax.quant.backends import mosaic
 from qerl_jax.quant.backends.kernel_layout import KERNEL_FORMATS, pair_gate_up, pair_refusal
+from qerl_jax.quant.backends.sharded import RowShardedBackend
 from qerl_jax.quant.backends.triton import (TritonDecodeBackend, TritonDequantizeBackend,
                                             kernel_names)
 from qerl_jax.quant.kernel_options import KernelOptions
@@ -25,8 +26,8 @@ logger = logging.getLogger(__name__)
 
 KERNEL_PLATFORMS = ("gpu",)
 
-# platform -> (interpret, options) its kernels were registered with
-_REGISTERED: dict[str, tuple[bool, KernelOptions]] = {}
+# platform -> (interpret, options, mesh) its kernels were registered with
+_REGISTERED: dict[str, tuple] = {}
 
 
 def registered_options(platform: str) -> KernelOptions | None:
@@ -35,8 +36,16 @@ def registered_options(platform: str) -> KernelOptions | None:
     return None if entry is None else entry[1]
 
 
+def on_mesh(backend, mesh):
+    """`backend` as it runs on `mesh`: per device on its rows (RowShardedBackend) where the
+    mesh has more than one device, else as it is."""
+    if mesh is None or mesh.size == 1:
+        return backend
+    return RowShardedBackend(backend, mesh)
+
+
 def register_kernels(platform: str = "gpu", options: KernelOptions = KernelOptions(), *,
-                     interpret: bool = False) -> None:
+                     interpret: bool = False, mesh=None) -> None:
     """Registers the decode (M <= max_fused_m) and dequantize + XLA backends of every kernel
     format with linear_op (idempotent; re-registering with other options replaces them).
 
@@ -45,21 +54,24 @@ def register_kernels(platform: str = "gpu", options: KernelOptions = KernelOptio
       options: the kernel choices and tunings (KernelOptions).
       interpret: run the kernels in Pallas interpret mode (CPU tests); never the Mosaic GPU
         kernel.
+      mesh: the device mesh the model's programs run on (None: one device). Its weights must
+        be replicated (fsdp = tensor = 1): every launch runs per device on that device's rows
+        (qerl_jax.quant.backends.sharded).
     """
     if platform not in KERNEL_PLATFORMS and not interpret:
         raise ValueError(f"no compiled Pallas kernels for platform {platform!r} (kernels: "
                          f"{KERNEL_PLATFORMS}); pass interpret=True to run them interpreted")
-    if _REGISTERED.get(platform) == (interpret, options):
+    if _REGISTERED.get(platform) == (interpret, options, mesh):
         return
     unregister_kernels(platform)
     for format_name in KERNEL_FORMATS:
-        linear_op.register_backend(format_name, platform,
-                                   TritonDecodeBackend(format_name, options, interpret=interpret))
-        linear_op.register_backend(format_name, platform,
-                                   TritonDequantizeBackend(format_name, interpret=interpret))
-    _REGISTERED[platform] = (interpret, options)
-    logger.info("registered Pallas kernels for %s (interpret=%s, %s)", platform, interpret,
-                options)
+        linear_op.register_backend(format_name, platform, on_mesh(
+            TritonDecodeBackend(format_name, options, interpret=interpret), mesh))
+        linear_op.register_backend(format_name, platform, on_mesh(
+            TritonDequantizeBackend(format_name, interpret=interpret), mesh))
+    _REGISTERED[platform] = (interpret, options, mesh)
+    logger.info("registered Pallas kernels for %s (interpret=%s, %s%s)", platform, interpret,
+                options, "" if mesh is None else f", per device on mesh {dict(mesh.shape)}")
 
 
 def unregister_kernels(platform: str = "gpu") -> None:

@@ -18,6 +18,7 @@ processes with COORDINATOR, or a third step resumed from WORKDIR's checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -41,6 +42,9 @@ from qerl_jax.rl.train_step import make_train_programs  # noqa: E402
 from qerl_jax.sampling import SamplingConfig, generate_from_states  # noqa: E402
 
 ROWS, PROMPT, COMPLETION = 16, 8, 8
+# the kernels compile on a GPU; elsewhere they run in Pallas interpret mode
+PLATFORM = jax.default_backend()
+INTERPRET = PLATFORM != "gpu"
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -48,10 +52,11 @@ def parse_mesh(text: str) -> dict[str, int]:
     return {name: int(size) for name, size in (part.split("=") for part in text.split(","))}
 
 
-def build_states():
-    """(graphdef, trainable, frozen) of a 2-layer float32 NVFP4 model with LoRA on every
-    projection (B drawn non-zero, so every adapter has a gradient) and trainable norms."""
-    architecture = preset("tiny_qwen2", param_dtype="float32", compute_dtype="float32",
+def build_states(prepare=None, compute_dtype: str = "float32"):
+    """(graphdef, trainable, frozen) of a 2-layer NVFP4 model (float32 parameters) with LoRA on
+    every projection (B drawn non-zero, so every adapter has a gradient) and trainable norms;
+    `prepare(model)` runs after quantizing (e.g. enable_kernels)."""
+    architecture = preset("tiny_qwen2", param_dtype="float32", compute_dtype=compute_dtype,
                           remat=False, vocab_size=104, hidden_size=128, intermediate_size=256,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=64, tie_word_embeddings=False)
@@ -59,6 +64,8 @@ def build_states():
     # a larger head than the N(0, 0.02) init: distinct logits, so greedy ties cannot flip
     model.lm_head.weight.set_value(model.lm_head.weight.get_value() * 20.0)
     quantize_model(model, "nvfp4")
+    if prepare is not None:
+        prepare(model)
     add_lora(model, LoRAConfig(rank=8, alpha=16.0, train_norms=True), jax.random.key(1))
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     keys = iter(jax.random.split(jax.random.key(2), len(jax.tree_util.tree_leaves(trainable))))
@@ -128,6 +135,113 @@ def equality(path: str, meshes: list[str]) -> None:
         placement = Placement(make_mesh(parse_mesh(text)))
         results.update({f"{text}/{k}": v for k, v in
                         run(graphdef, trainable, frozen, placement).items()})
+    np.savez(path, **results)
+
+
+class _KernelPaths(logging.Handler):
+    """Collects the quantized-linear and decode-attention paths the run logs."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+# the model runs with kernels on these meshes; the backend launches also on data=8
+KERNEL_MESHES = ("data=2", "data=2,tensor=2")
+
+
+def _backend_launches(mesh) -> dict:
+    """Each launch of the row-sharded fused and dequantize backends on `mesh` against the inner
+    backend run on each device's rows one by one (the same program on the same rows)."""
+    from qerl_jax.model_quant.kernels import enable_kernels
+    from qerl_jax.quant.backends.sharded import RowShardedBackend, row_shards
+    from qerl_jax.quant.backends.triton import TritonDecodeBackend, TritonDequantizeBackend
+    from qerl_jax.quant.kernel_options import KernelOptions
+
+    model = build_states(lambda model: enable_kernels(model, interpret=INTERPRET), "bfloat16")
+    frozen = model[2]
+    mlp = frozen["layers"][0]["mlp"]
+    attention = frozen["layers"][0]["self_attn"]
+    gate, up = mlp["gate_proj"]["weight"].get_value(), mlp["up_proj"]["weight"].get_value()
+    q, k = attention["q_proj"]["weight"].get_value(), attention["k_proj"]["weight"].get_value()
+    rng = np.random.default_rng(5)
+    rows = 16
+    x = jnp.asarray(rng.normal(size=(rows, 128)), jnp.bfloat16)
+    x_a = jnp.asarray(rng.normal(size=(rows, 16)), jnp.bfloat16)
+    lora_b = jnp.asarray(0.1 * rng.normal(size=(8, q.shape[0])), jnp.bfloat16)
+    group_bs = (lora_b, jnp.asarray(0.1 * rng.normal(size=(8, k.shape[0])), jnp.bfloat16))
+    swiglu_bs = (jnp.asarray(0.1 * rng.normal(size=(8, 256)), jnp.bfloat16),) * 2
+    grad = jnp.asarray(rng.normal(size=(rows, q.shape[0])), jnp.bfloat16)
+    bf16 = jnp.bfloat16
+    launches = {
+        "apply": lambda b, x, x_a, g: b.apply(x, q, compute_dtype=bf16),
+        "apply_lora": lambda b, x, x_a, g: b.apply_lora(x, q, x_a[:, :8], lora_b, 2.0,
+                                                         compute_dtype=bf16),
+        "apply_grouped": lambda b, x, x_a, g: b.apply_grouped(x, (q, k), x_a, group_bs,
+                                                              (2.0, 0.5), compute_dtype=bf16),
+        "apply_swiglu": lambda b, x, x_a, g: b.apply_swiglu(x, (gate, up), x_a, swiglu_bs,
+                                                            (2.0, 2.0), None,
+                                                            compute_dtype=bf16),
+        "apply_backward": lambda b, x, x_a, g: b.apply_backward(g, q, compute_dtype=bf16),
+    }
+    shards = row_shards(mesh, rows)
+    out = {}
+    for inner in (TritonDecodeBackend("nvfp4", KernelOptions(), interpret=INTERPRET),
+                  TritonDequantizeBackend("nvfp4", interpret=INTERPRET)):
+        sharded = RowShardedBackend(inner, mesh)
+        for name, launch in launches.items():
+            if name in ("apply_lora", "apply_grouped", "apply_swiglu") and \
+                    not inner.lora_epilogue:
+                continue
+            got = jax.jit(lambda x, x_a, g: launch(sharded, x, x_a, g))(x, x_a, grad)
+            pieces = [launch(inner, *(a[i * rows // shards:(i + 1) * rows // shards]
+                                      for a in (x, x_a, grad))) for i in range(shards)]
+            expected = jax.tree_util.tree_map(lambda *p: jnp.concatenate(p), *pieces)
+            out[f"{inner.name}.{name}"] = np.asarray(all(
+                np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+                    jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected),
+                    strict=True)))
+    return out
+
+
+def kernels(path: str) -> None:
+    """The tiny model in bfloat16 compute with the Pallas kernels (interpret mode; the CPU has
+    no bf16 x bf16 -> f32 dot for the XLA path): on one device, and per device on each of
+    KERNEL_MESHES (data=2 on 2 of the 8 devices, data=2 x tensor=2 on 4: rows and kv heads
+    split, the matmul kernels registered for that mesh directly so that each launch gathers
+    its tensor-split weight); plus each backend launch against its rows one device at a time,
+    on those meshes and on data=8."""
+    from qerl_jax.model_quant.kernels import enable_decode_attention, enable_kernels
+    from qerl_jax.quant.kernel_options import KernelOptions
+    from qerl_jax.quant.kernels import register_kernels
+
+    paths = _KernelPaths()
+    logging.getLogger("qerl_jax").addHandler(paths)
+    logging.getLogger("qerl_jax").setLevel(logging.INFO)
+    results = {}
+    def mesh_of(name):
+        shape = parse_mesh(name)
+        return make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
+
+    def fits(name):
+        return np.prod(list(parse_mesh(name).values())) <= jax.device_count()
+
+    for name in ("single", *filter(fits, KERNEL_MESHES)):
+        mesh = None if name == "single" else mesh_of(name)
+        replicated = mesh is None or mesh.shape["tensor"] == 1
+        states = build_states(lambda model: enable_kernels(
+            model, interpret=INTERPRET, mesh=mesh if replicated else None), "bfloat16")
+        if not replicated:
+            register_kernels(PLATFORM, KernelOptions(), interpret=INTERPRET, mesh=mesh)
+            enable_decode_attention(PLATFORM, interpret=INTERPRET, mesh=mesh)
+        results.update({f"{name}/{k}": v for k, v in run(*states, Placement(mesh)).items()})
+    for name in filter(fits, (*KERNEL_MESHES, "data=8")):
+        results.update({f"{name}/launch/{k}": v
+                        for k, v in _backend_launches(mesh_of(name)).items()})
+    results["log"] = np.asarray(paths.messages)
     np.savez(path, **results)
 
 
@@ -207,8 +321,13 @@ if __name__ == "__main__":
     if part == "trainer":   # device count: whatever the caller set up
         trainer(out, *rest)
         sys.exit(0)
+    if part == "kernels" and PLATFORM == "gpu":   # the meshes that fit the GPUs there are
+        kernels(out)
+        sys.exit(0)
     assert jax.device_count() == 8, jax.devices()
     if part == "equality":
         equality(out, rest)
+    elif part == "kernels":
+        kernels(out)
     else:
         checkpoint(out, rest[0])
