@@ -17,7 +17,7 @@ range of the cache, ceil(S / block_s / splits) blocks (for comparisons).
     out = decode_attention(q, keys, values, mask, length, scale=1 / sqrt(D))
 
 Shapes: q [B, KVH, G, D] (G = query heads per kv head), keys / values [B, S, KVH, D] (the cache
-layout), mask [B, S] bool (True = may attend; slots >= length are never read), length int32
+layout; or an 8-bit cache's codes with key_scales / value_scales [B, S, KVH]), mask [B, S] bool (True = may attend; slots >= length are never read), length int32
 scalar. Returns [B, KVH, G, D] in q's dtype = softmax(q k^T * scale, masked) v per (b, kv
 head), computed in float32 and rounded once.
 
@@ -96,12 +96,13 @@ def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
     return max(1, min(_cdiv(slots, block_s), _cdiv(_TARGET_PROGRAMS, batch * kv_heads)))
 
 
-def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_ref, *,
-            groups: int, groups_pad: int, slots: int, block_s: int, splits: int,
-            blocks_per_split: int, balanced: bool, scale: float):
+def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, key_scales_ref,
+            value_scales_ref, o_ref, m_ref, l_ref, *, groups: int, groups_pad: int, slots: int,
+            block_s: int, splits: int, blocks_per_split: int, balanced: bool, scale: float):
     """One (batch row, kv head, split): online softmax over the split's blocks of slots.
     Writes the unnormalized float32 acc [G, D] and the row max m / sum l [G] of the split (or,
-    with one split, the normalized output)."""
+    with one split, the normalized output). With scale refs (an 8-bit cache) each slot's key
+    scale multiplies its scores and its value scale the probabilities before p @ v."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = lax.broadcasted_iota(jnp.int32, (groups_pad, 1), 0) < groups
     q = plgpu.load(q_ref.at[b, h, pl.ds(0, groups_pad), :], mask=rows, other=0.0)
@@ -125,15 +126,25 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, m_ref, l_r
                        other=0.0)
         allowed = plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=in_range, other=0)
         keep = allowed != 0
+        if key_scales_ref is not None:   # 8-bit codes: to q's dtype (exact), scales after
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale
+        if key_scales_ref is not None:
+            s = s * plgpu.load(key_scales_ref.at[b, pl.ds(s0, block_s), h], mask=in_range,
+                               other=0.0)[None, :]
         s = jnp.where(keep[None, :], s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
+        weights = p
+        if value_scales_ref is not None:
+            weights = p * plgpu.load(value_scales_ref.at[b, pl.ds(s0, block_s), h],
+                                     mask=in_range, other=0.0)[None, :]
         acc = acc * alpha[:, None] + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32)
         return m_new, l, acc
 
     init = (jnp.full((groups_pad,), _MASKED, jnp.float32), jnp.zeros((groups_pad,), jnp.float32),
@@ -181,7 +192,9 @@ def _combine_kernel(o_ref, m_ref, l_ref, *refs, splits: int, splits_pad: int,
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      length: jax.Array, *, scale: float,
                      config: DecodeAttentionConfig | None = None,
-                     interpret: bool = False, lora_a: jax.Array | None = None):
+                     interpret: bool = False, lora_a: jax.Array | None = None,
+                     key_scales: jax.Array | None = None,
+                     value_scales: jax.Array | None = None):
     """See the module docstring. Returns [B, KVH, G, D] in q's dtype. config None:
     DecodeAttentionConfig().
 
@@ -190,7 +203,10 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     output row (as returned, in q's dtype) times that head's D rows of lora_a, so that
     down.sum((1, 2)) is out.reshape(B, -1) @ lora_a up to the order of the float32 sums. The
     combine kernel computes it (no x @ A launch of its own); with one split (no combine) an
-    XLA product does."""
+    XLA product does.
+
+    key_scales / value_scales [B, S, KVH] float32: keys and values are an 8-bit cache's codes
+    (qerl_jax.models.kv_cache.quantize_kv), slot s of head h standing for codes * scale."""
     config = config or DecodeAttentionConfig()
     batch, kv_heads, groups, head_dim = q.shape
     if lora_a is not None and (lora_a.ndim != 2 or
@@ -202,6 +218,11 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
         raise ValueError(f"decode_attention: keys {keys.shape} / values {values.shape} must be "
                          f"[B={batch}, S, KVH={kv_heads}, D={head_dim}] for q {q.shape}")
     slots = keys.shape[1]
+    if (key_scales is None) != (value_scales is None) or (key_scales is not None and any(
+            scales.shape != keys.shape[:3] or scales.dtype != jnp.float32
+            for scales in (key_scales, value_scales))):
+        raise ValueError(f"decode_attention: key_scales and value_scales must both be float32 "
+                         f"{keys.shape[:3]} or both None")
     if mask.shape != (batch, slots):
         raise ValueError(f"decode_attention: mask {mask.shape} must be [B={batch}, S={slots}]")
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -216,38 +237,48 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
                              scale=float(scale), block_s=block_s, splits=splits,
                              blocks_per_split=blocks_per_split,
                              balanced=bool(config.balanced), num_warps=config.num_warps,
-                             num_stages=config.num_stages, interpret=interpret, lora_a=lora_a)
+                             num_stages=config.num_stages, interpret=interpret, lora_a=lora_a,
+                             key_scales=key_scales, value_scales=value_scales)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "blocks_per_split",
                                              "balanced", "num_warps", "num_stages", "interpret"))
 def _decode_attention(q, keys, values, mask, length, *, scale, block_s, splits,
-                      blocks_per_split, balanced, num_warps, num_stages, interpret, lora_a):
+                      blocks_per_split, balanced, num_warps, num_stages, interpret, lora_a,
+                      key_scales=None, value_scales=None):
     batch, kv_heads, groups, head_dim = q.shape
     groups_pad = max(16, _next_pow2(groups))
     kernel = functools.partial(_kernel, groups=groups, groups_pad=groups_pad,
                                slots=keys.shape[1], block_s=block_s, splits=splits,
                                blocks_per_split=blocks_per_split, balanced=balanced,
                                scale=scale)
+    scaled = key_scales is not None
+    operands = (length, q, keys, values, mask.astype(jnp.int32),
+                *((key_scales, value_scales) if scaled else ()))
+
+    def with_scale_refs(*refs):   # the scale refs, or None in their places
+        inputs = 7 if scaled else 5
+        scale_refs = refs[5:7] if scaled else (None, None)
+        return (*refs[:5], *scale_refs, *refs[inputs:])
+
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
     if splits == 1:
-        def single(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref):
-            kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, o_ref, None, None)
+        def single(*refs):
+            kernel(*with_scale_refs(*refs), None, None)
 
         out = pl.pallas_call(single, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
                              grid=(batch, kv_heads, 1), interpret=interpret,
-                             compiler_params=params, name="decode_attention_single")(
-            length, q, keys, values, mask.astype(jnp.int32))
+                             compiler_params=params, name="decode_attention_single")(*operands)
         return out if lora_a is None else (out, _heads_times_lora_a(out, lora_a))
     partial_shape = (batch, kv_heads, groups, splits)
     out_shape = (jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32))
-    o, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(batch, kv_heads, splits),
+    o, m, l = pl.pallas_call(lambda *refs: kernel(*with_scale_refs(*refs)),
+                             out_shape=out_shape, grid=(batch, kv_heads, splits),
                              interpret=interpret, compiler_params=params,
-                             name="decode_attention")(length, q, keys, values,
-                                                      mask.astype(jnp.int32))
+                             name="decode_attention")(*operands)
     rank = None if lora_a is None else lora_a.shape[1]
     with_down = rank is not None and rank & (rank - 1) == 0  # Triton: power-of-two tiles
     combine = functools.partial(_combine_kernel, splits=splits, splits_pad=_next_pow2(splits),

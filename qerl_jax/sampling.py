@@ -33,6 +33,10 @@ from qerl_jax.parallel.mesh import BATCH_AXES, batch_spec, constrain_logical, co
 logger = logging.getLogger(__name__)
 
 
+# "" = the compute dtype
+KV_CACHE_DTYPES = ("", "float8_e4m3fn")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How completions are drawn.
@@ -43,6 +47,8 @@ class SamplingConfig:
     num_generations: G samples per prompt. max_new_tokens: completion length limit.
     prompt_bucket: prompt lengths are left-padded up to a multiple of this (power-of-two
       buckets above it), so a run compiles a handful of programs.
+    kv_cache_dtype: "" = the compute dtype; "float8_e4m3fn" = 8-bit codes with a float32 scale
+      per token and kv head (qerl_jax.models.kv_cache), half the cache bytes.
     """
 
     max_new_tokens: int = 256
@@ -53,8 +59,12 @@ class SamplingConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_generations: int = 1
     prompt_bucket: int = 64
+    kv_cache_dtype: str = ""
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: one of "
+                             f"{KV_CACHE_DTYPES}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be positive")
         if not self.greedy and not self.temperature > 0:
@@ -136,10 +146,12 @@ def _constrain_cache(cache: KVCache, mesh) -> KVCache:
         return cache
     keys, values = constrain_logical((cache.keys, cache.values), mesh,
                                      ("batch", None, "heads", None))
+    key_scales, value_scales = constrain_logical((cache.key_scales, cache.value_scales), mesh,
+                                                 ("batch", None, "heads"))
     valid, next_position, index = constrain_rows(
         (cache.valid, cache.next_position, cache.index), mesh)
     return KVCache(keys=keys, values=values, valid=valid, next_position=next_position,
-                   index=index)
+                   index=index, key_scales=key_scales, value_scales=value_scales)
 
 
 def _repeat_rows(tree, times: int):
@@ -157,7 +169,8 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
     cache = _constrain_cache(
-        init_kv_cache(model.config, prompt_tokens.shape[0], cache_length), mesh)
+        init_kv_cache(model.config, prompt_tokens.shape[0], cache_length,
+                      config.kv_cache_dtype or None), mesh)
     logits, cache = prefill(model, prompt_tokens, prompt_mask, cache, empty_cache=True)
     groups = config.num_generations
     if groups > 1:
@@ -166,7 +179,9 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
                         values=_repeat_rows(cache.values, groups),
                         valid=jnp.repeat(cache.valid, groups, axis=0),
                         next_position=jnp.repeat(cache.next_position, groups, axis=0),
-                        index=cache.index)
+                        index=cache.index,
+                        key_scales=_repeat_rows(cache.key_scales, groups),
+                        value_scales=_repeat_rows(cache.value_scales, groups))
     batch = logits.shape[0]
     steps = config.max_new_tokens
     eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)

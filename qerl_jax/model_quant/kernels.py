@@ -13,7 +13,6 @@ runs.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
@@ -35,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 def _decode_attention_refusal(q, keys) -> str | None:
     head_dim = q.shape[-1]
-    if q.dtype != jnp.bfloat16 or keys.dtype != jnp.bfloat16:
-        return f"q {q.dtype} / cache {keys.dtype} (the kernel takes bfloat16)"
+    if q.dtype != jnp.bfloat16 or keys.dtype not in (jnp.bfloat16, jnp.float8_e4m3fn):
+        return (f"q {q.dtype} / cache {keys.dtype} (the kernel takes bfloat16 q and a "
+                "bfloat16 or float8_e4m3fn cache)")
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} (a power of two >= 16)"
     return None
@@ -50,20 +50,25 @@ def _per_device_attention(mesh, run):
     model."""
     sizes = dict(mesh.shape)
 
-    def sharded(q, keys, values, mask, length, *, scale, lora_a=None):
+    def sharded(q, keys, values, mask, length, *, scale, lora_a=None, key_scales=None,
+                value_scales=None):
         rows = batch_spec((q.shape[0],), sizes)
         rows = rows[0] if rows else None
         heads = "tensor" if sizes["tensor"] > 1 and q.shape[1] % sizes["tensor"] == 0 else None
         q_spec, cache_spec = P(rows, heads), P(rows, None, heads)
-        body = functools.partial(run, scale=scale)
-        in_specs = (q_spec, cache_spec, cache_spec, P(rows), P())
-        operands = (q, keys, values, mask, jnp.asarray(length, jnp.int32))
-        out_specs = q_spec
-        if lora_a is not None:
-            body = lambda *args: run(*args[:-1], scale=scale, lora_a=args[-1])  # noqa: E731
-            in_specs += (P(heads),)
-            operands += (lora_a,)
-            out_specs = (q_spec, q_spec)
+        extra = {"lora_a": (lora_a, P(heads)), "key_scales": (key_scales, cache_spec),
+                 "value_scales": (value_scales, cache_spec)}
+        extra = {name: pair for name, pair in extra.items() if pair[0] is not None}
+
+        def body(q, keys, values, mask, length, *extra_operands):
+            return run(q, keys, values, mask, length, scale=scale,
+                       **dict(zip(extra, extra_operands)))
+
+        in_specs = (q_spec, cache_spec, cache_spec, P(rows), P(),
+                    *(spec for _, spec in extra.values()))
+        operands = (q, keys, values, mask, jnp.asarray(length, jnp.int32),
+                    *(operand for operand, _ in extra.values()))
+        out_specs = q_spec if lora_a is None else (q_spec, q_spec)
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=False)(*operands)
     return sharded
@@ -83,10 +88,11 @@ def enable_decode_attention(platform: str | None = None,
         return False
     tiling = options.decode_attention_tiling
 
-    def run(q, keys, values, mask, length, *, scale, lora_a=None):
-        return decode_attention_kernels.decode_attention(q, keys, values, mask, length,
-                                                         scale=scale, config=tiling,
-                                                         interpret=interpret, lora_a=lora_a)
+    def run(q, keys, values, mask, length, *, scale, lora_a=None, key_scales=None,
+            value_scales=None):
+        return decode_attention_kernels.decode_attention(
+            q, keys, values, mask, length, scale=scale, config=tiling, interpret=interpret,
+            lora_a=lora_a, key_scales=key_scales, value_scales=value_scales)
 
     if mesh is not None and mesh.size > 1:
         run = _per_device_attention(mesh, run)

@@ -7,7 +7,9 @@ interpreted in CPU tests) replaces it for decode steps (T = 1 with a cache) whos
 supports; prefill and training keep the XLA path.
 
     fn(q [B, KVH, G, D], keys [B, S, KVH, D], values, mask [B, S] bool, length int32 scalar,
-       *, scale[, lora_a]) -> [B, KVH, G, D] in q's dtype
+       *, scale[, lora_a][, key_scales, value_scales]) -> [B, KVH, G, D] in q's dtype
+      key_scales / value_scales [B, S, KVH] float32 (an 8-bit cache: keys and values are its
+      codes, qerl_jax.models.kv_cache.quantize_kv)
       lora_a [KVH * G * D, r] (the o-projection's LoRA A as stored, which the kernel rounds to
       q's dtype; passed only to a kernel registered with lora_x_a=True): the kernel may return (out, down [B, KVH, G, r] float32), each
       query head's output row times its rows of lora_a, whose sum over heads is the

@@ -19,7 +19,7 @@ from flax import nnx
 
 from qerl_jax.models.attention_dispatch import decode_attention_kernel
 from qerl_jax.models.config import ModelConfig
-from qerl_jax.models.kv_cache import KVCache
+from qerl_jax.models.kv_cache import KVCache, dequantize_kv, quantize_kv
 from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
                                     apply_swiglu_linears, rope_cos_sin,
                                     rope_inverse_frequencies)
@@ -118,9 +118,10 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, mask, cached_kv=None, cache_index=None):
         """x [B, T, H]; cos/sin [B, T, D]; mask [B, T, S] bool (True = may attend).
 
-        Without a cache S == T. With `cached_kv` = (keys, values) each [B, S, kv_heads, D], the
-        new keys/values are written at slots [cache_index, cache_index + T) and the updated
-        pair is returned; a mask over fewer slots than the cache's ([B, T, S'], S' < S: prefill
+        Without a cache S == T. With `cached_kv` = (keys, values) each [B, S, kv_heads, D] (or
+        (keys, values, key_scales, value_scales) of an 8-bit cache: codes and float32 scales
+        [B, S, kv_heads], kv_cache.quantize_kv), the new keys/values are written at slots
+        [cache_index, cache_index + T) and the updated tuple is returned; a mask over fewer slots than the cache's ([B, T, S'], S' < S: prefill
         into an empty cache) makes a multi-token step attend over the first S' slots only.
         Returns (out [B, T, H], new cached_kv or None).
 
@@ -138,14 +139,19 @@ class Attention(nnx.Module):
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        new_kv = None
+        new_kv, kv_scales = None, ()
         if cached_kv is not None:
-            keys_cache, values_cache = cached_kv
+            keys_cache, values_cache, *kv_scales = cached_kv
             start = (0, cache_index, 0, 0)
+            if kv_scales:   # scaled 8-bit codes: one float32 scale per token and kv head
+                (k, key_scale), (v, value_scale) = (quantize_kv(k, keys_cache.dtype),
+                                                    quantize_kv(v, values_cache.dtype))
+                kv_scales = [jax.lax.dynamic_update_slice(old, new, start[:3]) for old, new in
+                             zip(kv_scales, (key_scale, value_scale))]
             keys = jax.lax.dynamic_update_slice(keys_cache, k.astype(keys_cache.dtype), start)
             values = jax.lax.dynamic_update_slice(values_cache, v.astype(values_cache.dtype),
                                                   start)
-            new_kv = (keys, values)
+            new_kv = (keys, values, *kv_scales)
         else:
             keys, values = k, v
         groups = self.num_heads // self.num_kv_heads
@@ -159,6 +165,8 @@ class Attention(nnx.Module):
             extra = {}
             if kernel.lora_x_a and self.o_proj.lora_a is not None:  # rounded to q's dtype there
                 extra["lora_a"] = self.o_proj.lora_a.get_value()
+            if kv_scales:
+                extra["key_scales"], extra["value_scales"] = kv_scales
             result = kernel.fn(q[:, 0], keys, values, mask[:, 0, :], cache_index + 1,
                                scale=1.0 / math.sqrt(self.head_dim), **extra)
             out, lora_x_a = result if isinstance(result, tuple) else (result, None)
@@ -171,6 +179,10 @@ class Attention(nnx.Module):
             # a mask over the cache's first slots only (prefill into an empty cache): the
             # slots past it hold nothing, so attention reads only these
             keys, values = keys[:, :mask.shape[-1]], values[:, :mask.shape[-1]]
+            kv_scales = [scales[:, :mask.shape[-1]] for scales in kv_scales]
+        if kv_scales:
+            keys, values = (dequantize_kv(codes, scales, self.compute_dtype)
+                            for codes, scales in zip((keys, values), kv_scales))
         attend = functools.partial(_attend, keys=keys, values=values, scale=scale,
                                    compute_dtype=self.compute_dtype)
         if self.implementation == "cudnn" and cached_kv is None:
@@ -300,17 +312,15 @@ class CausalLM(nnx.Module):
                                             config.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq)
         forward = _remat_layer_forward if self.config.remat else _layer_forward
-        new_keys, new_values = [], []
+        new_layers = []
         for i, layer in enumerate(self.layers):
-            cached_kv = None if cache is None else (cache.keys[i], cache.values[i])
+            cached_kv = None if cache is None else cache.layer(i)
             x, new_kv = forward(layer, x, cos, sin, mask, cached_kv,
                                 None if cache is None else cache.index)
-            if new_kv is not None:
-                new_keys.append(new_kv[0])
-                new_values.append(new_kv[1])
+            new_layers.append(new_kv)
         x = self.norm(x)
         if cache is not None:
-            cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
+            cache = cache.with_layers(new_layers)
         return x, cache
 
     def logits_function(self):

@@ -141,3 +141,54 @@ def test_config_is_checked_and_parsed():
     ref = _reference(q, k, v, np.ones((2, 96), bool), 70, 0.25)
     np.testing.assert_allclose(np.asarray(got, np.float32), ref,
                                atol=TOLERANCE * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("slots,length,block_s,splits", [
+    (200, 150, 32, 3),   # split, ragged
+    (64, 64, 64, 1),     # one split (no combine)
+])
+def test_an_8_bit_cache_matches_the_reference_on_its_dequantized_values(slots, length, block_s,
+                                                                        splits):
+    """float8 e4m3 codes with per-(slot, head) float32 scales (kv_cache.quantize_kv): the
+    kernel equals the float64 reference on codes * scales within the bf16 tolerance above (the
+    codes convert to bf16 exactly; the value scales multiply the float32 probabilities before
+    their bf16 rounding); scales that differ by slot and head (x 0.01 to x 100) are applied
+    to their own slots."""
+    from qerl_jax.models.kv_cache import dequantize_kv, quantize_kv
+
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng, q, k, v = _problem(seed, 3, slots, 2, 4, 32)
+    spread = jnp.asarray(10.0 ** rng.uniform(-2, 2, (3, slots, 2, 1)), jnp.float32)
+    (k_codes, k_scales), (v_codes, v_scales) = (quantize_kv(x * spread, jnp.float8_e4m3fn)
+                                                for x in (k, v))
+    mask = rng.random((3, slots)) < 0.8
+    mask[:, 0] = True
+    out = decode_attention(q, k_codes, v_codes, jnp.asarray(mask), length, scale=0.1,
+                           config=DecodeAttentionConfig(block_s=block_s, splits=splits),
+                           interpret=True, key_scales=k_scales, value_scales=v_scales)
+    ref = _reference(q, dequantize_kv(k_codes, k_scales, jnp.float32),
+                     dequantize_kv(v_codes, v_scales, jnp.float32), mask, length, 0.1)
+    err = np.abs(np.asarray(out, np.float32) - ref).max() / np.abs(ref).max()
+    assert err <= TOLERANCE, f"seed={seed} relative error {err:.2e}"
+    with pytest.raises(ValueError, match="key_scales and value_scales must both be float32"):
+        decode_attention(q, k_codes, v_codes, jnp.asarray(mask), length, scale=0.1,
+                         interpret=True, key_scales=k_scales)
+
+
+def test_quantize_kv_round_trip():
+    """Each vector's largest magnitude maps to 448 (e4m3's largest finite value) and comes back
+    exactly; every element within e4m3's half-ulp (2^-4 relative, 3 mantissa bits) of its
+    value, or 2^-9 of its vector's absmax where subnormal; all-zero vectors stay zero."""
+    from qerl_jax.models.kv_cache import dequantize_kv, quantize_kv
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 9, 3, 64)).astype(np.float32) * 10.0 ** rng.uniform(
+        -3, 3, (4, 9, 3, 1))
+    x[0, 0, 0] = 0.0
+    codes, scales = quantize_kv(jnp.asarray(x), jnp.float8_e4m3fn)
+    assert codes.dtype == jnp.float8_e4m3fn and scales.shape == (4, 9, 3)
+    back = np.asarray(dequantize_kv(codes, scales, jnp.float32))
+    absmax = np.abs(x).max(-1, keepdims=True)
+    np.testing.assert_allclose(np.abs(back).max(-1, keepdims=True), absmax, rtol=1e-6)
+    assert np.all(np.abs(back - x) <= np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -9 * absmax))
+    assert not back[0, 0, 0].any()

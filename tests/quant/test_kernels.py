@@ -576,10 +576,12 @@ def test_linear_group_runs_one_by_one_where_it_cannot_group(interpret_kernels, c
         linear_group(x, dense, (None,))
 
 
-def test_decode_steps_with_the_decode_attention_kernel():
+@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn"])
+def test_decode_steps_with_the_decode_attention_kernel(cache_dtype):
     """Prefill then decode steps of a tiny bf16 model (left-padded rows, one finished row) with
     the Pallas decode attention (interpret mode) registered: every step's logits equal the XLA
-    path's within the module's model tolerance, and the kernel is in the decode program."""
+    path's within the module's model tolerance, and the kernel is in the decode program; with
+    a bf16 cache and with an 8-bit one (codes + scales, read by both paths)."""
     from qerl_jax.models.config import preset
     from qerl_jax.models.kv_cache import init_kv_cache
     from qerl_jax.models.transformer import decode_step, init_model, prefill
@@ -591,7 +593,7 @@ def test_decode_steps_with_the_decode_attention_kernel():
     active = jnp.asarray([True, True, False])
 
     def run():
-        cache = init_kv_cache(model.config, 3, 40)
+        cache = init_kv_cache(model.config, 3, 40, cache_dtype)
         logits, cache = prefill(model, tokens, mask, cache)
         steps = [logits]
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -605,7 +607,7 @@ def test_decode_steps_with_the_decode_attention_kernel():
     try:
         assert enable_decode_attention("cpu", interpret=True)
         with_kernel = run()
-        cache = init_kv_cache(model.config, 3, 40)
+        cache = init_kv_cache(model.config, 3, 40, cache_dtype)
         jaxpr = str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
         assert "decode_attention" in jaxpr
     finally:
@@ -645,7 +647,7 @@ def test_decode_attention_computes_the_o_projection_lora_x_a(rank):
     mask = jnp.asarray([[1] * 6, [0, 0, 1, 1, 1, 1], [1] * 6], jnp.bool_)
 
     def run():
-        cache = init_kv_cache(model.config, 3, 40)
+        cache = init_kv_cache(model.config, 3, 40, cache_dtype)
         logits, cache = prefill(model, tokens, mask, cache)
         steps = []
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -663,7 +665,7 @@ def test_decode_attention_computes_the_o_projection_lora_x_a(rank):
         own = run()
         attention_dispatch._KERNELS["cpu"] = kernel
         shared = run()
-        cache = init_kv_cache(model.config, 3, 40)
+        cache = init_kv_cache(model.config, 3, 40, cache_dtype)
         jaxpr = str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
         assert ("decode_attention_combine_lora" in jaxpr) == (rank == 16)
     finally:
