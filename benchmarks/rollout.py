@@ -79,6 +79,9 @@ def parse_args(argv=None):
                         help="also time transformers + torch.compile (static cache) generate at "
                              "the same shapes (benchmarks/transformers_peer.py), after the "
                              "size's own workers")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float8_e4m3fn"),
+                        help="the rollouts' KV cache (SamplingConfig.kv_cache_dtype): 'auto' = "
+                             "the compute dtype, 'float8_e4m3fn' = 8-bit codes + scales")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
     common.add_worker_arguments(parser, "rollout")
@@ -165,7 +168,8 @@ def worker_main(args) -> None:
         try:
             config = sampling.SamplingConfig(
                 max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(),
-                num_generations=1, prompt_bucket=args.prompt)
+                num_generations=1, prompt_bucket=args.prompt,
+                kv_cache_dtype=args.kv_cache_dtype)
             tokens = jax.random.randint(jax.random.fold_in(key, batch), (batch, args.prompt), 0,
                                         architecture.vocab_size, jnp.int32)
             mask = jnp.ones((batch, args.prompt), jnp.bool_)
@@ -212,7 +216,9 @@ def worker_main(args) -> None:
                 generated = min(count for _, count in runs)  # the status below covers all runs
             row["ms_per_token_step"] = 1e3 * row["run_s"] / args.new_tokens
             weight_bytes, kv_bytes = common.decode_read_bytes(states, architecture, batch,
-                                                              args.prompt, args.new_tokens)
+                                                              args.prompt, args.new_tokens,
+                                                              args.kv_cache_dtype)
+            row["kv_cache"] = args.kv_cache_dtype
             row["decode_read_GB"] = (weight_bytes + kv_bytes) / 1e9
             row["status"] = ("ok" if generated == batch * args.new_tokens
                              else f"ok, but {generated} != {batch}x{args.new_tokens} tokens")
@@ -258,7 +264,7 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status"
            ("paper_tokens_per_s", "paper tok/s"),
            ("decode_read_GB", "GB read per decode step"), ("read_GB_per_s", "read GB/s"),
            ("roofline_tokens_per_s", "roofline tok/s"), ("roofline_fraction", "of roofline"),
-           ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
+           ("kv_cache", "KV cache"), ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
            ("tokens_crc32_runs", "tokens crc32 runs"), ("compilation_cache", "compilation cache"),
            ("weights_GiB", "weights GiB"),
            ("init_s", "init s"), ("path_decode", "decode path"),
@@ -346,6 +352,7 @@ def parent_main(args) -> None:
                          if args.autotune_results else []),
                        *(["--compilation-cache", args.compilation_cache]
                          if args.compilation_cache else []),
+                       "--kv-cache-dtype", args.kv_cache_dtype,
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)
             if args.tile_k:

@@ -33,8 +33,8 @@ from qerl_jax.parallel.mesh import BATCH_AXES, batch_spec, constrain_logical, co
 logger = logging.getLogger(__name__)
 
 
-# "" = the compute dtype
-KV_CACHE_DTYPES = ("", "float8_e4m3fn")
+# "auto" = the compute dtype
+KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class SamplingConfig:
     num_generations: G samples per prompt. max_new_tokens: completion length limit.
     prompt_bucket: prompt lengths are left-padded up to a multiple of this (power-of-two
       buckets above it), so a run compiles a handful of programs.
-    kv_cache_dtype: "" = the compute dtype; "float8_e4m3fn" = 8-bit codes with a float32 scale
+    kv_cache_dtype: "auto" = the compute dtype; "float8_e4m3fn" = 8-bit codes with a float32 scale
       per token and kv head (qerl_jax.models.kv_cache), half the cache bytes.
     """
 
@@ -59,7 +59,7 @@ class SamplingConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_generations: int = 1
     prompt_bucket: int = 64
-    kv_cache_dtype: str = ""
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -170,7 +170,7 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
     # frees it at the end (no host-side buffer to donate or copy).
     cache = _constrain_cache(
         init_kv_cache(model.config, prompt_tokens.shape[0], cache_length,
-                      config.kv_cache_dtype or None), mesh)
+                      None if config.kv_cache_dtype == "auto" else config.kv_cache_dtype), mesh)
     logits, cache = prefill(model, prompt_tokens, prompt_mask, cache, empty_cache=True)
     groups = config.num_generations
     if groups > 1:

@@ -52,7 +52,7 @@ def _gsm8k(tmp_path, **fields):
 
 
 def test_constants_equal_their_jax_side_sources():
-    from qerl_jax import aqn, device_offload, lora
+    from qerl_jax import aqn, device_offload, lora, sampling
     from qerl_jax.data import sources
     from qerl_jax.data.prompts import build_prompt_text
     from qerl_jax.models.config import ModelConfig, PRESETS
@@ -64,6 +64,7 @@ def test_constants_equal_their_jax_side_sources():
     assert experiment_config.SCHEDULES == aqn.SCHEDULES
     assert experiment_config.TASKS == sources.TASKS
     assert experiment_config.OFFLOAD_METHODS == device_offload.METHODS
+    assert experiment_config.KV_CACHE_DTYPES == sampling.KV_CACHE_DTYPES
     assert experiment_config.ALL_PROJECTIONS == lora.ALL_PROJECTIONS
     assert set(experiment_config.PRESET_NAMES) == set(PRESETS)
     assert set(experiment_config.REWARD_NAMES) == set(REWARD_FUNCTIONS)

@@ -52,3 +52,35 @@ def test_lora_shares_match_float64(name, batch, kv_heads, groups, head_dim, slot
     sum_error = float(np.abs(got.sum(1) - exact.sum(1)).max() / (bound * heads))
     assert share_error <= TOLERANCE, f"{name} length {length}: share error {share_error:.3g}"
     assert sum_error <= TOLERANCE, f"{name} length {length}: sum error {sum_error:.3g}"
+
+
+@pytest.mark.parametrize("length", [300, 2000])
+@pytest.mark.parametrize("name,batch,kv_heads,groups,head_dim,slots", CASES,
+                         ids=[case[0] for case in CASES])
+def test_an_8_bit_cache_matches_float64(name, batch, kv_heads, groups, head_dim, slots,
+                                        length):
+    """float8_e4m3fn codes with per-(slot, head) scales (qerl_jax.models.kv_cache.quantize_kv)
+    compiled: the output against float64 attention over codes * scales within 1e-2 of its
+    largest magnitude (test_decode_attention.py's bf16 tolerance)."""
+    from qerl_jax.models.kv_cache import dequantize_kv, quantize_kv
+
+    rng = np.random.default_rng([batch, kv_heads, length, 8])
+    q = jnp.asarray(rng.standard_normal((batch, kv_heads, groups, head_dim)), jnp.bfloat16)
+    (keys, key_scales), (values, value_scales) = (
+        quantize_kv(jnp.asarray(rng.standard_normal((batch, slots, kv_heads, head_dim))
+                                * 10.0 ** rng.uniform(-1, 1, (batch, slots, kv_heads, 1)),
+                                jnp.float32), jnp.float8_e4m3fn) for _ in range(2))
+    mask = rng.random((batch, slots)) < 0.95
+    mask[:, 0] = True
+    scale = head_dim ** -0.5
+    out = decode_attention(q, keys, values, jnp.asarray(mask), length, scale=scale,
+                           key_scales=key_scales, value_scales=value_scales)
+    k, v = (np.asarray(dequantize_kv(codes, scales, jnp.float32), np.float64)
+            for codes, scales in ((keys, key_scales), (values, value_scales)))
+    visible = mask & (np.arange(slots) < length)[None, :]
+    scores = np.einsum("bkgd,bskd->bkgs", np.asarray(q, np.float64), k) * scale
+    scores = np.where(visible[:, None, None, :], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    reference = np.einsum("bkgs,bskd->bkgd", probs / probs.sum(-1, keepdims=True), v)
+    error = np.abs(np.asarray(out, np.float64) - reference).max() / np.abs(reference).max()
+    assert error <= 1e-2, f"{name} length {length}: relative error {error:.3g}"

@@ -647,7 +647,7 @@ def test_decode_attention_computes_the_o_projection_lora_x_a(rank):
     mask = jnp.asarray([[1] * 6, [0, 0, 1, 1, 1, 1], [1] * 6], jnp.bool_)
 
     def run():
-        cache = init_kv_cache(model.config, 3, 40, cache_dtype)
+        cache = init_kv_cache(model.config, 3, 40)
         logits, cache = prefill(model, tokens, mask, cache)
         steps = []
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -665,7 +665,7 @@ def test_decode_attention_computes_the_o_projection_lora_x_a(rank):
         own = run()
         attention_dispatch._KERNELS["cpu"] = kernel
         shared = run()
-        cache = init_kv_cache(model.config, 3, 40, cache_dtype)
+        cache = init_kv_cache(model.config, 3, 40)
         jaxpr = str(jax.make_jaxpr(lambda t, c: decode_step(model, t, c))(tokens[:, 0], cache))
         assert ("decode_attention_combine_lora" in jaxpr) == (rank == 16)
     finally:
