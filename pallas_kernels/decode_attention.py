@@ -22,9 +22,12 @@ scalar. Returns [B, KVH, G, D] in q's dtype = softmax(q k^T * scale, masked) v p
 head), computed in float32 and rounded once.
 
 Numerics: scores and the softmax in float32, the probabilities rounded to the inputs' dtype for
-the p @ v product (float32 accumulation), as the XLA path does. A row whose visited slots are all
-masked gets the mean of their values (the XLA path, which masks with a finite minimum, gives the
-mean over all S slots); such rows are padding or finished sequences, whose outputs are unused.
+the p @ v product (float32 accumulation), as the XLA path does. A row whose newest slot
+(length - 1) is masked is a finished sequence (decode_step marks a finished row's slot invalid):
+it reads none of its cache and gets zeros, so the cache bytes a step reads shrink as the rows of
+a rollout end. A row whose visited slots are all masked otherwise gets the mean of their values
+(the XLA path, which masks with a finite minimum, gives the mean over all S slots). The outputs
+of both kinds of row are unused.
 """
 
 from __future__ import annotations
@@ -113,6 +116,10 @@ def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, key_scales_ref,
                  else blocks_per_split)
     begin = split * per_split * block_s
     trips = jnp.clip(_cdiv_traced(visible - begin, block_s), 0, per_split)
+    # a row whose newest slot is masked is a finished sequence (decode_step marks its slot
+    # invalid): it reads none of its cache
+    newest = plgpu.load(mask_ref.at[b, pl.ds(visible - 1, 1)])
+    trips = jnp.where(jnp.max(newest) != 0, trips, 0)
     head_dim = q.shape[-1]
 
     def body(t, carry):

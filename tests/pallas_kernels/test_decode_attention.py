@@ -50,6 +50,7 @@ def test_matches_reference(slots, length, groups, block_s, splits, balanced):
     rng, q, k, v = _problem(seed, 3, slots, 2, groups, 32)
     mask = rng.random((3, slots)) < 0.8
     mask[:, 0] = True  # every row attends to something in range
+    mask[:, min(length, slots) - 1] = True  # and is active (its newest slot valid)
     mask[1, :5] = False  # a left-padded row
     scale = 32 ** -0.5
     out = decode_attention(q, k, v, jnp.asarray(mask), length, scale=scale,
@@ -70,7 +71,9 @@ def test_lora_down_of_the_output_rows(splits, rank):
     2^-20 relative to the largest |x @ A| contribution), and the output is unchanged."""
     seed = int(np.random.default_rng().integers(1 << 31))
     rng, q, k, v = _problem(seed, 3, 96, 2, 3, 32)
-    mask = jnp.asarray(rng.random((3, 96)) < 0.9)
+    mask = rng.random((3, 96)) < 0.9
+    mask[:, 69] = True  # the newest slot of a row still generating
+    mask = jnp.asarray(mask)
     lora_a = jnp.asarray(rng.standard_normal((2 * 3 * 32, rank)), jnp.bfloat16)
     config = DecodeAttentionConfig(block_s=16, splits=splits)
     plain = decode_attention(q, k, v, mask, 70, scale=0.2, config=config, interpret=True)
@@ -163,6 +166,7 @@ def test_an_8_bit_cache_matches_the_reference_on_its_dequantized_values(slots, l
                                                 for x in (k, v))
     mask = rng.random((3, slots)) < 0.8
     mask[:, 0] = True
+    mask[:, length - 1] = True
     out = decode_attention(q, k_codes, v_codes, jnp.asarray(mask), length, scale=0.1,
                            config=DecodeAttentionConfig(block_s=block_s, splits=splits),
                            interpret=True, key_scales=k_scales, value_scales=v_scales)
@@ -192,3 +196,23 @@ def test_quantize_kv_round_trip():
     np.testing.assert_allclose(np.abs(back).max(-1, keepdims=True), absmax, rtol=1e-6)
     assert np.all(np.abs(back - x) <= np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -9 * absmax))
     assert not back[0, 0, 0].any()
+
+
+@pytest.mark.parametrize("splits", [3, 1])
+def test_a_finished_row_reads_nothing(splits):
+    """A row whose newest slot (length - 1) is masked is a finished sequence: its output is
+    zeros (no slot read), and the other rows' outputs equal those of the call where it is
+    active, bit for bit."""
+    rng, q, k, v = _problem(7, 3, 128, 2, 4, 32)
+    mask = rng.random((3, 128)) < 0.9
+    mask[:, 0] = True
+    mask[:, 99] = True
+    config = DecodeAttentionConfig(block_s=16, splits=splits)
+    active = decode_attention(q, k, v, jnp.asarray(mask), 100, scale=0.2, config=config,
+                              interpret=True)
+    mask[1, 99] = False
+    finished = decode_attention(q, k, v, jnp.asarray(mask), 100, scale=0.2, config=config,
+                                interpret=True)
+    assert not np.asarray(finished[1], np.float32).any()
+    np.testing.assert_array_equal(np.asarray(finished[::2], np.float32),
+                                  np.asarray(active[::2], np.float32))
