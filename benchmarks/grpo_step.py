@@ -162,11 +162,9 @@ def worker_main(args) -> None:
     use_kernels = not args.no_kernels
     original_build_model = trainer_module.build_model
 
-    def build_model_for_benchmark(config, run_dir):
-        from qerl_jax.parallel.mesh import mesh_from_config
-
+    def build_model_for_benchmark(config, run_dir, *, mesh=None):
         begin = time.perf_counter()
-        model, tokenizer = original_build_model(config, run_dir)
+        model, tokenizer = original_build_model(config, run_dir, mesh=mesh)
         row["build_model_s"] = time.perf_counter() - begin
         row["peak_after_build_GiB"], _ = common.peak_memory_gib()
         # on a mesh the kernels run per device, as the trainer runs them (model_setup)
@@ -174,7 +172,7 @@ def worker_main(args) -> None:
                                             args.kernels_interpret,
                                             decode_attention=not args.no_decode_attention,
                                             pair_mlp=not args.no_gate_up_pairs,
-                                            mesh=mesh_from_config(config),
+                                            mesh=mesh,
                                             **common.kernel_settings(args))
         row.update(hook)
         row["params_B"] = model.config.num_parameters() / 1e9

@@ -132,8 +132,8 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
     config.quant.kernels.gate_up_pairs = not args.no_gate_up_pairs
     original_build_model = trainer_module.build_model
     if args.kernels_interpret:   # the trainer enables the kernels on a GPU only
-        def build_model(config, run_dir):
-            model, tokenizer = original_build_model(config, run_dir)
+        def build_model(config, run_dir, *, mesh=None):
+            model, tokenizer = original_build_model(config, run_dir, mesh=mesh)
             model, _ = common._prepare_model(model, format_name, True, True,
                                              pair_mlp=not args.no_gate_up_pairs)
             return model, tokenizer

@@ -263,8 +263,9 @@ FIELDS: dict[str, Field] = {
                                    "(power-of-two buckets above), bounding compilations.",
                                    greater_than(0)),
     "rollout.kv_cache_dtype": Field(
-        "auto", "KV cache of the rollouts: 'auto' = the compute dtype, 'float8_e4m3fn' = 8-bit "
-        "codes with a float32 scale per token and kv head (half the bytes).",
+        "auto", "KV cache of the training rollouts (evaluation keeps the compute dtype): "
+        "'auto' = the compute dtype, 'float8_e4m3fn' = 8-bit codes with a float32 scale per "
+        "token and kv head (half the bytes).",
         one_of(KV_CACHE_DTYPES)),
     "rollout.offload_weights_for_compile": Field(
         "auto", "Hold the frozen weights in host memory while a sampler program compiles "

@@ -21,9 +21,11 @@ from qerl_jax.models.transformer import (CausalLM, init_model, set_attention_imp
 logger = logging.getLogger(__name__)
 
 
-def build_model(config: ml_collections.ConfigDict, workdir: str):
+def build_model(config: ml_collections.ConfigDict, workdir: str, *, mesh=None):
     """The quantized base model + tokenizer as the config describes (warm-up cached), with the
-    weights in the Pallas kernels' layout on GPU."""
+    weights in the Pallas kernels' layout on GPU; `mesh`: the device mesh the model's programs
+    will run on (the trainer's Placement.mesh; None: one device), where the kernels run per
+    device."""
     from qerl_jax.model_quant.quantize import load_quantized_hf_model, quantize_model
     from qerl_jax.model_quant.random_model import random_quantized_model
     from qerl_jax.warmup import cached_warmup_model
@@ -38,7 +40,7 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
             model, _ = load_quantized_hf_model(model_cfg.hf_path, fmt,   # logs its report
                                                compute_dtype=model_cfg.compute_dtype,
                                                remat=model_cfg.remat)
-        return _finish_model(model, config), tokenizer
+        return _finish_model(model, config, mesh), tokenizer
     if model_cfg.gguf_path:
         from qerl_jax.models.gguf_io import load_gguf_model, load_gguf_tokenizer
 
@@ -50,7 +52,7 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
                                 compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
         if fmt != "bf16":
             quantize_model(model, fmt)   # logs its report
-        return _finish_model(model, config), tokenizer
+        return _finish_model(model, config, mesh), tokenizer
     architecture = preset(model_cfg.preset, param_dtype=model_cfg.param_dtype,
                           compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
                           **dict(model_cfg.overrides))
@@ -77,10 +79,10 @@ def build_model(config: ml_collections.ConfigDict, workdir: str):
     if tokenizer.vocab_size > architecture.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                          f"{architecture.vocab_size}")
-    return _finish_model(model, config), tokenizer
+    return _finish_model(model, config, mesh), tokenizer
 
 
-def _finish_model(model: CausalLM, config: ml_collections.ConfigDict) -> CausalLM:
+def _finish_model(model: CausalLM, config: ml_collections.ConfigDict, mesh=None) -> CausalLM:
     """What every path of build_model ends with: config.model.attention_query_chunk and
     attention_implementation (a preset's model.overrides entry of that name wins; the HF
     loaders and the warm-up cache do not carry them; 'auto' = cuDNN's fused attention on an
@@ -95,28 +97,26 @@ def _finish_model(model: CausalLM, config: ml_collections.ConfigDict) -> CausalL
     set_attention_query_chunk(model, 0)   # the two exclude each other: clear, then set both
     set_attention_implementation(model, implementation)
     set_attention_query_chunk(model, chunk)
-    _maybe_enable_kernels(model, config)
+    _maybe_enable_kernels(model, config, mesh)
     return model
 
 
-def _maybe_enable_kernels(model, config: ml_collections.ConfigDict) -> None:
+def _maybe_enable_kernels(model, config: ml_collections.ConfigDict, mesh=None) -> None:
     """Repacks the 4-bit weights once into the Pallas kernels' layout and registers the kernels
     as config.quant.kernels says (GPU only; a no-op on CPU). bf16 weights get the
     decode-attention kernel only. quant.kernels.enabled=False keeps the XLA path. The kernels
     compute in bfloat16: with another compute dtype every matmul would take the XLA path and
-    unpack the kernel layout again on each call, so nothing is repacked. On a mesh of more than
-    one device (config.mesh) every kernel runs per device on its rows; where the mesh splits the
+    unpack the kernel layout again on each call, so nothing is repacked. On a `mesh` of more
+    than one device every kernel runs per device on its rows; where the mesh splits the
     weights (fsdp or tensor > 1) the quantized matmuls keep the XLA path, whose sharded dots
     move far less than gathering each weight for a kernel launch, and only the decode
     attention runs as a kernel."""
     from qerl_jax.model_quant.kernels import enable_decode_attention, enable_kernels
-    from qerl_jax.parallel.mesh import mesh_from_config
     from qerl_jax.quant.kernel_options import KernelOptions
 
     options = KernelOptions.from_config(config.quant.kernels)
     if not options.enabled:
         return
-    mesh = mesh_from_config(config)
     if mesh is not None and (mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1):
         logger.info("Pallas matmul kernels not enabled: config.mesh %s splits the weights; the "
                     "quantized layers use the XLA path (sharded dots)", dict(mesh.shape))

@@ -100,7 +100,7 @@ class Trainer:
         self.rollout_key = jax.random.fold_in(base_key, 2)
         self.aqn_key = jax.random.fold_in(base_key, 3)
 
-        model, self.tokenizer = build_model(config, workdir)
+        model, self.tokenizer = build_model(config, workdir, mesh=self.placement.mesh)
         self.lora_config = LoRAConfig(rank=config.lora.rank, alpha=config.lora.alpha,
                                       target_modules=tuple(config.lora.target_modules),
                                       train_norms=config.lora.train_norms)

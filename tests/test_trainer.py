@@ -5,6 +5,7 @@ import os
 import shutil
 import signal
 import subprocess
+import types
 
 import jax
 import numpy as np
@@ -204,7 +205,8 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
         model_setup._maybe_enable_kernels("model", config)
         assert len(calls) == expected, (fmt, compute_dtype, enabled)
         assert all(options == KernelOptions() and kwargs == {"donate": True,
-                                                             "lora_rank": config.lora.rank}
+                                                             "lora_rank": config.lora.rank,
+                                                             "mesh": None}   # one device
                    for _, options, kwargs in calls)
     config = _config()
     config.quant.format, config.quant.kernels.gate_up_pairs = "nvfp4", False
@@ -216,6 +218,21 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     [(_, options, _)] = calls
     assert (options.gate_up_pairs, options.mosaic_nvfp4, options.decode_matmul.block_n) == (
         False, "off", 32)
+    # on a mesh: the matmul kernels per device where the weights are replicated; where fsdp
+    # splits them, the decode attention only (per device)
+    attention = []
+    monkeypatch.setattr(kernels, "enable_decode_attention", lambda **kwargs:
+                        attention.append(kwargs))
+    config.quant.kernels.gate_up_pairs, config.quant.kernels.mosaic_nvfp4 = True, "auto"
+    config.quant.kernels.decode_matmul.block_n = 64
+    for shape, expected in (({"data": 4, "fsdp": 1, "tensor": 1}, 1),
+                            ({"data": 2, "fsdp": 2, "tensor": 1}, 0)):
+        mesh = types.SimpleNamespace(shape=shape, size=4)
+        calls.clear()
+        attention.clear()
+        model_setup._maybe_enable_kernels("model", config, mesh)
+        assert len(calls) == expected and all(kwargs["mesh"] is mesh for _, _, kwargs in calls)
+        assert [kwargs["mesh"] for kwargs in attention] == ([] if expected else [mesh])
 
 
 def test_reference_adapters_are_kept_only_for_the_kl_term(tmp_path, warm_cache):

@@ -32,11 +32,27 @@ from qerl_jax.quant.qarray import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 
+def _float8_refusal() -> str | None:
+    """Why this GPU's Triton cannot convert float8 (compute capability below 8.9), or None."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return None
+    if tuple(int(part) for part in str(capability).split(".")[:2]) < (8, 9):
+        return (f"a float8_e4m3fn cache on compute capability {capability} (Triton converts "
+                "float8 from 8.9)")
+    return None
+
+
 def _decode_attention_refusal(q, keys) -> str | None:
     head_dim = q.shape[-1]
     if q.dtype != jnp.bfloat16 or keys.dtype not in (jnp.bfloat16, jnp.float8_e4m3fn):
         return (f"q {q.dtype} / cache {keys.dtype} (the kernel takes bfloat16 q and a "
                 "bfloat16 or float8_e4m3fn cache)")
+    if keys.dtype == jnp.float8_e4m3fn:
+        refusal = _float8_refusal()
+        if refusal is not None:
+            return refusal
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} (a power of two >= 16)"
     return None

@@ -42,9 +42,12 @@ from qerl_jax.rl.train_step import make_train_programs  # noqa: E402
 from qerl_jax.sampling import SamplingConfig, generate_from_states  # noqa: E402
 
 ROWS, PROMPT, COMPLETION = 16, 8, 8
-# the kernels compile on a GPU; elsewhere they run in Pallas interpret mode
-PLATFORM = jax.default_backend()
-INTERPRET = PLATFORM != "gpu"
+
+
+def _interpret() -> bool:
+    """Pallas interpret mode, except on a GPU (asked only once a part runs: the trainer part
+    must initialize jax.distributed before anything starts the backend)."""
+    return jax.default_backend() != "gpu"
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -161,7 +164,7 @@ def _backend_launches(mesh) -> dict:
     from qerl_jax.quant.backends.triton import TritonDecodeBackend, TritonDequantizeBackend
     from qerl_jax.quant.kernel_options import KernelOptions
 
-    model = build_states(lambda model: enable_kernels(model, interpret=INTERPRET), "bfloat16")
+    model = build_states(lambda model: enable_kernels(model, interpret=_interpret()), "bfloat16")
     frozen = model[2]
     mlp = frozen["layers"][0]["mlp"]
     attention = frozen["layers"][0]["self_attn"]
@@ -189,8 +192,8 @@ def _backend_launches(mesh) -> dict:
     }
     shards = row_shards(mesh, rows)
     out = {}
-    for inner in (TritonDecodeBackend("nvfp4", KernelOptions(), interpret=INTERPRET),
-                  TritonDequantizeBackend("nvfp4", interpret=INTERPRET)):
+    for inner in (TritonDecodeBackend("nvfp4", KernelOptions(), interpret=_interpret()),
+                  TritonDequantizeBackend("nvfp4", interpret=_interpret())):
         sharded = RowShardedBackend(inner, mesh)
         for name, launch in launches.items():
             if name in ("apply_lora", "apply_grouped", "apply_swiglu") and \
@@ -233,10 +236,11 @@ def kernels(path: str) -> None:
         mesh = None if name == "single" else mesh_of(name)
         replicated = mesh is None or mesh.shape["tensor"] == 1
         states = build_states(lambda model: enable_kernels(
-            model, interpret=INTERPRET, mesh=mesh if replicated else None), "bfloat16")
+            model, interpret=_interpret(), mesh=mesh if replicated else None), "bfloat16")
         if not replicated:
-            register_kernels(PLATFORM, KernelOptions(), interpret=INTERPRET, mesh=mesh)
-            enable_decode_attention(PLATFORM, interpret=INTERPRET, mesh=mesh)
+            register_kernels(jax.default_backend(), KernelOptions(), interpret=_interpret(),
+                             mesh=mesh)
+            enable_decode_attention(jax.default_backend(), interpret=_interpret(), mesh=mesh)
         results.update({f"{name}/{k}": v for k, v in run(*states, Placement(mesh)).items()})
     for name in filter(fits, (*KERNEL_MESHES, "data=8")):
         results.update({f"{name}/launch/{k}": v
@@ -321,7 +325,7 @@ if __name__ == "__main__":
     if part == "trainer":   # device count: whatever the caller set up
         trainer(out, *rest)
         sys.exit(0)
-    if part == "kernels" and PLATFORM == "gpu":   # the meshes that fit the GPUs there are
+    if part == "kernels" and not _interpret():   # the meshes that fit the GPUs there are
         kernels(out)
         sys.exit(0)
     assert jax.device_count() == 8, jax.devices()
