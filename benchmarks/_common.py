@@ -293,8 +293,8 @@ def decode_read_bytes(states, architecture, batch: int, prompt: int,
     """(weight bytes, KV-cache bytes) one decode step must read, on average over a generation:
     every array of the model states once (pair views counted once), except an untied embedding
     table (a step gathers `batch` of its rows; a tied one is the lm_head and is read whole), and
-    K and V of every layer at the mean context length prompt + new_tokens / 2 (a
-    'float8_e4m3fn' cache: 1 byte per value plus a float32 scale per token and kv head)."""
+    K and V of every layer at the mean context length prompt + new_tokens / 2 (an 8-bit cache:
+    1 byte per value plus a float32 scale per token and kv head)."""
     import jax
     import numpy as np
 
@@ -308,7 +308,7 @@ def decode_read_bytes(states, architecture, batch: int, prompt: int,
     weights = sum(leaf.size * leaf.dtype.itemsize for leaf in unique.values())
     head_dim = architecture.head_dim or architecture.hidden_size // architecture.num_attention_heads
     itemsize = np.dtype(architecture.jnp_compute_dtype).itemsize
-    if kv_cache_dtype == "float8_e4m3fn":
+    if kv_cache_dtype in ("int8", "float8_e4m3fn"):
         itemsize = 1 + 4 / head_dim
     kv = (2 * architecture.num_hidden_layers * architecture.num_key_value_heads * head_dim
           * itemsize * batch * (prompt + new_tokens / 2))

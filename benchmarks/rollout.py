@@ -79,9 +79,10 @@ def parse_args(argv=None):
                         help="also time transformers + torch.compile (static cache) generate at "
                              "the same shapes (benchmarks/transformers_peer.py), after the "
                              "size's own workers")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float8_e4m3fn"),
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=("auto", "int8", "float8_e4m3fn"),
                         help="the rollouts' KV cache (SamplingConfig.kv_cache_dtype): 'auto' = "
-                             "the compute dtype, 'float8_e4m3fn' = 8-bit codes + scales")
+                             "the compute dtype, 'int8' / 'float8_e4m3fn' = 8-bit codes + scales")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
     common.add_worker_arguments(parser, "rollout")

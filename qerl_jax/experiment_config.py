@@ -49,7 +49,7 @@ PARAM_DTYPES = ("bfloat16", "float32")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ON_OFF_AUTO = ("auto", "on", "off")                          # quant.kernel_options.MOSAIC_CHOICES
-KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")                  # sampling.KV_CACHE_DTYPES
+KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")          # sampling.KV_CACHE_DTYPES
 WEIGHT_AS_LHS = ("auto", "weights", "activations")           # quant.kernel_options.WEIGHT_AS_LHS
 KERNEL_DECODERS = ("fp8", "ptx_scaled", "ptx_paired_scales", "lut", "lut16", "select")                                 # FormatSpec.decoders
 DECODE_BLOCK_N = (16, 32, 64)                                # DecodeTuning.block_n
@@ -264,8 +264,8 @@ FIELDS: dict[str, Field] = {
                                    greater_than(0)),
     "rollout.kv_cache_dtype": Field(
         "auto", "KV cache of the training rollouts (evaluation keeps the compute dtype): "
-        "'auto' = the compute dtype, 'float8_e4m3fn' = 8-bit codes with a float32 scale per "
-        "token and kv head (half the bytes).",
+        "'auto' = the compute dtype, 'int8' / 'float8_e4m3fn' = 8-bit codes with a float32 "
+        "scale per token and kv head (half the bytes).",
         one_of(KV_CACHE_DTYPES)),
     "rollout.offload_weights_for_compile": Field(
         "auto", "Hold the frozen weights in host memory while a sampler program compiles "

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 # "auto" = the compute dtype
-KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")
+KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +47,8 @@ class SamplingConfig:
     num_generations: G samples per prompt. max_new_tokens: completion length limit.
     prompt_bucket: prompt lengths are left-padded up to a multiple of this (power-of-two
       buckets above it), so a run compiles a handful of programs.
-    kv_cache_dtype: "auto" = the compute dtype; "float8_e4m3fn" = 8-bit codes with a float32 scale
-      per token and kv head (qerl_jax.models.kv_cache), half the cache bytes.
+    kv_cache_dtype: "auto" = the compute dtype; "int8" / "float8_e4m3fn" = 8-bit codes with a
+      float32 scale per token and kv head (qerl_jax.models.kv_cache), half the cache bytes.
     """
 
     max_new_tokens: int = 256

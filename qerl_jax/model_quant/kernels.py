@@ -46,9 +46,10 @@ def _float8_refusal() -> str | None:
 
 def _decode_attention_refusal(q, keys) -> str | None:
     head_dim = q.shape[-1]
-    if q.dtype != jnp.bfloat16 or keys.dtype not in (jnp.bfloat16, jnp.float8_e4m3fn):
+    if q.dtype != jnp.bfloat16 or keys.dtype not in (jnp.bfloat16, jnp.int8,
+                                                     jnp.float8_e4m3fn):
         return (f"q {q.dtype} / cache {keys.dtype} (the kernel takes bfloat16 q and a "
-                "bfloat16 or float8_e4m3fn cache)")
+                "bfloat16, int8 or float8_e4m3fn cache)")
     if keys.dtype == jnp.float8_e4m3fn:
         refusal = _float8_refusal()
         if refusal is not None:

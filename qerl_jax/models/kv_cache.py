@@ -5,10 +5,11 @@ T slots every sequence's next token goes to slot T, then T+1, ... `valid` marks 
 real tokens (padding slots are never attended to), and `next_position` is each sequence's own
 RoPE position for its next token (its count of real tokens so far).
 
-An 8-bit float cache (init_kv_cache(..., dtype="float8_e4m3fn")) stores each token's key and
-value of each kv head as float8 e4m3 codes with one float32 scale (absmax / 448, the format's
-largest finite value): half the bytes a decode step reads from a bfloat16 cache, plus 4 bytes
-per head_dim codes. quantize_kv / dequantize_kv are the two directions.
+An 8-bit cache (init_kv_cache(..., dtype="int8" or "float8_e4m3fn")) stores each token's key
+and value of each kv head as 8-bit codes with one float32 scale (absmax / 127 for int8, rounded
+to the nearest step; absmax / 448, e4m3's largest finite value, for float8): half the bytes a
+decode step reads from a bfloat16 cache, plus 4 bytes per head_dim codes. quantize_kv /
+dequantize_kv are the two directions.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from qerl_jax.models.config import ModelConfig
 
 
 # cache dtypes stored as scaled 8-bit codes -> the largest finite value of each
-SCALED_KV_DTYPES = {"float8_e4m3fn": 448.0}
+SCALED_KV_DTYPES = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -31,7 +32,10 @@ def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     x32 = x.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(x32), axis=-1)
     scale = jnp.where(absmax > 0, absmax / largest, 1.0)
-    codes = jnp.clip(x32 / scale[..., None], -largest, largest).astype(dtype)
+    scaled = x32 / scale[..., None]
+    if jnp.issubdtype(dtype, jnp.integer):
+        scaled = jnp.round(scaled)
+    codes = jnp.clip(scaled, -largest, largest).astype(dtype)
     return codes, scale
 
 
@@ -94,7 +98,7 @@ class KVCache:
 def init_kv_cache(config: ModelConfig, batch_size: int, max_length: int,
                   dtype=None) -> KVCache:
     """An empty cache of `max_length` slots for `batch_size` sequences (dtype: the compute
-    dtype; "float8_e4m3fn": scaled 8-bit codes)."""
+    dtype; "int8" or "float8_e4m3fn": scaled 8-bit codes)."""
     if batch_size <= 0 or max_length <= 0:
         raise ValueError(f"batch_size={batch_size} and max_length={max_length} must be positive")
     dtype = jnp.dtype(dtype or config.jnp_compute_dtype)

@@ -146,23 +146,24 @@ def test_config_is_checked_and_parsed():
                                atol=TOLERANCE * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("slots,length,block_s,splits", [
     (200, 150, 32, 3),   # split, ragged
     (64, 64, 64, 1),     # one split (no combine)
 ])
 def test_an_8_bit_cache_matches_the_reference_on_its_dequantized_values(slots, length, block_s,
-                                                                        splits):
-    """float8 e4m3 codes with per-(slot, head) float32 scales (kv_cache.quantize_kv): the
-    kernel equals the float64 reference on codes * scales within the bf16 tolerance above (the
-    codes convert to bf16 exactly; the value scales multiply the float32 probabilities before
-    their bf16 rounding); scales that differ by slot and head (x 0.01 to x 100) are applied
-    to their own slots."""
+                                                                        splits, dtype):
+    """int8 or float8 e4m3 codes with per-(slot, head) float32 scales (kv_cache.quantize_kv):
+    the kernel equals the float64 reference on codes * scales within the bf16 tolerance above
+    (the codes convert to bf16 exactly; the value scales multiply the float32 probabilities
+    before their bf16 rounding); scales that differ by slot and head (x 0.01 to x 100) are
+    applied to their own slots."""
     from qerl_jax.models.kv_cache import dequantize_kv, quantize_kv
 
     seed = int(np.random.default_rng().integers(1 << 31))
     rng, q, k, v = _problem(seed, 3, slots, 2, 4, 32)
     spread = jnp.asarray(10.0 ** rng.uniform(-2, 2, (3, slots, 2, 1)), jnp.float32)
-    (k_codes, k_scales), (v_codes, v_scales) = (quantize_kv(x * spread, jnp.float8_e4m3fn)
+    (k_codes, k_scales), (v_codes, v_scales) = (quantize_kv(x * spread, jnp.dtype(dtype))
                                                 for x in (k, v))
     mask = rng.random((3, slots)) < 0.8
     mask[:, 0] = True
@@ -180,9 +181,10 @@ def test_an_8_bit_cache_matches_the_reference_on_its_dequantized_values(slots, l
 
 
 def test_quantize_kv_round_trip():
-    """Each vector's largest magnitude maps to 448 (e4m3's largest finite value) and comes back
-    exactly; every element within e4m3's half-ulp (2^-4 relative, 3 mantissa bits) of its
-    value, or 2^-9 of its vector's absmax where subnormal; all-zero vectors stay zero."""
+    """Each vector's largest magnitude maps to 448 (e4m3's largest finite value) or 127 (int8)
+    and comes back exactly; every element within e4m3's half-ulp (2^-4 relative, 3 mantissa
+    bits) of its value, or 2^-9 of its vector's absmax where subnormal; within half an int8
+    step (absmax / 254); all-zero vectors stay zero."""
     from qerl_jax.models.kv_cache import dequantize_kv, quantize_kv
 
     rng = np.random.default_rng(0)
@@ -195,6 +197,12 @@ def test_quantize_kv_round_trip():
     absmax = np.abs(x).max(-1, keepdims=True)
     np.testing.assert_allclose(np.abs(back).max(-1, keepdims=True), absmax, rtol=1e-6)
     assert np.all(np.abs(back - x) <= np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -9 * absmax))
+    assert not back[0, 0, 0].any()
+    codes, scales = quantize_kv(jnp.asarray(x), jnp.int8)
+    assert codes.dtype == jnp.int8 and int(np.abs(np.asarray(codes)).max()) == 127
+    back = np.asarray(dequantize_kv(codes, scales, jnp.float32))
+    np.testing.assert_allclose(np.abs(back).max(-1, keepdims=True), absmax, rtol=1e-6)
+    assert np.all(np.abs(back - x) <= absmax / 254 * (1 + 1e-6))
     assert not back[0, 0, 0].any()
 
 

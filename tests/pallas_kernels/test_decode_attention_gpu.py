@@ -54,14 +54,16 @@ def test_lora_shares_match_float64(name, batch, kv_heads, groups, head_dim, slot
     assert sum_error <= TOLERANCE, f"{name} length {length}: sum error {sum_error:.3g}"
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("length", [300, 2000])
 @pytest.mark.parametrize("name,batch,kv_heads,groups,head_dim,slots", CASES,
                          ids=[case[0] for case in CASES])
 def test_an_8_bit_cache_matches_float64(name, batch, kv_heads, groups, head_dim, slots,
-                                        length):
-    """float8_e4m3fn codes with per-(slot, head) scales (qerl_jax.models.kv_cache.quantize_kv)
-    compiled: the output against float64 attention over codes * scales within 1e-2 of its
-    largest magnitude (test_decode_attention.py's bf16 tolerance)."""
+                                        length, dtype):
+    """int8 / float8_e4m3fn codes with per-(slot, head) scales
+    (qerl_jax.models.kv_cache.quantize_kv) compiled: the output against float64 attention over
+    codes * scales within 1e-2 of its largest magnitude (test_decode_attention.py's bf16
+    tolerance)."""
     from qerl_jax.models.kv_cache import dequantize_kv, quantize_kv
 
     rng = np.random.default_rng([batch, kv_heads, length, 8])
@@ -69,7 +71,7 @@ def test_an_8_bit_cache_matches_float64(name, batch, kv_heads, groups, head_dim,
     (keys, key_scales), (values, value_scales) = (
         quantize_kv(jnp.asarray(rng.standard_normal((batch, slots, kv_heads, head_dim))
                                 * 10.0 ** rng.uniform(-1, 1, (batch, slots, kv_heads, 1)),
-                                jnp.float32), jnp.float8_e4m3fn) for _ in range(2))
+                                jnp.float32), jnp.dtype(dtype)) for _ in range(2))
     mask = rng.random((batch, slots)) < 0.95
     mask[:, 0] = True
     mask[:, length - 1] = True   # every row still generating

@@ -576,7 +576,7 @@ def test_linear_group_runs_one_by_one_where_it_cannot_group(interpret_kernels, c
         linear_group(x, dense, (None,))
 
 
-@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("cache_dtype", [None, "int8", "float8_e4m3fn"])
 def test_decode_steps_with_the_decode_attention_kernel(cache_dtype):
     """Prefill then decode steps of a tiny bf16 model (left-padded rows, one finished row) with
     the Pallas decode attention (interpret mode) registered: every step's logits equal the XLA
