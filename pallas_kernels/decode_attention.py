@@ -17,7 +17,8 @@ range of the cache, ceil(S / block_s / splits) blocks (for comparisons).
     out = decode_attention(q, keys, values, mask, length, scale=1 / sqrt(D))
 
 Shapes: q [B, KVH, G, D] (G = query heads per kv head), keys / values [B, S, KVH, D] (the cache
-layout; or an 8-bit cache's codes with key_scales / value_scales [B, S, KVH]), mask [B, S] bool (True = may attend; slots >= length are never read), length int32
+layout; or an 8-bit cache's codes with key_scales / value_scales [B, S, KVH]), mask [B, S] bool
+(True = may attend; slots >= length are never read), length int32
 scalar. Returns [B, KVH, G, D] in q's dtype = softmax(q k^T * scale, masked) v per (b, kv
 head), computed in float32 and rounded once.
 

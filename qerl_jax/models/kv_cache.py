@@ -104,15 +104,16 @@ def init_kv_cache(config: ModelConfig, batch_size: int, max_length: int,
     dtype = jnp.dtype(dtype or config.jnp_compute_dtype)
     shape = (batch_size, max_length, config.num_key_value_heads, config.resolved_head_dim)
     layers = config.num_hidden_layers
-    scales = ()
-    if dtype.name in SCALED_KV_DTYPES:
-        scales = tuple(jnp.ones(shape[:-1], jnp.float32) for _ in range(layers))
+    scaled = dtype.name in SCALED_KV_DTYPES
+
+    def scales():   # one float32 scale per token and kv head of each layer (8-bit codes)
+        return tuple(jnp.ones(shape[:-1], jnp.float32) for _ in range(layers)) if scaled else ()
     return KVCache(
         keys=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
         values=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
         valid=jnp.zeros((batch_size, max_length), jnp.bool_),
         next_position=jnp.zeros((batch_size,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
-        key_scales=scales,
-        value_scales=tuple(jnp.ones(shape[:-1], jnp.float32) for _ in scales),
+        key_scales=scales(),
+        value_scales=scales(),
     )

@@ -121,8 +121,9 @@ class Attention(nnx.Module):
         Without a cache S == T. With `cached_kv` = (keys, values) each [B, S, kv_heads, D] (or
         (keys, values, key_scales, value_scales) of an 8-bit cache: codes and float32 scales
         [B, S, kv_heads], kv_cache.quantize_kv), the new keys/values are written at slots
-        [cache_index, cache_index + T) and the updated tuple is returned; a mask over fewer slots than the cache's ([B, T, S'], S' < S: prefill
-        into an empty cache) makes a multi-token step attend over the first S' slots only.
+        [cache_index, cache_index + T) and the updated tuple is returned; a mask over fewer
+        slots than the cache's ([B, T, S'], S' < S: prefill into an empty cache) makes a
+        multi-token step attend over the first S' slots only.
         Returns (out [B, T, H], new cached_kv or None).
 
         q/k/v go through one `apply_linears` call (one kernel launch where the quantized kernel
