@@ -22,12 +22,12 @@ from typing import Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
+from qerl_jax.parallel.mesh import batch_spec
 from qerl_jax.quant.backends.base import MatmulBackend
 
 
 def row_spec(mesh, m: int) -> PartitionSpec:
     """The spec of an [m, ...] row-major array on `mesh` (mesh.batch_spec's rule)."""
-    from qerl_jax.parallel.mesh import batch_spec
     return batch_spec((m,), dict(mesh.shape))
 
 
