@@ -50,6 +50,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 import _common as common
 
@@ -226,6 +227,7 @@ def worker_main(args) -> None:
             format_name, args.micro_batch * (args.prompt + args.completion), active)
     except Exception as error:
         row["peak_GiB"], _ = common.peak_memory_gib()
+        traceback.print_exc()
         emit("init " + common.describe_error(error))
         shutil.rmtree(workdir, ignore_errors=True)
         raise
@@ -257,6 +259,7 @@ def worker_main(args) -> None:
             trainer.step += 1
         except Exception as error:
             status = f"step {step} " + common.describe_error(error)
+            traceback.print_exc()   # the worker's log keeps the whole of it
             break
         prefix = "step0" if step == 0 else "step"
         row[f"{prefix}_rollout_s"] = metrics["time/rollout_s"]

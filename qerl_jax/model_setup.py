@@ -6,6 +6,7 @@ and by evaluate.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -16,7 +17,8 @@ from qerl_jax.models.config import preset
 from qerl_jax.models.hf_io import load_hf_model
 from qerl_jax.models.tokenizer import load_tokenizer
 from qerl_jax.models.transformer import (CausalLM, init_model, set_attention_implementation,
-                                         set_attention_query_chunk)
+                                         set_attention_mesh, set_attention_query_chunk)
+from qerl_jax.parallel.mesh import place_parameter as place_on_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +33,20 @@ def build_model(config: ml_collections.ConfigDict, workdir: str, *, mesh=None):
     from qerl_jax.warmup import cached_warmup_model
 
     model_cfg, fmt = config.model, config.quant.format
+    # on a mesh each tensor goes to its shards as soon as it is read or drawn: the whole model
+    # never sits on one device (a 72B NVFP4 model is 41 GiB)
+    place = (functools.partial(place_on_mesh, mesh=mesh)
+             if mesh is not None and mesh.size > 1 else None)
     if model_cfg.hf_path:
         tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.hf_path)
         if fmt == "bf16":
             model = load_hf_model(model_cfg.hf_path, param_dtype=model_cfg.param_dtype,
-                                  compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+                                  compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
+                                  place=place)
         else:
             model, _ = load_quantized_hf_model(model_cfg.hf_path, fmt,   # logs its report
                                                compute_dtype=model_cfg.compute_dtype,
-                                               remat=model_cfg.remat)
+                                               remat=model_cfg.remat, place=place)
         return _finish_model(model, config, mesh), tokenizer
     if model_cfg.gguf_path:
         from qerl_jax.models.gguf_io import load_gguf_model, load_gguf_tokenizer
@@ -74,7 +81,7 @@ def build_model(config: ml_collections.ConfigDict, workdir: str, *, mesh=None):
         if not model_cfg.tokenizer_path:
             raise ValueError("config.model.tokenizer_path is required for a preset model "
                              "without warm-up")
-        model = random_quantized_model(architecture, fmt, seed=config.seed)
+        model = random_quantized_model(architecture, fmt, seed=config.seed, place=place)
         tokenizer = load_tokenizer(model_cfg.tokenizer_path)
     if tokenizer.vocab_size > architecture.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
@@ -97,6 +104,7 @@ def _finish_model(model: CausalLM, config: ml_collections.ConfigDict, mesh=None)
     set_attention_query_chunk(model, 0)   # the two exclude each other: clear, then set both
     set_attention_implementation(model, implementation)
     set_attention_query_chunk(model, chunk)
+    set_attention_mesh(model, mesh)
     _maybe_enable_kernels(model, config, mesh)
     return model
 

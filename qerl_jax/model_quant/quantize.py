@@ -139,11 +139,13 @@ def quantize_model(model: CausalLM, format_name: str, *,
 def load_quantized_hf_model(directory: str, format_name: str, *,
                             exclude: Sequence[str] = DEFAULT_EXCLUDE,
                             compute_dtype: str = "bfloat16",
-                            remat: bool = False) -> tuple[CausalLM, QuantizationReport]:
+                            remat: bool = False,
+                            place=None) -> tuple[CausalLM, QuantizationReport]:
     """Loads an HF checkpoint and quantizes each projection as it is read.
 
     Only one dense projection exists at a time next to the already-quantized ones. Dense
-    (excluded) tensors are loaded in bfloat16.
+    (excluded) tensors are loaded in bfloat16. `place`: as in load_hf_model (each tensor put
+    where it will live once quantized, e.g. on its shards of a device mesh).
     """
     get_format(format_name)
     report = QuantizationReport(format_name)
@@ -157,7 +159,7 @@ def load_quantized_hf_model(directory: str, format_name: str, *,
         return value
 
     model = load_hf_model(directory, param_dtype="bfloat16", compute_dtype=compute_dtype,
-                          remat=remat, linear_weight_fn=quantize_on_load)
+                          remat=remat, linear_weight_fn=quantize_on_load, place=place)
     mark_quantized_params(model)
     logger.info("load_quantized_hf_model(%s): %s", directory, report.summary())
     return model, report

@@ -39,7 +39,7 @@ def _random_program(kind: str, shape: tuple, dtype: str, format_name: str | None
     return _RANDOM_PROGRAMS[cache_key]
 
 
-def random_quantized_model(architecture, format_name: str, seed: int = 0):
+def random_quantized_model(architecture, format_name: str, seed: int = 0, place=None):
     """A random-weight CausalLM with its projections already in `format_name`, built tensor by
     tensor into an abstract (shapes-only) model.
 
@@ -48,7 +48,9 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0):
     dense), but the dense copy of the whole model never exists: each projection is drawn and
     quantized inside one small program and only its codes and scales are kept. Peak memory is
     the quantized model plus one dense projection. The draws differ from init_model's for the
-    same seed (the benchmarks need shapes, not particular values).
+    same seed (the benchmarks need shapes, not particular values). `place`: optional (model
+    path, value) -> value putting each tensor where it will live as soon as it is drawn (e.g.
+    qerl_jax.parallel.mesh.place_parameter: a 72B model is built straight onto its shards).
     """
     model = abstract_model(architecture)
     param_dtype = architecture.param_dtype
@@ -67,6 +69,8 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0):
             value = jnp.zeros(shape, param_dtype)
         else:
             value = _random_program("dense", shape, param_dtype, None)(key)
+        if place is not None:
+            value = place(spec.path, value)
         variable.set_value(value)
     mark_quantized_params(model)
     leaves = jax.tree_util.tree_leaves(nnx.state(model))

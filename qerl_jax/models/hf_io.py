@@ -172,11 +172,13 @@ def to_model_layout(array, dtype, transpose):
 
 
 LinearWeightFn = Callable[[TensorSpec, jax.Array], Any]
+PlaceFn = Callable[[tuple, Any], Any]   # (model path, value) -> the value where it will live
 
 
 def load_hf_model(directory: str, *, param_dtype: str = "bfloat16",
                   compute_dtype: str | None = None, remat: bool = False,
-                  linear_weight_fn: LinearWeightFn | None = None) -> CausalLM:
+                  linear_weight_fn: LinearWeightFn | None = None,
+                  place: PlaceFn | None = None) -> CausalLM:
     """Loads an HF Qwen2/Llama checkpoint directory into a CausalLM, tensor by tensor.
 
     Args:
@@ -185,6 +187,8 @@ def load_hf_model(directory: str, *, param_dtype: str = "bfloat16",
       remat: per-layer gradient checkpointing.
       linear_weight_fn: optional (spec, weight [in, out]) -> value applied to each projection
         weight as it is loaded (e.g. quantization), so the dense copy of only one layer exists.
+      place: optional (model path, value) -> value putting each tensor where it will live (e.g.
+        qerl_jax.parallel.mesh.place_parameter on a device mesh) as soon as it is loaded.
     Raises:
       FileNotFoundError for a missing directory or file; CheckpointError (a ValueError) for an
       unsupported model_type, missing/unexpected tensors or a shape mismatch (naming it).
@@ -192,11 +196,12 @@ def load_hf_model(directory: str, *, param_dtype: str = "bfloat16",
     config = load_hf_config(directory, param_dtype=param_dtype,
                             compute_dtype=compute_dtype or param_dtype, remat=remat)
     return load_model_tensors(config, open_checkpoint_files(directory), directory,
-                              linear_weight_fn)
+                              linear_weight_fn, place)
 
 
 def load_model_tensors(config: ModelConfig, files: Mapping[str, Any], source: str,
-                       linear_weight_fn: LinearWeightFn | None = None) -> CausalLM:
+                       linear_weight_fn: LinearWeightFn | None = None,
+                       place: PlaceFn | None = None) -> CausalLM:
     """Builds `config`'s model abstractly and fills it one tensor at a time, so the HF and
     GGUF loaders share one checked path.
 
@@ -204,7 +209,7 @@ def load_model_tensors(config: ModelConfig, files: Mapping[str, Any], source: st
       files: HF tensor name -> an object with `.path`, `.shape(name)` (HF layout) and
         `[name]` (a host array, HF layout), e.g. a SafetensorsFile.
       source: the directory or file named in errors.
-      linear_weight_fn: as in load_hf_model.
+      linear_weight_fn, place: as in load_hf_model.
     """
     specs = tensor_specs(config)
     check_tensor_names(source, {spec.hf_name for spec in specs}, set(files),
@@ -222,6 +227,8 @@ def load_model_tensors(config: ModelConfig, files: Mapping[str, Any], source: st
         value = to_model_layout(jnp.asarray(raw), target, spec.transpose)
         if linear_weight_fn is not None and spec.is_linear:
             value = linear_weight_fn(spec, value)
+        if place is not None:
+            value = place(spec.path, value)
         variable_at(model, spec.path).set_value(value)
     return model
 

@@ -23,6 +23,7 @@ from qerl_jax.models.kv_cache import KVCache, dequantize_kv, quantize_kv
 from qerl_jax.models.layers import (Embedding, Linear, RMSNorm, apply_linears, apply_rope,
                                     apply_swiglu_linears, rope_cos_sin,
                                     rope_inverse_frequencies)
+from qerl_jax.parallel.mesh import constrain_attention_inputs
 from qerl_jax.quant.linear_op import narrow_matmul
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so all-masked (padding) rows stay finite
@@ -64,7 +65,8 @@ def _attend_in_query_chunks(attend, q, mask, chunk: int):
     return out[:, :length]
 
 
-def _attend_fused(q, mask, *, keys, values, scale, compute_dtype, implementation="cudnn"):
+def _attend_fused(q, mask, *, keys, values, scale, compute_dtype, implementation="cudnn",
+                  mesh=None):
     """The causal full-sequence attention through jax.nn.dot_product_attention: q [B, T, KVH,
     G, D], mask [B, T, T] bool (causal & key padding, as CausalLM builds it), keys / values
     [B, T, KVH, D] -> [B, T, KVH, G, D] in compute_dtype.
@@ -80,14 +82,17 @@ def _attend_fused(q, mask, *, keys, values, scale, compute_dtype, implementation
     before it) averages the values of the padding keys up to it instead of all T keys; those
     rows are masked out of every loss and no real row attends to them.
     ('xla' runs JAX's reference implementation of the same call: the CPU tests use it.)
+    On a device `mesh` the inputs are first placed as cuDNN's partitioner requires
+    (qerl_jax.parallel.mesh.constrain_attention_inputs).
     """
     batch, length, kv_heads, groups, head_dim = q.shape
     large_negative = jnp.asarray(-0.7 * float(jnp.finfo(compute_dtype).max), compute_dtype)
     bias = jnp.where(mask, jnp.asarray(0, compute_dtype), large_negative)[:, None]
-    out = jax.nn.dot_product_attention(
+    q, keys, values, bias = constrain_attention_inputs(
         q.reshape(batch, length, kv_heads * groups, head_dim).astype(compute_dtype),
-        keys.astype(compute_dtype), values.astype(compute_dtype), bias=bias, scale=scale,
-        is_causal=True, implementation=implementation)
+        keys.astype(compute_dtype), values.astype(compute_dtype), bias, mesh)
+    out = jax.nn.dot_product_attention(q, keys, values, bias=bias, scale=scale,
+                                       is_causal=True, implementation=implementation)
     return out.reshape(batch, length, kv_heads, groups, head_dim)
 
 
@@ -101,6 +106,7 @@ class Attention(nnx.Module):
         self.compute_dtype = config.jnp_compute_dtype
         self.query_chunk = config.attention_query_chunk
         self.implementation = config.attention_implementation
+        self.mesh = None   # the device mesh of the fused attention's inputs (set_attention_mesh)
         hidden = config.hidden_size
         common = dict(param_dtype=config.jnp_param_dtype, compute_dtype=self.compute_dtype,
                       rngs=rngs)
@@ -188,7 +194,8 @@ class Attention(nnx.Module):
                                    compute_dtype=self.compute_dtype)
         if self.implementation == "cudnn" and cached_kv is None:
             out = _attend_fused(q, mask, keys=keys, values=values, scale=scale,
-                                compute_dtype=self.compute_dtype, implementation="cudnn")
+                                compute_dtype=self.compute_dtype, implementation="cudnn",
+                                mesh=self.mesh)
         elif self.query_chunk and length > self.query_chunk:
             out = _attend_in_query_chunks(attend, q, mask, self.query_chunk)
         else:
@@ -463,6 +470,16 @@ def cudnn_attention_problems(config: ModelConfig) -> list[str]:
     if head_dim % 8 or head_dim > 128:
         problems.append(f"head_dim={head_dim} (needs a multiple of 8, at most 128)")
     return problems
+
+
+def set_attention_mesh(model: CausalLM, mesh) -> None:
+    """The device mesh the model's programs run on (None or one device: nothing to place), in
+    place on every Attention, for programs traced afterwards: cuDNN's fused attention then gets
+    its inputs split the one way its partitioner accepts (rows over data x fsdp, heads over
+    tensor)."""
+    mesh = mesh if mesh is not None and mesh.size > 1 else None
+    for layer in model.layers:
+        layer.self_attn.mesh = mesh
 
 
 def set_attention_implementation(model: CausalLM, implementation: str) -> str:

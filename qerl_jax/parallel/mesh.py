@@ -136,7 +136,10 @@ def logical_axes(path, ndim: int) -> tuple[str | None, ...]:
     """The logical axes of a parameter-shaped array from its pytree path (a parameter, or the
     optimizer moment / gradient of one): a projection's dense weight [in, out], bias [out],
     LoRA A [in, r] and B [r, out]; the embedding [vocab, embed]; anything else replicated."""
-    names = _path_names(path)
+    return _logical_axes(_path_names(path), ndim)
+
+
+def _logical_axes(names: Sequence[str], ndim: int) -> tuple[str | None, ...]:
     module = next((name for name in reversed(names) if name in PROJECTION_AXES), None)
     if module is not None:
         out_axis, in_axis = PROJECTION_AXES[module]
@@ -159,7 +162,11 @@ def quantized_weight_spec(path, weight: QuantizedWeight,
     """The one spec of a QuantizedWeight's 2-D arrays over its logical (N, K) = (out, in): a
     dimension is split only where codes and block scales (and any other 2-D array it holds,
     e.g. a kernel layout's) all divide by the mesh axes' size."""
-    names = _path_names(path)
+    return _quantized_spec(_path_names(path), weight, axis_sizes)
+
+
+def _quantized_spec(names: Sequence[str], weight: QuantizedWeight,
+                    axis_sizes: Mapping[str, int]) -> PartitionSpec:
     module = next((name for name in reversed(names) if name in PROJECTION_AXES), None)
     logical = PROJECTION_AXES[module] if module is not None else (None, None)
     shapes = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(weight)
@@ -175,17 +182,33 @@ def tree_specs(tree: Any, axis_sizes: Mapping[str, int]) -> Any:
     """A PartitionSpec for every array leaf of a parameter / optimizer-state pytree (the same
     structure; QuantizedWeights get a spec per array: the shared one for 2-D arrays, P() for
     scalars and 1-D scales)."""
-    def spec(path, leaf):
-        if _is_quantized(leaf):
-            shared = quantized_weight_spec(path, leaf, axis_sizes)
-            return jax.tree_util.tree_map(
-                lambda array: shared if len(np.shape(array)) == 2 else PartitionSpec(), leaf)
-        ndim = len(np.shape(leaf))
-        if ndim == 0 or (hasattr(leaf, "dtype")
-                         and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
-            return PartitionSpec()
-        return logical_spec(logical_axes(path, ndim), [np.shape(leaf)], axis_sizes)
-    return jax.tree_util.tree_map_with_path(spec, tree, is_leaf=_is_quantized)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _leaf_spec(_path_names(path), leaf, axis_sizes), tree,
+        is_leaf=_is_quantized)
+
+
+def _leaf_spec(names: Sequence[str], leaf, axis_sizes: Mapping[str, int]) -> Any:
+    """The spec (a QuantizedWeight: a tree of specs) of the parameter-shaped leaf at `names`."""
+    if _is_quantized(leaf):
+        shared = _quantized_spec(names, leaf, axis_sizes)
+        return jax.tree_util.tree_map(
+            lambda array: shared if len(np.shape(array)) == 2 else PartitionSpec(), leaf)
+    ndim = len(np.shape(leaf))
+    if ndim == 0 or (hasattr(leaf, "dtype")
+                     and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
+        return PartitionSpec()
+    return logical_spec(_logical_axes(names, ndim), [np.shape(leaf)], axis_sizes)
+
+
+def place_parameter(path: Sequence[Any], value: Any, mesh: Mesh) -> Any:
+    """One parameter (an array or a QuantizedWeight) at the model path `path` (e.g. ('layers',
+    0, 'mlp', 'gate_proj', 'weight')) on the sharding Placement.states gives it on `mesh`: for
+    building a model tensor by tensor straight onto the mesh, so the whole model never sits on
+    one device."""
+    spec = _leaf_spec([str(part) for part in path], value, _axis_sizes(mesh))
+    shardings = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), spec,
+                                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree_util.tree_map(put_global, value, shardings)
 
 
 def tree_shardings(tree: Any, mesh: Mesh) -> Any:
@@ -230,6 +253,24 @@ def constrain_logical(tree: Any, mesh: Mesh | None, logical: Sequence[str | None
     return jax.tree_util.tree_map(
         lambda leaf: jax.lax.with_sharding_constraint(leaf, NamedSharding(
             mesh, logical_spec(logical, [leaf.shape], sizes))), tree)
+
+
+def constrain_attention_inputs(q, keys, values, bias, mesh: Mesh | None):
+    """Inside jit: cuDNN's fused attention inputs q [B, T, H, D], keys / values [B, S, KVH, D]
+    and its bias [B, 1, T, S] placed the one way its partitioner accepts on `mesh`: q, keys and
+    values under one spec (rows over data x fsdp, heads over tensor where both H and KVH divide),
+    sequence and head dims whole, the bias's rows as q's. Without this GSPMD may carry the
+    projections' fsdp split into the heads of q but not of keys, which the partitioner refuses.
+    A no-op without a mesh."""
+    if mesh is None:
+        return q, keys, values, bias
+    sizes = _axis_sizes(mesh)
+    spec = logical_spec(("batch", None, "heads", None), [q.shape, keys.shape, values.shape],
+                        sizes)
+    rows = PartitionSpec(*spec[:1])
+    q, keys, values = (jax.lax.with_sharding_constraint(array, NamedSharding(mesh, spec))
+                       for array in (q, keys, values))
+    return q, keys, values, jax.lax.with_sharding_constraint(bias, NamedSharding(mesh, rows))
 
 
 # ------------------------------------------------------------------------------ placement

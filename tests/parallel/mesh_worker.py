@@ -6,18 +6,22 @@ be set before JAX starts, so the rest of the test suite keeps one CPU device).
 
     python tests/parallel/mesh_worker.py equality OUT.npz data=8 fsdp=2,tensor=4 fsdp=8
     python tests/parallel/mesh_worker.py checkpoint OUT.npz CHECKPOINT_DIR
+    python tests/parallel/mesh_worker.py placed OUT.npz HF_DIR
     python tests/parallel/mesh_worker.py trainer WORKDIR MESH [COORDINATOR PROCESS_ID | resume]
 
 equality: per mesh (and for the single device, key prefix 'single'): greedy rollout tokens,
 the micro-batch loss, the gradient leaves and the LoRA leaves after one AdamW update.
 checkpoint: the train state saved on one mesh and restored on another (and on one device):
 the restored leaves, and whether each restored leaf carries the target's sharding.
+placed: models built tensor by tensor onto a mesh (random and from an HF checkpoint written to
+HF_DIR): each one's shardings and values, and the fused attention on placed inputs.
 trainer: two steps of tests/test_trainer.py's tiny run on MESH ('' = one device), as one of two
 processes with COORDINATOR, or a third step resumed from WORKDIR's checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -98,8 +102,9 @@ def optimizer_config():
                                           max_grad_norm=1.0))
 
 
-def run(graphdef, trainable, frozen, placement: Placement) -> dict:
-    """Greedy tokens, loss, gradients and the updated trainable leaves on `placement`."""
+def run(graphdef, trainable, frozen, placement: Placement, rollout: bool = True) -> dict:
+    """Greedy tokens (rollout=True), loss, gradients and the updated trainable leaves on
+    `placement`."""
     optimizer, _ = make_optimizer(optimizer_config())
     trainable, frozen = placement.states(trainable), placement.states(frozen)
     opt_state = placement.states(optimizer.init(trainable))
@@ -113,13 +118,13 @@ def run(graphdef, trainable, frozen, placement: Placement) -> dict:
     (loss, _), grads = programs.accumulate_gradient(
         trainable, frozen, batch, tokens, jnp.float32(ROWS), programs.zero_grads(trainable))
     updated, _, norm, _ = programs.apply_update_copy(trainable, opt_state, grads)
-    prompts = training_batch()["tokens"][:, :PROMPT]
-    rollout = generate_from_states(
-        graphdef, (trainable, frozen), prompts, np.ones_like(prompts, np.bool_),
-        jax.random.key(4), SamplingConfig(max_new_tokens=12, greedy=True, prompt_bucket=8),
-        mesh=placement.mesh)
-    out = {"tokens": np.asarray(rollout.tokens), "loss": np.asarray(loss),
-           "grad_norm": np.asarray(norm)}
+    out = {"loss": np.asarray(loss), "grad_norm": np.asarray(norm)}
+    if rollout:
+        prompts = training_batch()["tokens"][:, :PROMPT]
+        out["tokens"] = np.asarray(generate_from_states(
+            graphdef, (trainable, frozen), prompts, np.ones_like(prompts, np.bool_),
+            jax.random.key(4), SamplingConfig(max_new_tokens=12, greedy=True, prompt_bucket=8),
+            mesh=placement.mesh).tokens)
     out.update({f"grad{i:03d}": np.asarray(g) for i, g in
                 enumerate(jax.tree_util.tree_leaves(grads))})
     out.update({f"updated{i:03d}": np.asarray(u) for i, u in
@@ -210,6 +215,28 @@ def _backend_launches(mesh) -> dict:
     return out
 
 
+def _first_divergence(states, single_tokens, mesh_tokens) -> np.ndarray:
+    """Per row whose greedy tokens differ between one device and a mesh (compiled kernels on
+    GPUs, whose XLA dots need not round alike at another row count): [row, position, the
+    one-device model's logit gap between the two chosen tokens there, its logits' range],
+    from a full forward over the prompt and the tokens both runs agree on."""
+    from qerl_jax.quant.kernel_options import KernelOptions
+    from qerl_jax.quant.kernels import register_kernels
+
+    register_kernels(jax.default_backend(), KernelOptions())   # one device's, as it ran there
+    graphdef, trainable, frozen = states
+    model = nnx.merge(graphdef, trainable, frozen)
+    prompts = training_batch()["tokens"][:, :PROMPT]
+    rows = []
+    for row in np.flatnonzero(np.any(single_tokens != mesh_tokens, axis=1)):
+        position = int(np.argmax(single_tokens[row] != mesh_tokens[row]))
+        tokens = np.concatenate([prompts[row], single_tokens[row, :position]])[None]
+        logits = np.asarray(model(jnp.asarray(tokens)), np.float32)[0, -1]
+        gap = abs(logits[single_tokens[row, position]] - logits[mesh_tokens[row, position]])
+        rows.append([row, position, gap, logits.max() - logits.min()])
+    return np.asarray(rows, np.float32).reshape(-1, 4)
+
+
 def kernels(path: str) -> None:
     """The tiny model in bfloat16 compute with the Pallas kernels (interpret mode; the CPU has
     no bf16 x bf16 -> f32 dot for the XLA path): on one device, and per device on each of
@@ -242,10 +269,34 @@ def kernels(path: str) -> None:
                              mesh=mesh)
             enable_decode_attention(jax.default_backend(), interpret=_interpret(), mesh=mesh)
         results.update({f"{name}/{k}": v for k, v in run(*states, Placement(mesh)).items()})
+        if name == "single":
+            single_states = states
+        elif not _interpret():
+            results[f"{name}/first_divergence"] = _first_divergence(
+                single_states, results["single/tokens"], results[f"{name}/tokens"])
     for name in filter(fits, (*KERNEL_MESHES, "data=8")):
         results.update({f"{name}/launch/{k}": v
                         for k, v in _backend_launches(mesh_of(name)).items()})
     results["log"] = np.asarray(paths.messages)
+    np.savez(path, **results)
+
+
+def cudnn(path: str) -> None:
+    """GPUs only: the tiny model in bfloat16 compute with cuDNN's fused training attention on
+    one GPU and on fsdp=2 and data=2 (the mesh the model is built for: set_attention_mesh):
+    loss, gradients and updated leaves per run."""
+    from qerl_jax.models.transformer import set_attention_implementation, set_attention_mesh
+
+    results = {}
+    for name in ("single", "fsdp=2", "data=2"):
+        mesh = None if name == "single" else make_mesh(parse_mesh(name), jax.devices()[:2])
+
+        def prepare(model, mesh=mesh):
+            set_attention_implementation(model, "cudnn")
+            set_attention_mesh(model, mesh)
+        states = build_states(prepare, "bfloat16")
+        results.update({f"{name}/{k}": v for k, v in run(*states, Placement(mesh),
+                                                         rollout=False).items()})
     np.savez(path, **results)
 
 
@@ -289,6 +340,63 @@ def checkpoint(path: str, directory: str) -> None:
     np.savez(path, **results)
 
 
+def placed_build(path: str, directory: str) -> None:
+    """The tiny NVFP4 model built tensor by tensor straight onto fsdp=2 x tensor=4 and data=8
+    (random_quantized_model and, from an HF checkpoint of it, load_quantized_hf_model, with
+    place_parameter): every leaf on the sharding Placement gives the built model, with the
+    values of the same build on one device; and the fused-attention inputs placed by
+    constrain_attention_inputs give the unconstrained output."""
+    from qerl_jax.model_quant.quantize import load_quantized_hf_model
+    from qerl_jax.model_quant.random_model import random_quantized_model
+    from qerl_jax.models.hf_io import save_hf_model
+    from qerl_jax.models.transformer import _attend_fused
+    from qerl_jax.parallel.mesh import place_parameter
+
+    architecture = preset("tiny_qwen2", param_dtype="float32", compute_dtype="float32",
+                          vocab_size=104, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64, tie_word_embeddings=False)
+    save_hf_model(init_model(architecture, seed=0), directory)
+    builds = {
+        "random": lambda place: random_quantized_model(architecture, "nvfp4", seed=0,
+                                                       place=place),
+        "hf": lambda place: load_quantized_hf_model(directory, "nvfp4",
+                                                    compute_dtype="float32", place=place)[0],
+    }
+    results = {}
+    for mesh_name in ("fsdp=2,tensor=4", "data=8"):
+        mesh = make_mesh(parse_mesh(mesh_name), jax.devices())
+        for build_name, build in builds.items():
+            single = nnx.state(build(None))
+            placed = nnx.state(build(lambda path, value: place_parameter(path, value, mesh)))
+            expected = Placement(mesh).shardings(placed)
+            leaves = jax.tree_util.tree_leaves(placed)
+            tag = f"{mesh_name}/{build_name}"
+            results[f"{tag}/shardings"] = np.asarray(all(
+                leaf.sharding.is_equivalent_to(sharding, leaf.ndim) for leaf, sharding in zip(
+                    leaves, jax.tree_util.tree_leaves(expected), strict=True)))
+            results[f"{tag}/values"] = np.asarray(all(
+                np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+                    leaves, jax.tree_util.tree_leaves(single), strict=True)))
+            results[f"{tag}/split"] = np.asarray(any(
+                not leaf.sharding.is_fully_replicated for leaf in leaves))
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.normal(size=(8, 16, 2, 2, 32)), jnp.float32)
+    keys, values = (jnp.asarray(rng.normal(size=(8, 16, 2, 32)), jnp.float32) for _ in range(2))
+    mask = jnp.tril(jnp.ones((16, 16), jnp.bool_))[None].repeat(8, 0)
+    attend = functools.partial(_attend_fused, scale=0.2, compute_dtype=jnp.float32,
+                               implementation="xla")
+    reference = np.asarray(jax.jit(lambda q, k, v: attend(q, mask, keys=k, values=v))(
+        q, keys, values))
+    for mesh_name in ("fsdp=2,tensor=4", "data=2,fsdp=2,tensor=2"):
+        mesh = make_mesh(parse_mesh(mesh_name), jax.devices())
+        got = jax.jit(lambda q, k, v, mesh=mesh: attend(q, mask, keys=k, values=v, mesh=mesh))(
+            q, keys, values)
+        results[f"attention/{mesh_name}"] = np.asarray(np.max(np.abs(np.asarray(got)
+                                                                      - reference)))
+    np.savez(path, **results)
+
+
 def trainer_config(mesh: str):
     """tests/test_trainer.py's tiny run (3 steps) on `mesh` ('' = one device)."""
     from tests.conftest import small_trainer_config
@@ -328,9 +436,14 @@ if __name__ == "__main__":
     if part == "kernels" and not _interpret():   # the meshes that fit the GPUs there are
         kernels(out)
         sys.exit(0)
+    if part == "cudnn":
+        cudnn(out)
+        sys.exit(0)
     assert jax.device_count() == 8, jax.devices()
     if part == "equality":
         equality(out, rest)
+    elif part == "placed":
+        placed_build(out, rest[0])
     elif part == "kernels":
         kernels(out)
     else:

@@ -155,6 +155,48 @@ def test_pallas_kernels_run_per_device_on_a_mesh(tmp_path):
                    f"per device on mesh {shape})" for line in log), mesh
 
 
+def test_a_model_is_built_straight_onto_its_shards(tmp_path):
+    """random_quantized_model and load_quantized_hf_model with place_parameter (what
+    build_model does on a mesh of several devices) put every tensor on the sharding the
+    trainer's Placement gives it, with the values of the one-device build, on fsdp=2 x tensor=4
+    (4-bit weights split) and data=8 (replicated). The fused attention's inputs, placed as
+    cuDNN's partitioner requires (constrain_attention_inputs), give the unplaced output (XLA's
+    implementation of the same call; float32 sums reordered: within 1e-6)."""
+    out = str(tmp_path / "placed.npz")
+    _run_worker("placed", out, str(tmp_path / "hf"))
+    results = np.load(out)
+    for mesh in ("fsdp=2,tensor=4", "data=8"):
+        for build in ("random", "hf"):
+            assert results[f"{mesh}/{build}/shardings"], (mesh, build)
+            assert results[f"{mesh}/{build}/values"], (mesh, build)
+    assert results["fsdp=2,tensor=4/random/split"] and results["fsdp=2,tensor=4/hf/split"]
+    assert not results["data=8/random/split"]
+    for mesh in ("fsdp=2,tensor=4", "data=2,fsdp=2,tensor=2"):
+        assert results[f"attention/{mesh}"] <= 1e-6, (mesh, results[f"attention/{mesh}"])
+
+
+def test_attention_inputs_get_one_spec_that_cudnn_accepts():
+    """q's heads (4) split over tensor=2 only where the kv heads (2) split the same way; rows
+    over data x fsdp; sequence and head dims whole; the bias's rows as q's."""
+    from jax.sharding import Mesh
+
+    from qerl_jax.parallel.mesh import constrain_attention_inputs
+
+    devices = np.asarray(jax.devices()[:1]).reshape(1, 1, 1)
+    mesh = Mesh(devices, ("data", "fsdp", "tensor"))
+    q = jnp.zeros((2, 4, 4, 8))
+    assert constrain_attention_inputs(q, q[:, :, :2], q[:, :, :2], q[:, :1], None)[0] is q
+    # one device: every axis has size 1, so nothing is split (and nothing raises)
+    out = jax.jit(lambda *a: constrain_attention_inputs(*a, mesh))(q, q[:, :, :2], q[:, :, :2],
+                                                                    q[:, :1])
+    assert [o.shape for o in out] == [(2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8), (2, 1, 4, 8)]
+    sizes = {"data": 2, "fsdp": 2, "tensor": 2}
+    assert logical_spec(("batch", None, "heads", None), [(8, 16, 4, 32), (8, 16, 2, 32)],
+                        sizes) == P(("data", "fsdp"), None, "tensor")
+    assert logical_spec(("batch", None, "heads", None), [(8, 16, 4, 32), (8, 16, 1, 32)],
+                        sizes) == P(("data", "fsdp"))
+
+
 def test_a_checkpoint_saved_on_one_mesh_restores_on_another(tmp_path):
     """Train state (LoRA, norms, AdamW moments) saved on fsdp=2 x tensor=4 restores exactly onto
     data=8, fsdp=8 and one device, and one saved on one device restores onto fsdp=2 x tensor=4;
