@@ -141,7 +141,8 @@ def worker_main(args) -> None:
     from qerl_jax import trainer as trainer_module
     from qerl_jax.models.char_tokenizer import build_char_tokenizer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        force=True)   # JAX may have configured the root logger already
     size, format_name = args.size, args.format
     row = {"size": size, "preset": common.preset_name(size), "format": format_name,
            "aqn": format_name in AQN_FORMATS, "group": args.group,
