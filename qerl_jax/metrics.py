@@ -131,9 +131,18 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def git_revision() -> str:
+    """HEAD's commit, with "-dirty" when tracked files differ from it (the code that ran is
+    then not that commit's), or "unknown" outside a git checkout."""
+    directory = os.path.dirname(__file__)
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or "unknown"
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=directory, timeout=10).stdout.strip()
+        if not head:
+            return "unknown"
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, cwd=directory,
+                                 timeout=30).stdout.strip()
+        return head + ("-dirty" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
