@@ -306,13 +306,34 @@ def decode_read_bytes(states, architecture, batch: int, prompt: int,
             continue
         unique[id(leaf)] = leaf
     weights = sum(leaf.size * leaf.dtype.itemsize for leaf in unique.values())
+    kv = kv_bytes_per_token(architecture, kv_cache_dtype) * batch * (prompt + new_tokens / 2)
+    return int(weights), int(kv)
+
+
+def kv_bytes_per_token(architecture, kv_cache_dtype: str = "auto") -> float:
+    """Bytes of K and V, all layers, one token of one sequence (an 8-bit cache: 1 byte per
+    value plus a float32 scale per token and kv head)."""
+    import numpy as np
+
     head_dim = architecture.head_dim or architecture.hidden_size // architecture.num_attention_heads
     itemsize = np.dtype(architecture.jnp_compute_dtype).itemsize
     if kv_cache_dtype in ("int8", "float8_e4m3fn"):
         itemsize = 1 + 4 / head_dim
-    kv = (2 * architecture.num_hidden_layers * architecture.num_key_value_heads * head_dim
-          * itemsize * batch * (prompt + new_tokens / 2))
-    return int(weights), int(kv)
+    return 2 * architecture.num_hidden_layers * architecture.num_key_value_heads * head_dim * itemsize
+
+
+def kv_read_bytes_for_lengths(architecture, prompt: int, lengths, kv_cache_dtype: str = "auto"
+                              ) -> tuple[int, int]:
+    """(decode steps, KV bytes read over all of them) of a generation whose row r ends after
+    lengths[r] tokens: the loop runs max(lengths) steps, and a row's step t (0-based) reads its
+    prompt + t cached tokens while it is still generating (a finished row needs no KV read)."""
+    import numpy as np
+
+    lengths = np.asarray(lengths, np.int64)
+    # sum over rows of sum_{t < L} (prompt + t) = L * prompt + L (L - 1) / 2
+    tokens_read = int(np.sum(lengths * prompt + lengths * (lengths - 1) // 2))
+    return int(lengths.max()), int(kv_bytes_per_token(architecture, kv_cache_dtype)
+                                   * tokens_read)
 
 
 def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:

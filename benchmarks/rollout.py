@@ -17,6 +17,14 @@ recorded). OOM or any error in one case is recorded in the table without losing 
     python benchmarks/rollout.py --sizes 7b --out $OUT            # the full 7B table
     python benchmarks/rollout.py --sizes 32b --formats bf16,nvfp4,nf4 --batches 8 --out $OUT
     python benchmarks/rollout.py --smoke --out /tmp/rollout_smoke # CPU, tiny model, seconds
+
+The GRPO-sized case with EOS on: 64 prompts x 8 generations, up to 1024 new tokens, each row
+stopping after a completion length drawn from a real model's measured distribution
+(benchmarks/completion_lengths.py):
+
+    python benchmarks/rollout.py --sizes 7b --formats bf16,nvfp4 --batches 512 \
+        --new-tokens 1024 --lengths benchmarks/results/completion_lengths_smollm2/lengths.json \
+        --out $OUT
 """
 
 from __future__ import annotations
@@ -83,6 +91,12 @@ def parse_args(argv=None):
                         choices=("auto", "int8", "float8_e4m3fn"),
                         help="the rollouts' KV cache (SamplingConfig.kv_cache_dtype): 'auto' = "
                              "the compute dtype, 'int8' / 'float8_e4m3fn' = 8-bit codes + scales")
+    parser.add_argument("--lengths", default="",
+                        help="JSON of measured completion lengths (benchmarks/completion_lengths.py's "
+                             "lengths.json, or a plain list): each row of a case stops after a "
+                             "length drawn from it (seeded, clipped to --new-tokens), as with "
+                             "EOS on; tok/s counts the tokens generated, the roofline the KV "
+                             "reads of the rows still generating")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
     common.add_worker_arguments(parser, "rollout")
@@ -92,7 +106,35 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
+    args.length_values = None
+    if args.lengths:
+        try:
+            args.length_values = read_lengths(args.lengths)
+        except (OSError, ValueError) as error:
+            parser.error(f"--lengths {args.lengths}: {error}")
     return args
+
+
+def read_lengths(path: str) -> list[int]:
+    """The completion lengths of a lengths.json ({"lengths": [...]}) or a JSON list."""
+    import json
+
+    with open(path) as handle:
+        data = json.load(handle)
+    values = data.get("lengths") if isinstance(data, dict) else data
+    if not isinstance(values, list) or not values or not all(
+            isinstance(value, int) and value >= 1 for value in values):
+        raise ValueError("expected a non-empty list of integers >= 1 (or {\"lengths\": [...]})")
+    return values
+
+
+def draw_lengths(values: list[int], batch: int, new_tokens: int, seed: int):
+    """One stop length per row: drawn with replacement from `values` (seeded by seed and
+    batch), clipped to [1, new_tokens]."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, batch])
+    return np.clip(rng.choice(np.asarray(values), size=batch), 1, new_tokens).astype(np.int32)
 
 
 # ============================================================================== worker
@@ -175,6 +217,11 @@ def worker_main(args) -> None:
                                         architecture.vocab_size, jnp.int32)
             mask = jnp.ones((batch, args.prompt), jnp.bool_)
             run_key = jax.random.fold_in(key, 10_000 + batch)
+            stop = budgets = None
+            if args.length_values is not None:
+                stop = draw_lengths(args.length_values, batch, args.new_tokens, args.seed)
+                budgets = jnp.asarray(stop)
+                row["mean_length"] = float(stop.mean())
             begin = time.perf_counter()
             # The same program generate_from_states runs (prompt already at its bucket length),
             # compiled ahead of time so compilation is timed apart from generation.
@@ -183,7 +230,7 @@ def worker_main(args) -> None:
                 row["compilation_cache"] = f"warm ({entries} files)" if entries else "cold"
                 enable_compilation_cache(args.compilation_cache)
             compiled = sampling._generate_program.lower(
-                graphdef, states, tokens, mask, run_key, config=config,
+                graphdef, states, tokens, mask, run_key, budgets, config=config,
                 cache_length=args.prompt + args.new_tokens).compile()
             row["compile_s"] = time.perf_counter() - begin
             try:
@@ -196,7 +243,7 @@ def worker_main(args) -> None:
                 repeat_key = (run_key if repeat == 0 or args.same_key
                               else jax.random.fold_in(run_key, repeat))
                 begin = time.perf_counter()
-                rollout = compiled(states, tokens, mask, repeat_key)
+                rollout = compiled(states, tokens, mask, repeat_key, budgets)
                 generated = int(jax.device_get(rollout.lengths).sum())  # waits for the program
                 runs.append((time.perf_counter() - begin, generated))
                 # A fingerprint of each run's tokens (same seed, same program numbers: the same
@@ -207,7 +254,8 @@ def worker_main(args) -> None:
                 row["tokens_crc32_runs"] = " / ".join(str(crc) for crc in crcs)
             row["run_s"], generated = runs[0]
             row["generated_tokens"] = generated
-            row["expected_tokens"] = batch * args.new_tokens
+            expected = batch * args.new_tokens if stop is None else int(stop.sum())
+            row["expected_tokens"] = expected
             row["tokens_per_s"] = generated / row["run_s"]
             row["repeats"] = args.repeats
             if args.repeats > 1:
@@ -215,14 +263,21 @@ def worker_main(args) -> None:
                 row["tokens_per_s_runs"] = " / ".join(f"{rate:.0f}" for rate in rates)
                 row["tokens_per_s_median"] = statistics.median(rates)
                 generated = min(count for _, count in runs)  # the status below covers all runs
-            row["ms_per_token_step"] = 1e3 * row["run_s"] / args.new_tokens
             weight_bytes, kv_bytes = common.decode_read_bytes(states, architecture, batch,
                                                               args.prompt, args.new_tokens,
                                                               args.kv_cache_dtype)
+            steps = args.new_tokens
+            if stop is not None:   # the loop runs to the longest row; finished rows read no KV
+                steps, kv_total = common.kv_read_bytes_for_lengths(
+                    architecture, args.prompt, stop, args.kv_cache_dtype)
+                kv_bytes = kv_total / steps
+            row["decode_steps"] = steps
+            row["tokens_per_step"] = expected / steps
+            row["ms_per_token_step"] = 1e3 * row["run_s"] / steps
             row["kv_cache"] = args.kv_cache_dtype
             row["decode_read_GB"] = (weight_bytes + kv_bytes) / 1e9
-            row["status"] = ("ok" if generated == batch * args.new_tokens
-                             else f"ok, but {generated} != {batch}x{args.new_tokens} tokens")
+            row["status"] = ("ok" if generated == expected
+                             else f"ok, but {generated} != {expected} tokens")
             previous = row
         except Exception as error:
             row["status"] = common.describe_error(error)
@@ -251,13 +306,15 @@ def _with_roofline(records: list[dict]) -> list[dict]:
     for row in rows:
         if bandwidth and row.get("decode_read_GB") and row.get("tokens_per_s"):
             row["read_GB_per_s"] = bandwidth
-            row["roofline_tokens_per_s"] = bandwidth / row["decode_read_GB"] * row["batch"]
+            row["roofline_tokens_per_s"] = (bandwidth / row["decode_read_GB"]
+                                            * row.get("tokens_per_step", row["batch"]))
             row["roofline_fraction"] = _rate(row) / row["roofline_tokens_per_s"]
     return rows
 
 
 # ============================================================================== parent
-COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"), ("status", "status"),
+COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"),
+           ("mean_length", "mean completion (--lengths)"), ("status", "status"),
            ("compile_s", "compile s"), ("run_s", "run s"),
            ("generated_tokens", "generated tokens"), ("tokens_per_s", "tok/s"),
            ("tokens_per_s_median", "tok/s median"), ("tokens_per_s_runs", "tok/s runs"),
@@ -354,6 +411,7 @@ def parent_main(args) -> None:
                        *(["--compilation-cache", args.compilation_cache]
                          if args.compilation_cache else []),
                        "--kv-cache-dtype", args.kv_cache_dtype,
+                       *(["--lengths", os.path.abspath(args.lengths)] if args.lengths else []),
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)
             if args.tile_k:

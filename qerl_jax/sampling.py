@@ -161,7 +161,7 @@ def _repeat_rows(tree, times: int):
 
 # ------------------------------------------------------------------------------ the program
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "cache_length", "mesh"))
-def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
+def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key, stop_lengths=None, *,
                       config: SamplingConfig, cache_length: int, mesh=None):
     model = nnx.merge(graphdef, *states)
     cast_adapters_for_compute(model)  # once here, not at every decode step
@@ -199,6 +199,8 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
         logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, step))
         active = ~done
         done = done | jnp.isin(token, eos)
+        if stop_lengths is not None:   # a row's budget: it ends after stop_lengths[row] tokens
+            done = done | (step + 1 >= stop_lengths)
         logits, cache = decode_step(model, token, cache, active=active)
         return (step + 1, *constrain_rows((tokens, logprobs, done, logits), mesh),
                 _constrain_cache(cache, mesh))
@@ -210,6 +212,8 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key,
     # a row's length: tokens up to and including its first EOS, else all `step` tokens
     is_eos = jnp.isin(tokens, eos) & (jnp.arange(steps)[None, :] < step)
     first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, step)
+    if stop_lengths is not None:   # a row without EOS ends at its budget
+        first_eos = jnp.minimum(first_eos, jnp.maximum(stop_lengths, 1))
     lengths = first_eos.astype(jnp.int32)
     mask = jnp.arange(steps)[None, :] < lengths[:, None]
     truncated = ~is_eos.any(axis=1)
@@ -264,7 +268,8 @@ def _prompt_sharding(shape, mesh):
 
 
 def compile_generate(graphdef, abstract_states: tuple, prompt_shape: tuple[int, int],
-                     key, config: SamplingConfig, mesh=None) -> jax.stages.Compiled:
+                     key, config: SamplingConfig, mesh=None,
+                     stop_lengths: bool = False) -> jax.stages.Compiled:
     """Compiles the sampler program ahead of time from shapes only.
 
     Args:
@@ -275,6 +280,8 @@ def compile_generate(graphdef, abstract_states: tuple, prompt_shape: tuple[int, 
       key: the PRNG key the program will get, or its jax.ShapeDtypeStruct.
       mesh: the device mesh the states are placed on (their abstract values then carry their
         shardings), or None.
+      stop_lengths: compile for generate_from_states' per-row stop_lengths (an int32 [P * G]
+        input) instead of none.
     Returns the executable for generate_from_states(..., compiled=); it raises TypeError when
     called with other shapes or dtypes (no silent recompilation).
     """
@@ -286,14 +293,20 @@ def compile_generate(graphdef, abstract_states: tuple, prompt_shape: tuple[int, 
     tokens = jax.ShapeDtypeStruct((count, length), jnp.int32, sharding=rows)
     mask = jax.ShapeDtypeStruct((count, length), jnp.bool_, sharding=rows)
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_replicated(mesh))
-    return _generate_program.lower(graphdef, tuple(abstract_states), tokens, mask, key,
+    budgets = None
+    if stop_lengths:
+        budgets = jax.ShapeDtypeStruct((count * config.num_generations,), jnp.int32,
+                                       sharding=_prompt_sharding(
+                                           (count * config.num_generations,), mesh))
+    return _generate_program.lower(graphdef, tuple(abstract_states), tokens, mask, key, budgets,
                                    config=config, cache_length=length + config.max_new_tokens,
                                    mesh=mesh).compile()
 
 
 def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, key: jax.Array,
                          config: SamplingConfig,
-                         compiled: jax.stages.Compiled | None = None, mesh=None) -> Rollout:
+                         compiled: jax.stages.Compiled | None = None, mesh=None,
+                         stop_lengths=None) -> Rollout:
     """Samples config.num_generations completions for each left-padded prompt.
 
     Args:
@@ -307,17 +320,32 @@ def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, ke
       mesh: the device mesh the states are placed on (qerl_jax.parallel.mesh): the prompts'
         rows are split over its batch axes (with several processes, every process passes the
         same prompts and key); None: one device.
+      stop_lengths: optional [P * G] int budgets >= 1: row r ends after stop_lengths[r] tokens
+        unless EOS ends it first (then truncated, as at max_new_tokens). Benchmarks replay a
+        measured completion-length distribution on random-weight models this way.
     Returns:
       Rollout with B = P * G rows, row p*G + g = generation g of prompt p.
     """
     prompt_tokens, prompt_mask = pad_prompts(prompt_tokens, prompt_mask, config)
+    if stop_lengths is not None:
+        stop_lengths = np.asarray(stop_lengths)
+        count = prompt_tokens.shape[0] * config.num_generations
+        if stop_lengths.shape != (count,) or not np.issubdtype(stop_lengths.dtype, np.integer) \
+                or stop_lengths.min() < 1:
+            raise ValueError(f"stop_lengths: expected {count} integers >= 1 (P * G rows), got "
+                             f"{stop_lengths.dtype}{list(stop_lengths.shape)}")
+        stop_lengths = stop_lengths.astype(np.int32)
     if mesh is not None:
         rows = _prompt_sharding(prompt_tokens.shape, mesh)
         prompt_tokens, prompt_mask = (put_global(prompt_tokens, rows),
                                       put_global(prompt_mask, rows))
         key = put_global(key, _replicated(mesh))
-    if compiled is not None:
-        return compiled(tuple(states), prompt_tokens, prompt_mask, key)
+        if stop_lengths is not None:
+            stop_lengths = put_global(stop_lengths,
+                                      _prompt_sharding(stop_lengths.shape, mesh))
+    if compiled is not None:   # compiled with or without budgets; a mismatch is a TypeError
+        return compiled(tuple(states), prompt_tokens, prompt_mask, key, stop_lengths)
     total = prompt_tokens.shape[1] + config.max_new_tokens
     return _generate_program(graphdef, tuple(states), prompt_tokens, prompt_mask, key,
+                             None if stop_lengths is None else jnp.asarray(stop_lengths),
                              config=config, cache_length=total, mesh=mesh)

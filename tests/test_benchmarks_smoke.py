@@ -247,3 +247,43 @@ def test_decode_read_bytes_counts_each_weight_once_and_the_mean_kv_cache():
         head_dim = architecture.resolved_head_dim
         assert kv == int(2 * architecture.num_hidden_layers * architecture.num_key_value_heads
                          * head_dim * 2 * 3 * (16 + 4))
+
+
+def test_kv_reads_of_rows_that_stop_at_their_lengths():
+    """The --lengths roofline: the loop runs to the longest row, and a row reads prompt + t
+    cached tokens at its step t only while it generates (a loop over the steps as the
+    reference)."""
+    from qerl_jax.models.config import preset
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import _common as common
+
+    architecture = preset("tiny_qwen2", param_dtype="bfloat16", compute_dtype="bfloat16")
+    lengths = [1, 7, 3, 12]
+    steps, total = common.kv_read_bytes_for_lengths(architecture, 16, lengths)
+    per_token = common.kv_bytes_per_token(architecture)
+    reference = sum(per_token * (16 + t) for length in lengths for t in range(length))
+    assert steps == 12 and total == int(reference)
+    weights, kv = common.decode_read_bytes({}, architecture, batch=4, prompt=16, new_tokens=12)
+    assert kv == int(per_token * 4 * (16 + 6))   # every row to the end: the mean context
+
+
+def test_rollout_replays_measured_lengths(tmp_path):
+    """rollout.py --lengths: every row stops after its drawn length, so the case generates
+    exactly their sum (EOS off otherwise) and reports their mean; a bad file is one line."""
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps({"lengths": [2, 5, 8, 30]}))
+    out = tmp_path / "rollout"
+    text = _finish(_start("rollout.py", out, "--formats", "bf16", "--batches", "4",
+                          "--lengths", str(lengths)))
+    with open(out / "rollout_tiny.json") as handle:
+        (row,) = json.load(handle)["rows"]
+    assert row["status"] == "ok", (row, text[-3000:])
+    assert row["generated_tokens"] == row["expected_tokens"] < 4 * 8
+    assert row["decode_steps"] <= 8 and 2 <= row["mean_length"] <= 8
+    lengths.write_text("[0, 3]")
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rollout.py"),
+                          "--smoke", "--lengths", str(lengths), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith(f"rollout.py: error: --lengths {lengths}:")

@@ -225,3 +225,47 @@ def test_ahead_of_time_program_from_shapes_equals_the_jitted_one(tiny):
     with pytest.raises(ValueError, match="not a bucket"):
         compile_generate(graphdef, (state,), (2, 6), key, config)
 
+
+
+def test_stop_lengths_end_rows_at_their_budgets(tiny):
+    """Per-row budgets (what benchmarks/rollout.py --lengths replays): a row ends after its
+    budget unless EOS comes first; the tokens before that are the unbudgeted run's (same key,
+    rows independent), the rest 0 and masked; ahead-of-time compiled, the same; a budget list
+    of the wrong length or below 1 is refused with one line."""
+    from flax import nnx
+
+    from qerl_jax.sampling import compile_generate, generate_from_states, padded_prompt_shape
+    _, ours = tiny
+    tokens, mask = _prompts(np.random.default_rng(6), [5, 3], 5)
+    config = SamplingConfig(max_new_tokens=12, num_generations=3, prompt_bucket=8,
+                            eos_token_ids=(7, 11))
+    graphdef, state = nnx.split(ours)
+    key = jax.random.key(9)
+    free = generate_from_states(graphdef, (state,), tokens, mask, key, config)
+    budgets = np.array([1, 3, 12, 6, 2, 9], np.int32)
+    capped = generate_from_states(graphdef, (state,), tokens, mask, key, config,
+                                  stop_lengths=budgets)
+    free_lengths = np.asarray(free.lengths)
+    lengths = np.asarray(capped.lengths)
+    np.testing.assert_array_equal(lengths, np.minimum(free_lengths, budgets))
+    for row in range(6):
+        length = lengths[row]
+        np.testing.assert_array_equal(np.asarray(capped.tokens[row, :length]),
+                                      np.asarray(free.tokens[row, :length]))
+        assert (np.asarray(capped.tokens[row, length:]) == 0).all()
+        assert np.asarray(capped.mask[row]).sum() == length
+        ended_by_eos = not bool(free.truncated[row]) and free_lengths[row] <= budgets[row]
+        assert bool(capped.truncated[row]) == (not ended_by_eos)
+    assert (lengths < free_lengths).any()   # some budget cut a row short
+    shape = padded_prompt_shape(tokens.shape, config)
+    compiled = compile_generate(graphdef, jax.eval_shape(lambda: (state,)), shape,
+                                jax.ShapeDtypeStruct(key.shape, key.dtype), config,
+                                stop_lengths=True)
+    ahead = generate_from_states(graphdef, (state,), tokens, mask, key, config,
+                                 compiled=compiled, stop_lengths=budgets)
+    np.testing.assert_array_equal(np.asarray(ahead.tokens), np.asarray(capped.tokens))
+    np.testing.assert_array_equal(np.asarray(ahead.lengths), lengths)
+    for bad in (budgets[:5], np.zeros(6, np.int32), budgets.astype(np.float32)):
+        with pytest.raises(ValueError, match=r"^stop_lengths: expected 6 integers >= 1"):
+            generate_from_states(graphdef, (state,), tokens, mask, key, config,
+                                 stop_lengths=bad)
