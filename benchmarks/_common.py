@@ -325,13 +325,15 @@ def kv_bytes_per_token(architecture, kv_cache_dtype: str = "auto") -> float:
 def kv_read_bytes_for_lengths(architecture, prompt: int, lengths, kv_cache_dtype: str = "auto"
                               ) -> tuple[int, int]:
     """(decode steps, KV bytes read over all of them) of a generation whose row r ends after
-    lengths[r] tokens: the loop runs max(lengths) steps, and a row's step t (0-based) reads its
-    prompt + t cached tokens while it is still generating (a finished row needs no KV read)."""
+    lengths[r] tokens: the loop runs max(lengths) steps, and at its step t (0-based) a row
+    still generating writes token t and attends over prompt + t + 1 cached tokens; a finished
+    row reads none (the Pallas decode-attention kernel skips it; XLA's attention reads every
+    slot of every row, so on that path this is a lower bound)."""
     import numpy as np
 
     lengths = np.asarray(lengths, np.int64)
-    # sum over rows of sum_{t < L} (prompt + t) = L * prompt + L (L - 1) / 2
-    tokens_read = int(np.sum(lengths * prompt + lengths * (lengths - 1) // 2))
+    # sum over rows of sum_{t < L} (prompt + t + 1) = L * prompt + L (L + 1) / 2
+    tokens_read = int(np.sum(lengths * prompt + lengths * (lengths + 1) // 2))
     return int(lengths.max()), int(kv_bytes_per_token(architecture, kv_cache_dtype)
                                    * tokens_read)
 

@@ -43,12 +43,12 @@ def parse_args(argv=None):
     return args
 
 
-def summarize(lengths: np.ndarray, limit: int) -> dict:
+def summarize(lengths: np.ndarray, truncated: np.ndarray) -> dict:
     """Mean, quantiles and the share that reached the limit without EOS."""
     quantiles = {f"p{q}": float(np.percentile(lengths, q)) for q in (10, 25, 50, 75, 90, 99)}
     return {"count": int(lengths.size), "mean": float(lengths.mean()),
             "min": int(lengths.min()), "max": int(lengths.max()), **quantiles,
-            "share_at_limit": float(np.mean(lengths >= limit))}
+            "share_at_limit": float(np.mean(truncated))}
 
 
 def measure(args) -> dict:
@@ -60,7 +60,7 @@ def measure(args) -> dict:
     path = args.gguf or smollm2_gguf_path()
     model = load_gguf_model(path, param_dtype="float32", compute_dtype="float32")
     tokenizer = load_gguf_tokenizer(path)
-    eos_ids = tuple(sorted({tokenizer.eos_token_id} | set(model.config.eos_token_id)))
+    eos_ids = tuple(sorted({tokenizer.eos_token_id} - {None} | set(model.config.eos_token_id)))
     examples = load_examples("gsm8k", args.data, split="test", limit=args.prompts)
     config = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0,
                             eos_token_ids=eos_ids, num_generations=args.group)
@@ -80,7 +80,7 @@ def measure(args) -> dict:
             "prompts": len(examples), "group": args.group, "new_tokens": args.new_tokens,
             "temperature": 1.0, "seed": args.seed, "eos_token_ids": list(eos_ids),
             "lengths": lengths, "truncated": truncated,
-            "summary": summarize(array, args.new_tokens), "wall_s": time.time() - begin}
+            "summary": summarize(array, np.asarray(truncated)), "wall_s": time.time() - begin}
 
 
 def table(result: dict) -> str:

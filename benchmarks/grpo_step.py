@@ -228,7 +228,6 @@ def worker_main(args) -> None:
             format_name, args.micro_batch * (args.prompt + args.completion), active)
     except Exception as error:
         row["peak_GiB"], _ = common.peak_memory_gib()
-        traceback.print_exc()
         emit("init " + common.describe_error(error))
         shutil.rmtree(workdir, ignore_errors=True)
         raise

@@ -96,7 +96,8 @@ def parse_args(argv=None):
                              "lengths.json, or a plain list): each row of a case stops after a "
                              "length drawn from it (seeded, clipped to --new-tokens), as with "
                              "EOS on; tok/s counts the tokens generated, the roofline the KV "
-                             "reads of the rows still generating")
+                             "reads of the rows still generating (as the Pallas decode "
+                             "attention reads them; XLA's attention reads every row)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
     common.add_worker_arguments(parser, "rollout")

@@ -33,8 +33,10 @@ def build_model(config: ml_collections.ConfigDict, workdir: str, *, mesh=None):
     from qerl_jax.warmup import cached_warmup_model
 
     model_cfg, fmt = config.model, config.quant.format
-    # on a mesh each tensor goes to its shards as soon as it is read or drawn: the whole model
-    # never sits on one device (a 72B NVFP4 model is 41 GiB)
+    # on a mesh each tensor of an HF checkpoint or of random weights goes to its shards as soon
+    # as it is read (and quantized) or drawn, so such a model never sits whole on one device (a
+    # 72B NVFP4 model is 41 GiB); GGUF files (quantized after loading) and the warm-up's tiny
+    # models are built on one device and placed by the trainer afterwards
     place = (functools.partial(place_on_mesh, mesh=mesh)
              if mesh is not None and mesh.size > 1 else None)
     if model_cfg.hf_path:

@@ -216,7 +216,7 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key, stop_le
         first_eos = jnp.minimum(first_eos, jnp.maximum(stop_lengths, 1))
     lengths = first_eos.astype(jnp.int32)
     mask = jnp.arange(steps)[None, :] < lengths[:, None]
-    truncated = ~is_eos.any(axis=1)
+    truncated = ~(is_eos & mask).any(axis=1)   # no EOS within the row's own tokens
     return Rollout(tokens=jnp.where(mask, tokens, 0), logprobs=jnp.where(mask, logprobs, 0.0),
                    mask=mask, lengths=lengths, truncated=truncated)
 
@@ -321,8 +321,9 @@ def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, ke
         rows are split over its batch axes (with several processes, every process passes the
         same prompts and key); None: one device.
       stop_lengths: optional [P * G] int budgets >= 1: row r ends after stop_lengths[r] tokens
-        unless EOS ends it first (then truncated, as at max_new_tokens). Benchmarks replay a
-        measured completion-length distribution on random-weight models this way.
+        unless EOS ends it first; a row ended by its budget is marked truncated, as at
+        max_new_tokens. Benchmarks replay a measured completion-length distribution on
+        random-weight models this way.
     Returns:
       Rollout with B = P * G rows, row p*G + g = generation g of prompt p.
     """

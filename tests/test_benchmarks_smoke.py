@@ -250,7 +250,7 @@ def test_decode_read_bytes_counts_each_weight_once_and_the_mean_kv_cache():
 
 
 def test_kv_reads_of_rows_that_stop_at_their_lengths():
-    """The --lengths roofline: the loop runs to the longest row, and a row reads prompt + t
+    """The --lengths roofline: the loop runs to the longest row, and a row reads prompt + t + 1
     cached tokens at its step t only while it generates (a loop over the steps as the
     reference)."""
     from qerl_jax.models.config import preset
@@ -262,7 +262,7 @@ def test_kv_reads_of_rows_that_stop_at_their_lengths():
     lengths = [1, 7, 3, 12]
     steps, total = common.kv_read_bytes_for_lengths(architecture, 16, lengths)
     per_token = common.kv_bytes_per_token(architecture)
-    reference = sum(per_token * (16 + t) for length in lengths for t in range(length))
+    reference = sum(per_token * (16 + t + 1) for length in lengths for t in range(length))
     assert steps == 12 and total == int(reference)
     weights, kv = common.decode_read_bytes({}, architecture, batch=4, prompt=16, new_tokens=12)
     assert kv == int(per_token * 4 * (16 + 6))   # every row to the end: the mean context

@@ -350,7 +350,7 @@ def placed_build(path: str, directory: str) -> None:
     from qerl_jax.model_quant.random_model import random_quantized_model
     from qerl_jax.models.hf_io import save_hf_model
     from qerl_jax.models.transformer import _attend_fused
-    from qerl_jax.parallel.mesh import place_parameter
+    from qerl_jax.parallel.mesh import constrain_attention_inputs, place_parameter
 
     architecture = preset("tiny_qwen2", param_dtype="float32", compute_dtype="float32",
                           vocab_size=104, hidden_size=128, intermediate_size=256,
@@ -394,6 +394,10 @@ def placed_build(path: str, directory: str) -> None:
             q, keys, values)
         results[f"attention/{mesh_name}"] = np.asarray(np.max(np.abs(np.asarray(got)
                                                                       - reference)))
+        placed = jax.jit(lambda *a, mesh=mesh: constrain_attention_inputs(*a, mesh))(
+            q.reshape(8, 16, 4, 32), keys, values, jnp.zeros((8, 1, 16, 16)))
+        results[f"attention_specs/{mesh_name}"] = np.asarray(
+            [str(tuple(array.sharding.spec)) for array in placed])
     np.savez(path, **results)
 
 

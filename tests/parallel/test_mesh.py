@@ -173,6 +173,12 @@ def test_a_model_is_built_straight_onto_its_shards(tmp_path):
     assert not results["data=8/random/split"]
     for mesh in ("fsdp=2,tensor=4", "data=2,fsdp=2,tensor=2"):
         assert results[f"attention/{mesh}"] <= 1e-6, (mesh, results[f"attention/{mesh}"])
+    # q, k, v one spec (4 q heads and 2 kv heads split over tensor=2; over tensor=4 the kv
+    # heads cannot be, so neither is); the bias's rows as q's
+    rows = "(('data', 'fsdp'),)"
+    assert list(results["attention_specs/data=2,fsdp=2,tensor=2"]) == [
+        "(('data', 'fsdp'), None, 'tensor')"] * 3 + [rows]
+    assert list(results["attention_specs/fsdp=2,tensor=4"]) == ["('fsdp',)"] * 4
 
 
 def test_attention_inputs_get_one_spec_that_cudnn_accepts():

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.gpu
 
 def test_pallas_kernels_run_per_device_on_gpus(tmp_path):
     """Every launch equals the same kernel on each GPU's rows bit for bit; the loss within
-    1e-5 relative and the gradients within 8e-3 of each leaf's largest magnitude, two
-    bfloat16 units in the last place (the CPU test's bounds are 1e-6 and 1e-3; XLA's GPU
-    dots in bfloat16 round differently at another row count: measured 4.8e-3 on 2 H100s,
-    one unit); greedy tokens equal one
+    1e-5 relative and the gradients within 8e-3 of each leaf's largest magnitude, one to two
+    bfloat16 units in the last place there (the CPU test's bounds are 1e-6 and 1e-3; XLA's
+    GPU dots in bfloat16 round differently at another row count: measured 4.8e-3 on 2
+    H100s); greedy tokens equal one
     GPU's except where a near tie flips: XLA's GPU dots (the LM head, the prefill) pick their
     algorithm by shape, so the same rows in a batch of 8 per device and of 16 on one device
     round differently in bfloat16 (measured on 2 H200s: one row of 16 went another way at its
@@ -62,8 +62,9 @@ def test_cudnn_training_attention_on_fsdp_and_data_meshes(tmp_path):
     """cuDNN's fused attention in the training step on fsdp=2 (weights and rows split) and
     data=2: it compiles (its partitioner accepts the inputs set_attention_mesh places) and the
     loss is within 1e-3 relative and the gradients within 3e-2 of each leaf's largest
-    magnitude of one GPU's, four bfloat16 units in the last place (bfloat16 compute: the fsdp
-    dots reduce partial sums in another order; measured 1.35e-2 on fsdp=2, 2 H100s)."""
+    magnitude of one GPU's, four to eight bfloat16 units in the last place there (bfloat16
+    compute: the fsdp dots reduce partial sums in another order; measured 1.35e-2 on fsdp=2,
+    2 H100s)."""
     if jax.device_count() < 2:
         pytest.skip(f"needs 2 GPUs (this machine has {jax.device_count()})")
     out = str(tmp_path / "cudnn.npz")
