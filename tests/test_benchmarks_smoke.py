@@ -287,3 +287,21 @@ def test_rollout_replays_measured_lengths(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith(f"rollout.py: error: --lengths {lengths}:")
+
+
+def test_completion_lengths_smoke(tmp_path):
+    """benchmarks/completion_lengths.py on the packaged SmolLM2-135M-Instruct: one GSM8K
+    question x G = 2 at 4 tokens gives 2 lengths in [1, 4] with their no-EOS flags, and the
+    summary counts them."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks",
+                                                          "completion_lengths.py"),
+                             "--prompts", "1", "--group", "2", "--new-tokens", "4", "--batch", "1",
+                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "lengths.json") as handle:
+        data = json.load(handle)
+    assert len(data["lengths"]) == len(data["truncated"]) == 2
+    assert all(1 <= length <= 4 for length in data["lengths"])
+    assert data["summary"]["count"] == 2
+    assert data["summary"]["share_at_limit"] == sum(data["truncated"]) / 2

@@ -132,14 +132,10 @@ def _path_names(path) -> list[str]:
     return names
 
 
-def logical_axes(path, ndim: int) -> tuple[str | None, ...]:
-    """The logical axes of a parameter-shaped array from its pytree path (a parameter, or the
+def _logical_axes(names: Sequence[str], ndim: int) -> tuple[str | None, ...]:
+    """The logical axes of a parameter-shaped array from its path's names (a parameter, or the
     optimizer moment / gradient of one): a projection's dense weight [in, out], bias [out],
     LoRA A [in, r] and B [r, out]; the embedding [vocab, embed]; anything else replicated."""
-    return _logical_axes(_path_names(path), ndim)
-
-
-def _logical_axes(names: Sequence[str], ndim: int) -> tuple[str | None, ...]:
     module = next((name for name in reversed(names) if name in PROJECTION_AXES), None)
     if module is not None:
         out_axis, in_axis = PROJECTION_AXES[module]
@@ -157,16 +153,11 @@ def _logical_axes(names: Sequence[str], ndim: int) -> tuple[str | None, ...]:
     return (None,) * ndim
 
 
-def quantized_weight_spec(path, weight: QuantizedWeight,
-                          axis_sizes: Mapping[str, int]) -> PartitionSpec:
+def _quantized_spec(names: Sequence[str], weight: QuantizedWeight,
+                    axis_sizes: Mapping[str, int]) -> PartitionSpec:
     """The one spec of a QuantizedWeight's 2-D arrays over its logical (N, K) = (out, in): a
     dimension is split only where codes and block scales (and any other 2-D array it holds,
     e.g. a kernel layout's) all divide by the mesh axes' size."""
-    return _quantized_spec(_path_names(path), weight, axis_sizes)
-
-
-def _quantized_spec(names: Sequence[str], weight: QuantizedWeight,
-                    axis_sizes: Mapping[str, int]) -> PartitionSpec:
     module = next((name for name in reversed(names) if name in PROJECTION_AXES), None)
     logical = PROJECTION_AXES[module] if module is not None else (None, None)
     shapes = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(weight)
