@@ -47,6 +47,7 @@ replicated.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -420,7 +421,8 @@ def parent_main(args) -> None:
             command += common.kernel_flags(args)
             print(f"[grpo_step] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
             log = os.path.join(raw_dir, f"{tag}.log")
-            code, wall = common.run_worker(command, log, left)
+            code, wall = common.run_worker(command, log, left,
+                                           devices=math.prod(args.mesh_shape.values()))
             got = common.read_jsonl(results)
             row = got[-1] if got else {"size": size, "format": format_name}
             if code is None:
