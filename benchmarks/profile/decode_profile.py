@@ -42,6 +42,11 @@ def parse_args(argv=None):
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--mosaic-nvfp4", default="auto", choices=("auto", "on", "off"),
                         help="config.quant.kernels.mosaic_nvfp4")
+    parser.add_argument("--mosaic-row-group", type=int, default=0, choices=(0, 1, 2, 4),
+                        help="config.quant.kernels.mosaic_row_group (0: the kernel's rule)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=("auto", "int8", "float8_e4m3fn"),
+                        help="the sampler's KV cache (SamplingConfig.kv_cache_dtype)")
     parser.add_argument("--no-gate-up-pairs", action="store_true",
                         help="keep each MLP's gate and up as separate weights (grouped launch "
                              "+ XLA SwiGLU), not one interleaved pair with the SwiGLU fused")
@@ -138,7 +143,8 @@ def profile_case(graphdef, states, architecture, args, cache_length: int, label:
     from qerl_jax import sampling
     config = sampling.SamplingConfig(max_new_tokens=args.steps, temperature=1.0,
                                      eos_token_ids=(), num_generations=1,
-                                     prompt_bucket=args.prompt)
+                                     prompt_bucket=args.prompt,
+                                     kv_cache_dtype=args.kv_cache_dtype)
     key = jax.random.key(args.seed + 3)
     tokens = jax.random.randint(key, (args.batch, args.prompt), 0, architecture.vocab_size,
                                 jnp.int32)
@@ -197,7 +203,8 @@ def main(argv=None):
     architecture, graphdef, states, info = common.build_sampling_model(
         common.preset_name(args.size), args.format, rank=args.rank, seed=args.seed,
         use_kernels=not args.no_kernels, decode_attention=not args.no_decode_attention,
-        tile_k=args.tile_k, pair_mlp=not args.no_gate_up_pairs, mosaic_nvfp4=args.mosaic_nvfp4)
+        tile_k=args.tile_k, pair_mlp=not args.no_gate_up_pairs, mosaic_nvfp4=args.mosaic_nvfp4,
+        mosaic_row_group=args.mosaic_row_group)
     init_s = time.perf_counter() - started
     cases = [profile_case(graphdef, states, architecture, args,
                           args.prompt + args.cache_new_tokens, "full cache", args.out)]
@@ -209,7 +216,8 @@ def main(argv=None):
              **common.device_info()}]
     header = common.header_line(
         f"Decode-step profile: {args.size} {args.format}, batch {args.batch}, prompt "
-        f"{args.prompt}, {args.steps} decode steps traced, LoRA r{args.rank} unmerged, kernel "
+        f"{args.prompt}, {args.steps} decode steps traced, KV cache {args.kv_cache_dtype}, "
+        f"LoRA r{args.rank} unmerged, kernel "
         f"hook: {info.get('kernel_hook')}; init {init_s:.0f} s, peak {peak:.1f} GiB", rows)
     text = "\n\n".join([header] + [report(case, args) for case in cases])
     print(text, flush=True)
@@ -218,7 +226,9 @@ def main(argv=None):
         f"_mosaic-{args.mosaic_nvfp4}" if args.mosaic_nvfp4 != "auto" else "") + (
         "_no-pairs" if args.no_gate_up_pairs else "") + (
         "_no-decode-attention" if args.no_decode_attention else "") + (
-        f"_tile{args.tile_k}" if args.tile_k else "")
+        f"_tile{args.tile_k}" if args.tile_k else "") + (
+        f"_row-group-{args.mosaic_row_group}" if args.mosaic_row_group else "") + (
+        f"_kv-{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
     common.write_outputs(args.out, name, text, {"argv": sys.argv, "info": info,
                                                 "init_s": init_s, "peak_GiB": peak,
                                                 "cases": cases, "jax": jax.__version__})
