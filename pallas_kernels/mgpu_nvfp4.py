@@ -33,13 +33,6 @@ program's HLO showed). With LoRA, split 0 also adds its [64, r] tile of the LoRA
 products) times (x @ A)^T into acc (one more wgmma) before storing. The partials are summed by
 elementwise adds, which XLA fuses into the consumer of y (no kernel of its own).
 
-Row groups (`row_group` R in ROW_GROUPS; None: default_row_group): grid (row tiles / R,
-splits); program (g, s) streams the same K tiles of the R row tiles g R .. g R + R - 1 (R weight
-tiles and one x tile per pipeline step), decodes each weight tile and accumulates it into its
-own accumulator, so the R row tiles share each x tile's load; the LoRA product, the store and
-the SwiGLU epilogue then run per row tile (split 0 copies the group's R x 64 rows of the LoRA
-operand once). R = 1 is the schedule above. row_group_refusal bounds R by the shared memory.
-
 A stream-K schedule (every program in one wave, each an equal share of the (row tile, K tile)
 units) was correct on the H100 but no faster (docs/decisions.md; its code is at commit
 7d89713).
@@ -72,27 +65,24 @@ from jax import lax
 
 from pallas_kernels.mgpu_nvfp4_layout import (CODE_BYTES, L2Prefetch, LORA_RANKS, MAX_M,
                                               MAX_OPERAND_RANK, PAIR_ASM, PAIR_SLOTS,
-                                              ROW_GROUPS, SCALED_EXPONENT, SLOTS, SMEM_BUDGET,
-                                              TILE_K, TILE_LINES, TILE_ROWS, default_row_group,
-                                              default_splits, extra_prefetchable,
+                                              SCALED_EXPONENT, SLOTS, TILE_K, TILE_LINES,
+                                              TILE_ROWS, default_splits, extra_prefetchable,
                                               group_lora_operand, group_permuted,
-                                              kernel_layout_from_permuted, kernel_smem_bytes,
-                                              l2_prefetch_for, lora_operand, operand_rank_ok,
-                                              padded_rows, pair_lora_operand, permute_packed,
-                                              permute_tiles, permuted_dequantize_reference,
-                                              refusal, resolve_row_group, row_group_refusal,
-                                              source_bit, unpermute_shifts, unpermute_tiles)
+                                              kernel_layout_from_permuted, l2_prefetch_for,
+                                              lora_operand, operand_rank_ok, padded_rows,
+                                              pair_lora_operand, permute_packed, permute_tiles,
+                                              permuted_dequantize_reference, refusal, source_bit,
+                                              unpermute_shifts, unpermute_tiles)
 
 # The kernels and the layout's names, for the backends, the tests and the benchmarks.
 __all__ = [
     "CODE_BYTES", "L2Prefetch", "LORA_RANKS", "MAX_M", "MAX_OPERAND_RANK", "PAIR_ASM",
-    "PAIR_SLOTS", "ROW_GROUPS", "SCALED_EXPONENT", "SLOTS", "SMEM_BUDGET", "SwigluEpilogue",
-    "TILE_K", "TILE_LINES", "TILE_ROWS", "available", "default_row_group", "default_splits",
-    "extra_prefetchable", "group_lora_operand", "group_permuted", "kernel_layout_from_permuted",
-    "kernel_smem_bytes", "l2_prefetch_for", "lora_operand", "matmul_unscaled",
-    "mgpu_nvfp4_matmul", "mgpu_nvfp4_swiglu", "operand_rank_ok", "padded_rows",
-    "pair_lora_operand", "permute_packed", "permute_tiles", "permuted_dequantize_reference",
-    "refusal", "resolve_row_group", "row_group_refusal", "source_bit", "unpermute_shifts",
+    "PAIR_SLOTS", "SCALED_EXPONENT", "SLOTS", "SwigluEpilogue", "TILE_K", "TILE_LINES",
+    "TILE_ROWS", "available", "default_splits", "extra_prefetchable", "group_lora_operand",
+    "group_permuted", "kernel_layout_from_permuted", "l2_prefetch_for", "lora_operand",
+    "matmul_unscaled", "mgpu_nvfp4_matmul", "mgpu_nvfp4_swiglu", "operand_rank_ok",
+    "padded_rows", "pair_lora_operand", "permute_packed", "permute_tiles",
+    "permuted_dequantize_reference", "refusal", "source_bit", "unpermute_shifts",
     "unpermute_tiles",
 ]
 
@@ -176,15 +166,13 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
                       k: int, splits: int | None = None, lora_down: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
                       lora_bt: jax.Array | None = None, stages: int = 2,
-                      l2_prefetch: L2Prefetch | None = None,
-                      row_group: int | None = None) -> jax.Array:
+                      l2_prefetch: L2Prefetch | None = None) -> jax.Array:
     """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
     lora_down [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
     LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
-    splits: split-K programs per row group (default_splits); row_group: 64-row tiles per
-    program (ROW_GROUPS; None: default_row_group). GPU only (Mosaic GPU)."""
+    splits: split-K programs per row tile (default_splits). GPU only (Mosaic GPU)."""
     if lora_down is not None and lora_bt is None:
         if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
@@ -193,8 +181,7 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
                                n_pad=padded_rows(permuted, k))
     y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch,
-                        row_group=row_group)
+                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch)
     return y[:, :n] * (2.0 ** -SCALED_EXPONENT
                        / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
 
@@ -250,17 +237,12 @@ def _tile_product(tile_smem, x_smem, acc_ref) -> None:
     plgpu.wgmma_wait(0)
 
 
-def _lora_products(acc_refs, bt_smem, lx_smem, barrier) -> None:
-    """Inside a kernel: acc_refs[i] += the LoRA operand's rows [64 i, 64 i + 64) of bt_smem
-    [64 len(acc_refs), r] @ (x A)^T, once the operands' copies are in (one wait: each wait on
-    the barrier waits for its next phase)."""
-    from jax.experimental import pallas as pl
+def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
+    """Inside a kernel: acc += the LoRA operand's tile [64, r] @ (x A)^T, once its copy is in."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     plgpu.barrier_wait(barrier)
-    for i, acc_ref in enumerate(acc_refs):
-        bt = bt_smem if len(acc_refs) == 1 else bt_smem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)]
-        plgpu.wgmma(acc_ref, bt, plgpu.transpose_ref(lx_smem, (1, 0)))
-        plgpu.wgmma_wait(0)
+    plgpu.wgmma(acc_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
+    plgpu.wgmma_wait(0)
 
 
 def _store_partial(acc_ref, out_smem, dst) -> None:
@@ -336,17 +318,15 @@ def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst) -
         memref.store(total, part_dst, [row, col])
 
 
-def _launch(body, out_type, grid, grid_names, m_pad, rank, swiglu: bool = False,
-            row_group: int = 1):
+def _launch(body, out_type, grid, grid_names, m_pad, rank, swiglu: bool = False):
     """plgpu.kernel of a schedule's body: outputs `out_type`, shared memory for the transposed
-    store, (with a LoRA operand of width rank) the LoRA operands' tiles (x A [m_pad, rank], the
-    row group's [64 row_group, rank]) and their barrier, (swiglu) h [m_pad, 32]."""
+    store, (with a LoRA operand of width rank) the LoRA operands' tiles and their barrier,
+    (swiglu) h [m_pad, 32]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     scratch = [plgpu.SMEM((m_pad, TILE_ROWS), jnp.float32)]
     if rank is not None:
         scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
-                    plgpu.SMEM((row_group * TILE_ROWS, rank), jnp.bfloat16,
-                               transforms=_swizzled(rank)),
+                    plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
                     plgpu.Barrier(num_arrivals=2)]
     if swiglu:
         scratch.append(plgpu.SMEM((m_pad, TILE_ROWS // 2), jnp.bfloat16))
@@ -361,14 +341,13 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     splits: int | None = None, lora_down: jax.Array | None = None,
                     lora_bt: jax.Array | None = None, stages: int = 2,
                     l2_prefetch: L2Prefetch | None = None,
-                    swiglu: SwigluEpilogue | None = None, row_group: int | None = None):
+                    swiglu: SwigluEpilogue | None = None):
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
     (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
     permuted buffer past n are whatever it holds (zeros for permute_packed's padding). Grid
-    (row tiles / row_group, splits): the split-K schedule and row groups of the module
-    docstring (row_group: resolve_row_group's). l2_prefetch: another launch's first tiles,
-    prefetched into L2 by each program after its K loop.
+    (row tiles, splits): the split-K schedule of the module docstring. l2_prefetch: another
+    launch's first tiles, prefetched into L2 by each program after its K loop.
     swiglu (one split only): instead (h bf16 [M, N_pad / 2], the SwiGLU of a gate/up pair in
     blocks of 32 rows, and with swiglu.next_lora_a the float32 [row tiles, M, r] shares of
     h @ next_lora_a, or None) from the fused epilogue (_swiglu_epilogue)."""
@@ -389,14 +368,10 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    m_pad = -(-m // 8) * 8
-    row_group = resolve_row_group(row_group, m_pad=m_pad, row_tiles=row_tiles, stages=stages,
-                                  rank=lora_bt.shape[1] if with_lora else None,
-                                  swiglu=swiglu is not None)
-    if splits is None:
-        splits = default_splits(row_tiles, k_tiles, row_group=row_group)
+    splits = default_splits(row_tiles, k_tiles) if splits is None else splits
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
+    m_pad = -(-m // 8) * 8
     next_a = None if swiglu is None else swiglu.next_lora_a
     if swiglu is not None:
         if splits != 1:
@@ -430,7 +405,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     kernel = _split_k_kernel(
         m_pad=m_pad, k_tiles=k_tiles, row_tiles=row_tiles, splits=splits, stages=stages,
         rank=lora_bt.shape[1] if with_lora else None, plan=plan, swiglu=swiglu is not None,
-        next_rank=None if next_a is None else next_a.shape[1], row_group=row_group)
+        next_rank=None if next_a is None else next_a.shape[1])
     outputs = kernel(*inputs)
     if swiglu is not None:
         h = outputs[0][:m]
@@ -442,117 +417,93 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
 @functools.lru_cache(maxsize=None)
 def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, stages: int,
                     rank: int | None, plan: L2Prefetch | None, swiglu: bool,
-                    next_rank: int | None, row_group: int = 1):
+                    next_rank: int | None):
     """matmul_unscaled's kernel for one static configuration, as one jitted function (cached):
     every launch of it in a program (a model's layers) calls the same function, so JAX lowers
     the Mosaic GPU kernel once per program, not once per launch (32 launches lowered
     in 0.17 s instead of 4.5 s, on a CPU). rank: the LoRA operand's width (None: no LoRA); plan: the
     L2 prefetch's static part (buffer None, extra as a shape) or None; swiglu / next_rank: the
-    fused SwiGLU epilogue and its next-LoRA width; row_group: 64-row tiles per program."""
+    fused SwiGLU epilogue and its next-LoRA width."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     steps = -(-k_tiles // splits)
     uneven = k_tiles % splits != 0
     with_lora = rank is not None
     n_pad = row_tiles * TILE_ROWS
-    groups = row_tiles // row_group
 
     def body(x_gmem, packed_gmem, *refs):
-        # x_gmem [m_pad, K_pad] bf16; packed_gmem [row tiles * K tiles * 72, 128] uint8
         prefetch_gmem = extra_gmem = None
         if plan is not None:
             prefetch_gmem, *refs = refs
             if plan.extra is not None:
                 extra_gmem, *refs = refs
         if with_lora:
-            lora_x_gmem, lora_bt_gmem, *refs = refs  # [m_pad, rank], [n_pad, rank] bf16
+            lora_x_gmem, lora_bt_gmem, *refs = refs
         if swiglu:
-            gate_ts, up_ts, *refs = refs  # [1] float32 each
+            gate_ts, up_ts, *refs = refs
             next_a_gmem = None
             if next_rank is not None:
-                next_a_gmem, *refs = refs  # [n_pad / 2, next_rank] bf16
-            h_gmem, *refs = refs  # [m_pad, n_pad / 2] bf16
+                next_a_gmem, *refs = refs
+            h_gmem, *refs = refs
             share_gmem = None
             if next_rank is not None:
-                share_gmem, *refs = refs  # [row tiles, m_pad, next_rank] float32
+                share_gmem, *refs = refs
         else:
-            part_gmem, *refs = refs  # [splits, m_pad, n_pad] float32
-        out_smem, *refs = refs  # [m_pad, 64] float32
+            part_gmem, *refs = refs
+        out_smem, *refs = refs
         if with_lora:
-            lx_smem, bt_smem, barrier, *refs = refs  # [m_pad, rank], [64 row_group, rank]
+            lx_smem, bt_smem, barrier, *refs = refs
         if swiglu:
-            (h_smem,) = refs  # [m_pad, 32] bf16
-        g = lax.axis_index("tiles")  # the row group: row tiles g R .. g R + R - 1
+            (h_smem,) = refs
+        b = lax.axis_index("tiles")
         s = lax.axis_index("splits")
         first = s * k_tiles // splits
         last = (s + 1) * k_tiles // splits  # exclusive
-        group_rows = pl.ds(g * (row_group * TILE_ROWS), row_group * TILE_ROWS)
-        tiles = [g] if row_group == 1 else [g * row_group + r for r in range(row_group)]
+        rows = pl.ds(b * TILE_ROWS, TILE_ROWS)
         if with_lora:  # split 0's LoRA operands, in flight while the pipeline runs
             @pl.when(s == 0)
             def _():
                 plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
-                plgpu.copy_gmem_to_smem(lora_bt_gmem.at[group_rows], bt_smem, barrier)
+                plgpu.copy_gmem_to_smem(lora_bt_gmem.at[rows], bt_smem, barrier)
 
-        def tile_products(tile_smems, x_smem, acc_refs):
-            # wgmma_wait(0) in each: a decoded tile's registers stay live until its wgmma is done
-            for tile_smem, acc_ref in zip(tile_smems, acc_refs):
-                _tile_product(tile_smem, x_smem, acc_ref)
-
-        def step(indices, *refs):
-            *tile_smems, x_smem, carry = refs  # R x [72, 128] uint8, [m_pad, 256] bf16
-            acc_refs = (carry,) if row_group == 1 else carry
+        def step(indices, tile_smem, x_smem, acc_ref):
             if uneven:
                 pl.when(first + indices[0] < last)(
-                    lambda: tile_products(tile_smems, x_smem, acc_refs))
+                    lambda: _tile_product(tile_smem, x_smem, acc_ref))
             else:
-                tile_products(tile_smems, x_smem, acc_refs)
-            return carry
+                _tile_product(tile_smem, x_smem, acc_ref)
+            return acc_ref
 
-        def scope(*acc_refs):  # R x [64, m_pad] float32
-            weight_specs = [
-                plgpu.BlockSpec((TILE_LINES, 128),
-                                lambda j, t=t: (t * k_tiles + jnp.minimum(first + j, last - 1),
-                                                0))
-                for t in tiles]
+        def scope(acc_ref):
             plgpu.emit_pipeline(
                 step, grid=(steps,),
                 in_specs=[
-                    *weight_specs,
+                    plgpu.BlockSpec((TILE_LINES, 128),
+                                    lambda j: (b * k_tiles + jnp.minimum(first + j, last - 1),
+                                               0)),
                     plgpu.BlockSpec((m_pad, TILE_K),
                                     lambda j: (0, jnp.minimum(first + j, last - 1)),
                                     transforms=_swizzled(TILE_K))],
-                max_concurrent_steps=stages,
-                init_carry=acc_refs[0] if row_group == 1 else acc_refs,
-            )(*[packed_gmem] * row_group, x_gmem)
+                max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
             if plan is not None:
-                _issue_l2_prefetch(plan, prefetch_gmem, extra_gmem, g * splits + s,
-                                   groups * splits)
+                _issue_l2_prefetch(plan, prefetch_gmem, extra_gmem, b * splits + s,
+                                   row_tiles * splits)
             if with_lora:
-                pl.when(s == 0)(lambda: _lora_products(acc_refs, bt_smem, lx_smem, barrier))
-            for r, (tile, acc_ref) in enumerate(zip(tiles, acc_refs)):
-                rows = group_rows if row_group == 1 else pl.ds(tile * TILE_ROWS, TILE_ROWS)
-                if not swiglu:  # (its wait frees out_smem for the next row tile)
-                    _store_partial(acc_ref, out_smem, part_gmem.at[s, :, rows])
-                    continue
+                pl.when(s == 0)(lambda: _lora_product(acc_ref, bt_smem, lx_smem, barrier))
+            if not swiglu:
+                _store_partial(acc_ref, out_smem, part_gmem.at[s, :, rows])
+                return
+            plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+                lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
+            half = pl.ds(b * (TILE_ROWS // 2), TILE_ROWS // 2)
+            refs_in = [out_smem, h_smem, gate_ts, up_ts, h_gmem.at[:, half]]
+            if next_rank is not None:
+                refs_in += [next_a_gmem.at[half], share_gmem.at[b]]
+            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs_in))(
+                lambda ctx, *r: _swiglu_epilogue(*r[:5], *(r[5:] if len(r) > 5
+                                                             else (None, None))))(*refs_in)
 
-                def store(ctx, acc, out, after_previous=r > 0):
-                    if after_previous:  # every thread is done with out_smem and h_smem
-                        from jax.experimental.mosaic.gpu import utils
-                        utils.warpgroup_barrier()
-                    _store_transposed(acc, out)
-
-                plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(store)(
-                    acc_ref[...], out_smem)
-                half = pl.ds(tile * (TILE_ROWS // 2), TILE_ROWS // 2)
-                refs_in = [out_smem, h_smem, gate_ts, up_ts, h_gmem.at[:, half]]
-                if next_rank is not None:
-                    refs_in += [next_a_gmem.at[half], share_gmem.at[tile]]
-                plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs_in))(
-                    lambda ctx, *r: _swiglu_epilogue(*r[:5], *(r[5:] if len(r) > 5
-                                                                 else (None, None))))(*refs_in)
-
-        pl.run_scoped(scope, *[plgpu.ACC((TILE_ROWS, m_pad), jnp.float32)] * row_group)
+        pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
     if swiglu:
         out_type = [jax.ShapeDtypeStruct((m_pad, n_pad // 2), jnp.bfloat16)]
@@ -561,8 +512,8 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
         out_type = tuple(out_type)
     else:
         out_type = jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32)
-    return jax.jit(_launch(body, out_type, (groups, splits), ("tiles", "splits"), m_pad,
-                           rank, swiglu=swiglu, row_group=row_group))
+    return jax.jit(_launch(body, out_type, (row_tiles, splits), ("tiles", "splits"), m_pad,
+                           rank, swiglu=swiglu))
 
 
 def _padded_inputs(x, lora_down, m_pad, k_pad):
@@ -585,8 +536,7 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
                       up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
                       lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
                       next_lora_a: jax.Array | None = None, splits: int | None = None,
-                      l2_prefetch: L2Prefetch | None = None, fused: bool = True,
-                      row_group: int | None = None):
+                      l2_prefetch: L2Prefetch | None = None, fused: bool = True):
     """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
     half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
     each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue). lora_bt:
@@ -595,18 +545,14 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
     next_lora_a. With `fused` (and blocks of 32 rows, one split, r a multiple of 16) the
     kernel's epilogue computes the SwiGLU and each row tile's share of that product
     (SwigluEpilogue; XLA sums the shares); else the kernel gives the pair's product and XLA
-    the rest. row_group: 64-row tiles per program (None: default_row_group)."""
+    the rest."""
     m = x.shape[0]
     n_pad2 = padded_rows(permuted_pair, k)
     if n_pad2 % (2 * half_block) or out_n > n_pad2 // 2:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     row_tiles = n_pad2 // TILE_ROWS
-    group = resolve_row_group(row_group, m_pad=-(-m // 8) * 8, row_tiles=row_tiles,
-                              rank=None if lora_down is None or lora_bt is None
-                              else lora_bt.shape[1], swiglu=True)
-    resolved = (default_splits(row_tiles, -(-k // TILE_K), row_group=group) if splits is None
-                else splits)
+    resolved = default_splits(row_tiles, -(-k // TILE_K)) if splits is None else splits
     if (fused and half_block == TILE_ROWS // 2 and resolved == 1
             and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):
         next_a = next_lora_a  # matmul_unscaled takes it in bf16
@@ -614,12 +560,12 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
             next_a = jnp.pad(next_a, ((0, n_pad2 // 2 - next_a.shape[0]), (0, 0)))
         h, shares = matmul_unscaled(
             x, permuted_pair, n=n_pad2, k=k, splits=1, lora_down=lora_down, lora_bt=lora_bt,
-            l2_prefetch=l2_prefetch, row_group=group,
+            l2_prefetch=l2_prefetch,
             swiglu=SwigluEpilogue(gate_tensor_scale, up_tensor_scale, next_a))
         out = h[:, :out_n]
         return out if next_lora_a is None else (out, shares.sum(axis=0))
     y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, l2_prefetch=l2_prefetch, row_group=row_group)
+                        lora_bt=lora_bt, l2_prefetch=l2_prefetch)
     y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
     halves = []
     for half, ts in enumerate((gate_tensor_scale, up_tensor_scale)):

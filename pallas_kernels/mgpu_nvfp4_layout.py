@@ -1,7 +1,6 @@
 """The operands of the Mosaic GPU NVFP4 decode matmul (pallas_kernels/mgpu_nvfp4.py): its
 permuted weight layout (described there) and its inverse, the reference dequantization, the
-split count, the row groups and their shared-memory budget, the LoRA operands and the L2
-prefetch plans. Host-side and jnp only: no kernel.
+split count, the LoRA operands and the L2 prefetch plans. Host-side and jnp only: no kernel.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ MAX_M = 64
 LORA_RANKS = (16, 32, 64)  # one adapter's rank
 MAX_OPERAND_RANK = 192  # the LoRA operand's width: 3 x 64 (a grouped q|k|v launch)
 SLOTS = 528  # programs resident at once: 132 SMs x 4 (118-124 registers per thread)
-ROW_GROUPS = (1, 2, 4)  # 64-row tiles per program (matmul_unscaled's row_group)
-SMEM_BUDGET = 220 * 1024  # shared-memory bytes a program's buffers may take (227 KiB on sm_90)
 
 # (column half, row half) of pair k of a word: columns 16 i + 8 c + 2 (lane % 4) + {0, 1},
 # row r0 + 8 h.
@@ -173,78 +170,15 @@ def permuted_dequantize_reference(permuted: jax.Array, tensor_scale: jax.Array, 
 
 
 
-def default_splits(row_tiles: int, k_tiles: int, slots: int = SLOTS,
-                   row_group: int = 1) -> int:
+def default_splits(row_tiles: int, k_tiles: int, slots: int = SLOTS) -> int:
     """Split-K count: the fewest pipeline steps per program (ceil(k_tiles / splits)) with at
-    most `slots` programs (row groups x splits; 132 SMs x 4 programs of this kernel's 118-124
-    registers at row_group 1), and the fewest splits giving that many steps (fewer partials to
-    sum), at least 1. Row groups: row_tiles / row_group. Splits need not divide the K tiles: a
-    program with one tile fewer skips its last step (7B's down projection has 74 K tiles =
-    2 x 37, whose dividing counts are 1, 2, 37, 74)."""
-    most = max(1, min(k_tiles, slots // max(1, row_tiles // row_group)))
+    most `slots` programs (row tiles x splits; 132 SMs x 4 programs of this kernel's 118-124
+    registers), and the fewest splits giving that many steps (fewer partials to sum), at least
+    1. Splits need not divide the K tiles: a program with one tile fewer skips its last step
+    (7B's down projection has 74 K tiles = 2 x 37, whose dividing counts are 1, 2, 37, 74)."""
+    most = max(1, min(k_tiles, slots // row_tiles))
     steps = -(-k_tiles // most)
     return -(-k_tiles // steps)
-
-
-def default_row_group(m_pad: int, row_tiles: int) -> int:
-    """64-row tiles per program for x of m_pad rows (a multiple of 8), made a divisor of
-    row_tiles: 1 at every M (no grouped schedule is measured). The rule is the first line; a
-    threshold reads `group = 2 if m_pad >= 32 else 1`. resolve_row_group lowers it further
-    where shared memory is short."""
-    group = 1
-    while row_tiles % group:
-        group //= 2
-    return group
-
-
-def kernel_smem_bytes(m_pad: int, row_group: int, stages: int = 2, rank: int | None = None,
-                      swiglu: bool = False) -> int:
-    """Shared-memory bytes of matmul_unscaled's buffers: the pipeline's x tiles
-    (stages x [m_pad, 256] bf16) and weight tiles (row_group x stages x 9216 bytes), the
-    transposed output [m_pad, 64] float32, with a LoRA operand of width rank its x @ A
-    [m_pad, rank] and row_group x [64, rank] bf16, with the SwiGLU epilogue h [m_pad, 32] bf16
-    (an upper bound: the pipeline holds fewer stages when a program has fewer steps)."""
-    total = stages * m_pad * TILE_K * 2 + row_group * stages * TILE_LINES * 128
-    total += m_pad * TILE_ROWS * 4
-    if rank is not None:
-        total += (m_pad + row_group * TILE_ROWS) * rank * 2
-    if swiglu:
-        total += m_pad * (TILE_ROWS // 2) * 2
-    return total
-
-
-def row_group_refusal(row_group: int, *, m_pad: int, row_tiles: int, stages: int = 2,
-                      rank: int | None = None, swiglu: bool = False) -> str | None:
-    """Why matmul_unscaled cannot run programs of row_group row tiles here, or None: row_group
-    in ROW_GROUPS, dividing row_tiles, and the buffers (kernel_smem_bytes) within SMEM_BUDGET.
-    Registers per thread: row_group accumulators of m_pad / 2 (at most 4 x 32) and the decoded
-    tile's 64, within the 255 an sm_90 thread has (fewer programs per SM as they grow)."""
-    if row_group not in ROW_GROUPS:
-        return f"row_group={row_group} (one of {ROW_GROUPS})"
-    if row_tiles % row_group:
-        return f"row_group={row_group} does not divide the {row_tiles} row tiles"
-    smem = kernel_smem_bytes(m_pad, row_group, stages, rank, swiglu)
-    if smem > SMEM_BUDGET:
-        return (f"row_group={row_group} at M {m_pad}, {stages} stages, LoRA width {rank}: "
-                f"{smem} bytes of shared memory (budget {SMEM_BUDGET})")
-    return None
-
-
-def resolve_row_group(row_group: int | None, *, m_pad: int, row_tiles: int, stages: int = 2,
-                      rank: int | None = None, swiglu: bool = False) -> int:
-    """The row group of a launch: row_group if row_group_refusal says nothing against it (else
-    ValueError), or for None default_row_group, halved until shared memory suffices."""
-    args = {"m_pad": m_pad, "row_tiles": row_tiles, "stages": stages, "rank": rank,
-            "swiglu": swiglu}
-    if row_group is None:
-        group = default_row_group(m_pad, row_tiles)
-        while group > 1 and row_group_refusal(group, **args) is not None:
-            group //= 2
-        return group
-    reason = row_group_refusal(row_group, **args)
-    if reason is not None:
-        raise ValueError(f"mgpu_nvfp4_matmul: {reason}")
-    return row_group
 
 
 def operand_rank_ok(rank: int) -> bool:
@@ -314,9 +248,8 @@ class L2Prefetch(NamedTuple):
     (`cp.async.bulk.prefetch.tensor`, a hint: results do not change), so that launch's first
     loads hit L2 while the small XLA kernels between the two run.
 
-    buffer: that launch's permuted buffer; row_tiles, k_tiles, splits: its row tiles, K tiles
-    and splits (each row tile b's tiles of split s start at K tile s * k_tiles // splits,
-    whatever its row group); ahead: tiles prefetched from each of its
+    buffer: that launch's permuted buffer; row_tiles, k_tiles, splits: its grid (its programs
+    (b, s) start at K tile s * k_tiles // splits); ahead: tiles prefetched from each of its
     programs' first (1-3; at most its fewest steps, k_tiles // splits); contiguous_lines: if
     > 0, instead the buffer's first contiguous_lines lines (72 per tile) in boxes of 216.
     extra: another 2-D array to prefetch whole (the next launch's LoRA A, read by XLA's x @ A
@@ -331,16 +264,13 @@ class L2Prefetch(NamedTuple):
 
 
 def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, ahead: int = 2,
-                    contiguous_lines: int = 0, extra: jax.Array | None = None,
-                    row_group: int = 1) -> L2Prefetch:
+                    contiguous_lines: int = 0, extra: jax.Array | None = None) -> L2Prefetch:
     """The L2Prefetch plan of a launch of matmul_unscaled over `permuted` (a [N, k] weight's
-    buffer) with `splits` (when None, default_splits of its row_group), and `extra`
-    ([rows, cols], a row of a multiple of 16 bytes and at most 256 columns: a TMA box) if
-    given."""
+    buffer) with `splits` (default_splits when None), and `extra` ([rows, cols], a row of a
+    multiple of 16 bytes and at most 256 columns: a TMA box) if given."""
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
-    if splits is None:
-        splits = default_splits(row_tiles, k_tiles, row_group=row_group)
+    splits = default_splits(row_tiles, k_tiles) if splits is None else splits
     if not 1 <= ahead <= 3:
         raise ValueError(f"l2_prefetch_for: ahead={ahead} (1-3 tiles: a TMA box has at most "
                          f"256 lines)")

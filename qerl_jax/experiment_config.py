@@ -49,7 +49,6 @@ PARAM_DTYPES = ("bfloat16", "float32")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ON_OFF_AUTO = ("auto", "on", "off")                          # quant.kernel_options.MOSAIC_CHOICES
-MOSAIC_ROW_GROUPS = (0, 1, 2, 4)                             # quant.kernel_options.MOSAIC_ROW_GROUPS
 KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")          # sampling.KV_CACHE_DTYPES
 WEIGHT_AS_LHS = ("auto", "weights", "activations")           # quant.kernel_options.WEIGHT_AS_LHS
 KERNEL_DECODERS = ("fp8", "ptx_scaled", "ptx_paired_scales", "lut", "lut16", "select")                                 # FormatSpec.decoders
@@ -174,10 +173,6 @@ FIELDS: dict[str, Field] = {
     "quant.kernels.mosaic_prefetch_tiles": Field(1, "K tiles per program of the next Mosaic "
                                                  "decode launch each launch prefetches into L2 "
                                                  "(0 = no prefetch).", in_interval(0, 3)),
-    "quant.kernels.mosaic_row_group": Field(0, "64-row weight tiles per program of a Mosaic "
-                                            "decode launch, sharing each x tile (0 = the "
-                                            "kernel's rule; 1, 2 or 4 where the launch allows "
-                                            "it).", one_of(MOSAIC_ROW_GROUPS)),
     "quant.kernels.decode_attention": Field(True, "The Pallas decode-attention kernel for "
                                             "one-token decode steps."),
     "quant.kernels.decode_matmul.target_programs": Field(

@@ -202,7 +202,6 @@ BAD_VALUES = [
     ("quant.kernels.enabled", 1, "must be True or False, got 1 (int)"),
     ("quant.kernels.mosaic_nvfp4", "yes", "'yes' not in ('auto', 'on', 'off')"),
     ("quant.kernels.mosaic_prefetch_tiles", 4, "must be in [0, 3], got 4"),
-    ("quant.kernels.mosaic_row_group", 8, "8 not in (0, 1, 2, 4)"),
     ("quant.kernels.decode_matmul.block_n", 48, "48 not in (16, 32, 64)"),
     ("data.path", None, "must be a string, got None (None)"),
     ("rewards.names", "format", "must be a tuple of names, got 'format' (str)"),

@@ -2,22 +2,17 @@
 against the Triton fused kernel, at a model's decode launch shapes (GPU only).
 
 All device events of the call (the kernel and XLA's split-K sum and rescale), from a profiler
-trace, weights streamed from HBM as in kernel_profile.py; M = each of --m, LoRA rank 32. Shapes of
-each size in --sizes: q/o, down, the gate|up pair as one weight, and q|k|v (Triton's grouped
-launch against the Mosaic kernel on the three weights stacked with a block-diagonal rank-96
-operand). --sweep also times half and twice the default split-K count, --stages other pipeline
-depths (default 2), --row-groups the Mosaic kernel at other row groups (64-row tiles per
-program, default 1; a row group that does not divide a shape's row tiles, or whose buffers
-exceed the shared memory, is skipped with a line saying so), --mosaic-only skips the Triton
-rows. With 32b, the fused SwiGLU launch of a 32B
+trace, weights streamed from HBM as in kernel_profile.py; M = --m, LoRA rank 32. Shapes of each
+size in --sizes: q/o, down, the gate|up pair as one weight, and q|k|v (Triton's grouped launch
+against the Mosaic kernel on the three weights stacked with a block-diagonal rank-96 operand).
+--sweep also times half and twice the default split-K count, --stages other pipeline depths
+(default 2), --mosaic-only skips the Triton rows. With 32b, the fused SwiGLU launch of a 32B
 gate/up pair with the next layer's LoRA product: the Mosaic path (the SwiGLU in the kernel's
 epilogue, and in XLA) against Triton's fused kernel, compared (within 2^-7 of the largest
 output) and timed. The kernel's correctness checks are tests (tests/pallas_kernels/
 test_mgpu_nvfp4_gpu.py, pytest -m gpu).
 
     python benchmarks/profile/mosaic_kernel_profile.py --profile --sizes 14b,32b --out $OUT
-    python benchmarks/profile/mosaic_kernel_profile.py --profile --m 8,64 --row-groups 1,2,4 \
-        --mosaic-only --sizes 7b --out $OUT
 """
 
 from __future__ import annotations
@@ -46,43 +41,28 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
     return [("q/o", h, h), ("down", h, i), ("gate|up", 2 * i, h), ("q|k|v", h + 2 * kv, h)]
 
 
-def schedules(n: int, k: int, sweep: bool, stages=(2,), row_groups=(1,), m: int = 8,
-              rank: int = 32) -> list[tuple[str, dict]]:
-    """(label, matmul keyword arguments) of the schedules --profile times: at every pipeline
-    depth in `stages` (--stages; 2, the kernel's default, unlabelled) and row group in
-    `row_groups` (--row-groups, passed to the kernel; 1 unlabelled) the default split-K count,
-    and with --sweep half and twice it. Row groups the kernel refuses at this shape (M m, LoRA
-    width rank) are left out, with a printed line."""
+def schedules(n: int, k: int, sweep: bool, stages=(2,)) -> list[tuple[str, dict]]:
+    """(label, matmul keyword arguments) of the schedules --profile times: the default split-K
+    count, and with --sweep half and twice it; each at every pipeline depth in `stages`
+    (--stages; 2, the kernel's default, unlabelled)."""
     from pallas_kernels import mgpu_nvfp4 as mg
-    row_tiles, k_tiles = -(-n // 64), -(-k // 256)
-    out = []
-    for depth in stages:
-        for group in row_groups:
-            reason = mg.row_group_refusal(group, m_pad=-(-m // 8) * 8, row_tiles=row_tiles,
-                                          stages=depth, rank=rank)
-            if reason is not None:
-                print(f"N {n}, K {k}, M {m}: no row group {group} ({reason})", flush=True)
-                continue
-            suffix = ("" if group == 1 else f", row group {group}") + (
-                "" if depth == 2 else f", stages {depth}")
-            fixed = {"row_group": group, **({} if depth == 2 else {"stages": depth})}
-            default = mg.default_splits(row_tiles, k_tiles, row_group=group)
-            out.append((f"splits {default}{suffix}", fixed))
-            if sweep:
-                out += [(f"splits {s}{suffix}", {"splits": s, **fixed})
-                        for s in sweep_splits(n, k, group)]
-    return out
+    splits = mg.default_splits(-(-n // 64), -(-k // 256))
+    out = [(f"splits {splits}", {})]
+    if sweep:
+        out += [(f"splits {s}", {"splits": s}) for s in sweep_splits(n, k)]
+    return [(label if depth == 2 else f"{label}, stages {depth}",
+             kwargs if depth == 2 else {**kwargs, "stages": depth})
+            for depth in stages for label, kwargs in out]
 
 
-def sweep_splits(n: int, k: int, row_group: int = 1) -> list[int]:
+def sweep_splits(n: int, k: int) -> list[int]:
     """--sweep: half and twice the default split count, where that makes one to two waves of
     programs (132-1056; uneven counts included)."""
     from pallas_kernels import mgpu_nvfp4 as mg
     row_tiles, k_tiles = -(-n // 64), -(-k // 256)
-    default = mg.default_splits(row_tiles, k_tiles, row_group=row_group)
-    groups = row_tiles // row_group
+    default = mg.default_splits(row_tiles, k_tiles)
     return [s for s in (default // 2, 2 * default)
-            if s and s != default and s <= k_tiles and 132 <= groups * s <= 1056]
+            if s and s != default and s <= k_tiles and 132 <= row_tiles * s <= 1056]
 
 
 def parse_args(argv=None):
@@ -95,12 +75,9 @@ def parse_args(argv=None):
                         help="--profile times the Mosaic GPU kernel only (no Triton rows)")
     parser.add_argument("--stages", default="2",
                         help="comma-separated pipeline depths --profile times (default 2)")
-    parser.add_argument("--row-groups", default="1",
-                        help="comma-separated row groups (64-row tiles per program) --profile "
-                             "times the Mosaic kernel at (default 1)")
     parser.add_argument("--sizes", default="32b",
                         help="comma-separated model sizes whose launch shapes --profile times")
-    parser.add_argument("--m", default="8", help="comma-separated M (rows of x), each <= 64")
+    parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -115,8 +92,7 @@ def _inputs(key, n, k, m, rank):
     return ckpt, x, down, lora_b
 
 
-def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), triton=True,
-                       row_groups=(1,)):
+def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), triton=True):
     """q|k|v: Triton's grouped launch (three weights, r32 each; unless not triton) against the
     Mosaic kernel on the stacked buffer with the block-diagonal rank-96 operand (+ XLA's
     per-member rescale)."""
@@ -144,8 +120,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
             lora_scales=(2.0,) * 3) for g in groups])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down), repeats, count,
                                                         None)
-        rows.append({"shape": name, "m": m, "n": n, "k": k,
-                     "kernel": "Triton grouped (LoRA 3 x r32)",
+        rows.append({"shape": name, "n": n, "k": k, "kernel": "Triton grouped (LoRA 3 x r32)",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
         del weights
@@ -156,7 +131,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
     operand = mg.group_lora_operand(lora_bs, [p.tensor_scale for p in packed], [2.0] * 3,
                                     n_pads)
     scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
-    for label, kwargs in schedules(sum(n_pads), k, sweep, stages, row_groups, m, rank=96):
+    for label, kwargs in schedules(sum(n_pads), k, sweep, stages):
         def launch(x, t, d, kwargs=kwargs):
             y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_down=d, lora_bt=operand,
                                    **kwargs)
@@ -166,15 +141,14 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
         fn = jax.jit(lambda x, ts, d: [launch(x, t, d) for t in ts])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, tiles, down), repeats, count,
                                                         None)
-        rows.append({"shape": name, "m": m, "n": n, "k": k,
+        rows.append({"shape": name, "n": n, "k": k,
                      "kernel": f"Mosaic GPU grouped (LoRA 3 x r32), {label}",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
     return rows
 
 
-def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=True,
-                  row_groups=(1,)):
+def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=True):
     import jax
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
@@ -195,7 +169,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=
             lora_scale=2.0) for w in ws])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down, lora_b), repeats,
                                                         count, None)
-        rows.append({"shape": name, "m": m, "n": n, "k": k, "kernel": "Triton fused (LoRA r32)",
+        rows.append({"shape": name, "n": n, "k": k, "kernel": "Triton fused (LoRA r32)",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
         del weights
@@ -203,12 +177,12 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
-    for label, kwargs in schedules(n, k, sweep, stages, row_groups, m):
+    for label, kwargs in schedules(n, k, sweep, stages):
         fn = jax.jit(lambda x, ps, d, bt, kwargs=kwargs: [mg.mgpu_nvfp4_matmul(
             x, p, ts, n=n, k=k, lora_down=d, lora_bt=bt, **kwargs) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
                                                         repeats, count, None)
-        rows.append({"shape": name, "m": m, "n": n, "k": k,
+        rows.append({"shape": name, "n": n, "k": k,
                      "kernel": f"Mosaic GPU permuted (LoRA r32), {label}",
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
@@ -265,7 +239,7 @@ def swiglu_rows(key, m: int, repeats: int, profile: bool) -> list[dict]:
         errors = [float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
                         / (2.0 ** -7 * float(jnp.abs(b.astype(jnp.float32)).max())))
                   for a, b in ((got, want), (got_next, want_next))]
-        rows.append({"shape": "gate|up SwiGLU + next LoRA", "m": m, "n": n, "k": k,
+        rows.append({"shape": "gate|up SwiGLU + next LoRA", "n": n, "k": k,
                      "kernel": f"check: Mosaic ({label}) vs Triton, max err / (2^-7 "
                                "max|y|), output / next",
                      "call_us": f"{errors[0]:.3g} / {errors[1]:.3g}",
@@ -280,7 +254,7 @@ def swiglu_rows(key, m: int, repeats: int, profile: bool) -> list[dict]:
                           on_mosaic)):
             _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down), repeats,
                                                             count, None)
-            rows.append({"shape": "gate|up SwiGLU + next LoRA", "m": m, "n": n, "k": k,
+            rows.append({"shape": "gate|up SwiGLU + next LoRA", "n": n, "k": k,
                          "kernel": name, "call_us": call_us,
                          "TB_s": nbytes / call_us / 1e6})
             print(rows[-1], flush=True)
@@ -294,41 +268,35 @@ def main(argv=None):
     started = time.perf_counter()
     meta = {**common.device_info(), "jax": jax.__version__}
     stages = tuple(int(depth) for depth in args.stages.split(","))
-    row_groups = tuple(int(group) for group in args.row_groups.split(","))
-    ms = [int(m) for m in args.m.split(",")]
     profiles = []
-    for m in ms:
-        for size in args.sizes.split(","):
-            for name, n, k in profile_shapes(size):
-                label = f"{size} {name}"
-                try:
-                    if name == "q|k|v":
-                        h = k
-                        kv = (n - h) // 2
-                        profiles += group_profile_rows(key, label, n, k, m, args.repeats,
-                                                       args.sweep, (h, kv, kv), stages,
-                                                       triton=not args.mosaic_only,
-                                                       row_groups=row_groups)
-                    else:
-                        profiles += profile_shape(key, label, n, k, m, args.repeats,
-                                                  args.sweep, stages,
-                                                  triton=not args.mosaic_only,
-                                                  row_groups=row_groups)
-                except Exception as e:
-                    traceback.print_exc()
-                    profiles.append({"shape": label, "m": m, "n": n, "k": k,
-                                     "error": common.describe_error(e)})
-                    print(profiles[-1], flush=True)
-        if "32b" in args.sizes.split(","):
+    for size in args.sizes.split(","):
+        for name, n, k in profile_shapes(size):
+            label = f"{size} {name}"
             try:
-                profiles += swiglu_rows(key, m, args.repeats, profile=True)
+                if name == "q|k|v":
+                    h = k
+                    kv = (n - h) // 2
+                    profiles += group_profile_rows(key, label, n, k, args.m, args.repeats,
+                                                   args.sweep, (h, kv, kv), stages,
+                                                   triton=not args.mosaic_only)
+                else:
+                    profiles += profile_shape(key, label, n, k, args.m, args.repeats,
+                                              args.sweep, stages, triton=not args.mosaic_only)
             except Exception as e:
                 traceback.print_exc()
-                profiles.append({"shape": "gate|up SwiGLU + next LoRA", "m": m, "ok": False,
+                profiles.append({"shape": label, "n": n, "k": k,
                                  "error": common.describe_error(e)})
-            print(profiles[-1], flush=True)
+                print(profiles[-1], flush=True)
+    if "32b" in args.sizes.split(","):
+        try:
+            profiles += swiglu_rows(key, args.m, args.repeats, profile=True)
+        except Exception as e:
+            traceback.print_exc()
+            profiles.append({"shape": "gate|up SwiGLU + next LoRA", "ok": False,
+                             "error": common.describe_error(e)})
+        print(profiles[-1], flush=True)
     table = common.markdown_table(profiles, [
-        ("shape", "shape"), ("m", "M"), ("n", "N"), ("k", "K"), ("kernel", "kernel"),
+        ("shape", "shape"), ("n", "N"), ("k", "K"), ("kernel", "kernel"),
         ("call_us", "us per call"), ("TB_s", "weight TB/s"), ("ok", "ok"), ("error", "error")])
     text = (common.header_line(f"Mosaic GPU NVFP4 matmul, device time per call, M = {args.m}, "
                                f"{time.perf_counter() - started:.0f} s", [meta])

@@ -12,7 +12,6 @@ from pallas_kernels.blockwise_configs import DecodeTuning
 from pallas_kernels.decode_attention import DecodeAttentionConfig
 
 MOSAIC_CHOICES = ("auto", "on", "off")
-MOSAIC_ROW_GROUPS = (0, 1, 2, 4)  # 0: the kernel's rule (mgpu_nvfp4.default_row_group)
 WEIGHT_AS_LHS = {"auto": None, "weights": True, "activations": False}
 
 
@@ -30,9 +29,6 @@ class KernelOptions:
     mosaic_nvfp4: str = "auto"
     # K tiles per program of the next Mosaic launch that each launch prefetches into L2 (0: none)
     mosaic_prefetch_tiles: int = 1
-    # 64-row weight tiles per program of a Mosaic launch, sharing each x tile (0: the kernel's
-    # rule; 1, 2 or 4 where the launch allows it, else the rule)
-    mosaic_row_group: int = 0
     # the Pallas decode-attention kernel for one-token decode steps
     decode_attention: bool = True
     # tiling of the Triton fused kernel at decode M (M <= 16)
@@ -47,9 +43,6 @@ class KernelOptions:
         if not 0 <= self.mosaic_prefetch_tiles <= 3:
             raise ValueError(f"KernelOptions.mosaic_prefetch_tiles={self.mosaic_prefetch_tiles}"
                              ": 0 (off) to 3")
-        if self.mosaic_row_group not in MOSAIC_ROW_GROUPS:
-            raise ValueError(f"KernelOptions.mosaic_row_group={self.mosaic_row_group!r}: one of "
-                             f"{MOSAIC_ROW_GROUPS} (0: the kernel's rule)")
 
     @property
     def mosaic(self) -> bool:
@@ -64,7 +57,6 @@ class KernelOptions:
             enabled=kernels["enabled"], gate_up_pairs=kernels["gate_up_pairs"],
             mosaic_nvfp4=kernels["mosaic_nvfp4"],
             mosaic_prefetch_tiles=kernels["mosaic_prefetch_tiles"],
-            mosaic_row_group=kernels["mosaic_row_group"],
             decode_attention=kernels["decode_attention"],
             decode_matmul=DecodeTuning(
                 target_programs=matmul["target_programs"],

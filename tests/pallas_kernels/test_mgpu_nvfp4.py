@@ -1,8 +1,8 @@
 """pallas_kernels.mgpu_nvfp4 on the CPU: its permuted layout (lossless, the same weights as the
 checkpoint's float64 dequantization), its bit math (an integer emulation of the kernel's decode
 gives those weights), the LoRA operands' scale folding (float64), the split-K counts, that the
-Mosaic GPU kernel (split-K, uneven splits, grouped operand widths, row groups of 1, 2 and 4
-row tiles) and the SwiGLU path lower for CUDA, the row groups' refusals, and
+Mosaic GPU kernel (split-K, uneven splits, grouped operand widths) and the SwiGLU path lower
+for CUDA, and
 the Mosaic GPU backend (qerl_jax/quant/backends/mosaic.py: which weights get buffers and
 operands; the SwiGLU and grouped q|k|v launches with a jnp stand-in for the kernel against the
 interpreted Triton launches). The
@@ -109,11 +109,10 @@ def test_lora_operand_folds_the_scales_into_b_transposed():
         mg.lora_operand(jnp.zeros((rank, n)), jnp.ones((1,)), n_pad=100)
 
 
-@pytest.mark.parametrize("row_group", [None, 2, 4])
 @pytest.mark.parametrize("m,rank,splits,prepared", [(8, 0, None, False), (5, 32, 3, False),
                                                     (16, 16, 1, False), (8, 32, None, True)])
-def test_kernel_lowers_for_cuda(m, rank, splits, prepared, row_group):
-    n, k = 256, 1024  # 4 row tiles
+def test_kernel_lowers_for_cuda(m, rank, splits, prepared):
+    n, k = 256, 1024
     _, packed = kc.nvfp4_packed(n, k)
     permuted = jax.ShapeDtypeStruct(mg.permute_packed(packed).shape, jnp.uint8)
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
@@ -128,54 +127,11 @@ def test_kernel_lowers_for_cuda(m, rank, splits, prepared, row_group):
             kwargs = dict(lora_down=lora[0], lora_bt=lora[1])
         elif lora:
             kwargs = dict(lora_down=lora[0], lora_b=lora[1], lora_scale=2.0)
-        return mg.mgpu_nvfp4_matmul(x, permuted, ts, n=n, k=k, splits=splits,
-                                    row_group=row_group, **kwargs)
+        return mg.mgpu_nvfp4_matmul(x, permuted, ts, n=n, k=k, splits=splits, **kwargs)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     assert lowered.out_info.shape == (m, n)
-
-
-def test_row_group_refusals(monkeypatch):
-    """row_group: one of 1, 2, 4, dividing the row tiles, and the buffers within the shared
-    memory budget (kernel_smem_bytes), else one ValueError line; None takes default_row_group
-    (1 at every M), halved where shared memory is short (a rule giving 4, at M 64 with a
-    192-wide operand: 2); the split count is sized from the row groups."""
-    from pallas_kernels import mgpu_nvfp4_layout
-    assert mg.ROW_GROUPS == (1, 2, 4)
-    # M 64, 2 stages, LoRA width 96, R 4: x 64 KiB, weights 72 KiB, out 16 KiB, LoRA 60 KiB
-    assert mg.kernel_smem_bytes(64, 4, 2, 96) == (65536 + 4 * 2 * 9216 + 16384
-                                                  + (64 + 256) * 96 * 2)
-    assert mg.kernel_smem_bytes(8, 1, 2, None, swiglu=True) == (8192 + 18432 + 2048 + 512)
-    assert mg.row_group_refusal(4, m_pad=64, row_tiles=8, rank=96) is None
-    assert "budget" in mg.row_group_refusal(4, m_pad=64, row_tiles=8, rank=192)
-    assert mg.row_group_refusal(2, m_pad=64, row_tiles=8, rank=192) is None
-    assert mg.resolve_row_group(None, m_pad=64, row_tiles=8, rank=192) == 1
-    with monkeypatch.context() as patch:
-        patch.setattr(mgpu_nvfp4_layout, "default_row_group", lambda m_pad, row_tiles: 4)
-        assert mg.resolve_row_group(None, m_pad=64, row_tiles=8, rank=192) == 2
-        assert mg.resolve_row_group(None, m_pad=64, row_tiles=8, rank=96) == 4
-    assert mg.default_row_group(8, 6) == mg.default_row_group(64, 8) == 1
-    assert mg.default_splits(56, 14, row_group=1) == mg.default_splits(56, 14) == 7
-    assert mg.default_splits(56, 14, row_group=4) == 14  # 14 groups: up to 37 splits each
-    assert mg.default_splits(592, 14, row_group=4) == 3  # 148 groups x 3
-    n, k = 384, 1792  # 6 row tiles, 7 K tiles
-    permuted = jnp.zeros((6 * 7 * mg.TILE_LINES, 128), jnp.uint8)
-    x = jnp.zeros((64, k), jnp.bfloat16)
-    for row_group, message in ((3, r"row_group=3 \(one of \(1, 2, 4\)\)"),
-                               (4, "row_group=4 does not divide the 6 row tiles")):
-        with pytest.raises(ValueError, match=message):
-            mg.matmul_unscaled(x, permuted, n=n, k=k, row_group=row_group)
-    # 3 x 32 KiB of x, 2 x 3 x 9 KiB of weights, 16 KiB out, (64 + 128) x 192 x 2 of LoRA
-    with pytest.raises(ValueError, match=r"row_group=2 at M 64, 3 stages, LoRA width 192: "
-                                         r"243712 bytes of shared memory \(budget 225280\)"):
-        mg.matmul_unscaled(jnp.zeros((64, k), jnp.bfloat16),
-                           jnp.zeros((8 * 7 * mg.TILE_LINES, 128), jnp.uint8), n=512, k=k,
-                           lora_down=jnp.zeros((64, 192), jnp.bfloat16),
-                           lora_bt=jnp.zeros((512, 192), jnp.bfloat16), row_group=2, stages=3)
-    with pytest.raises(ValueError, match="row_group=4 does not divide the 6 row tiles"):
-        mg.mgpu_nvfp4_swiglu(x, permuted, jnp.ones((1,)), jnp.ones((1,)), out_n=192, k=k,
-                             half_block=32, row_group=4)
 
 
 def test_refusals_and_bad_shapes():
@@ -225,12 +181,12 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
 
 
 def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
-                        stages=2, l2_prefetch=None, swiglu=None, row_group=None):
+                        stages=2, l2_prefetch=None, swiglu=None):
     """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
     numbers are checked on the GPU by test_mgpu_nvfp4_gpu.py; an L2 prefetch is a
     hint that changes no result); with swiglu, the fused epilogue's (h, shares) as its
     docstring states them."""
-    del splits, stages, l2_prefetch, row_group
+    del splits, stages, l2_prefetch
     n_pad = mg.padded_rows(permuted, k)
     raw = mg.permuted_dequantize_reference(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
                                  n=n_pad, k=k)  # e2m1 x block scale x 2^-8
@@ -301,9 +257,8 @@ def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch):
     assert mosaic.swiglu_refusal(x, views[0], jnp.zeros((m, 48)), lora_bs) is not None
 
 
-@pytest.mark.parametrize("row_group", [None, 2, 4])
-def test_swiglu_lowers_for_cuda(row_group):
-    n, k, m = 128, 512, 8  # a pair of 4 row tiles
+def test_swiglu_lowers_for_cuda():
+    n, k, m = 128, 512, 8
     gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(i),
                                                                       (n, k))), tile_k=256)
                 for i in (0, 1))
@@ -317,8 +272,7 @@ def test_swiglu_lowers_for_cuda(row_group):
 
     def f(x, tiles, ts_g, ts_u, down, operand, next_a):
         return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
-                                    lora_down=down, lora_bt=operand, next_lora_a=next_a,
-                                    row_group=row_group)
+                                    lora_down=down, lora_bt=operand, next_lora_a=next_a)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
@@ -328,8 +282,7 @@ def test_swiglu_lowers_for_cuda(row_group):
         def fused(x, tiles, ts_g, ts_u, down, operand, next_a, with_next=with_next):
             return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
                                         lora_down=down, lora_bt=operand, splits=1,
-                                        next_lora_a=next_a if with_next else None,
-                                        row_group=row_group)
+                                        next_lora_a=next_a if with_next else None)
         lowered = jax.jit(fused).trace(*args).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
         assert "mosaic_gpu" in text
@@ -468,13 +421,11 @@ def test_default_splits_at_the_model_shapes():
             assert row_tiles * splits <= max(528, row_tiles)
 
 
-@pytest.mark.parametrize("row_group", [None, 2, 4])
 @pytest.mark.parametrize("rank,splits", [(96, None), (48, 3), (192, 2)])
-def test_kernel_lowers_with_grouped_operands_and_uneven_splits(rank, splits, row_group):
-    """Operand widths of grouped launches (3r: 48, 96, 192; 64- and 32-byte swizzles; a row
-    group's operand rows sliced per row tile) and splits that do not divide the K tiles (the
-    skipped last step) lower for CUDA, at each row group."""
-    n, k, m = 512, 1792, 8  # 8 row tiles, 7 K tiles
+def test_kernel_lowers_with_grouped_operands_and_uneven_splits(rank, splits):
+    """Operand widths of grouped launches (3r: 48, 96, 192; 64- and 32-byte swizzles) and
+    splits that do not divide the K tiles (the skipped last step) lower for CUDA."""
+    n, k, m = 384, 1792, 8  # 7 K tiles
     permuted = jax.ShapeDtypeStruct((n // 64 * 7 * mg.TILE_LINES, 128), jnp.uint8)
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), permuted,
             jax.ShapeDtypeStruct((m, rank), jnp.bfloat16),
@@ -482,7 +433,7 @@ def test_kernel_lowers_with_grouped_operands_and_uneven_splits(rank, splits, row
 
     def f(x, permuted, down, operand):
         return mg.matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=down,
-                                  lora_bt=operand, row_group=row_group)
+                                  lora_bt=operand)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
@@ -560,14 +511,11 @@ def test_mosaic_group_dispatch_matches_the_triton_launch(monkeypatch):
 
 
 def test_l2_prefetch_plans_and_lowering():
-    """l2_prefetch_for: the next launch's grid (its splits those of its row group) and the
-    tiles per program (at most its fewest steps); bad plans are refused; a launch with a plan
-    lowers for CUDA (each mode; a row group of 2 issuing it from its 3 x 3 programs)."""
+    """l2_prefetch_for: the next launch's grid and the tiles per program (at most its fewest
+    steps); bad plans are refused; a launch with a plan lowers for CUDA (each mode)."""
     permuted = jnp.zeros((16 * 7 * mg.TILE_LINES, 128), jnp.uint8)  # N 1024, 7 K tiles
     plan = mg.l2_prefetch_for(permuted, k=1792)
     assert (plan.row_tiles, plan.k_tiles, plan.splits) == (16, 7, mg.default_splits(16, 7))
-    plan = mg.l2_prefetch_for(permuted, k=1792, row_group=4)
-    assert (plan.row_tiles, plan.splits) == (16, mg.default_splits(16, 7, row_group=4)) == (16, 7)
     assert mg.l2_prefetch_for(permuted, k=1792, splits=7, ahead=3).ahead == 1  # 1 step each
     assert mg.l2_prefetch_for(permuted, k=1792, splits=2, ahead=3).ahead == 3
     with pytest.raises(ValueError, match="ahead=4"):
@@ -584,13 +532,11 @@ def test_l2_prefetch_plans_and_lowering():
     assert mg.extra_prefetchable(extra) and not mg.extra_prefetchable(jnp.zeros((8, 3)))
     with pytest.raises(ValueError, match="extra"):
         mg.l2_prefetch_for(permuted, k=1792, extra=jnp.zeros((8, 300), jnp.bfloat16))
-    for mode, row_group in ((dict(ahead=1), None), (dict(ahead=3, splits=2), None),
-                            (dict(contiguous_lines=5000), None), (dict(ahead=1, extra=extra), None),
-                            (dict(ahead=2, extra=extra), 2)):
-        def f(x, p, q, d, o, mode=mode, row_group=row_group):
+    for mode in (dict(ahead=1), dict(ahead=3, splits=2), dict(contiguous_lines=5000),
+                 dict(ahead=1, extra=extra)):
+        def f(x, p, q, d, o, mode=mode):
             return mg.matmul_unscaled(x, p, n=n, k=k, splits=3, lora_down=d, lora_bt=o,
-                                      l2_prefetch=mg.l2_prefetch_for(q, k=k, **mode),
-                                      row_group=row_group)
+                                      l2_prefetch=mg.l2_prefetch_for(q, k=k, **mode))
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text() and lowered.out_info.shape == (m, n)
 
@@ -629,16 +575,16 @@ def test_link_decode_prefetch_chains_the_decode_launches():
             weight = proj.weight.get_value()
             if following is None:
                 assert weight.mosaic_prefetch is None
-                assert mosaic._prefetch_plan(weight, 1, m=8) is None
+                assert mosaic._prefetch_plan(weight, 1) is None
                 continue
             target, lora_a = following[0].weight.get_value(), following[1]
             assert weight.mosaic_prefetch is target.mosaic_tiles
             assert weight.mosaic_prefetch_lora_a is lora_a
             assert weight.mosaic_prefetch_k == target.shape[1]
-            plan = mosaic._prefetch_plan(weight, 1, m=8)
+            plan = mosaic._prefetch_plan(weight, 1)
             assert plan.buffer is target.mosaic_tiles and plan.ahead == 1
             assert plan.extra is lora_a and mg.extra_prefetchable(lora_a)
-            assert mosaic._prefetch_plan(weight, 0, m=8) is None
+            assert mosaic._prefetch_plan(weight, 0) is None
             leaves, treedef = jax.tree_util.tree_flatten(weight)
             again = jax.tree_util.tree_unflatten(treedef, leaves)
             assert again.mosaic_prefetch_k == weight.mosaic_prefetch_k
@@ -691,62 +637,6 @@ def test_fused_swiglu_epilogue_plumbing(monkeypatch):
     with pytest.raises(ValueError, match="one split"):
         mg.matmul_unscaled(x, tiles, n=256, k=k, splits=2,
                            swiglu=mg.SwigluEpilogue(gate.kernel_tensor_scale(), up.kernel_tensor_scale()))
-
-
-def test_row_group_option_reaches_the_kernel(monkeypatch, caplog):
-    """KernelOptions.mosaic_row_group (a value outside 0, 1, 2, 4 refused naming the field)
-    reaches the Mosaic launches: 0 the kernel's rule, 2 or 4 that count where the launch's row
-    tiles allow it (the SwiGLU pair: 4), else the rule, with a warning logged once (q|k|v
-    stacked: 6 row tiles, N padded to 128s); the outputs do not change. The L2 prefetch plan
-    takes the following launch's split count at its row group."""
-    import logging
-    with pytest.raises(ValueError, match=r"mosaic_row_group=3: one of \(0, 1, 2, 4\)"):
-        KernelOptions(mosaic_row_group=3)
-    k, m = 512, 5
-    keys = jax.random.split(jax.random.key(13), 6)
-    gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (96, k))),
-                                    tile_k=256) for i in (0, 1))
-    views = kl.pair_gate_up(gate, up)
-    pair_tiles = mg.permute_packed(views[0].whole_pair())
-    views = tuple(v.replace(mosaic_tiles=pair_tiles) for v in views)
-    qkv = tuple(kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[2 + i], (n, k))),
-                                    tile_k=256) for i, n in enumerate((128, 64, 64)))
-    stacked = mg.group_permuted([mg.permute_packed(w.packed()) for w in qkv], [k] * 3)
-    qkv = (qkv[0].replace(mosaic_tiles=stacked), *qkv[1:])
-    x = jax.random.normal(keys[5], (m, k)).astype(jnp.bfloat16)
-    calls = []
-
-    def stand_in(*args, **kwargs):
-        calls.append(kwargs["row_group"])
-        return _reference_unscaled(*args, **kwargs)
-
-    monkeypatch.setattr(mg, "available", lambda: None)
-    monkeypatch.setattr(mg, "matmul_unscaled", stand_in)
-    monkeypatch.setattr(mosaic, "_LOGGED", set())
-    outputs = []
-    with caplog.at_level(logging.WARNING, logger=mosaic.logger.name):
-        for option, expected in ((0, [None, None]), (2, [2, 2]), (4, [4, None]),
-                                 (4, [4, None])):
-            backend = TritonDecodeBackend("nvfp4", KernelOptions(mosaic_row_group=option))
-            outputs.append((backend.apply_swiglu(x, views, None, None, None, None,
-                                                 compute_dtype=jnp.bfloat16),
-                            *backend.apply_grouped(x, qkv, None, None, None,
-                                                   compute_dtype=jnp.bfloat16)))
-            assert calls[-2:] == expected
-    warned = [r.getMessage() for r in caplog.records if "mosaic_row_group" in r.getMessage()]
-    assert len(warned) == 1 and "does not divide the 6 row tiles" in warned[0]
-    assert all(jnp.array_equal(a, b) for other in outputs[1:]
-               for a, b in zip(outputs[0], other))
-    following = qkv[0]
-    linked = views[0].replace(mosaic_prefetch=following.mosaic_tiles, mosaic_prefetch_k=k,
-                              mosaic_prefetch_lora_a=None)
-    for option, group in ((0, 1), (2, 2), (4, 1)):  # 6 row tiles
-        plan = mosaic._prefetch_plan(linked, 1, m=m, row_group=option)
-        assert plan.splits == mg.default_splits(6, 2, row_group=group)
-    linked = linked.replace(mosaic_prefetch=pair_tiles)  # 4 row tiles
-    for option in (0, 2, 4):
-        plan = mosaic._prefetch_plan(linked, 1, m=m, row_group=option)
-        assert plan.splits == mg.default_splits(4, 2, row_group=max(option, 1))
 
 
 def test_identical_launches_lower_to_one_kernel():

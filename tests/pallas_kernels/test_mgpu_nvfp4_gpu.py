@@ -8,18 +8,13 @@
   checked against float64 on the CPU in test_mgpu_nvfp4.py). Bound per element: 1e-5 x
   (|x| @ |W|^T + the same product of absolute values of the LoRA term), float32 accumulation
   over K <= 27648 of exact products. "prepared" cases pass the operand made ahead (lora_bt, as
-  the sampler does), the others pass B and the LoRA scale. Each case at row groups 1, 2 and 4
-  (64-row tiles per program) where they divide its row tiles.
+  the sampler does), the others pass B and the LoRA scale.
 - The grouped q|k|v launch: three weights' buffers stacked (group_permuted), the block-diagonal
   operand (group_lora_operand), each member's columns rescaled by its own 2^8 / tensor_scale,
-  each against its float64 product with the same bound, at row groups 1, 2 and 4.
+  each against its float64 product with the same bound.
 - The gate|up SwiGLU launch of a 32B pair with the next layer's LoRA product, the SwiGLU in the
   kernel's epilogue and in XLA, against the Triton fused SwiGLU launch on the same pair: within
-  2^-7 of the largest |output| (bf16 outputs of sums in different orders), at row groups 1, 2
-  and 4 (the kernel's epilogue with one split).
-- Row groups 2 and 4 give the bits of row group 1 at the same splits (single weight with LoRA
-  at M 64 and uneven splits, grouped q|k|v, the SwiGLU epilogue with the next LoRA product):
-  each accumulator sums the same K tiles in the same order.
+  2^-7 of the largest |output| (bf16 outputs of sums in different orders).
 - The sampler end to end (a random 1.5B NVFP4 model, rank-32 LoRA with nonzero B, batch 8, 64
   tokens at temperature 1 from one key) on the Mosaic path, the Triton kernels and the XLA path:
   a random model's next-token distribution is nearly uniform, so summation order alone moves
@@ -53,18 +48,6 @@ MATMUL_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
 GROUP_CASES = [  # (member Ns, k, m, rank of each, splits): grouped q|k|v launches
     ((5120, 1024, 1024), 5120, 8, 32, None), ((256, 128, 128), 1792, 5, 16, 3),
     ((3584, 512, 512), 3584, 8, 64, None)]
-ROW_GROUPS = (1, 2, 4)
-
-
-def _row_tiles(n: int) -> int:
-    """64-row tiles of a weight of n rows (repack_nvfp4 pads N to a multiple of 128)."""
-    return -(-n // 128) * 2
-
-
-def _with_row_groups(cases, row_tiles_of):
-    """Each case with each row group that divides its row tiles (the last argument)."""
-    return [(*case, group) for case in cases for group in ROW_GROUPS
-            if row_tiles_of(case) % group == 0]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,9 +83,8 @@ def _float64(array) -> np.ndarray:
     return np.asarray(jnp.asarray(array).astype(jnp.float32), np.float64)
 
 
-@pytest.mark.parametrize("n,k,m,rank,splits,prepared,row_group",
-                         _with_row_groups(MATMUL_CASES, lambda case: _row_tiles(case[0])))
-def test_matmul_matches_float64(n, k, m, rank, splits, prepared, row_group):
+@pytest.mark.parametrize("n,k,m,rank,splits,prepared", MATMUL_CASES)
+def test_matmul_matches_float64(n, k, m, rank, splits, prepared):
     ckpt, x, down, lora_b = _inputs(jax.random.key(n * 7 + k), n, k, m, rank)
     packed = nvfp4_matmul.repack_nvfp4(*ckpt)
     permuted = mg.permute_packed(packed)
@@ -112,7 +94,7 @@ def test_matmul_matches_float64(n, k, m, rank, splits, prepared, row_group):
         kwargs = (dict(lora_down=down, lora_bt=operand) if prepared
                   else dict(lora_down=down, lora_b=lora_b, lora_scale=2.0))
     fn = jax.jit(lambda x, p, ts, kw: mg.mgpu_nvfp4_matmul(x, p, ts, n=n, k=k, splits=splits,
-                                                          row_group=row_group, **kw))
+                                                          **kw))
     y = np.asarray(fn(x, permuted, packed.tensor_scale, kwargs), np.float64)
     w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*ckpt), np.float64)
     x64 = _float64(x)
@@ -128,10 +110,8 @@ def test_matmul_matches_float64(n, k, m, rank, splits, prepared, row_group):
     assert excess <= 1.0, f"largest error / bound {excess:.3g}"
 
 
-@pytest.mark.parametrize("ns,k,m,rank,splits,row_group",
-                         _with_row_groups(GROUP_CASES,
-                                          lambda case: sum(map(_row_tiles, case[0]))))
-def test_grouped_launch_matches_float64(ns, k, m, rank, splits, row_group):
+@pytest.mark.parametrize("ns,k,m,rank,splits", GROUP_CASES)
+def test_grouped_launch_matches_float64(ns, k, m, rank, splits):
     members = [_inputs(jax.random.key(1000 * i + k), n, k, m, rank) for i, n in enumerate(ns)]
     x = members[0][1]
     down = jnp.concatenate([member[2] for member in members], axis=1)
@@ -141,8 +121,7 @@ def test_grouped_launch_matches_float64(ns, k, m, rank, splits, row_group):
     operand = mg.group_lora_operand([member[3] for member in members],
                                     [p.tensor_scale for p in packed], [2.0] * len(ns), n_pads)
     fn = jax.jit(lambda x, t, d, o: mg.matmul_unscaled(x, t, n=sum(n_pads), k=k,
-                                                       splits=splits, lora_down=d, lora_bt=o,
-                                                       row_group=row_group))
+                                                       splits=splits, lora_down=d, lora_bt=o))
     y = np.asarray(fn(x, tiles, down, operand), np.float64)
     assert np.isfinite(y).all()
     x64, lx, bt_all = _float64(x), _float64(down), _float64(operand)
@@ -159,12 +138,10 @@ def test_grouped_launch_matches_float64(ns, k, m, rank, splits, row_group):
         offset += n_pad
 
 
-@pytest.mark.parametrize("row_group", ROW_GROUPS)
 @pytest.mark.parametrize("fused", [True, False], ids=["kernel_epilogue", "xla_epilogue"])
-def test_swiglu_launch_matches_the_triton_launch(fused, row_group):
-    """The 32B gate|up pair (27648 x 5120 each, 864 row tiles), M = 8, LoRA r32 on both halves
-    and the next layer's LoRA A: the Mosaic launch (the kernel's epilogue with one split)
-    against Triton's blockwise_matmul_swiglu."""
+def test_swiglu_launch_matches_the_triton_launch(fused):
+    """The 32B gate|up pair (27648 x 5120 each), M = 8, LoRA r32 on both halves and the next
+    layer's LoRA A: the Mosaic launch against Triton's blockwise_matmul_swiglu."""
     from qerl_jax.quant.nvfp4 import nvfp4_quantize
     n, k, m, rank, half_block = 27648, 5120, 8, 32, 32
     keys = jax.random.split(jax.random.key(7), 8)
@@ -187,69 +164,12 @@ def test_swiglu_launch_matches_the_triton_launch(fused, row_group):
                                    half_block=half_block)
     got, got_next = jax.jit(lambda x, d: mg.mgpu_nvfp4_swiglu(
         x, mg.permute_packed(pair), *scales, out_n=n, k=k, half_block=half_block, lora_down=d,
-        lora_bt=operand, next_lora_a=next_a, fused=fused, splits=1 if fused else None,
-        row_group=row_group))(x, down)
+        lora_bt=operand, next_lora_a=next_a, fused=fused))(x, down)
     for name, value, reference in (("output", got, want), ("next LoRA", got_next, want_next)):
         value, reference = _float64(value), _float64(reference)
         assert value.shape == reference.shape and np.isfinite(value).all(), name
         error = float(np.abs(value - reference).max() / (2.0 ** -7 * np.abs(reference).max()))
         assert error <= 1.0, f"{name}: largest error / (2^-7 max|reference|) {error:.3g}"
-
-
-def test_row_groups_give_the_bits_of_row_group_1():
-    """At the same splits, row groups 2 and 4 give row group 1's outputs bit for bit: each row
-    tile's accumulator sums the same K tiles in the same order, then the same LoRA product, and
-    the partials are summed alike. A single weight (5120 x 5120, M 64, LoRA r32, 20 K tiles in
-    3 uneven splits), a grouped q|k|v launch (M 8, 3 x r32, 4 splits) and a gate|up pair
-    (4096 x 2048 each, M 16, LoRA r32, the SwiGLU and next LoRA product in the epilogue)."""
-    key = jax.random.key(11)
-    outputs = {}
-    ckpt, x, down, lora_b = _inputs(jax.random.fold_in(key, 0), 5120, 5120, 64, 32)
-    packed = nvfp4_matmul.repack_nvfp4(*ckpt)
-    permuted = mg.permute_packed(packed)
-    operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
-    for group in ROW_GROUPS:
-        fn = jax.jit(lambda x, p, ts, d, o, group=group: mg.mgpu_nvfp4_matmul(
-            x, p, ts, n=5120, k=5120, splits=3, lora_down=d, lora_bt=o, row_group=group))
-        outputs[("single", group)] = (fn(x, permuted, packed.tensor_scale, down, operand),)
-
-    ns, k = (5120, 1024, 1024), 5120
-    members = [_inputs(jax.random.fold_in(key, 1 + i), n, k, 8, 32) for i, n in enumerate(ns)]
-    packed = [nvfp4_matmul.repack_nvfp4(*member[0]) for member in members]
-    tiles = mg.group_permuted([mg.permute_packed(p) for p in packed], [k] * 3)
-    n_pads = [p.codes.shape[0] for p in packed]
-    operand = mg.group_lora_operand([member[3] for member in members],
-                                    [p.tensor_scale for p in packed], [2.0] * 3, n_pads)
-    down = jnp.concatenate([member[2] for member in members], axis=1)
-    for group in ROW_GROUPS:
-        fn = jax.jit(lambda x, t, d, o, group=group: mg.matmul_unscaled(
-            x, t, n=sum(n_pads), k=k, splits=4, lora_down=d, lora_bt=o, row_group=group))
-        outputs[("grouped", group)] = (fn(members[0][1], tiles, down, operand),)
-
-    n, k, m, rank = 4096, 2048, 16, 32
-    halves = [nvfp4_matmul.repack_nvfp4(*_random_checkpoint(n, k, jax.random.fold_in(key, i)),
-                                        tile_k=mg.TILE_K) for i in (10, 11)]
-    pair = mg.permute_packed(bw.interleave_gate_up(*halves, 32))
-    keys = jax.random.split(jax.random.fold_in(key, 12), 5)
-    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-    down = (jax.random.normal(keys[1], (m, 2 * rank)) * 0.1).astype(jnp.bfloat16)
-    gate_b, up_b = ((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
-                    for i in (2, 3))
-    next_a = (jax.random.normal(keys[4], (n, rank)) * 0.01).astype(jnp.bfloat16)
-    scales = (halves[0].tensor_scale, halves[1].tensor_scale)
-    operand = mg.pair_lora_operand(gate_b, up_b, *scales, 1.0, n_pad=n, half_block=32)
-    for group in ROW_GROUPS:
-        fn = jax.jit(lambda x, p, d, o, a, group=group: mg.mgpu_nvfp4_swiglu(
-            x, p, *scales, out_n=n, k=k, half_block=32, lora_down=d, lora_bt=o,
-            next_lora_a=a, splits=1, row_group=group))
-        outputs[("swiglu", group)] = fn(x, pair, down, operand, next_a)
-
-    for name in ("single", "grouped", "swiglu"):
-        base = [np.asarray(a) for a in outputs[(name, 1)]]
-        assert all(np.isfinite(a.astype(np.float32)).all() for a in base), name
-        for group in ROW_GROUPS[1:]:
-            for a, b in zip(base, outputs[(name, group)]):
-                assert np.array_equal(a, np.asarray(b)), f"{name}: row group {group}"
 
 
 def _checkpoint_arrays(quantized):

@@ -19,9 +19,6 @@ def test_config_choices_equal_their_sources():
     from pallas_kernels.nf4_matmul import NF4
     from pallas_kernels.nvfp4_matmul import NVFP4
     assert experiment_config.ON_OFF_AUTO == kernel_options.MOSAIC_CHOICES
-    assert experiment_config.MOSAIC_ROW_GROUPS == kernel_options.MOSAIC_ROW_GROUPS
-    from pallas_kernels.mgpu_nvfp4_layout import ROW_GROUPS
-    assert kernel_options.MOSAIC_ROW_GROUPS == (0, *ROW_GROUPS)
     assert experiment_config.WEIGHT_AS_LHS == tuple(kernel_options.WEIGHT_AS_LHS)
     decoders = set(NVFP4.decoders) | set(MXFP4.decoders) | set(NF4.decoders)
     assert set(experiment_config.KERNEL_DECODERS) == decoders
@@ -31,7 +28,6 @@ def test_every_option_reaches_the_dataclass():
     config = experiment_config.base_config()
     kernels = config.quant.kernels
     kernels.gate_up_pairs, kernels.mosaic_nvfp4, kernels.mosaic_prefetch_tiles = False, "off", 0
-    kernels.mosaic_row_group = 2
     kernels.decode_attention = False
     kernels.decode_matmul.update(target_programs=320, min_tiles_per_split=2,
                                  no_split_programs=128, max_split=4, block_n=32, num_warps=8,
@@ -40,8 +36,7 @@ def test_every_option_reaches_the_dataclass():
                                            num_stages=2)
     options = KernelOptions.from_config(kernels)
     assert (options.gate_up_pairs, options.mosaic_nvfp4, options.mosaic_prefetch_tiles,
-            options.mosaic_row_group, options.decode_attention, options.mosaic) == (
-        False, "off", 0, 2, False, False)
+            options.decode_attention, options.mosaic) == (False, "off", 0, False, False)
     tuning = options.decode_matmul
     assert (tuning.target_programs, tuning.min_tiles_per_split, tuning.no_split_programs,
             tuning.max_split, tuning.block_n, tuning.num_warps, tuning.num_stages,
@@ -56,7 +51,6 @@ def test_every_option_reaches_the_dataclass():
 @pytest.mark.parametrize("path,value,message", [
     ("quant.kernels.mosaic_nvfp4", "1", "'1' not in ('auto', 'on', 'off')"),
     ("quant.kernels.mosaic_prefetch_tiles", -1, "must be in [0, 3], got -1"),
-    ("quant.kernels.mosaic_row_group", 3, "3 not in (0, 1, 2, 4)"),
     ("quant.kernels.decode_matmul.weight_as_lhs", "x", "'x' not in"),
     ("quant.kernels.decode_attention_tiling.block_s", 48, "48 not in"),
     ("quant.kernels.gate_up_pairs", "yes", "must be True or False"),
@@ -74,5 +68,3 @@ def test_bad_values_name_the_field(path, value, message):
         experiment_config._check_fields(ml_collections.ConfigDict(config))
     with pytest.raises(ValueError, match="mosaic_nvfp4"):
         KernelOptions(mosaic_nvfp4="1")
-    with pytest.raises(ValueError, match=r"mosaic_row_group=3: one of \(0, 1, 2, 4\)"):
-        KernelOptions(mosaic_row_group=3)

@@ -26,7 +26,6 @@ from pallas_kernels import mgpu_nvfp4
 from qerl_jax.quant.backends.kernel_layout import KernelLayoutWeight
 
 logger = logging.getLogger(__name__)
-_LOGGED: set = set()
 
 
 def unavailable() -> str | None:
@@ -195,44 +194,16 @@ def with_prefetch(weight, following, following_lora_a):
                           mosaic_prefetch_k=following.shape[1])
 
 
-def _row_tiles(buffer: jax.Array, k: int) -> int:
-    """64-row tiles of a permuted buffer of weights with k columns."""
-    return mgpu_nvfp4.padded_rows(buffer, k) // mgpu_nvfp4.TILE_ROWS
-
-
-def _row_group(requested: int, m: int, row_tiles: int, rank: int | None,
-               swiglu: bool = False) -> int | None:
-    """The row_group argument of a launch for KernelOptions.mosaic_row_group: None (the
-    kernel's rule) for 0, or where the kernel refuses the requested count for this launch
-    (logged once per reason), else that count."""
-    if not requested:
-        return None
-    reason = mgpu_nvfp4.row_group_refusal(requested, m_pad=-(-m // 8) * 8, row_tiles=row_tiles,
-                                          rank=rank, swiglu=swiglu)
-    if reason is None:
-        return requested
-    if reason not in _LOGGED:
-        _LOGGED.add(reason)
-        logger.warning("mosaic_row_group=%d not taken by a launch (%s): the kernel's rule",
-                       requested, reason)
-    return None
-
-
-def _prefetch_plan(weight, prefetch_tiles: int, *, m: int, row_group: int = 0):
-    """The mgpu_nvfp4.L2Prefetch of a weight linked by with_prefetch, else None; its split count
-    is the following launch's for x of m rows and KernelOptions.mosaic_row_group (that launch's
-    LoRA width taken as its LoRA A's, the prefetched extra)."""
+def _prefetch_plan(weight, prefetch_tiles: int):
+    """The mgpu_nvfp4.L2Prefetch of a weight linked by with_prefetch, else None."""
     target = getattr(weight, "mosaic_prefetch", None)
     if target is None or not prefetch_tiles:
         return None
-    lora_a = getattr(weight, "mosaic_prefetch_lora_a", None)
-    extra = lora_a if lora_a is not None and mgpu_nvfp4.extra_prefetchable(lora_a) else None
-    row_tiles = _row_tiles(target, weight.mosaic_prefetch_k)
-    rank = None if lora_a is None else lora_a.shape[-1]
-    group = mgpu_nvfp4.resolve_row_group(_row_group(row_group, m, row_tiles, rank),
-                                         m_pad=-(-m // 8) * 8, row_tiles=row_tiles, rank=rank)
+    extra = getattr(weight, "mosaic_prefetch_lora_a", None)
+    if extra is not None and not mgpu_nvfp4.extra_prefetchable(extra):
+        extra = None
     return mgpu_nvfp4.l2_prefetch_for(target, k=weight.mosaic_prefetch_k, ahead=prefetch_tiles,
-                                      extra=extra, row_group=group)
+                                      extra=extra)
 
 
 def _prepared_lora_operand(weight, lora_x_a):
@@ -262,21 +233,18 @@ def refusal(x, weight, lora_x_a) -> str | None:
     return mgpu_nvfp4.available()
 
 
-def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int, row_group: int = 0):
+def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int):
     """x [M, K] @ W^T (+ lora_scale * lora_x_a @ lora_b) -> [M, N] float32, rounded to bf16
-    like the Triton fused kernel. row_group: KernelOptions.mosaic_row_group."""
+    like the Triton fused kernel."""
     kwargs = {}
     if lora_x_a is not None:
         operand = _prepared_lora_operand(weight, lora_x_a)
         kwargs = (dict(lora_down=lora_x_a, lora_bt=operand) if operand is not None
                   else dict(lora_down=lora_x_a, lora_b=lora_b, lora_scale=lora_scale))
-    rank = None if lora_x_a is None else lora_x_a.shape[1]
-    group = _row_group(row_group, x.shape[0], _row_tiles(weight.mosaic_tiles, weight.shape[1]),
-                       rank)
-    plan = _prefetch_plan(weight, prefetch_tiles, m=x.shape[0], row_group=row_group)
     y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
                                      weight.kernel_tensor_scale(), n=weight.shape[0],
-                                     k=weight.shape[1], l2_prefetch=plan, row_group=group,
+                                     k=weight.shape[1],
+                                     l2_prefetch=_prefetch_plan(weight, prefetch_tiles),
                                      **kwargs)
     return y.astype(jnp.bfloat16).astype(jnp.float32)
 
@@ -293,11 +261,10 @@ def group_refusal(x, weights, lora_x_a, lora_bs) -> str | None:
     return mgpu_nvfp4.available()
 
 
-def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles: int,
-                  row_group: int = 0):
+def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles: int):
     """One matmul over the group's stacked buffer, each member's columns rescaled by its own
     2^8 / tensor_scale and rounded to bf16 (as the fused kernel's outputs) -> tuple of
-    [M, N_i] float32. row_group: KernelOptions.mosaic_row_group."""
+    [M, N_i] float32."""
     first = weights[0]
     n_pads = [w.kernel_rows for w in weights]
     lora = {}
@@ -307,11 +274,9 @@ def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles:
             operand = mgpu_nvfp4.group_lora_operand(
                 lora_bs, [w.kernel_tensor_scale() for w in weights], lora_scales, n_pads)
         lora = dict(lora_down=lora_x_a, lora_bt=operand)
-    group = _row_group(row_group, x.shape[0], _row_tiles(first.mosaic_tiles, first.shape[1]),
-                       None if lora_x_a is None else lora_x_a.shape[1])
-    plan = _prefetch_plan(first, prefetch_tiles, m=x.shape[0], row_group=row_group)
     y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
-                                   k=first.shape[1], l2_prefetch=plan, row_group=group, **lora)
+                                   k=first.shape[1],
+                                   l2_prefetch=_prefetch_plan(first, prefetch_tiles), **lora)
     outputs, offset = [], 0
     for weight, n_pad in zip(weights, n_pads):
         scale = 2.0 ** -mgpu_nvfp4.SCALED_EXPONENT / weight.kernel_tensor_scale().reshape(())
@@ -336,10 +301,9 @@ def swiglu_refusal(x, gate, lora_x_a, lora_bs) -> str | None:
 
 
 def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
-                 prefetch_tiles: int, row_group: int = 0):
+                 prefetch_tiles: int):
     """silu(gate) * up [M, N] bf16 of a pair in one launch over its permuted buffer, the SwiGLU
-    (and with next_lora_a its product with it) in the kernel's epilogue. row_group:
-    KernelOptions.mosaic_row_group."""
+    (and with next_lora_a its product with it) in the kernel's epilogue."""
     gate, up = weights
     half_block = gate.pair_view[0]
     lora = {}
@@ -350,10 +314,7 @@ def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
                 lora_bs[0], lora_bs[1], gate.kernel_tensor_scale(), up.kernel_tensor_scale(),
                 lora_scales[0], n_pad=gate.kernel_rows // 2, half_block=half_block)
         lora = dict(lora_down=lora_x_a, lora_bt=operand)
-    group = _row_group(row_group, x.shape[0], _row_tiles(gate.mosaic_tiles, gate.shape[1]),
-                       None if lora_x_a is None else lora_x_a.shape[1], swiglu=True)
-    plan = _prefetch_plan(gate, prefetch_tiles, m=x.shape[0], row_group=row_group)
     return mgpu_nvfp4.mgpu_nvfp4_swiglu(
         x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_tensor_scale(),
         up.kernel_tensor_scale(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
-        next_lora_a=next_lora_a, l2_prefetch=plan, row_group=group, **lora)
+        next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate, prefetch_tiles), **lora)
