@@ -71,6 +71,7 @@ from pallas_kernels.mgpu_nvfp4_layout import (CODE_BYTES, L2Prefetch, LORA_RANKS
                                               kernel_layout_from_permuted, l2_prefetch_for,
                                               lora_operand, operand_rank_ok, padded_rows,
                                               pair_lora_operand, permute_packed, permute_tiles,
+                                              resident_programs,
                                               permuted_dequantize_reference, refusal, source_bit,
                                               unpermute_shifts, unpermute_tiles)
 
@@ -81,7 +82,7 @@ __all__ = [
     "TILE_ROWS", "available", "default_splits", "extra_prefetchable", "group_lora_operand",
     "group_permuted", "kernel_layout_from_permuted", "l2_prefetch_for", "lora_operand",
     "matmul_unscaled", "mgpu_nvfp4_matmul", "mgpu_nvfp4_swiglu", "operand_rank_ok",
-    "padded_rows", "pair_lora_operand", "permute_packed", "permute_tiles",
+    "padded_rows", "pair_lora_operand", "permute_packed", "permute_tiles", "resident_programs",
     "permuted_dequantize_reference", "refusal", "source_bit", "unpermute_shifts",
     "unpermute_tiles",
 ]
@@ -368,10 +369,10 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    splits = default_splits(row_tiles, k_tiles) if splits is None else splits
+    m_pad = -(-m // 8) * 8
+    splits = default_splits(row_tiles, k_tiles, m_pad=m_pad) if splits is None else splits
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
-    m_pad = -(-m // 8) * 8
     next_a = None if swiglu is None else swiglu.next_lora_a
     if swiglu is not None:
         if splits != 1:
@@ -552,7 +553,8 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     row_tiles = n_pad2 // TILE_ROWS
-    resolved = default_splits(row_tiles, -(-k // TILE_K)) if splits is None else splits
+    resolved = (default_splits(row_tiles, -(-k // TILE_K), m_pad=-(-m // 8) * 8)
+                if splits is None else splits)
     if (fused and half_block == TILE_ROWS // 2 and resolved == 1
             and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):
         next_a = next_lora_a  # matmul_unscaled takes it in bf16

@@ -23,6 +23,8 @@ MAX_M = 64
 LORA_RANKS = (16, 32, 64)  # one adapter's rank
 MAX_OPERAND_RANK = 192  # the LoRA operand's width: 3 x 64 (a grouped q|k|v launch)
 SLOTS = 528  # programs resident at once: 132 SMs x 4 (118-124 registers per thread)
+SMS = 132  # streaming multiprocessors of an H100 / H200 SXM
+SMEM_PER_SM = 227 * 1024  # shared memory one SM gives the programs resident on it
 
 # (column half, row half) of pair k of a word: columns 16 i + 8 c + 2 (lane % 4) + {0, 1},
 # row r0 + 8 h.
@@ -170,12 +172,26 @@ def permuted_dequantize_reference(permuted: jax.Array, tensor_scale: jax.Array, 
 
 
 
-def default_splits(row_tiles: int, k_tiles: int, slots: int = SLOTS) -> int:
+def resident_programs(m_pad: int, stages: int = 2) -> int:
+    """Programs of the kernel one SM holds at once: 4 by registers, fewer where their shared
+    memory (stages x (x tile [m_pad, 256] bf16 + weight tile) + the transposed store's
+    [m_pad, 64] float32; the small LoRA tiles left out) does not fit 4 times: 4 up to M = 24,
+    3 at M = 32-40, 2 at M = 48-64."""
+    smem = stages * (m_pad * TILE_K * 2 + TILE_LINES * 128) + m_pad * TILE_ROWS * 4
+    return max(1, min(SLOTS // SMS, SMEM_PER_SM // smem))
+
+
+def default_splits(row_tiles: int, k_tiles: int, slots: int | None = None, *,
+                   m_pad: int = 8) -> int:
     """Split-K count: the fewest pipeline steps per program (ceil(k_tiles / splits)) with at
-    most `slots` programs (row tiles x splits; 132 SMs x 4 programs of this kernel's 118-124
-    registers), and the fewest splits giving that many steps (fewer partials to sum), at least
-    1. Splits need not divide the K tiles: a program with one tile fewer skips its last step
-    (7B's down projection has 74 K tiles = 2 x 37, whose dividing counts are 1, 2, 37, 74)."""
+    most `slots` programs (row tiles x splits; default SMS x resident_programs(m_pad)), and
+    the fewest splits giving that many steps (fewer partials to sum), at least 1. Splits need
+    not divide the K tiles: a program with one tile fewer skips its last step (7B's down
+    projection has 74 K tiles = 2 x 37, whose dividing counts are 1, 2, 37, 74). At M = 64 the
+    SMs' shared memory holds 2 programs, not 4; sizing the splits for 4 there was 8-21% slower
+    per 7B launch (benchmarks/RESULTS.md, "Split-K at M = 64")."""
+    if slots is None:
+        slots = SMS * resident_programs(m_pad)
     most = max(1, min(k_tiles, slots // row_tiles))
     steps = -(-k_tiles // most)
     return -(-k_tiles // steps)
@@ -264,13 +280,15 @@ class L2Prefetch(NamedTuple):
 
 
 def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, ahead: int = 2,
-                    contiguous_lines: int = 0, extra: jax.Array | None = None) -> L2Prefetch:
+                    contiguous_lines: int = 0, extra: jax.Array | None = None,
+                    m: int = 8) -> L2Prefetch:
     """The L2Prefetch plan of a launch of matmul_unscaled over `permuted` (a [N, k] weight's
-    buffer) with `splits` (default_splits when None), and `extra` ([rows, cols], a row of a
-    multiple of 16 bytes and at most 256 columns: a TMA box) if given."""
+    buffer) at M = m with `splits` (default_splits when None), and `extra` ([rows, cols], a
+    row of a multiple of 16 bytes and at most 256 columns: a TMA box) if given."""
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
-    splits = default_splits(row_tiles, k_tiles) if splits is None else splits
+    splits = (default_splits(row_tiles, k_tiles, m_pad=-(-m // 8) * 8) if splits is None
+              else splits)
     if not 1 <= ahead <= 3:
         raise ValueError(f"l2_prefetch_for: ahead={ahead} (1-3 tiles: a TMA box has at most "
                          f"256 lines)")

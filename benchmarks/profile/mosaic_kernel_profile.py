@@ -41,26 +41,28 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
     return [("q/o", h, h), ("down", h, i), ("gate|up", 2 * i, h), ("q|k|v", h + 2 * kv, h)]
 
 
-def schedules(n: int, k: int, sweep: bool, stages=(2,)) -> list[tuple[str, dict]]:
-    """(label, matmul keyword arguments) of the schedules --profile times: the default split-K
-    count, and with --sweep half and twice it; each at every pipeline depth in `stages`
-    (--stages; 2, the kernel's default, unlabelled)."""
+def schedules(n: int, k: int, sweep: bool, stages=(2,), m: int = 8,
+              extra_splits=()) -> list[tuple[str, dict]]:
+    """(label, matmul keyword arguments) of the schedules --profile times at M = m: the default
+    split-K count, with --sweep half and twice it, and the counts of --splits; each at every
+    pipeline depth in `stages` (--stages; 2, the kernel's default, unlabelled)."""
     from pallas_kernels import mgpu_nvfp4 as mg
-    splits = mg.default_splits(-(-n // 64), -(-k // 256))
+    splits = mg.default_splits(-(-n // 64), -(-k // 256), m_pad=-(-m // 8) * 8)
     out = [(f"splits {splits}", {})]
-    if sweep:
-        out += [(f"splits {s}", {"splits": s}) for s in sweep_splits(n, k)]
+    others = sweep_splits(n, k, m) if sweep else []
+    others += [s for s in extra_splits if s not in others and 1 <= s <= -(-k // 256)]
+    out += [(f"splits {s}", {"splits": s}) for s in others if s != splits]
     return [(label if depth == 2 else f"{label}, stages {depth}",
              kwargs if depth == 2 else {**kwargs, "stages": depth})
             for depth in stages for label, kwargs in out]
 
 
-def sweep_splits(n: int, k: int) -> list[int]:
-    """--sweep: half and twice the default split count, where that makes one to two waves of
-    programs (132-1056; uneven counts included)."""
+def sweep_splits(n: int, k: int, m: int = 8) -> list[int]:
+    """--sweep: half and twice the default split count at M = m, where that makes one to two
+    waves of programs (132-1056; uneven counts included)."""
     from pallas_kernels import mgpu_nvfp4 as mg
     row_tiles, k_tiles = -(-n // 64), -(-k // 256)
-    default = mg.default_splits(row_tiles, k_tiles)
+    default = mg.default_splits(row_tiles, k_tiles, m_pad=-(-m // 8) * 8)
     return [s for s in (default // 2, 2 * default)
             if s and s != default and s <= k_tiles and 132 <= row_tiles * s <= 1056]
 
@@ -78,6 +80,9 @@ def parse_args(argv=None):
     parser.add_argument("--sizes", default="32b",
                         help="comma-separated model sizes whose launch shapes --profile times")
     parser.add_argument("--m", type=int, default=8)
+    parser.add_argument("--splits", default="",
+                        help="comma-separated split-K counts --profile also times (the Mosaic "
+                             "rows; counts above a shape's K tiles are left out)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -92,7 +97,8 @@ def _inputs(key, n, k, m, rank):
     return ckpt, x, down, lora_b
 
 
-def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), triton=True):
+def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), triton=True,
+                       extra_splits=()):
     """q|k|v: Triton's grouped launch (three weights, r32 each; unless not triton) against the
     Mosaic kernel on the stacked buffer with the block-diagonal rank-96 operand (+ XLA's
     per-member rescale)."""
@@ -131,7 +137,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
     operand = mg.group_lora_operand(lora_bs, [p.tensor_scale for p in packed], [2.0] * 3,
                                     n_pads)
     scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
-    for label, kwargs in schedules(sum(n_pads), k, sweep, stages):
+    for label, kwargs in schedules(sum(n_pads), k, sweep, stages, m, extra_splits):
         def launch(x, t, d, kwargs=kwargs):
             y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_down=d, lora_bt=operand,
                                    **kwargs)
@@ -148,7 +154,8 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
     return rows
 
 
-def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=True):
+def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=True,
+                  extra_splits=()):
     import jax
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
@@ -177,7 +184,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
-    for label, kwargs in schedules(n, k, sweep, stages):
+    for label, kwargs in schedules(n, k, sweep, stages, m, extra_splits):
         fn = jax.jit(lambda x, ps, d, bt, kwargs=kwargs: [mg.mgpu_nvfp4_matmul(
             x, p, ts, n=n, k=k, lora_down=d, lora_bt=bt, **kwargs) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
@@ -268,6 +275,7 @@ def main(argv=None):
     started = time.perf_counter()
     meta = {**common.device_info(), "jax": jax.__version__}
     stages = tuple(int(depth) for depth in args.stages.split(","))
+    extra_splits = tuple(int(count) for count in args.splits.split(",") if count)
     profiles = []
     for size in args.sizes.split(","):
         for name, n, k in profile_shapes(size):
@@ -278,10 +286,12 @@ def main(argv=None):
                     kv = (n - h) // 2
                     profiles += group_profile_rows(key, label, n, k, args.m, args.repeats,
                                                    args.sweep, (h, kv, kv), stages,
-                                                   triton=not args.mosaic_only)
+                                                   triton=not args.mosaic_only,
+                                                   extra_splits=extra_splits)
                 else:
                     profiles += profile_shape(key, label, n, k, args.m, args.repeats,
-                                              args.sweep, stages, triton=not args.mosaic_only)
+                                              args.sweep, stages, triton=not args.mosaic_only,
+                                              extra_splits=extra_splits)
             except Exception as e:
                 traceback.print_exc()
                 profiles.append({"shape": label, "n": n, "k": k,

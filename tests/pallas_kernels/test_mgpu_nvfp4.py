@@ -421,6 +421,25 @@ def test_default_splits_at_the_model_shapes():
             assert row_tiles * splits <= max(528, row_tiles)
 
 
+def test_splits_follow_the_programs_shared_memory_lets_an_sm_hold():
+    """Up to M = 24 an SM holds 4 programs (registers); from M = 32 their x tiles fill its
+    shared memory first (3, then 2 at M = 48-64), and the splits shrink to one wave of those:
+    the 7B shapes at M = 64 get the counts measured fastest there (q|k|v 3, down 4)."""
+    tile_bytes = lambda m: 2 * (m * 256 * 2 + 72 * 128) + m * 64 * 4  # noqa: E731
+    for m_pad in range(8, 65, 8):
+        resident = mg.resident_programs(m_pad)
+        assert resident == min(4, 227 * 1024 // tile_bytes(m_pad))
+        for row_tiles, k_tiles in ((56, 74), (56, 14), (72, 14), (592, 14)):
+            assert mg.default_splits(row_tiles, k_tiles, m_pad=m_pad) == mg.default_splits(
+                row_tiles, k_tiles, 132 * resident)
+    assert [mg.resident_programs(m) for m in (8, 24, 32, 40, 48, 64)] == [4, 4, 3, 3, 2, 2]
+    assert mg.default_splits(72, 14, m_pad=64) == 3  # 7B q|k|v at M = 64 (7 at M = 8)
+    assert mg.default_splits(56, 74, m_pad=64) == 4  # 7B down (9 at M = 8)
+    assert mg.default_splits(56, 14, m_pad=8) == mg.default_splits(56, 14) == 7
+    assert mg.l2_prefetch_for(jnp.zeros((56 * 14 * 72, 128), jnp.uint8), k=3584,
+                              m=64).splits == 4
+
+
 @pytest.mark.parametrize("rank,splits", [(96, None), (48, 3), (192, 2)])
 def test_kernel_lowers_with_grouped_operands_and_uneven_splits(rank, splits):
     """Operand widths of grouped launches (3r: 48, 96, 192; 64- and 32-byte swizzles) and
@@ -575,16 +594,16 @@ def test_link_decode_prefetch_chains_the_decode_launches():
             weight = proj.weight.get_value()
             if following is None:
                 assert weight.mosaic_prefetch is None
-                assert mosaic._prefetch_plan(weight, 1) is None
+                assert mosaic._prefetch_plan(weight, 1, 8) is None
                 continue
             target, lora_a = following[0].weight.get_value(), following[1]
             assert weight.mosaic_prefetch is target.mosaic_tiles
             assert weight.mosaic_prefetch_lora_a is lora_a
             assert weight.mosaic_prefetch_k == target.shape[1]
-            plan = mosaic._prefetch_plan(weight, 1)
+            plan = mosaic._prefetch_plan(weight, 1, 8)
             assert plan.buffer is target.mosaic_tiles and plan.ahead == 1
             assert plan.extra is lora_a and mg.extra_prefetchable(lora_a)
-            assert mosaic._prefetch_plan(weight, 0) is None
+            assert mosaic._prefetch_plan(weight, 0, 8) is None
             leaves, treedef = jax.tree_util.tree_flatten(weight)
             again = jax.tree_util.tree_unflatten(treedef, leaves)
             assert again.mosaic_prefetch_k == weight.mosaic_prefetch_k

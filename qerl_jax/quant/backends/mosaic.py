@@ -194,8 +194,9 @@ def with_prefetch(weight, following, following_lora_a):
                           mosaic_prefetch_k=following.shape[1])
 
 
-def _prefetch_plan(weight, prefetch_tiles: int):
-    """The mgpu_nvfp4.L2Prefetch of a weight linked by with_prefetch, else None."""
+def _prefetch_plan(weight, prefetch_tiles: int, m: int):
+    """The mgpu_nvfp4.L2Prefetch of a weight linked by with_prefetch (its launch at M = m),
+    else None."""
     target = getattr(weight, "mosaic_prefetch", None)
     if target is None or not prefetch_tiles:
         return None
@@ -203,7 +204,7 @@ def _prefetch_plan(weight, prefetch_tiles: int):
     if extra is not None and not mgpu_nvfp4.extra_prefetchable(extra):
         extra = None
     return mgpu_nvfp4.l2_prefetch_for(target, k=weight.mosaic_prefetch_k, ahead=prefetch_tiles,
-                                      extra=extra)
+                                      extra=extra, m=m)
 
 
 def _prepared_lora_operand(weight, lora_x_a):
@@ -244,8 +245,8 @@ def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int):
     y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
                                      weight.kernel_tensor_scale(), n=weight.shape[0],
                                      k=weight.shape[1],
-                                     l2_prefetch=_prefetch_plan(weight, prefetch_tiles),
-                                     **kwargs)
+                                     l2_prefetch=_prefetch_plan(weight, prefetch_tiles,
+                                                                x.shape[0]), **kwargs)
     return y.astype(jnp.bfloat16).astype(jnp.float32)
 
 
@@ -276,7 +277,7 @@ def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles:
         lora = dict(lora_down=lora_x_a, lora_bt=operand)
     y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
                                    k=first.shape[1],
-                                   l2_prefetch=_prefetch_plan(first, prefetch_tiles), **lora)
+                                   l2_prefetch=_prefetch_plan(first, prefetch_tiles, x.shape[0]), **lora)
     outputs, offset = [], 0
     for weight, n_pad in zip(weights, n_pads):
         scale = 2.0 ** -mgpu_nvfp4.SCALED_EXPONENT / weight.kernel_tensor_scale().reshape(())
@@ -317,4 +318,4 @@ def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
     return mgpu_nvfp4.mgpu_nvfp4_swiglu(
         x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_tensor_scale(),
         up.kernel_tensor_scale(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
-        next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate, prefetch_tiles), **lora)
+        next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate, prefetch_tiles, x.shape[0]), **lora)
