@@ -44,10 +44,12 @@ MATMUL_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     # splits that do not divide the K tiles (7 K tiles in 3; 7B's down: 74 in 9), 14B's down
     # (LoRA operand made in the call) and gate|up pair shapes
     (384, 1792, 8, 32, 3, True), (3584, 18944, 8, 32, None, True),
-    (5120, 13824, 8, 32, None, False), (27648, 5120, 5, 16, None, True)]
+    (5120, 13824, 8, 32, None, False), (27648, 5120, 5, 16, None, True),
+    # M = 64 at the default splits (sized for 2 programs per SM: 7B's down in 4)
+    (3584, 18944, 64, 32, None, True)]
 GROUP_CASES = [  # (member Ns, k, m, rank of each, splits): grouped q|k|v launches
     ((5120, 1024, 1024), 5120, 8, 32, None), ((256, 128, 128), 1792, 5, 16, 3),
-    ((3584, 512, 512), 3584, 8, 64, None)]
+    ((3584, 512, 512), 3584, 8, 64, None), ((3584, 512, 512), 3584, 64, 32, None)]
 
 
 @pytest.fixture(scope="module", autouse=True)
