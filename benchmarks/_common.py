@@ -129,7 +129,7 @@ def run_worker(command: list[str], log_path: str, timeout_s: float,
 
 
 class Budget:
-    """Wall-clock budget of one benchmark command (the device call's limit minus slack)."""
+    """Wall-clock budget of one benchmark command (the machine's time limit minus slack)."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -160,13 +160,20 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _memory_fraction(meta: dict) -> str:
+    """The preallocation the rows' process ran with: as its worker recorded it (a process that
+    set none ran at JAX's default), else what a worker of this command gets."""
+    if "memory_fraction" in meta:
+        return meta["memory_fraction"] or "unset (JAX's default 0.75)"
+    return os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEMORY_FRACTION)
+
+
 def header_line(title: str, rows: list[dict]) -> str:
     """Title, date, device, versions (as the workers reported them) and the command."""
     meta = next((row for row in rows if row.get("device")), {})
     return (f"{title}, {datetime.date.today()}, {meta.get('device', 'device unknown')}, JAX "
             f"{meta.get('jax', '?')}, flax {meta.get('flax', '?')}, git {meta.get('git', '?')}, "
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION="
-            f"{meta.get('memory_fraction') or os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', DEFAULT_MEMORY_FRACTION)}"
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={_memory_fraction(meta)}"
             + (f", XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
             + f". Command: python {' '.join(sys.argv)}")
 

@@ -71,8 +71,8 @@ from pallas_kernels.mgpu_nvfp4_layout import (CODE_BYTES, L2Prefetch, LORA_RANKS
                                               kernel_layout_from_permuted, l2_prefetch_for,
                                               lora_operand, operand_rank_ok, padded_rows,
                                               pair_lora_operand, permute_packed, permute_tiles,
-                                              resident_programs,
-                                              permuted_dequantize_reference, refusal, source_bit,
+                                              permuted_dequantize_reference, refusal,
+                                              resident_programs, source_bit,
                                               unpermute_shifts, unpermute_tiles)
 
 # The kernels and the layout's names, for the backends, the tests and the benchmarks.
@@ -82,9 +82,9 @@ __all__ = [
     "TILE_ROWS", "available", "default_splits", "extra_prefetchable", "group_lora_operand",
     "group_permuted", "kernel_layout_from_permuted", "l2_prefetch_for", "lora_operand",
     "matmul_unscaled", "mgpu_nvfp4_matmul", "mgpu_nvfp4_swiglu", "operand_rank_ok",
-    "padded_rows", "pair_lora_operand", "permute_packed", "permute_tiles", "resident_programs",
-    "permuted_dequantize_reference", "refusal", "source_bit", "unpermute_shifts",
-    "unpermute_tiles",
+    "padded_rows", "pair_lora_operand", "permute_packed", "permute_tiles",
+    "permuted_dequantize_reference", "refusal", "resident_programs", "source_bit",
+    "unpermute_shifts", "unpermute_tiles",
 ]
 
 
@@ -370,7 +370,8 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
     m_pad = -(-m // 8) * 8
-    splits = default_splits(row_tiles, k_tiles, m_pad=m_pad) if splits is None else splits
+    splits = (default_splits(row_tiles, k_tiles, m_pad=m_pad, stages=stages) if splits is None
+              else splits)
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
     next_a = None if swiglu is None else swiglu.next_lora_a

@@ -305,3 +305,19 @@ def test_completion_lengths_smoke(tmp_path):
     assert all(1 <= length <= 4 for length in data["lengths"])
     assert data["summary"]["count"] == 2
     assert data["summary"]["share_at_limit"] == sum(data["truncated"]) / 2
+
+
+def test_workers_on_several_devices_leave_room_for_collective_memory(monkeypatch):
+    """One device: 95% preallocated; several: 90% (XLA's collectives allocate outside the
+    pool); a caller's setting wins; the header reports what the worker ran with."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import _common as common
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert common.worker_env()["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+    assert common.worker_env(2)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert common.worker_env(4)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    assert "MEM_FRACTION=0.90." in common.header_line("t", [{"device": "d",
+                                                             "memory_fraction": "0.90"}])
+    assert "unset (JAX's default 0.75)" in common.header_line(
+        "t", [{"device": "d", "memory_fraction": None}])

@@ -5,7 +5,7 @@ Single-weight launches (the o and down projections), grouped q|k|v launches and 
 SwiGLU launches of gate/up pairs run here where `refusal` says nothing against them; the
 Triton decode backend (triton.py) takes every launch this one refuses. The permuted buffer is a
 weight's only copy (KernelLayoutWeight.kernel_source): prefill and training dequantize it
-directly (pallas_kernels.permuted_dequantize). Measured on the H100 in one call each: 7B
+directly (pallas_kernels.permuted_dequantize). Measured on the H100, one run each: 7B
 rollout 3.27-3.49 s against 3.47-3.68 s on the Triton kernels, 14B 5.89-6.05 against
 6.72-6.91, training within 0.06 s (benchmarks/RESULTS.md).
 
@@ -277,7 +277,8 @@ def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles:
         lora = dict(lora_down=lora_x_a, lora_bt=operand)
     y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
                                    k=first.shape[1],
-                                   l2_prefetch=_prefetch_plan(first, prefetch_tiles, x.shape[0]), **lora)
+                                   l2_prefetch=_prefetch_plan(first, prefetch_tiles, x.shape[0]),
+                                   **lora)
     outputs, offset = [], 0
     for weight, n_pad in zip(weights, n_pads):
         scale = 2.0 ** -mgpu_nvfp4.SCALED_EXPONENT / weight.kernel_tensor_scale().reshape(())
@@ -318,4 +319,5 @@ def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
     return mgpu_nvfp4.mgpu_nvfp4_swiglu(
         x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_tensor_scale(),
         up.kernel_tensor_scale(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
-        next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate, prefetch_tiles, x.shape[0]), **lora)
+        next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate, prefetch_tiles, x.shape[0]),
+        **lora)
