@@ -473,15 +473,17 @@ def report(rows: list[dict], args, name: str) -> None:
     """Ratios to bf16, the paper's figures, the table and the targets -> {out}/{name}.md/.json."""
     for row in rows:
         bf16 = _lookup(rows, row["size"], "bf16", row["batch"])
-        if row.get("tokens_per_s") and bf16:
-            row["vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
+        if row.get("tokens_per_s") and bf16 and bf16.get("tokens_per_s"):
+            row["vs_bf16"] = _rate(row) / _rate(bf16)  # medians, as the targets
         row["paper_tokens_per_s"] = PAPER.get((row["size"], row["format"], row["batch"]))
         peer = _lookup(rows, row["size"], "bf16 transformers", row["batch"])
         if row.get("tokens_per_s") and peer and peer.get("tokens_per_s"):
             row["vs_transformers"] = _rate(row) / _rate(peer)
     header = common.header_line(
-        f"Rollout throughput ({args.prompt}-token prompt, {args.new_tokens} new tokens, EOS "
-        f"off, LoRA r{args.rank} unmerged, temperature 1, random weights; tok/s = all "
+        f"Rollout throughput ({args.prompt}-token prompt, {args.new_tokens} new tokens, "
+        + (f"EOS off, each row stopping at a length drawn from {args.lengths}" if args.lengths
+           else "EOS off (every row to the limit)")
+        + f", LoRA r{args.rank} unmerged, temperature 1, random weights; tok/s = all "
         f"generated tokens / one timed call incl. prefill; compile timed apart, AOT)", rows)
     notes = ["", ("Peak memory: the device allocator's peak since the worker process started "
                   "(one process per size x format, batches ascending, so each batch's peak "
