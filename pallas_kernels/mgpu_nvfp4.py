@@ -369,11 +369,11 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    m_pad = -(-m // 8) * 8
-    splits = (default_splits(row_tiles, k_tiles, m_pad=m_pad, stages=stages) if splits is None
+    splits = (default_splits(row_tiles, k_tiles, m=m, stages=stages) if splits is None
               else splits)
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
+    m_pad = -(-m // 8) * 8
     next_a = None if swiglu is None else swiglu.next_lora_a
     if swiglu is not None:
         if splits != 1:
@@ -554,8 +554,7 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     row_tiles = n_pad2 // TILE_ROWS
-    resolved = (default_splits(row_tiles, -(-k // TILE_K), m_pad=-(-m // 8) * 8)
-                if splits is None else splits)
+    resolved = default_splits(row_tiles, -(-k // TILE_K), m=m) if splits is None else splits
     if (fused and half_block == TILE_ROWS // 2 and resolved == 1
             and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):
         next_a = next_lora_a  # matmul_unscaled takes it in bf16

@@ -172,28 +172,30 @@ def permuted_dequantize_reference(permuted: jax.Array, tensor_scale: jax.Array, 
 
 
 
-def resident_programs(m_pad: int, stages: int = 2) -> int:
-    """A model of the programs one SM holds at once, for sizing the split count: 4 by
-    registers, fewer where their shared memory (stages x (x tile [m_pad, 256] bf16 + weight
+def resident_programs(m: int, stages: int = 2) -> int:
+    """A model of the programs one SM holds at once at M = m (padded to m_pad, a multiple of
+    8, as the kernel pads x), for sizing the split count: 4 by registers, fewer where their
+    shared memory (stages x (x tile [m_pad, 256] bf16 + weight
     tile) + the transposed store's [m_pad, 64] float32) does not fit 4 times: at 2 stages 4 up
     to M = 24, 3 at M = 32-40, 2 at M = 48-64. It leaves out the LoRA tiles, which a grouped
     rank-96 launch adds (24 KiB at M = 64: 1 program by this count, whose 1 split was not the
     fastest); it was fitted to the 7B launches measured in benchmarks/RESULTS.md."""
+    m_pad = -(-m // 8) * 8
     smem = stages * (m_pad * TILE_K * 2 + TILE_LINES * 128) + m_pad * TILE_ROWS * 4
     return max(1, min(SLOTS // SMS, SMEM_PER_SM // smem))
 
 
 def default_splits(row_tiles: int, k_tiles: int, slots: int | None = None, *,
-                   m_pad: int = 8, stages: int = 2) -> int:
+                   m: int = 8, stages: int = 2) -> int:
     """Split-K count: the fewest pipeline steps per program (ceil(k_tiles / splits)) with at
-    most `slots` programs (row tiles x splits; default SMS x resident_programs(m_pad, stages)),
+    most `slots` programs (row tiles x splits; default SMS x resident_programs(m, stages)),
     and the fewest splits giving that many steps (fewer partials to sum), at least 1. Splits need
     not divide the K tiles: a program with one tile fewer skips its last step (7B's down
     projection has 74 K tiles = 2 x 37, whose dividing counts are 1, 2, 37, 74). At M = 64 the
     model gives 2 programs per SM, not 4; sizing the splits for 4 there was 9-25% slower per
     7B launch (benchmarks/RESULTS.md, "Split-K at M = 64")."""
     if slots is None:
-        slots = SMS * resident_programs(m_pad, stages)
+        slots = SMS * resident_programs(m, stages)
     most = max(1, min(k_tiles, slots // row_tiles))
     steps = -(-k_tiles // most)
     return -(-k_tiles // steps)
@@ -289,8 +291,7 @@ def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, a
     row of a multiple of 16 bytes and at most 256 columns: a TMA box) if given."""
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
-    splits = (default_splits(row_tiles, k_tiles, m_pad=-(-m // 8) * 8) if splits is None
-              else splits)
+    splits = default_splits(row_tiles, k_tiles, m=m) if splits is None else splits
     if not 1 <= ahead <= 3:
         raise ValueError(f"l2_prefetch_for: ahead={ahead} (1-3 tiles: a TMA box has at most "
                          f"256 lines)")

@@ -47,7 +47,7 @@ def schedules(n: int, k: int, sweep: bool, stages=(2,), m: int = 8,
     split-K count, with --sweep half and twice it, and the counts of --splits; each at every
     pipeline depth in `stages` (--stages; 2, the kernel's default, unlabelled)."""
     from pallas_kernels import mgpu_nvfp4 as mg
-    splits = mg.default_splits(-(-n // 64), -(-k // 256), m_pad=-(-m // 8) * 8)
+    splits = mg.default_splits(-(-n // 64), -(-k // 256), m=m)
     out = [(f"splits {splits}", {})]
     others = sweep_splits(n, k, m) if sweep else []
     others += [s for s in extra_splits if s not in others and 1 <= s <= -(-k // 256)]
@@ -62,7 +62,7 @@ def sweep_splits(n: int, k: int, m: int = 8) -> list[int]:
     waves of programs (132-1056; uneven counts included)."""
     from pallas_kernels import mgpu_nvfp4 as mg
     row_tiles, k_tiles = -(-n // 64), -(-k // 256)
-    default = mg.default_splits(row_tiles, k_tiles, m_pad=-(-m // 8) * 8)
+    default = mg.default_splits(row_tiles, k_tiles, m=m)
     return [s for s in (default // 2, 2 * default)
             if s and s != default and s <= k_tiles and 132 <= row_tiles * s <= 1056]
 

@@ -430,12 +430,13 @@ def test_splits_follow_the_programs_shared_memory_lets_an_sm_hold():
         resident = mg.resident_programs(m_pad)
         assert resident == min(4, 227 * 1024 // tile_bytes(m_pad))
         for row_tiles, k_tiles in ((56, 74), (56, 14), (72, 14), (592, 14)):
-            assert mg.default_splits(row_tiles, k_tiles, m_pad=m_pad) == mg.default_splits(
+            assert mg.default_splits(row_tiles, k_tiles, m=m_pad) == mg.default_splits(
                 row_tiles, k_tiles, 132 * resident)
     assert [mg.resident_programs(m) for m in (8, 24, 32, 40, 48, 64)] == [4, 4, 3, 3, 2, 2]
-    assert mg.default_splits(72, 14, m_pad=64) == 3  # 7B q|k|v at M = 64 (7 at M = 8)
-    assert mg.default_splits(56, 74, m_pad=64) == 4  # 7B down (9 at M = 8)
-    assert mg.default_splits(56, 14, m_pad=8) == mg.default_splits(56, 14) == 7
+    assert mg.resident_programs(57) == mg.resident_programs(64)  # x is padded to 8 rows
+    assert mg.default_splits(72, 14, m=64) == 3  # 7B q|k|v at M = 64 (7 at M = 8)
+    assert mg.default_splits(56, 74, m=64) == 4  # 7B down (9 at M = 8)
+    assert mg.default_splits(56, 14, m=8) == mg.default_splits(56, 14) == 7
     assert mg.l2_prefetch_for(jnp.zeros((56 * 14 * 72, 128), jnp.uint8), k=3584,
                               m=64).splits == 4
 
