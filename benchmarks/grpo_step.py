@@ -256,8 +256,7 @@ def worker_main(args) -> None:
                           f"~{needed:.0f} s, {max(left, 0):.0f} s left)")
                 break
         try:
-            metrics = trainer.train_step()
-            trainer.step += 1
+            metrics = trainer.train_step()   # advances trainer.step
         except Exception as error:
             status = f"step {step} " + common.describe_error(error)
             traceback.print_exc()   # the worker's log keeps the whole of it
@@ -291,10 +290,27 @@ def worker_main(args) -> None:
 # ============================================================================== parent
 def _trace_peaks(trainer, row) -> None:
     """Wraps the trainer's jitted calls: after each (waited for), when the allocator's peak rose,
-    appends [step, call, peak GiB, in use GiB] to row["peak_trace"]."""
+    appends [step, call, peak GiB, in use GiB] to row["peak_trace"]; after the first call of each
+    name in steps 0 and 1 (and once before step 0), appends to row["memory_trace"] what is in use
+    against what live arrays hold, and the largest arrays the trainer's state does not own."""
     import jax
     trace = row.setdefault("peak_trace", [])
+    accounts = row.setdefault("memory_trace", [])
     last = [common.peak_memory_gib()[0]]
+    seen = set()
+
+    def account(step, name):
+        stats = jax.devices()[0].memory_stats() or {}
+        owned, unowned = _live_array_bytes(trainer)
+        accounts.append({
+            "step": step, "after": name,
+            "in_use_GiB": round(stats.get("bytes_in_use", 0) / 2**30, 4),
+            "peak_GiB": round(stats.get("peak_bytes_in_use", 0) / 2**30, 4),
+            "state_arrays_GiB": round(owned / 2**30, 4),
+            "other_arrays_GiB": round(sum(size for _, size in unowned.values()) / 2**30, 4),
+            "other_arrays": sorted(([key, count, round(size / 2**30, 4)]
+                                    for key, (count, size) in unowned.items()),
+                                   key=lambda item: -item[2])[:10]})
 
     def wrap(name, fn):
         def traced(*args, **kwargs):
@@ -305,24 +321,37 @@ def _trace_peaks(trainer, row) -> None:
                 trace.append([trainer.step, name, round(peak, 3),
                               round(stats.get("bytes_in_use", 0) / 2**30, 3)])
                 last[0] = peak
+            if trainer.step < 2 and (trainer.step, name) not in seen:
+                seen.add((trainer.step, name))
+                account(trainer.step, name)
             return result
         return traced
 
     for name in ("_collect_rollouts", "_zero_grads", "_grad_fn", "_scale", "_apply_update",
                  "_logprobs_fn"):
         setattr(trainer, name, wrap(name, getattr(trainer, name)))
-    # what holds device memory besides the trainer's weights, adapters and optimizer state
-    owned = {id(leaf) for tree in (trainer.frozen, trainer.trainable, trainer.opt_state)
-             for leaf in jax.tree_util.tree_leaves(tree)}
-    others = {}
+    account(0, "trainer set-up")
+
+
+def _live_array_bytes(trainer) -> tuple[int, dict]:
+    """(bytes on device 0 of the live arrays in the trainer's weights, adapters, optimizer state
+    and reference adapters; {dtype[shape]: (count, bytes)} of every other live array)."""
+    import jax
+    device = jax.devices()[0]
+    owned_ids = {id(leaf) for tree in (trainer.frozen, trainer.trainable, trainer.opt_state,
+                                       trainer.reference_trainable)
+                 for leaf in jax.tree_util.tree_leaves(tree)}
+    owned, others = 0, {}
     for array in jax.live_arrays():
-        if id(array) not in owned:
-            key = f"{array.dtype}{list(array.shape)}"
-            count, size = others.get(key, (0, 0))
-            others[key] = (count + 1, size + array.nbytes)
-    row["unowned_live_arrays"] = sorted(([key, count, round(size / 2**30, 4)]
-                                         for key, (count, size) in others.items()),
-                                        key=lambda item: -item[2])[:15]
+        size = sum(shard.data.nbytes for shard in array.addressable_shards
+                   if shard.device == device)
+        if id(array) in owned_ids:
+            owned += size
+            continue
+        key = f"{array.dtype}{list(array.shape)}"
+        count, total = others.get(key, (0, 0))
+        others[key] = (count + 1, total + size)
+    return owned, others
 
 
 COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("mesh", "mesh"),

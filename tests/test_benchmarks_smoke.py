@@ -85,9 +85,13 @@ def test_rollout_and_grpo_step_smoke(tmp_path):
     assert row["step0_sampler_compile_s"] > 0  # --offload-for-compile on: compiled ahead
     assert row["step_sampler_compile_s"] == 0  # once
     assert row["offload_for_compile"] == "auto"
-    # --trace-peaks ran: the CPU allocator reports no peak (an empty trace); the device arrays
-    # outside the trainer's state are listed
-    assert row["peak_trace"] == [] and isinstance(row["unowned_live_arrays"], list)
+    # --trace-peaks ran: the CPU allocator reports no peak (an empty trace); the live arrays
+    # are accounted before step 0 and after the first call of each program in steps 0 and 1
+    assert row["peak_trace"] == []
+    accounts = [(entry["step"], entry["after"]) for entry in row["memory_trace"]]
+    assert accounts[0] == (0, "trainer set-up")
+    assert (0, "_collect_rollouts") in accounts and (1, "_grad_fn") in accounts
+    assert all(entry["state_arrays_GiB"] > 0 for entry in row["memory_trace"])
 
     # --merge: one table from several runs' JSON; an ok row replaces another run's failed one
     failed = {"rows": [{**rows[0], "status": "killed at the budget deadline"}]}
