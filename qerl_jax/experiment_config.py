@@ -173,6 +173,10 @@ FIELDS: dict[str, Field] = {
     "quant.kernels.mosaic_prefetch_tiles": Field(1, "K tiles per program of the next Mosaic "
                                                  "decode launch each launch prefetches into L2 "
                                                  "(0 = no prefetch).", in_interval(0, 3)),
+    "quant.kernels.compact_after_repack": Field(
+        "auto", "After repacking the 4-bit weights for the kernels, copy them through host "
+        "memory once so the device allocator holds them without the repack's gaps (0.7 GiB at "
+        "7B); needs host memory for the weights ('auto' = on a GPU).", one_of(ON_OFF_AUTO)),
     "quant.kernels.decode_attention": Field(True, "The Pallas decode-attention kernel for "
                                             "one-token decode steps."),
     "quant.kernels.decode_matmul.target_programs": Field(

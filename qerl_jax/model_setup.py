@@ -10,8 +10,10 @@ import functools
 import logging
 import os
 
+import jax
 import ml_collections
 
+from qerl_jax.device_offload import compact_module
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.config import preset
 from qerl_jax.models.hf_io import load_hf_model
@@ -145,3 +147,11 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict, mesh=None) -
     # the model was just built: nothing else holds it; its adapters come later (their rank
     # decides whether the NVFP4 decode launches can run the Mosaic GPU kernel)
     enable_kernels(model, options, donate=True, lora_rank=config.lora.rank, mesh=mesh)
+    compact = config.quant.kernels.compact_after_repack
+    if compact == "on" or (compact == "auto" and jax.default_backend() == "gpu"):
+        moved = compact_module(model)
+        if moved:
+            logger.info("compacted %.2f GiB of repacked weights through host memory", moved / 2**30)
+        else:
+            logger.warning("not enough host memory to compact the repacked weights: the device "
+                           "allocator keeps the gaps the repack left (about 0.7 GiB at 7B)")

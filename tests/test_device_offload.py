@@ -83,3 +83,54 @@ def test_an_array_in_several_leaves_stays_one_array(method):
     assert restored["gate"][0] is restored["up"][0]
     np.testing.assert_array_equal(np.asarray(restored["up"][0]), expected[0])
     np.testing.assert_array_equal(np.asarray(restored["gate"][1]), expected[1])
+
+
+def test_compact_module_puts_a_repacked_model_back_bit_for_bit_with_its_shared_arrays():
+    """compact_module on a tiny NVFP4 model in the kernels' layouts (interpreted on the CPU:
+    gate/up pairs, Mosaic permuted buffers shared by a q|k|v group): every array is a new one
+    with the same bits, dtype and sharding, the old ones are freed, an array shared by several
+    weights is still one array, each counted once, and the logits do not change."""
+    from flax import nnx
+
+    from qerl_jax.device_offload import compact_module
+    from qerl_jax.model_quant.kernels import enable_kernels
+    from qerl_jax.model_quant.quantize import quantize_model
+    from qerl_jax.models.config import tiny_qwen2
+    from qerl_jax.models.transformer import init_model
+    from qerl_jax.quant.kernels import unregister_kernels
+    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
+    quantize_model(model, "nvfp4")
+    enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
+    try:
+        tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, model.config.vocab_size)
+
+        def forward():
+            graphdef, state = nnx.split(model)
+            return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
+
+        def arrays():
+            return [leaf for leaf in jax.tree_util.tree_leaves(nnx.state(model))
+                    if isinstance(leaf, jax.Array)]
+
+        before = arrays()
+        logits = forward()
+        owners = {}   # leaf index -> the first index holding the same array
+        for i, leaf in enumerate(before):
+            owners[i] = next(j for j in range(i + 1) if before[j] is leaf)
+        assert any(owners[i] != i for i in owners)   # pair / group buffers are shared
+        expected = [np.asarray(leaf) for leaf in before]
+        unique = {id(leaf): leaf for leaf in before}
+        moved = compact_module(model)
+        assert moved == sum(leaf.nbytes for leaf in unique.values())
+        assert all(leaf.is_deleted() for leaf in unique.values())
+        after = arrays()
+        assert len(after) == len(before)
+        for i, (leaf, old, values) in enumerate(zip(after, before, expected)):
+            assert after[owners[i]] is leaf   # shared as before, and only as before
+            assert leaf.dtype == values.dtype and leaf.sharding == old.sharding
+            np.testing.assert_array_equal(np.asarray(leaf).reshape(-1).view(np.uint8),
+                                          values.reshape(-1).view(np.uint8))
+        assert len({id(leaf) for leaf in after}) == len(unique)
+        np.testing.assert_array_equal(forward(), logits)
+    finally:
+        unregister_kernels("cpu")

@@ -184,7 +184,8 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     quant.kernels.enabled (a float32-compute model would unpack the kernel layout on every
     call), donating the freshly built model's checkpoint-layout buffers, with the options of
     config.quant.kernels (gate/up pairs, Mosaic GPU choice, tunings) and the adapters' rank to
-    come (lora.rank: a rank the Mosaic GPU kernel cannot take keeps the Triton kernels)."""
+    come (lora.rank: a rank the Mosaic GPU kernel cannot take keeps the Triton kernels), then
+    compacts the repacked weights where quant.kernels.compact_after_repack says."""
     from qerl_jax import model_setup
     from qerl_jax.model_quant import kernels
     from qerl_jax.quant.kernel_options import KernelOptions
@@ -195,6 +196,9 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
 
     monkeypatch.setattr(kernels, "enable_kernels", enable_kernels)
     monkeypatch.setattr(kernels, "enable_decode_attention", lambda **kwargs: None)
+    compacted = []
+    monkeypatch.setattr(model_setup, "compact_module",
+                        lambda model: compacted.append(model) or 1)
     cases = [("nvfp4", "bfloat16", True, 1), ("nvfp4", "float32", True, 0),
              ("nvfp4", "bfloat16", False, 0), ("bf16", "bfloat16", True, 0)]
     for fmt, compute_dtype, enabled, expected in cases:
@@ -208,6 +212,15 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
                                                              "lora_rank": config.lora.rank,
                                                              "mesh": None}   # one device
                    for _, options, kwargs in calls)
+    # the repacked weights are compacted through host memory on a GPU ('auto'), or as asked
+    assert compacted == []   # 'auto' on this CPU
+    for compact, expected in (("on", ["model"]), ("off", []), ("auto", [])):
+        config = _config()
+        config.quant.format, config.quant.kernels.compact_after_repack = "nvfp4", compact
+        config.model.compute_dtype = "bfloat16"
+        compacted.clear()
+        model_setup._maybe_enable_kernels("model", config)
+        assert compacted == expected, compact
     config = _config()
     config.quant.format, config.quant.kernels.gate_up_pairs = "nvfp4", False
     config.quant.kernels.mosaic_nvfp4 = "off"
