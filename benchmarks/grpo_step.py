@@ -98,6 +98,10 @@ def parse_args(argv=None):
                         help="config.rollout.offload_weights_for_compile (auto, the default: on "
                              "a GPU each sampler program compiles while the frozen weights are "
                              "in host memory, out of the way of XLA's autotuner)")
+    parser.add_argument("--compact-after-repack", default="auto", choices=("auto", "on", "off"),
+                        help="config.quant.kernels.compact_after_repack (auto, the default: on "
+                             "a GPU the repacked 4-bit weights are copied through host memory "
+                             "once, which leaves no allocator gaps)")
     parser.add_argument("--offload-method", default="auto",
                         choices=("auto", "pinned_host", "numpy"),
                         help="config.rollout.offload_method: where the weights wait meanwhile")
@@ -208,6 +212,8 @@ def worker_main(args) -> None:
         row["logits_chunk"] = config.train.logits_chunk_size
         config.model.attention_implementation = args.attention
         config.rollout.offload_weights_for_compile = args.offload_for_compile
+        config.quant.kernels.compact_after_repack = args.compact_after_repack
+        row["compact_after_repack"] = args.compact_after_repack
         config.rollout.offload_method = args.offload_method
         begin = time.perf_counter()
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
@@ -368,7 +374,8 @@ COLUMNS = [("size", "size"), ("format", "format"), ("aqn", "AQN"), ("mesh", "mes
            ("compilation_cache", "compilation cache"),
            ("logits_chunk", "log-prob chunk"), ("attention", "training attention"),
            ("weights_GiB", "weights GiB"),
-           ("trainer_init_s", "init s"), ("path_decode", "decode path"),
+           ("trainer_init_s", "init s"), ("compact_after_repack", "compact after repack"),
+           ("path_decode", "decode path"),
            ("path_train", "train path"), ("kernel_hook", "kernel hook"),
            ("kernel_layout_weights", "weights in kernel layout"),
            ("mosaic_weights", "weights on the Mosaic GPU path")]
@@ -443,6 +450,7 @@ def parent_main(args) -> None:
                          if args.compilation_cache else []),
                        "--attention", args.attention,
                        "--offload-for-compile", args.offload_for_compile,
+                       "--compact-after-repack", args.compact_after_repack,
                        "--offload-method", args.offload_method,
                        *(["--trace-peaks"] if args.trace_peaks else []),
                        "--results", results, "--deadline", str(budget.deadline),
