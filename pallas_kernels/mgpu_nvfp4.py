@@ -167,7 +167,7 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
                       k: int, splits: int | None = None, lora_down: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
                       lora_bt: jax.Array | None = None, stages: int = 2,
-                      l2_prefetch: L2Prefetch | None = None, overlap: bool = False) -> jax.Array:
+                      l2_prefetch: L2Prefetch | None = None) -> jax.Array:
     """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
@@ -182,8 +182,7 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
                                n_pad=padded_rows(permuted, k))
     y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch,
-                        overlap=overlap)
+                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch)
     return y[:, :n] * (2.0 ** -SCALED_EXPONENT
                        / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
 
@@ -227,10 +226,8 @@ def _issue_l2_prefetch(plan: L2Prefetch, buffer_gmem, extra_gmem, program,
             plgpu.async_prefetch(buffer_gmem.at[pl.ds(line_of(q), box)])
 
 
-def _tile_product(tile_smem, x_smem, acc_ref, in_flight: int = 0) -> None:
-    """Inside a kernel: acc [64, M] += the decoded weight tile [64, 256] @ x_tile^T (wgmma),
-    returning with at most `in_flight` wgmma groups still running (1: this tile's product runs
-    while the next tile is decoded; the pipeline then releases each x tile one step late)."""
+def _tile_product(tile_smem, x_smem, acc_ref) -> None:
+    """Inside a kernel: acc [64, M] += the decoded weight tile [64, 256] @ x_tile^T (wgmma)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     w = plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),),
@@ -238,7 +235,7 @@ def _tile_product(tile_smem, x_smem, acc_ref, in_flight: int = 0) -> None:
                                            layout=plgpu.Layout.WGMMA),
     )(lambda ctx, tile_ref: _decode_tile(tile_ref))(tile_smem)
     plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
-    plgpu.wgmma_wait(in_flight)
+    plgpu.wgmma_wait(0)
 
 
 def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
@@ -345,15 +342,13 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     splits: int | None = None, lora_down: jax.Array | None = None,
                     lora_bt: jax.Array | None = None, stages: int = 2,
                     l2_prefetch: L2Prefetch | None = None,
-                    swiglu: SwigluEpilogue | None = None, overlap: bool = False):
+                    swiglu: SwigluEpilogue | None = None):
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
     (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
     permuted buffer past n are whatever it holds (zeros for permute_packed's padding). Grid
     (row tiles, splits): the split-K schedule of the module docstring. l2_prefetch: another
-    launch's first tiles, prefetched into L2 by each program after its K loop. overlap: each
-    tile's wgmma runs while the next tile is decoded (needs stages >= 2; x tiles are released
-    one step late, so the pipeline prefetches stages - 1 tiles ahead instead of stages).
+    launch's first tiles, prefetched into L2 by each program after its K loop.
     swiglu (one split only): instead (h bf16 [M, N_pad / 2], the SwiGLU of a gate/up pair in
     blocks of 32 rows, and with swiglu.next_lora_a the float32 [row tiles, M, r] shares of
     h @ next_lora_a, or None) from the fused epilogue (_swiglu_epilogue)."""
@@ -378,8 +373,6 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
               else splits)
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
-    if overlap and stages < 2:
-        raise ValueError(f"mgpu_nvfp4_matmul: overlap needs stages >= 2, not {stages}")
     m_pad = -(-m // 8) * 8
     next_a = None if swiglu is None else swiglu.next_lora_a
     if swiglu is not None:
@@ -414,7 +407,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     kernel = _split_k_kernel(
         m_pad=m_pad, k_tiles=k_tiles, row_tiles=row_tiles, splits=splits, stages=stages,
         rank=lora_bt.shape[1] if with_lora else None, plan=plan, swiglu=swiglu is not None,
-        next_rank=None if next_a is None else next_a.shape[1], overlap=overlap)
+        next_rank=None if next_a is None else next_a.shape[1])
     outputs = kernel(*inputs)
     if swiglu is not None:
         h = outputs[0][:m]
@@ -426,13 +419,13 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
 @functools.lru_cache(maxsize=None)
 def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, stages: int,
                     rank: int | None, plan: L2Prefetch | None, swiglu: bool,
-                    next_rank: int | None, overlap: bool = False):
+                    next_rank: int | None):
     """matmul_unscaled's kernel for one static configuration, as one jitted function (cached):
     every launch of it in a program (a model's layers) calls the same function, so JAX lowers
     the Mosaic GPU kernel once per program, not once per launch (32 launches lowered
     in 0.17 s instead of 4.5 s, on a CPU). rank: the LoRA operand's width (None: no LoRA); plan: the
     L2 prefetch's static part (buffer None, extra as a shape) or None; swiglu / next_rank: the
-    fused SwiGLU epilogue and its next-LoRA width; overlap: see matmul_unscaled."""
+    fused SwiGLU epilogue and its next-LoRA width."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     steps = -(-k_tiles // splits)
@@ -475,14 +468,12 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                 plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
                 plgpu.copy_gmem_to_smem(lora_bt_gmem.at[rows], bt_smem, barrier)
 
-        in_flight = 1 if overlap else 0
-
         def step(indices, tile_smem, x_smem, acc_ref):
             if uneven:
                 pl.when(first + indices[0] < last)(
-                    lambda: _tile_product(tile_smem, x_smem, acc_ref, in_flight))
+                    lambda: _tile_product(tile_smem, x_smem, acc_ref))
             else:
-                _tile_product(tile_smem, x_smem, acc_ref, in_flight)
+                _tile_product(tile_smem, x_smem, acc_ref)
             return acc_ref
 
         def scope(acc_ref):
@@ -491,13 +482,11 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                 in_specs=[
                     plgpu.BlockSpec((TILE_LINES, 128),
                                     lambda j: (b * k_tiles + jnp.minimum(first + j, last - 1),
-                                               0), delay_release=in_flight),
+                                               0)),
                     plgpu.BlockSpec((m_pad, TILE_K),
                                     lambda j: (0, jnp.minimum(first + j, last - 1)),
-                                    transforms=_swizzled(TILE_K), delay_release=in_flight)],
+                                    transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
-            if overlap:
-                plgpu.wgmma_wait(0)   # the last tile's product is in acc
             if plan is not None:
                 _issue_l2_prefetch(plan, prefetch_gmem, extra_gmem, b * splits + s,
                                    row_tiles * splits)

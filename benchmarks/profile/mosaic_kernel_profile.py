@@ -42,22 +42,19 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
 
 
 def schedules(n: int, k: int, sweep: bool, stages=(2,), m: int = 8,
-              extra_splits=(), overlap: bool = False) -> list[tuple[str, dict]]:
+              extra_splits=()) -> list[tuple[str, dict]]:
     """(label, matmul keyword arguments) of the schedules --profile times at M = m: the default
     split-K count, with --sweep half and twice it, and the counts of --splits; each at every
-    pipeline depth in `stages` (--stages; 2, the kernel's default, unlabelled); with overlap
-    (--overlap) each also with the wgmma overlapping the next tile's decode."""
+    pipeline depth in `stages` (--stages; 2, the kernel's default, unlabelled)."""
     from pallas_kernels import mgpu_nvfp4 as mg
     splits = mg.default_splits(-(-n // 64), -(-k // 256), m=m)
     out = [(f"splits {splits}", {})]
     others = sweep_splits(n, k, m) if sweep else []
     others += [s for s in extra_splits if s not in others and 1 <= s <= -(-k // 256)]
     out += [(f"splits {s}", {"splits": s}) for s in others if s != splits]
-    out = [(label if depth == 2 else f"{label}, stages {depth}",
-            kwargs if depth == 2 else {**kwargs, "stages": depth})
-           for depth in stages for label, kwargs in out]
-    return out + ([(f"{label}, overlap", {**kwargs, "overlap": True}) for label, kwargs in out]
-                  if overlap else [])
+    return [(label if depth == 2 else f"{label}, stages {depth}",
+             kwargs if depth == 2 else {**kwargs, "stages": depth})
+            for depth in stages for label, kwargs in out]
 
 
 def sweep_splits(n: int, k: int, m: int = 8) -> list[int]:
@@ -86,9 +83,6 @@ def parse_args(argv=None):
     parser.add_argument("--splits", default="",
                         help="comma-separated split-K counts --profile also times (the Mosaic "
                              "rows; counts above a shape's K tiles are left out)")
-    parser.add_argument("--overlap", action="store_true",
-                        help="--profile also times each Mosaic schedule with its wgmma "
-                             "overlapping the next tile's decode (mgpu_nvfp4 overlap=True)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
@@ -104,7 +98,7 @@ def _inputs(key, n, k, m, rank):
 
 
 def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), triton=True,
-                       extra_splits=(), overlap=False):
+                       extra_splits=()):
     """q|k|v: Triton's grouped launch (three weights, r32 each; unless not triton) against the
     Mosaic kernel on the stacked buffer with the block-diagonal rank-96 operand (+ XLA's
     per-member rescale)."""
@@ -143,7 +137,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
     operand = mg.group_lora_operand(lora_bs, [p.tensor_scale for p in packed], [2.0] * 3,
                                     n_pads)
     scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
-    for label, kwargs in schedules(sum(n_pads), k, sweep, stages, m, extra_splits, overlap):
+    for label, kwargs in schedules(sum(n_pads), k, sweep, stages, m, extra_splits):
         def launch(x, t, d, kwargs=kwargs):
             y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_down=d, lora_bt=operand,
                                    **kwargs)
@@ -161,7 +155,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
 
 
 def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=True,
-                  extra_splits=(), overlap=False):
+                  extra_splits=()):
     import jax
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
@@ -190,7 +184,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
-    for label, kwargs in schedules(n, k, sweep, stages, m, extra_splits, overlap):
+    for label, kwargs in schedules(n, k, sweep, stages, m, extra_splits):
         fn = jax.jit(lambda x, ps, d, bt, kwargs=kwargs: [mg.mgpu_nvfp4_matmul(
             x, p, ts, n=n, k=k, lora_down=d, lora_bt=bt, **kwargs) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
@@ -293,12 +287,11 @@ def main(argv=None):
                     profiles += group_profile_rows(key, label, n, k, args.m, args.repeats,
                                                    args.sweep, (h, kv, kv), stages,
                                                    triton=not args.mosaic_only,
-                                                   extra_splits=extra_splits,
-                                                   overlap=args.overlap)
+                                                   extra_splits=extra_splits)
                 else:
                     profiles += profile_shape(key, label, n, k, args.m, args.repeats,
                                               args.sweep, stages, triton=not args.mosaic_only,
-                                              extra_splits=extra_splits, overlap=args.overlap)
+                                              extra_splits=extra_splits)
             except Exception as e:
                 traceback.print_exc()
                 profiles.append({"shape": label, "n": n, "k": k,

@@ -9,8 +9,6 @@ interpreted Triton launches). The
 kernel's numbers are checked on a GPU by test_mgpu_nvfp4_gpu.py (Mosaic GPU has no interpret
 mode for TMA copies)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,27 +132,6 @@ def test_kernel_lowers_for_cuda(m, rank, splits, prepared):
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     assert lowered.out_info.shape == (m, n)
-
-
-@pytest.mark.parametrize("m,splits,stages", [(64, 3, 2), (8, None, 3)])
-def test_overlapped_kernel_lowers_for_cuda(m, splits, stages):
-    """overlap=True (x tiles released one step late, one wgmma group in flight) lowers; it
-    needs a pipeline of at least 2 stages."""
-    n, k, rank = 256, 1024, 32
-    _, packed = kc.nvfp4_packed(n, k)
-    permuted = jax.ShapeDtypeStruct(mg.permute_packed(packed).shape, jnp.uint8)
-    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), permuted, packed.tensor_scale,
-            jax.ShapeDtypeStruct((m, rank), jnp.bfloat16),
-            jax.ShapeDtypeStruct((n, rank), jnp.bfloat16)]
-
-    def f(x, permuted, ts, down, bt, stages=stages):
-        return mg.mgpu_nvfp4_matmul(x, permuted, ts, n=n, k=k, splits=splits, lora_down=down,
-                                    lora_bt=bt, stages=stages, overlap=True)
-
-    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text() and lowered.out_info.shape == (m, n)
-    with pytest.raises(ValueError, match="overlap needs stages >= 2"):
-        jax.jit(functools.partial(f, stages=1)).trace(*args)
 
 
 def test_refusals_and_bad_shapes():
