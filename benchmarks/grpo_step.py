@@ -341,22 +341,34 @@ def _trace_peaks(trainer, row) -> None:
 
 def _live_array_bytes(trainer) -> tuple[int, dict]:
     """(bytes on device 0 of the live arrays in the trainer's weights, adapters, optimizer state
-    and reference adapters; {dtype[shape]: (count, bytes)} of every other live array)."""
+    and reference adapters; {dtype[shape]: (count, bytes)} of every other live array), each
+    device buffer counted once (several jax.Arrays may hold one buffer: committed copies, an
+    array and its shards)."""
     import jax
     device = jax.devices()[0]
     owned_ids = {id(leaf) for tree in (trainer.frozen, trainer.trainable, trainer.opt_state,
                                        trainer.reference_trainable)
                  for leaf in jax.tree_util.tree_leaves(tree)}
-    owned, others = 0, {}
-    for array in jax.live_arrays():
-        size = sum(shard.data.nbytes for shard in array.addressable_shards
-                   if shard.device == device)
+    arrays = sorted(jax.live_arrays(), key=lambda array: id(array) not in owned_ids)
+    seen, owned, others = set(), 0, {}
+    for array in arrays:   # the state's arrays first: a buffer they share is theirs
+        size = 0
+        for shard in array.addressable_shards:
+            if shard.device != device:
+                continue
+            try:
+                pointer = shard.data.unsafe_buffer_pointer()
+            except Exception:   # no raw buffer to name (e.g. typed PRNG keys): its own
+                pointer = ("array", id(array))
+            if pointer not in seen:
+                seen.add(pointer)
+                size += shard.data.nbytes
         if id(array) in owned_ids:
             owned += size
-            continue
-        key = f"{array.dtype}{list(array.shape)}"
-        count, total = others.get(key, (0, 0))
-        others[key] = (count + 1, total + size)
+        elif size:
+            key = f"{array.dtype}{list(array.shape)}"
+            count, total = others.get(key, (0, 0))
+            others[key] = (count + 1, total + size)
     return owned, others
 
 
