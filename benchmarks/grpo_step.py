@@ -297,8 +297,9 @@ def worker_main(args) -> None:
 def _trace_peaks(trainer, row) -> None:
     """Wraps the trainer's jitted calls: after each (waited for), when the allocator's peak rose,
     appends [step, call, peak GiB, in use GiB] to row["peak_trace"]; after the first call of each
-    name in steps 0 and 1 (and once before step 0), appends to row["memory_trace"] what is in use
-    against what live arrays hold, and the largest arrays the trainer's state does not own."""
+    name in step 0 (and once before it), appends to row["memory_trace"] what is in use against
+    what live arrays hold, and the largest arrays the trainer's state does not own (the time
+    this takes, inside step 0, is row["memory_trace_s"])."""
     import jax
     trace = row.setdefault("peak_trace", [])
     accounts = row.setdefault("memory_trace", [])
@@ -327,9 +328,12 @@ def _trace_peaks(trainer, row) -> None:
                 trace.append([trainer.step, name, round(peak, 3),
                               round(stats.get("bytes_in_use", 0) / 2**30, 3)])
                 last[0] = peak
-            if trainer.step < 2 and (trainer.step, name) not in seen:
-                seen.add((trainer.step, name))
+            if trainer.step == 0 and name not in seen:   # step 0 only: later steps' times
+                seen.add(name)                             # stay free of the accounting
+                begun = time.perf_counter()
                 account(trainer.step, name)
+                row["memory_trace_s"] = (row.get("memory_trace_s", 0.0)
+                                         + time.perf_counter() - begun)
             return result
         return traced
 

@@ -175,7 +175,7 @@ FIELDS: dict[str, Field] = {
                                                  "(0 = no prefetch).", in_interval(0, 3)),
     "quant.kernels.compact_after_repack": Field(
         "auto", "After repacking the 4-bit weights for the kernels, copy them through host "
-        "memory once so the device allocator holds them without the repack's gaps (0.7 GiB at "
+        "memory once so the device allocator holds them without the repack's gaps (0.77 GiB at "
         "7B); needs host memory for the weights ('auto' = on a GPU).", one_of(ON_OFF_AUTO)),
     "quant.kernels.decode_attention": Field(True, "The Pallas decode-attention kernel for "
                                             "one-token decode steps."),

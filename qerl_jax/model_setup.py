@@ -154,4 +154,4 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict, mesh=None) -
             logger.info("compacted %.2f GiB of repacked weights through host memory", moved / 2**30)
         else:
             logger.warning("not enough host memory to compact the repacked weights: the device "
-                           "allocator keeps the gaps the repack left (about 0.7 GiB at 7B)")
+                           "allocator keeps the gaps the repack left (0.77 GiB at 7B)")

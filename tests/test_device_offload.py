@@ -86,8 +86,8 @@ def test_an_array_in_several_leaves_stays_one_array(method):
 
 
 def test_compact_module_puts_a_repacked_model_back_bit_for_bit_with_its_shared_arrays():
-    """compact_module on a tiny NVFP4 model in the kernels' layouts (interpreted on the CPU:
-    gate/up pairs, Mosaic permuted buffers shared by a q|k|v group): every array is a new one
+    """compact_module on a tiny NVFP4 model in the kernels' layout (interpreted on the CPU;
+    each MLP's gate/up pair views share one array): every array is a new one
     with the same bits, dtype and sharding, the old ones are freed, an array shared by several
     weights is still one array, each counted once, and the logits do not change."""
     from flax import nnx
@@ -117,7 +117,7 @@ def test_compact_module_puts_a_repacked_model_back_bit_for_bit_with_its_shared_a
         owners = {}   # leaf index -> the first index holding the same array
         for i, leaf in enumerate(before):
             owners[i] = next(j for j in range(i + 1) if before[j] is leaf)
-        assert any(owners[i] != i for i in owners)   # pair / group buffers are shared
+        assert any(owners[i] != i for i in owners)   # the pair views' arrays are shared
         expected = [np.asarray(leaf) for leaf in before]
         unique = {id(leaf): leaf for leaf in before}
         moved = compact_module(model)

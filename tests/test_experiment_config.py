@@ -201,6 +201,7 @@ BAD_VALUES = [
     ("rollout.temperature", "1", "must be a number, got '1' (str)"),
     ("quant.kernels.enabled", 1, "must be True or False, got 1 (int)"),
     ("quant.kernels.mosaic_nvfp4", "yes", "'yes' not in ('auto', 'on', 'off')"),
+    ("quant.kernels.compact_after_repack", "always", "'always' not in ('auto', 'on', 'off')"),
     ("quant.kernels.mosaic_prefetch_tiles", 4, "must be in [0, 3], got 4"),
     ("quant.kernels.decode_matmul.block_n", 48, "48 not in (16, 32, 64)"),
     ("data.path", None, "must be a string, got None (None)"),

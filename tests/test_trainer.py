@@ -214,13 +214,17 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
                    for _, options, kwargs in calls)
     # the repacked weights are compacted through host memory on a GPU ('auto'), or as asked
     assert compacted == []   # 'auto' on this CPU
-    for compact, expected in (("on", ["model"]), ("off", []), ("auto", [])):
+    for compact, backend, expected in (("on", "cpu", ["model"]), ("off", "cpu", []),
+                                       ("auto", "cpu", []), ("auto", "gpu", ["model"]),
+                                       ("off", "gpu", [])):
         config = _config()
         config.quant.format, config.quant.kernels.compact_after_repack = "nvfp4", compact
         config.model.compute_dtype = "bfloat16"
         compacted.clear()
-        model_setup._maybe_enable_kernels("model", config)
-        assert compacted == expected, compact
+        with monkeypatch.context() as patch:
+            patch.setattr(model_setup.jax, "default_backend", lambda: backend)
+            model_setup._maybe_enable_kernels("model", config)
+        assert compacted == expected, (compact, backend)
     config = _config()
     config.quant.format, config.quant.kernels.gate_up_pairs = "nvfp4", False
     config.quant.kernels.mosaic_nvfp4 = "off"
