@@ -114,9 +114,8 @@ def test_compact_module_puts_a_repacked_model_back_bit_for_bit_with_its_shared_a
 
         before = arrays()
         logits = forward()
-        owners = {}   # leaf index -> the first index holding the same array
-        for i, leaf in enumerate(before):
-            owners[i] = next(j for j in range(i + 1) if before[j] is leaf)
+        first = {}   # id(array) -> the first leaf index holding it
+        owners = {i: first.setdefault(id(leaf), i) for i, leaf in enumerate(before)}
         assert any(owners[i] != i for i in owners)   # the pair views' arrays are shared
         expected = [np.asarray(leaf) for leaf in before]
         unique = {id(leaf): leaf for leaf in before}
