@@ -167,14 +167,13 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
                       k: int, splits: int | None = None, lora_down: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
                       lora_bt: jax.Array | None = None, stages: int = 2,
-                      l2_prefetch: L2Prefetch | None = None, pdl: bool = False) -> jax.Array:
+                      l2_prefetch: L2Prefetch | None = None) -> jax.Array:
     """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
     lora_down [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
     LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
-    splits: split-K programs per row tile (default_splits); pdl: programmatic dependent launch
-    (matmul_unscaled). GPU only (Mosaic GPU)."""
+    splits: split-K programs per row tile (default_splits). GPU only (Mosaic GPU)."""
     if lora_down is not None and lora_bt is None:
         if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
@@ -183,7 +182,7 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
                                n_pad=padded_rows(permuted, k))
     y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch, pdl=pdl)
+                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch)
     return y[:, :n] * (2.0 ** -SCALED_EXPONENT
                        / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
 
@@ -343,7 +342,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     splits: int | None = None, lora_down: jax.Array | None = None,
                     lora_bt: jax.Array | None = None, stages: int = 2,
                     l2_prefetch: L2Prefetch | None = None,
-                    swiglu: SwigluEpilogue | None = None, pdl: bool = False):
+                    swiglu: SwigluEpilogue | None = None):
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
     (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
@@ -352,12 +351,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     launch's first tiles, prefetched into L2 by each program after its K loop.
     swiglu (one split only): instead (h bf16 [M, N_pad / 2], the SwiGLU of a gate/up pair in
     blocks of 32 rows, and with swiglu.next_lora_a the float32 [row tiles, M, r] shares of
-    h @ next_lora_a, or None) from the fused epilogue (_swiglu_epilogue).
-    pdl: the kernel is launched with programmatic dependent launch (JAX >= 0.11: XLA launches
-    it while the previous kernel still runs): each program prefetches its first weight tiles
-    into L2, then waits for the previous kernel (griddepcontrol.wait) before it reads x or the
-    LoRA down product, and lets the next kernel launch once its K loop is done. The same
-    results; JAX 0.10 launches it normally (the wait is then a no-op)."""
+    h @ next_lora_a, or None) from the fused epilogue (_swiglu_epilogue)."""
     m = x.shape[0]
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
@@ -413,7 +407,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     kernel = _split_k_kernel(
         m_pad=m_pad, k_tiles=k_tiles, row_tiles=row_tiles, splits=splits, stages=stages,
         rank=lora_bt.shape[1] if with_lora else None, plan=plan, swiglu=swiglu is not None,
-        next_rank=None if next_a is None else next_a.shape[1], pdl=pdl)
+        next_rank=None if next_a is None else next_a.shape[1])
     outputs = kernel(*inputs)
     if swiglu is not None:
         h = outputs[0][:m]
@@ -425,13 +419,13 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
 @functools.lru_cache(maxsize=None)
 def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, stages: int,
                     rank: int | None, plan: L2Prefetch | None, swiglu: bool,
-                    next_rank: int | None, pdl: bool = False):
+                    next_rank: int | None):
     """matmul_unscaled's kernel for one static configuration, as one jitted function (cached):
     every launch of it in a program (a model's layers) calls the same function, so JAX lowers
     the Mosaic GPU kernel once per program, not once per launch (32 launches lowered
     in 0.17 s instead of 4.5 s, on a CPU). rank: the LoRA operand's width (None: no LoRA); plan: the
     L2 prefetch's static part (buffer None, extra as a shape) or None; swiglu / next_rank: the
-    fused SwiGLU epilogue and its next-LoRA width; pdl: matmul_unscaled's."""
+    fused SwiGLU epilogue and its next-LoRA width."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     steps = -(-k_tiles // splits)
@@ -468,14 +462,6 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
         first = s * k_tiles // splits
         last = (s + 1) * k_tiles // splits  # exclusive
         rows = pl.ds(b * TILE_ROWS, TILE_ROWS)
-        import os
-        variant = os.environ.get("PDL_PROBE", "prefetch,launch")
-        if pdl and "prefetch" in variant:
-            ahead = min(stages, k_tiles // splits)  # every program has at least this many
-            plgpu.async_prefetch(packed_gmem.at[pl.ds((b * k_tiles + first) * TILE_LINES,
-                                                      ahead * TILE_LINES)])
-        if pdl:
-            plgpu.griddepcontrol_wait()
         if with_lora:  # split 0's LoRA operands, in flight while the pipeline runs
             @pl.when(s == 0)
             def _():
@@ -501,8 +487,6 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                                     lambda j: (0, jnp.minimum(first + j, last - 1)),
                                     transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
-            if pdl and "launch" in variant:
-                plgpu.griddepcontrol_launch_dependents()
             if plan is not None:
                 _issue_l2_prefetch(plan, prefetch_gmem, extra_gmem, b * splits + s,
                                    row_tiles * splits)
@@ -554,8 +538,7 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
                       up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
                       lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
                       next_lora_a: jax.Array | None = None, splits: int | None = None,
-                      l2_prefetch: L2Prefetch | None = None, fused: bool = True,
-                      pdl: bool = False):
+                      l2_prefetch: L2Prefetch | None = None, fused: bool = True):
     """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
     half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
     each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue). lora_bt:
@@ -564,7 +547,7 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
     next_lora_a. With `fused` (and blocks of 32 rows, one split, r a multiple of 16) the
     kernel's epilogue computes the SwiGLU and each row tile's share of that product
     (SwigluEpilogue; XLA sums the shares); else the kernel gives the pair's product and XLA
-    the rest. pdl: matmul_unscaled's."""
+    the rest."""
     m = x.shape[0]
     n_pad2 = padded_rows(permuted_pair, k)
     if n_pad2 % (2 * half_block) or out_n > n_pad2 // 2:
@@ -579,12 +562,12 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
             next_a = jnp.pad(next_a, ((0, n_pad2 // 2 - next_a.shape[0]), (0, 0)))
         h, shares = matmul_unscaled(
             x, permuted_pair, n=n_pad2, k=k, splits=1, lora_down=lora_down, lora_bt=lora_bt,
-            l2_prefetch=l2_prefetch, pdl=pdl,
+            l2_prefetch=l2_prefetch,
             swiglu=SwigluEpilogue(gate_tensor_scale, up_tensor_scale, next_a))
         out = h[:, :out_n]
         return out if next_lora_a is None else (out, shares.sum(axis=0))
     y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, l2_prefetch=l2_prefetch, pdl=pdl)
+                        lora_bt=lora_bt, l2_prefetch=l2_prefetch)
     y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
     halves = []
     for half, ts in enumerate((gate_tensor_scale, up_tensor_scale)):

@@ -173,10 +173,6 @@ FIELDS: dict[str, Field] = {
     "quant.kernels.mosaic_prefetch_tiles": Field(1, "K tiles per program of the next Mosaic "
                                                  "decode launch each launch prefetches into L2 "
                                                  "(0 = no prefetch).", in_interval(0, 3)),
-    "quant.kernels.mosaic_pdl": Field(False, "Launch the Mosaic decode kernels with "
-                                      "programmatic dependent launch (JAX >= 0.11): each starts "
-                                      "while the previous kernel finishes and prefetches its "
-                                      "first weight tiles meanwhile."),
     "quant.kernels.compact_after_repack": Field(
         "auto", "After repacking the 4-bit weights for the kernels, copy them through host "
         "memory once so the device allocator holds them without the repack's gaps (0.77 GiB at "

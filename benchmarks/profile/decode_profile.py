@@ -42,8 +42,6 @@ def parse_args(argv=None):
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--mosaic-nvfp4", default="auto", choices=("auto", "on", "off"),
                         help="config.quant.kernels.mosaic_nvfp4")
-    parser.add_argument("--mosaic-pdl", default="off", choices=("on", "off"),
-                        help="config.quant.kernels.mosaic_pdl")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=("auto", "int8", "float8_e4m3fn"),
                         help="the sampler's KV cache (SamplingConfig.kv_cache_dtype)")
@@ -203,8 +201,7 @@ def main(argv=None):
     architecture, graphdef, states, info = common.build_sampling_model(
         common.preset_name(args.size), args.format, rank=args.rank, seed=args.seed,
         use_kernels=not args.no_kernels, decode_attention=not args.no_decode_attention,
-        tile_k=args.tile_k, pair_mlp=not args.no_gate_up_pairs, mosaic_nvfp4=args.mosaic_nvfp4,
-        mosaic_pdl=args.mosaic_pdl == "on")
+        tile_k=args.tile_k, pair_mlp=not args.no_gate_up_pairs, mosaic_nvfp4=args.mosaic_nvfp4)
     init_s = time.perf_counter() - started
     cases = [profile_case(graphdef, states, architecture, args,
                           args.prompt + args.cache_new_tokens, "full cache", args.out)]
@@ -224,7 +221,6 @@ def main(argv=None):
     name = f"decode_profile_{args.size}_{args.format}_b{args.batch}" + (
         "_no-kernels" if args.no_kernels else "") + (
         f"_mosaic-{args.mosaic_nvfp4}" if args.mosaic_nvfp4 != "auto" else "") + (
-        "_pdl" if args.mosaic_pdl == "on" else "") + (
         "_no-pairs" if args.no_gate_up_pairs else "") + (
         "_no-decode-attention" if args.no_decode_attention else "") + (
         f"_tile{args.tile_k}" if args.tile_k else "") + (

@@ -29,9 +29,6 @@ class KernelOptions:
     mosaic_nvfp4: str = "auto"
     # K tiles per program of the next Mosaic launch that each launch prefetches into L2 (0: none)
     mosaic_prefetch_tiles: int = 1
-    # Mosaic decode launches with programmatic dependent launch (JAX >= 0.11): each starts
-    # while the previous kernel finishes, prefetching its first weight tiles meanwhile
-    mosaic_pdl: bool = False
     # the Pallas decode-attention kernel for one-token decode steps
     decode_attention: bool = True
     # tiling of the Triton fused kernel at decode M (M <= 16)
@@ -60,7 +57,6 @@ class KernelOptions:
             enabled=kernels["enabled"], gate_up_pairs=kernels["gate_up_pairs"],
             mosaic_nvfp4=kernels["mosaic_nvfp4"],
             mosaic_prefetch_tiles=kernels["mosaic_prefetch_tiles"],
-            mosaic_pdl=kernels["mosaic_pdl"],
             decode_attention=kernels["decode_attention"],
             decode_matmul=DecodeTuning(
                 target_programs=matmul["target_programs"],

@@ -109,10 +109,9 @@ def test_lora_operand_folds_the_scales_into_b_transposed():
         mg.lora_operand(jnp.zeros((rank, n)), jnp.ones((1,)), n_pad=100)
 
 
-@pytest.mark.parametrize("m,rank,splits,prepared,pdl", [
-    (8, 0, None, False, False), (5, 32, 3, False, False), (16, 16, 1, False, False),
-    (8, 32, None, True, False), (8, 32, 3, True, True)])
-def test_kernel_lowers_for_cuda(m, rank, splits, prepared, pdl):
+@pytest.mark.parametrize("m,rank,splits,prepared", [(8, 0, None, False), (5, 32, 3, False),
+                                                    (16, 16, 1, False), (8, 32, None, True)])
+def test_kernel_lowers_for_cuda(m, rank, splits, prepared):
     n, k = 256, 1024
     _, packed = kc.nvfp4_packed(n, k)
     permuted = jax.ShapeDtypeStruct(mg.permute_packed(packed).shape, jnp.uint8)
@@ -128,16 +127,11 @@ def test_kernel_lowers_for_cuda(m, rank, splits, prepared, pdl):
             kwargs = dict(lora_down=lora[0], lora_bt=lora[1])
         elif lora:
             kwargs = dict(lora_down=lora[0], lora_b=lora[1], lora_scale=2.0)
-        return mg.mgpu_nvfp4_matmul(x, permuted, ts, n=n, k=k, splits=splits, pdl=pdl,
-                                    **kwargs)
+        return mg.mgpu_nvfp4_matmul(x, permuted, ts, n=n, k=k, splits=splits, **kwargs)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     assert lowered.out_info.shape == (m, n)
-    # the kernel module is serialized into the custom call: the PDL instructions are in it
-    # exactly when asked for
-    kernel_text = lowered.as_text(debug_info=False)
-    assert (b"griddepcontrol.wait" in kernel_text.encode("latin-1", "ignore")) == pdl
 
 
 def test_refusals_and_bad_shapes():

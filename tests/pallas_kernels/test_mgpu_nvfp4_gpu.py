@@ -174,47 +174,6 @@ def test_swiglu_launch_matches_the_triton_launch(fused):
         assert error <= 1.0, f"{name}: largest error / (2^-7 max|reference|) {error:.3g}"
 
 
-@pytest.mark.parametrize("splits", [None, 3])
-def test_pdl_launches_give_the_same_bits(splits):
-    """Three dependent launches in one program (q|k|v-like grouped with LoRA, then a launch
-    reading its output, then the fused SwiGLU pair), each x made by the launch before: with
-    programmatic dependent launch every result equals the plain launches' bit for bit."""
-    k, m, rank = 1792, 8, 32
-    keys = jax.random.split(jax.random.key(11), 6)
-    first = _inputs(keys[0], k, k, m, rank)
-    second = _inputs(keys[1], k, k, m, rank)
-    packed = [nvfp4_matmul.repack_nvfp4(*member[0]) for member in (first, second)]
-    tiles = [mg.permute_packed(p) for p in packed]
-    operands = [mg.lora_operand(member[3], p.tensor_scale, 2.0, n_pad=p.codes.shape[0])
-                for member, p in zip((first, second), packed)]
-    from qerl_jax.quant.nvfp4 import nvfp4_quantize
-    gate, up = (nvfp4_matmul.repack_nvfp4(*_checkpoint_arrays(nvfp4_quantize(
-        jax.random.normal(keys[2 + i], (2048, k)) * 0.02)), tile_k=mg.TILE_K) for i in (0, 1))
-    pair = mg.permute_packed(bw.interleave_gate_up(gate, up, 32))
-
-    def unit(y):  # the next launch's x, of order 1
-        return (y / jnp.max(jnp.abs(y))).astype(jnp.bfloat16)
-
-    def chain(x, down, pdl):
-        y1 = mg.mgpu_nvfp4_matmul(x, tiles[0], packed[0].tensor_scale, n=k, k=k, splits=splits,
-                                  lora_down=down, lora_bt=operands[0], pdl=pdl)
-        x2 = unit(y1)
-        y2 = mg.mgpu_nvfp4_matmul(x2, tiles[1], packed[1].tensor_scale, n=k, k=k,
-                                  splits=splits, lora_down=(x2[:, :rank] * 0.1),
-                                  lora_bt=operands[1], pdl=pdl)
-        h = mg.mgpu_nvfp4_swiglu(unit(y2), pair, gate.tensor_scale,
-                                 up.tensor_scale, out_n=2048, k=k, half_block=32, pdl=pdl)
-        return y1, y2, h
-
-    x, down = first[1], first[2]
-    plain = jax.jit(lambda x, d: chain(x, d, False))(x, down)
-    launched = jax.jit(lambda x, d: chain(x, d, True))(x, down)
-    for name, got, want in zip(("first", "second", "swiglu"), launched, plain):
-        got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
-        assert np.isfinite(want).all() and np.abs(want).max() > 0, name
-        np.testing.assert_array_equal(got, want, err_msg=name)
-
-
 def _checkpoint_arrays(quantized):
     return quantized.codes, quantized.block_scales, quantized.tensor_scale
 
@@ -222,8 +181,7 @@ def _checkpoint_arrays(quantized):
 def _rollout(path: str, monkeypatch):
     """(tokens, log-probs) of 64 sampled tokens from one random 1.5B NVFP4 model (seed 0) with
     a rank-32 LoRA (nonzero B), batch 8, prompt 64, on `path`: "xla" (no Pallas kernel),
-    "triton" (the Triton kernels), "mosaic" (the Mosaic GPU NVFP4 path) or "mosaic_pdl" (the
-    same launched with programmatic dependent launch)."""
+    "triton" (the Triton kernels) or "mosaic" (the Mosaic GPU NVFP4 path)."""
     from flax import nnx
 
     from qerl_jax import sampling
@@ -248,8 +206,7 @@ def _rollout(path: str, monkeypatch):
     kernels.unregister_kernels("gpu")
     model_kernels.disable_decode_attention("gpu")
     if path != "xla":
-        options = KernelOptions(mosaic_nvfp4="off" if path == "triton" else "on",
-                                mosaic_pdl=path == "mosaic_pdl")
+        options = KernelOptions(mosaic_nvfp4="on" if path == "mosaic" else "off")
         model_kernels.enable_kernels(model, options)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     del model
@@ -276,8 +233,7 @@ def test_sampler_on_the_mosaic_path_agrees_within_the_noise_floor(monkeypatch):
     from qerl_jax.model_quant.kernels import disable_decode_attention
     from qerl_jax.quant.kernels import unregister_kernels
     try:
-        rollouts = {path: _rollout(path, monkeypatch)
-                    for path in ("xla", "triton", "mosaic", "mosaic_pdl")}
+        rollouts = {path: _rollout(path, monkeypatch) for path in ("xla", "triton", "mosaic")}
     finally:
         unregister_kernels("gpu")
         disable_decode_attention("gpu")
@@ -285,6 +241,3 @@ def test_sampler_on_the_mosaic_path_agrees_within_the_noise_floor(monkeypatch):
     for other in ("triton", "xla"):
         gap = _largest_gap(rollouts["mosaic"], rollouts[other])
         assert gap <= max(0.05, 2 * floor), f"Mosaic vs {other}: {gap:.3g} (floor {floor:.3g})"
-    # programmatic dependent launch changes when a launch starts, never what it computes
-    for got, want in zip(rollouts["mosaic_pdl"], rollouts["mosaic"]):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

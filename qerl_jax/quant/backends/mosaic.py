@@ -234,7 +234,7 @@ def refusal(x, weight, lora_x_a) -> str | None:
     return mgpu_nvfp4.available()
 
 
-def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int, pdl: bool = False):
+def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int):
     """x [M, K] @ W^T (+ lora_scale * lora_x_a @ lora_b) -> [M, N] float32, rounded to bf16
     like the Triton fused kernel."""
     kwargs = {}
@@ -246,7 +246,7 @@ def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int, pdl: 
                                      weight.kernel_tensor_scale(), n=weight.shape[0],
                                      k=weight.shape[1],
                                      l2_prefetch=_prefetch_plan(weight, prefetch_tiles,
-                                                                x.shape[0]), pdl=pdl, **kwargs)
+                                                                x.shape[0]), **kwargs)
     return y.astype(jnp.bfloat16).astype(jnp.float32)
 
 
@@ -262,8 +262,7 @@ def group_refusal(x, weights, lora_x_a, lora_bs) -> str | None:
     return mgpu_nvfp4.available()
 
 
-def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles: int,
-                  pdl: bool = False):
+def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles: int):
     """One matmul over the group's stacked buffer, each member's columns rescaled by its own
     2^8 / tensor_scale and rounded to bf16 (as the fused kernel's outputs) -> tuple of
     [M, N_i] float32."""
@@ -279,7 +278,7 @@ def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles:
     y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
                                    k=first.shape[1],
                                    l2_prefetch=_prefetch_plan(first, prefetch_tiles, x.shape[0]),
-                                   pdl=pdl, **lora)
+                                   **lora)
     outputs, offset = [], 0
     for weight, n_pad in zip(weights, n_pads):
         scale = 2.0 ** -mgpu_nvfp4.SCALED_EXPONENT / weight.kernel_tensor_scale().reshape(())
@@ -304,7 +303,7 @@ def swiglu_refusal(x, gate, lora_x_a, lora_bs) -> str | None:
 
 
 def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
-                 prefetch_tiles: int, pdl: bool = False):
+                 prefetch_tiles: int):
     """silu(gate) * up [M, N] bf16 of a pair in one launch over its permuted buffer, the SwiGLU
     (and with next_lora_a its product with it) in the kernel's epilogue."""
     gate, up = weights
@@ -321,4 +320,4 @@ def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
         x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_tensor_scale(),
         up.kernel_tensor_scale(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
         next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate, prefetch_tiles, x.shape[0]),
-        pdl=pdl, **lora)
+        **lora)

@@ -145,8 +145,7 @@ class TritonDecodeBackend(MatmulBackend):
         refusal = self._mosaic_refusal(mosaic.refusal, x, weight, lora_x_a)
         if refusal is None:
             return mosaic.apply(x, weight, lora_x_a, lora_b, lora_scale,
-                                prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                pdl=self.options.mosaic_pdl)
+                                prefetch_tiles=self.options.mosaic_prefetch_tiles)
         self._note_fallback((weight,), "single-weight", refusal)
         packed = weight.packed()
         config = bw.default_matmul_config(x.shape[0], packed, self.options.decode_matmul)
@@ -175,8 +174,7 @@ class TritonDecodeBackend(MatmulBackend):
         refusal = self._mosaic_refusal(mosaic.group_refusal, x, weights, lora_x_a, lora_bs)
         if refusal is None:
             return mosaic.apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales,
-                                        prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                pdl=self.options.mosaic_pdl)
+                                        prefetch_tiles=self.options.mosaic_prefetch_tiles)
         self._note_fallback(weights, "grouped", refusal)
         packed = tuple(w.packed() for w in weights)
         config = bw.default_group_matmul_config(x.shape[0], packed, self.options.decode_matmul)
@@ -228,8 +226,7 @@ class TritonDecodeBackend(MatmulBackend):
         if refusal is None:
             result = mosaic.apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales,
                                          next_lora_a,
-                                         prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                pdl=self.options.mosaic_pdl)
+                                         prefetch_tiles=self.options.mosaic_prefetch_tiles)
         else:
             self._note_fallback(weights, "gate|up SwiGLU", refusal)
             # the two tensor scales go to the kernel as they are: a [2] array of them would be
