@@ -232,6 +232,29 @@ def kernel_flags(args) -> list[str]:
                     f"--decode-attention-tiling={args.decode_attention_tiling}"]
 
 
+# ------------------------------------------------------------------------------ completion lengths
+def read_lengths(path: str) -> list[int]:
+    """The completion lengths of a lengths.json ({"lengths": [...]}) or a JSON list."""
+    import json
+
+    with open(path) as handle:
+        data = json.load(handle)
+    values = data.get("lengths") if isinstance(data, dict) else data
+    if not isinstance(values, list) or not values or not all(
+            isinstance(value, int) and value >= 1 for value in values):
+        raise ValueError("expected a non-empty list of integers >= 1 (or {\"lengths\": [...]})")
+    return values
+
+
+def draw_lengths(values: list[int], batch: int, new_tokens: int, seed: int):
+    """One stop length per row: drawn with replacement from `values` (seeded by seed and
+    batch), clipped to [1, new_tokens]."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, batch])
+    return np.clip(rng.choice(np.asarray(values), size=batch), 1, new_tokens).astype(np.int32)
+
+
 def kernel_settings(args) -> dict:
     """The _prepare_model keywords of the kernel options on the command line."""
     return dict(mosaic_nvfp4=args.mosaic_nvfp4, decode_tuning=args.decode_tuning,

@@ -110,32 +110,10 @@ def parse_args(argv=None):
     args.length_values = None
     if args.lengths:
         try:
-            args.length_values = read_lengths(args.lengths)
+            args.length_values = common.read_lengths(args.lengths)
         except (OSError, ValueError) as error:
             parser.error(f"--lengths {args.lengths}: {error}")
     return args
-
-
-def read_lengths(path: str) -> list[int]:
-    """The completion lengths of a lengths.json ({"lengths": [...]}) or a JSON list."""
-    import json
-
-    with open(path) as handle:
-        data = json.load(handle)
-    values = data.get("lengths") if isinstance(data, dict) else data
-    if not isinstance(values, list) or not values or not all(
-            isinstance(value, int) and value >= 1 for value in values):
-        raise ValueError("expected a non-empty list of integers >= 1 (or {\"lengths\": [...]})")
-    return values
-
-
-def draw_lengths(values: list[int], batch: int, new_tokens: int, seed: int):
-    """One stop length per row: drawn with replacement from `values` (seeded by seed and
-    batch), clipped to [1, new_tokens]."""
-    import numpy as np
-
-    rng = np.random.default_rng([seed, batch])
-    return np.clip(rng.choice(np.asarray(values), size=batch), 1, new_tokens).astype(np.int32)
 
 
 # ============================================================================== worker
@@ -220,7 +198,8 @@ def worker_main(args) -> None:
             run_key = jax.random.fold_in(key, 10_000 + batch)
             stop = budgets = None
             if args.length_values is not None:
-                stop = draw_lengths(args.length_values, batch, args.new_tokens, args.seed)
+                stop = common.draw_lengths(args.length_values, batch, args.new_tokens,
+                                           args.seed)
                 budgets = jnp.asarray(stop)
                 row["mean_length"] = float(stop.mean())
             begin = time.perf_counter()
@@ -456,7 +435,8 @@ def _peer_rows(args, size: str, raw_dir: str, budget) -> list[dict]:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformers_peer.py")
     command = [sys.executable, script, "--size", size, "--batches", args.batches,
                "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats), "--seed", str(args.seed), "--results", results]
+               "--repeats", str(args.repeats), "--seed", str(args.seed), "--results", results,
+               *(["--lengths", os.path.abspath(args.lengths)] if args.lengths else [])]
     print(f"[rollout] {size}_transformers: starting worker ({budget.left():.0f} s of budget "
           "left)", flush=True)
     log = os.path.join(raw_dir, f"{size}_transformers.log")

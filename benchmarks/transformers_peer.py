@@ -6,6 +6,12 @@ temperature 1, no LoRA. One worker process per size; each batch is generated onc
 (timed apart) and then `--repeats` times (tok/s = generated tokens / wall time of one call,
 prefill included; the median over repeats).
 
+With --lengths (benchmarks/rollout.py's option: the GRPO-sized case with measured completion
+lengths) each row has the stop length rollout.py draws for it (same file, seed and batch):
+generate runs every row to the longest one, as rollout.py's loop does, and tok/s counts each
+row's tokens up to its length only. transformers' static-cache decode computes the finished
+rows until then (its graph has a fixed batch); the tokens past a row's length are not counted.
+
     python benchmarks/transformers_peer.py --size 7b --batches 8 --results peer.jsonl
     python benchmarks/transformers_peer.py --size tiny --batches 2 --new-tokens 8 --prompt 16 \\
         --results /tmp/peer.jsonl             # CPU: eager (torch.compile only on CUDA)
@@ -34,8 +40,17 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                         help="torch.compile the forward ('auto': on CUDA only)")
+    parser.add_argument("--lengths", default="",
+                        help="JSON of completion lengths, as rollout.py's --lengths")
     parser.add_argument("--results", required=True, help="rows appended here (jsonl)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.length_values = None
+    if args.lengths:
+        try:
+            args.length_values = common.read_lengths(args.lengths)
+        except (OSError, ValueError) as error:
+            parser.error(f"--lengths {args.lengths}: {error}")
+    return args
 
 
 def hf_model(size: str, seed: int, device: str):
@@ -84,7 +99,13 @@ def main(argv=None) -> None:
         try:
             tokens = torch.randint(0, architecture.vocab_size, (batch, args.prompt),
                                    generator=generator, device=device)
-            settings = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+            new_tokens, counted = args.new_tokens, batch * args.new_tokens
+            if args.length_values is not None:
+                stop = common.draw_lengths(args.length_values, batch, args.new_tokens, args.seed)
+                new_tokens, counted = int(stop.max()), int(stop.sum())
+                row["mean_length"] = float(stop.mean())
+            row["steps"] = new_tokens   # decode steps every row runs
+            settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                             attention_mask=torch.ones_like(tokens), pad_token_id=0)
 
@@ -96,7 +117,10 @@ def main(argv=None) -> None:
                     out = model.generate(tokens, **settings)
                 if device == "cuda":
                     torch.cuda.synchronize()
-                return time.perf_counter() - begin, int(out.shape[1] - args.prompt) * batch
+                made = int(out.shape[1] - args.prompt) * batch
+                # every row ran to new_tokens; with --lengths only its drawn length counts
+                return time.perf_counter() - begin, (made if made != batch * new_tokens
+                                                     else counted)
 
             row["compile_s"], _ = timed()   # first call: compiles and captures
             runs = [timed() for _ in range(args.repeats)]
@@ -107,8 +131,8 @@ def main(argv=None) -> None:
                 rates = [count / seconds for seconds, count in runs]
                 row["tokens_per_s_runs"] = " / ".join(f"{rate:.0f}" for rate in rates)
                 row["tokens_per_s_median"] = statistics.median(rates)
-            row["status"] = ("ok" if generated == batch * args.new_tokens
-                             else f"ok, but {generated} != {batch}x{args.new_tokens} tokens")
+            row["status"] = ("ok" if generated == counted
+                             else f"ok, but {generated} != the {counted} tokens asked for")
             if device == "cuda":
                 row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
         except Exception as error:  # recorded; the next batch still runs

@@ -110,6 +110,24 @@ def test_rollout_and_grpo_step_smoke(tmp_path):
         ("bf16 transformers", 3, "ok")]
 
 
+def test_transformers_peer_counts_the_drawn_lengths(tmp_path):
+    """benchmarks/transformers_peer.py --lengths: each row gets rollout.py's stop length (the
+    same draw), generate runs to the longest, and only the drawn tokens count."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import _common as common
+    lengths, results = tmp_path / "lengths.json", tmp_path / "peer.jsonl"
+    lengths.write_text(json.dumps({"lengths": [2, 5, 7, 40]}))
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "transformers_peer.py"),
+                    "--size", "tiny", "--batches", "3", "--new-tokens", "8", "--prompt", "16",
+                    "--lengths", str(lengths), "--results", str(results)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT_S)
+    (row,) = [json.loads(line) for line in results.read_text().splitlines()]
+    stop = common.draw_lengths([2, 5, 7, 40], 3, 8, 0)   # 40 is clipped to the 8 new tokens
+    assert row["status"] == "ok", row
+    assert row["generated_tokens"] == int(stop.sum()) and row["steps"] == int(stop.max())
+    assert row["mean_length"] == float(stop.mean()) and row["tokens_per_s"] > 0
+
+
 def test_run_on_gpus_queue_budget_and_skip(tmp_path):
     """benchmarks/run_on_gpus.py: jobs in file order on the free 'GPUs', {out}, {flags} and
     {budget} substituted, CUDA_VISIBLE_DEVICES set per job, jobs that cannot start in time
