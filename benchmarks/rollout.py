@@ -91,6 +91,10 @@ def parse_args(argv=None):
                         choices=("auto", "int8", "float8_e4m3fn"),
                         help="the rollouts' KV cache (SamplingConfig.kv_cache_dtype): 'auto' = "
                              "the compute dtype, 'int8' / 'float8_e4m3fn' = 8-bit codes + scales")
+    parser.add_argument("--dequantize-once", action="store_true",
+                        help="SamplingConfig.dequantize_once: a batch too large for the fused "
+                             "4-bit kernels dequantizes each weight once per rollout, not at "
+                             "every decode step")
     parser.add_argument("--lengths", default="",
                         help="JSON of measured completion lengths (benchmarks/completion_lengths.py's "
                              "lengths.json, or a plain list): each row of a case stops after a "
@@ -191,7 +195,8 @@ def worker_main(args) -> None:
             config = sampling.SamplingConfig(
                 max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(),
                 num_generations=1, prompt_bucket=args.prompt,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, dequantize_once=args.dequantize_once)
+            row["dequantize_once"] = args.dequantize_once
             tokens = jax.random.randint(jax.random.fold_in(key, batch), (batch, args.prompt), 0,
                                         architecture.vocab_size, jnp.int32)
             mask = jnp.ones((batch, args.prompt), jnp.bool_)
@@ -302,7 +307,7 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"),
            ("paper_tokens_per_s", "paper tok/s"),
            ("decode_read_GB", "GB read per decode step"), ("read_GB_per_s", "read GB/s"),
            ("roofline_tokens_per_s", "roofline tok/s"), ("roofline_fraction", "of roofline"),
-           ("kv_cache", "KV cache"), ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
+           ("kv_cache", "KV cache"), ("dequantize_once", "dequantize once"), ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
            ("tokens_crc32_runs", "tokens crc32 runs"), ("compilation_cache", "compilation cache"),
            ("weights_GiB", "weights GiB"),
            ("init_s", "init s"), ("path_decode", "decode path"),
@@ -391,6 +396,7 @@ def parent_main(args) -> None:
                        *(["--compilation-cache", args.compilation_cache]
                          if args.compilation_cache else []),
                        "--kv-cache-dtype", args.kv_cache_dtype,
+                       *(["--dequantize-once"] if args.dequantize_once else []),
                        *(["--lengths", os.path.abspath(args.lengths)] if args.lengths else []),
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)

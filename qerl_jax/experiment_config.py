@@ -271,6 +271,10 @@ FIELDS: dict[str, Field] = {
         "'auto' = the compute dtype, 'int8' / 'float8_e4m3fn' = 8-bit codes with a float32 "
         "scale per token and kv head (half the bytes).",
         one_of(KV_CACHE_DTYPES)),
+    "rollout.dequantize_once": Field(
+        False, "A rollout whose batch (prompts x generations) is too large for the fused 4-bit "
+        "kernels dequantizes each weight once instead of at every decode step: faster, for the "
+        "bf16 weights' memory during the rollout (13 GiB at 7B)."),
     "rollout.offload_weights_for_compile": Field(
         "auto", "Hold the frozen weights in host memory while a sampler program compiles "
         "('auto' = on a GPU).", one_of(ON_OFF_AUTO)),

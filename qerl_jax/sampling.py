@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx, struct
 
 from qerl_jax.lora import cast_adapters_for_compute
-from qerl_jax.models.decode_fusion import prepare_decode
+from qerl_jax.models.decode_fusion import dequantize_for_rollout, prepare_decode
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
 from qerl_jax.parallel.distributed import put_global
@@ -49,6 +49,11 @@ class SamplingConfig:
       buckets above it), so a run compiles a handful of programs.
     kv_cache_dtype: "auto" = the compute dtype; "int8" / "float8_e4m3fn" = 8-bit codes with a
       float32 scale per token and kv head (qerl_jax.models.kv_cache), half the cache bytes.
+    dequantize_once: a rollout whose rows (prompts x generations) take a dequantize-then-dot
+      path for the quantized weights (more rows than the fused 4-bit kernels take, or no
+      kernels) dequantizes each weight once before the prefill instead of at every decode
+      step (qerl_jax.models.decode_fusion.dequantize_for_rollout): faster at large batches, for
+      the dense weights' memory during the rollout.
     """
 
     max_new_tokens: int = 256
@@ -60,6 +65,7 @@ class SamplingConfig:
     num_generations: int = 1
     prompt_bucket: int = 64
     kv_cache_dtype: str = "auto"
+    dequantize_once: bool = False
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -183,6 +189,8 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key, stop_le
                         key_scales=_repeat_rows(cache.key_scales, groups),
                         value_scales=_repeat_rows(cache.value_scales, groups))
     batch = logits.shape[0]
+    if config.dequantize_once:   # the decode batch's matmuls would dequantize at every step
+        dequantize_for_rollout(model, batch, after=logits)   # after the prefill's temporaries
     steps = config.max_new_tokens
     eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
 

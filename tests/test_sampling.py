@@ -2,6 +2,7 @@
 tokens follow the intended distribution; top-k / top-p masks are exact; determinism; EOS
 handling; and a bounded number of compiled programs."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -269,3 +270,78 @@ def test_stop_lengths_end_rows_at_their_budgets(tiny):
         with pytest.raises(ValueError, match=r"^stop_lengths: expected 6 integers >= 1"):
             generate_from_states(graphdef, (state,), tokens, mask, key, config,
                                  stop_lengths=bad)
+
+
+def _quantized_tiny_with_lora():
+    """tiny_qwen2 in NVFP4 (bf16 compute) with a rank-8 LoRA whose B is nonzero."""
+    from flax import nnx
+
+    from qerl_jax.lora import LoRAConfig, add_lora
+    from qerl_jax.model_quant.quantize import quantize_model
+    from qerl_jax.models.config import tiny_qwen2
+    from qerl_jax.models.layers import Linear
+    from qerl_jax.models.transformer import init_model
+    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=3)
+    quantize_model(model, "nvfp4")
+    add_lora(model, LoRAConfig(rank=8, alpha=8.0), jax.random.key(4))
+    for index, (_, layer) in enumerate((path, node) for path, node in nnx.iter_graph(model)
+                                       if isinstance(node, Linear)):
+        value = layer.lora_b.get_value()
+        layer.lora_b.set_value(0.05 * jax.random.normal(jax.random.key(100 + index),
+                                                        value.shape, value.dtype))
+    return model
+
+
+def test_dequantize_once_gives_the_per_step_rollout():
+    """SamplingConfig.dequantize_once on the XLA path (no kernels, every batch dequantizes):
+    each quantized weight becomes its dequantize(compute dtype), transposed, once; the
+    rollout's tokens equal the per-step path's for the same key and its log-probs agree within
+    1e-5 (the same bf16 weights; the dot may sum in another order). With the kernel layout
+    (Pallas interpret mode) only a batch above the fused kernels' M limit (64) dequantizes, and
+    then with the dequantize kernel's values."""
+    import copy
+
+    from flax import nnx
+
+    from qerl_jax.model_quant.kernels import enable_kernels
+    from qerl_jax.models.decode_fusion import dequantize_for_rollout
+    from qerl_jax.quant import QuantizedWeight
+    from qerl_jax.quant.backends.triton import _dense
+    from qerl_jax.quant.kernels import unregister_kernels
+
+    model = _quantized_tiny_with_lora()
+    tokens, mask = _prompts(np.random.default_rng(8), [6, 3], 6)
+    config = SamplingConfig(max_new_tokens=8, num_generations=3, prompt_bucket=8)
+    per_step = generate(model, tokens, mask, jax.random.key(5), config)
+    once = generate(model, tokens, mask, jax.random.key(5),
+                    dataclasses.replace(config, dequantize_once=True))
+    np.testing.assert_array_equal(np.asarray(once.tokens), np.asarray(per_step.tokens))
+    np.testing.assert_allclose(np.asarray(once.logprobs), np.asarray(per_step.logprobs),
+                               atol=1e-5)
+
+    copied = copy.deepcopy(model)
+    quantized = {path: node.weight.get_value() for path, node in nnx.iter_graph(copied)
+                 if isinstance(getattr(node, "weight", None), nnx.Variable)
+                 and isinstance(node.weight.get_value(), QuantizedWeight)}
+    assert dequantize_for_rollout(copied, 6) == len(quantized) == 14   # 2 layers x 7
+    nodes = dict(nnx.iter_graph(copied))
+    for path, weight in quantized.items():   # now a dense [in, out] kernel
+        np.testing.assert_array_equal(np.asarray(nodes[path].weight.get_value(), np.float32),
+                                      np.asarray(weight.dequantize(jnp.bfloat16).T, np.float32))
+
+    laid_out = copy.deepcopy(model)
+    try:
+        enable_kernels(laid_out, platform="cpu", interpret=True, tile_k=256)
+        assert dequantize_for_rollout(copy.deepcopy(laid_out), 64) == 0   # fused kernels
+        wide = copy.deepcopy(laid_out)
+        weights = {path: node.weight.get_value() for path, node in nnx.iter_graph(wide)
+                   if isinstance(getattr(node, "weight", None), nnx.Variable)
+                   and isinstance(node.weight.get_value(), QuantizedWeight)}
+        assert dequantize_for_rollout(wide, 65) == 14
+        nodes = dict(nnx.iter_graph(wide))
+        for path, weight in weights.items():
+            np.testing.assert_array_equal(
+                np.asarray(nodes[path].weight.get_value(), np.float32),
+                np.asarray(_dense(weight, True).T, np.float32))
+    finally:
+        unregister_kernels("cpu")

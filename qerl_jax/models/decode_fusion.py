@@ -8,6 +8,9 @@ order the decode launches follow each other.
               decode in one launch with the SwiGLU in its epilogue (layers.apply_swiglu_linears).
   decode order each layer's q|k|v, o, gate|up and down launches, then the next layer's: each
               launch prefetches the next one's first weight tiles into L2 (Mosaic GPU kernel).
+  dequantized a rollout whose rows take a dequantize-then-dot path (more than the fused
+              kernels take) can dequantize each weight once, before the prefill, instead of
+              at every decode step (dequantize_for_rollout).
 
 How a launch runs is qerl_jax.quant's business (qerl_jax.quant.kernels); this module only names
 the layers. Everything here works in place on a Module and leaves weights the kernels would not
@@ -18,12 +21,14 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from qerl_jax.models.layers import Linear
 from qerl_jax.models.transformer import MLP, Attention
 from qerl_jax.quant import kernels
+from qerl_jax.quant.linear_op import dense_weight
 from qerl_jax.quant.linear_swiglu import prepare_swiglu_lora_b
 from qerl_jax.quant.qarray import QuantizedWeight
 
@@ -189,6 +194,33 @@ def link_decode_prefetch(model) -> int:
         linked = kernels.with_prefetch(value, following.get_value(), following_a)
         if linked is not value:
             node.set_value(linked)
+            count += 1
+    return count
+
+
+def dequantize_for_rollout(model: nnx.Module, rows: int, after: jax.Array | None = None) -> int:
+    """In place: every quantized weight whose forward at M = rows would dequantize it (the XLA
+    path, or a kernel backend's dequantize-then-dot path for large M) becomes that dense
+    weight, made once, as a dense kernel [in, out] in its layer's compute dtype; weights a fused
+    kernel takes at M = rows stay quantized. Returns how many were dequantized.
+
+    `after`: an array the dequantization waits for (through an optimization barrier), e.g. the
+    prefill's logits, so that the dense weights do not coexist with the prefill's temporaries.
+    The decode loop then multiplies by the same bf16 values it would make at every step (the
+    products may sum in another order). For the sampler's merged copy inside its program, when
+    SamplingConfig.dequantize_once asks for it: the dense weights live for the decode loop
+    (13 GiB at Qwen2.5-7B), and the per-step dequantization's reads and writes are gone."""
+    layers = [layer for _, layer in nnx.iter_graph(model)
+              if isinstance(layer, Linear) and isinstance(layer.weight.get_value(),
+                                                          QuantizedWeight)]
+    weights = [layer.weight.get_value() for layer in layers]
+    if after is not None and weights:   # the original weights stay for launches left as they are
+        weights, _ = jax.lax.optimization_barrier((weights, after))
+    count = 0
+    for layer, weight in zip(layers, weights):
+        dense = dense_weight(weight, rows, compute_dtype=layer.compute_dtype)
+        if dense is not None:
+            layer.weight.set_value(dense.T.astype(layer.compute_dtype))
             count += 1
     return count
 

@@ -238,6 +238,29 @@ def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp
     return _quantized_product(x, weight, compute_dtype, platform, None)[0]
 
 
+def _forward_backend(weight: QuantizedWeight, m: int, compute_dtype,
+                     platform: str) -> tuple[MatmulBackend, str]:
+    """The backend an M-row forward of `weight` runs on (XLA where no kernel takes it), and why."""
+    kernel, reason = _select(weight.format, m, platform)
+    if kernel is not None:
+        refusal = kernel.refusal(weight, jnp.dtype(compute_dtype))
+        if refusal is not None:
+            kernel, reason = None, f"kernel {kernel.name} cannot take it: {refusal}"
+    return kernel or XLA, reason
+
+
+def dense_weight(weight: QuantizedWeight, m: int, *, compute_dtype=jnp.bfloat16,
+                 platform: str | None = None) -> jax.Array | None:
+    """The dense W [N, K] that an M-row `linear` of `weight` would make and multiply by (the
+    dequantize-then-dot paths: XLA's, or a kernel backend's for large M), bit for bit, or None
+    where that forward makes none (a fused kernel decodes the weights inside its launch).
+    A caller that runs many such forwards on a frozen weight (a sampler's decode loop) can make
+    it once and pass it to `linear` as a dense kernel (its transpose [K, N])."""
+    platform = platform or jax.default_backend()
+    kernel, _ = _forward_backend(weight, m, compute_dtype, platform)
+    return kernel.dense(weight, compute_dtype=jnp.dtype(compute_dtype))
+
+
 def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
                        platform: str | None, lora: LoRAProduct | None,
                        lora_x_a: jax.Array | None = None) -> tuple[jax.Array, bool]:
@@ -251,13 +274,8 @@ def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
     leading = x.shape[:-1]
     x2d = x.reshape(-1, in_features).astype(compute_dtype)
     platform = platform or jax.default_backend()
-    kernel, reason = _select(weight.format, x2d.shape[0], platform)
-    if kernel is not None:
-        refusal = kernel.refusal(weight, jnp.dtype(compute_dtype))
-        if refusal is not None:
-            kernel, reason = None, f"kernel {kernel.name} cannot take it: {refusal}"
-    _log_path_once(weight.format, platform, XLA.name if kernel is None else kernel.name, reason)
-    kernel = kernel or XLA
+    kernel, reason = _forward_backend(weight, x2d.shape[0], compute_dtype, platform)
+    _log_path_once(weight.format, platform, kernel.name, reason)
     forward, backward = kernel.apply, kernel.apply_backward
     if lora is not None and kernel.lora_epilogue:
         lora_x_a = (_lora_x_a(x2d, lora, compute_dtype, out_dtype=compute_dtype)

@@ -44,6 +44,13 @@ class MatmulBackend:
         """dy [M, N] @ W -> dx [M, K] in compute_dtype."""
         raise NotImplementedError
 
+    def dense(self, weight, *, compute_dtype) -> jax.Array | None:
+        """The dense W [N, K] that `apply` multiplies x by, for a backend that makes one (a
+        dequantize-then-dot path), else None (a fused kernel decodes the weights in its
+        launch)."""
+        del weight, compute_dtype
+        return None
+
     def apply_lora(self, x, weight, lora_x_a, lora_b, lora_scale, *, compute_dtype):
         """x @ W^T + lora_scale * lora_x_a @ lora_b in one launch (lora_epilogue True only)."""
         raise NotImplementedError(f"{self.name} has no LoRA epilogue")

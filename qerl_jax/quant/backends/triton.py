@@ -98,6 +98,10 @@ class TritonDequantizeBackend(MatmulBackend):
         return _dequantize_backward(grad_output, weight, compute_dtype=compute_dtype,
                                     interpret=self.interpret)
 
+    def dense(self, weight, *, compute_dtype):
+        del compute_dtype   # the kernels compute in bfloat16 (refusal)
+        return _dense(weight, self.interpret)
+
 
 class TritonDecodeBackend(MatmulBackend):
     """M <= max_fused_m: the fused decode+matmul kernel, with its LoRA epilogue, grouped launch

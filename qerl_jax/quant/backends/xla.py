@@ -49,5 +49,8 @@ class XlaBackend(MatmulBackend):
     def apply_backward(self, grad_output, weight, *, compute_dtype):
         return xla_backward(grad_output, weight, compute_dtype=compute_dtype)
 
+    def dense(self, weight, *, compute_dtype):
+        return weight.dequantize(compute_dtype)
+
 
 XLA = XlaBackend()
