@@ -24,6 +24,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,13 +180,12 @@ def _checkpoint_arrays(quantized):
     return quantized.codes, quantized.block_scales, quantized.tensor_scale
 
 
-def _rollout(path: str, monkeypatch):
-    """(tokens, log-probs) of 64 sampled tokens from one random 1.5B NVFP4 model (seed 0) with
-    a rank-32 LoRA (nonzero B), batch 8, prompt 64, on `path`: "xla" (no Pallas kernel),
-    "triton" (the Triton kernels) or "mosaic" (the Mosaic GPU NVFP4 path)."""
+def _model(path: str):
+    """(architecture, graphdef, (trainable, frozen)) of one random 1.5B NVFP4 model (seed 0)
+    with a rank-32 LoRA (nonzero B), on `path`: "xla" (no Pallas kernel), "triton" (the Triton
+    kernels) or "mosaic" (the Mosaic GPU NVFP4 path)."""
     from flax import nnx
 
-    from qerl_jax import sampling
     from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
     from qerl_jax.models.config import preset
     from qerl_jax.models.layers import Linear
@@ -209,7 +210,14 @@ def _rollout(path: str, monkeypatch):
         options = KernelOptions(mosaic_nvfp4="on" if path == "mosaic" else "off")
         model_kernels.enable_kernels(model, options)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
-    del model
+    return architecture, graphdef, (trainable, frozen)
+
+
+def _rollout(path: str, monkeypatch):
+    """(tokens, log-probs) of 64 sampled tokens from _model(path), batch 8, prompt 64."""
+    from qerl_jax import sampling
+
+    architecture, graphdef, (trainable, frozen) = _model(path)
     config = sampling.SamplingConfig(max_new_tokens=64, temperature=1.0, eos_token_ids=(),
                                      num_generations=1, prompt_bucket=64)
     tokens = jax.random.randint(jax.random.key(7), (8, 64), 0, architecture.vocab_size,
@@ -241,3 +249,51 @@ def test_sampler_on_the_mosaic_path_agrees_within_the_noise_floor(monkeypatch):
     for other in ("triton", "xla"):
         gap = _largest_gap(rollouts["mosaic"], rollouts[other])
         assert gap <= max(0.05, 2 * floor), f"Mosaic vs {other}: {gap:.3g} (floor {floor:.3g})"
+
+
+def test_dequantize_once_agrees_with_the_per_step_dequantize():
+    """Above the fused kernels' M = 64 the decode matmuls dequantize each weight, then dot.
+    decode_fusion.dequantize_for_rollout (SamplingConfig.dequantize_once) makes those same bf16
+    weights once; only the GEMMs may differ (their float32 summation order). Teacher-forced
+    (a prefill of 64 tokens, then 8 given tokens) on the Mosaic path, 72 rows: every log-prob
+    of the vocabulary moves by at most max(0.02, 2 x the floor), the floor being how far the
+    same 72 rows move when run at batch 96 (other GEMM tilings, the same math)."""
+    from flax import nnx
+
+    from qerl_jax.model_quant.kernels import disable_decode_attention
+    from qerl_jax.models.decode_fusion import dequantize_for_rollout
+    from qerl_jax.models.kv_cache import init_kv_cache
+    from qerl_jax.models.transformer import decode_step, prefill
+    from qerl_jax.quant.kernels import unregister_kernels
+
+    try:
+        architecture, graphdef, states = _model("mosaic")
+        prompts = jax.random.randint(jax.random.key(7), (96, 64), 0, architecture.vocab_size,
+                                     jnp.int32)
+        forced = jax.random.randint(jax.random.key(9), (96, 8), 0, architecture.vocab_size,
+                                    jnp.int32)
+
+        @functools.partial(jax.jit, static_argnames=("rows", "once"))
+        def log_probs(states, rows, once):
+            model = nnx.merge(graphdef, *states)
+            cache = init_kv_cache(model.config, rows, 72)
+            logits, cache = prefill(model, prompts[:rows], jnp.ones((rows, 64), jnp.bool_),
+                                    cache, empty_cache=True)
+            if once:
+                assert dequantize_for_rollout(model, rows, after=logits) == 7 * 28
+            steps = [logits]
+            for t in range(8):
+                logits, cache = decode_step(model, forced[:rows, t], cache)
+                steps.append(logits)
+            return jax.nn.log_softmax(jnp.stack(steps).astype(jnp.float32), axis=-1)
+
+        per_step = np.asarray(log_probs(states, 72, False))
+        once = np.asarray(log_probs(states, 72, True))
+        wider = np.asarray(log_probs(states, 96, False))[:, :72]
+    finally:
+        unregister_kernels("gpu")
+        disable_decode_attention("gpu")
+    assert np.isfinite(once).all()
+    floor = float(np.abs(wider - per_step).max())
+    gap = float(np.abs(once - per_step).max())
+    assert gap <= max(0.02, 2 * floor), f"dequantize once: {gap:.3g} (floor {floor:.3g})"
