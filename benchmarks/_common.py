@@ -351,22 +351,31 @@ def state_gib(tree) -> float:
 
 
 def decode_read_bytes(states, architecture, batch: int, prompt: int,
-                      new_tokens: int, kv_cache_dtype: str = "auto") -> tuple[int, int]:
+                      new_tokens: int, kv_cache_dtype: str = "auto",
+                      dequantized: bool = False) -> tuple[int, int]:
     """(weight bytes, KV-cache bytes) one decode step must read, on average over a generation:
     every array of the model states once (pair views counted once), except an untied embedding
     table (a step gathers `batch` of its rows; a tied one is the lm_head and is read whole), and
     K and V of every layer at the mean context length prompt + new_tokens / 2 (an 8-bit cache:
-    1 byte per value plus a float32 scale per token and kv head)."""
+    1 byte per value plus a float32 scale per token and kv head). dequantized: the decode loop
+    reads every quantized weight as a dense bf16 copy (SamplingConfig.dequantize_once on a
+    dequantize-then-dot path): 2 bytes per weight element instead of its arrays."""
     import jax
 
-    unique = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(states):
+    from qerl_jax.quant.qarray import QuantizedWeight
+
+    unique, dense = {}, 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+            states, is_leaf=lambda x: dequantized and isinstance(x, QuantizedWeight)):
+        if isinstance(leaf, QuantizedWeight):
+            dense += 2 * leaf.shape[0] * leaf.shape[1]
+            continue
         if not hasattr(leaf, "dtype"):
             continue
         if "embed_tokens" in jax.tree_util.keystr(path) and not architecture.tie_word_embeddings:
             continue
         unique[id(leaf)] = leaf
-    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in unique.values())
+    weights = dense + sum(leaf.size * leaf.dtype.itemsize for leaf in unique.values())
     kv = kv_bytes_per_token(architecture, kv_cache_dtype) * batch * (prompt + new_tokens / 2)
     return int(weights), int(kv)
 

@@ -248,9 +248,11 @@ def worker_main(args) -> None:
                 row["tokens_per_s_runs"] = " / ".join(f"{rate:.0f}" for rate in rates)
                 row["tokens_per_s_median"] = statistics.median(rates)
                 generated = min(count for _, count in runs)  # the status below covers all runs
+            dequantized = args.dequantize_once and (row["path_decode"] == "xla" or
+                                                    row["path_decode"].endswith("_dequantize_xla"))
             weight_bytes, kv_bytes = common.decode_read_bytes(states, architecture, batch,
                                                               args.prompt, args.new_tokens,
-                                                              args.kv_cache_dtype)
+                                                              args.kv_cache_dtype, dequantized)
             steps = args.new_tokens
             if stop is not None:   # the loop runs to the longest row; finished rows read no KV
                 steps, kv_total = common.kv_read_bytes_for_lengths(
@@ -307,7 +309,8 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"),
            ("paper_tokens_per_s", "paper tok/s"),
            ("decode_read_GB", "GB read per decode step"), ("read_GB_per_s", "read GB/s"),
            ("roofline_tokens_per_s", "roofline tok/s"), ("roofline_fraction", "of roofline"),
-           ("kv_cache", "KV cache"), ("dequantize_once", "dequantize once"), ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
+           ("kv_cache", "KV cache"), ("dequantize_once", "dequantize once"),
+           ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
            ("tokens_crc32_runs", "tokens crc32 runs"), ("compilation_cache", "compilation cache"),
            ("weights_GiB", "weights GiB"),
            ("init_s", "init s"), ("path_decode", "decode path"),

@@ -272,9 +272,10 @@ FIELDS: dict[str, Field] = {
         "scale per token and kv head (half the bytes).",
         one_of(KV_CACHE_DTYPES)),
     "rollout.dequantize_once": Field(
-        False, "A rollout whose batch (prompts x generations) is too large for the fused 4-bit "
-        "kernels dequantizes each weight once instead of at every decode step: faster, for the "
-        "bf16 weights' memory during the rollout (13 GiB at 7B)."),
+        False, "A rollout whose batch (prompts x generations) takes a dequantize-then-dot path "
+        "(more than 64 rows with the 4-bit kernels; every batch without them) dequantizes each "
+        "weight once after the prefill instead of at every decode step: faster, for the bf16 "
+        "weights' memory during the decode loop (13 GB at 7B)."),
     "rollout.offload_weights_for_compile": Field(
         "auto", "Hold the frozen weights in host memory while a sampler program compiles "
         "('auto' = on a GPU).", one_of(ON_OFF_AUTO)),

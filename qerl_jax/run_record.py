@@ -31,7 +31,8 @@ RUN_STATE = (RUN_FILE, METRICS_FILE, CHECKPOINTS, "checkpoints_damaged", "curves
 # Prefixes end with '.'.
 HARMLESS_FIELDS = (
     "logging.", "checkpoint.", "eval.", "compilation_cache_dir", "xla_autotune_results",
-    "rollout.offload_weights_for_compile", "rollout.offload_method", "quant.kernels.",
+    "rollout.offload_weights_for_compile", "rollout.offload_method", "rollout.dequantize_once",
+    "quant.kernels.",
     "quant.kernels", "quant.gate_up_pairs",  # records that name the kernel choices without a section
     "model.attention_implementation", "model.attention_query_chunk",
     "model.remat", "train.micro_batch_size", "train.logits_chunk_size",

@@ -51,9 +51,9 @@ class SamplingConfig:
       float32 scale per token and kv head (qerl_jax.models.kv_cache), half the cache bytes.
     dequantize_once: a rollout whose rows (prompts x generations) take a dequantize-then-dot
       path for the quantized weights (more rows than the fused 4-bit kernels take, or no
-      kernels) dequantizes each weight once before the prefill instead of at every decode
+      kernels) dequantizes each weight once, after the prefill, instead of at every decode
       step (qerl_jax.models.decode_fusion.dequantize_for_rollout): faster at large batches, for
-      the dense weights' memory during the rollout.
+      the dense weights' memory during the decode loop.
     """
 
     max_new_tokens: int = 256

@@ -3,6 +3,7 @@ tokens follow the intended distribution; top-k / top-p masks are exact; determin
 handling; and a bounded number of compiled programs."""
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -298,7 +299,8 @@ def test_dequantize_once_gives_the_per_step_rollout():
     rollout's tokens equal the per-step path's for the same key and its log-probs agree within
     1e-5 (the same bf16 weights; the dot may sum in another order). With the kernel layout
     (Pallas interpret mode) only a batch above the fused kernels' M limit (64) dequantizes, and
-    then with the dequantize kernel's values."""
+    then with the dequantize kernel's values; a 66-row rollout on that path gives the per-step
+    tokens and log-probs the same way."""
     import copy
 
     from flax import nnx
@@ -332,6 +334,17 @@ def test_dequantize_once_gives_the_per_step_rollout():
     laid_out = copy.deepcopy(model)
     try:
         enable_kernels(laid_out, platform="cpu", interpret=True, tile_k=256)
+        # the sampler's own preparation (pair views, grouped operands) then the dense weights:
+        # 3 prompts x 22 generations = 66 rows take the dequantize-then-dot path
+        wide_config = SamplingConfig(max_new_tokens=3, num_generations=22, prompt_bucket=8)
+        rows_per_step = generate(laid_out, tokens[:, :6], mask[:, :6], jax.random.key(6),
+                                 wide_config)
+        rows_once = generate(laid_out, tokens[:, :6], mask[:, :6], jax.random.key(6),
+                             dataclasses.replace(wide_config, dequantize_once=True))
+        np.testing.assert_array_equal(np.asarray(rows_once.tokens),
+                                      np.asarray(rows_per_step.tokens))
+        np.testing.assert_allclose(np.asarray(rows_once.logprobs),
+                                   np.asarray(rows_per_step.logprobs), atol=1e-5)
         assert dequantize_for_rollout(copy.deepcopy(laid_out), 64) == 0   # fused kernels
         wide = copy.deepcopy(laid_out)
         weights = {path: node.weight.get_value() for path, node in nnx.iter_graph(wide)

@@ -9,7 +9,7 @@ order the decode launches follow each other.
   decode order each layer's q|k|v, o, gate|up and down launches, then the next layer's: each
               launch prefetches the next one's first weight tiles into L2 (Mosaic GPU kernel).
   dequantized a rollout whose rows take a dequantize-then-dot path (more than the fused
-              kernels take) can dequantize each weight once, before the prefill, instead of
+              kernels take) can dequantize each weight once, after the prefill, instead of
               at every decode step (dequantize_for_rollout).
 
 How a launch runs is qerl_jax.quant's business (qerl_jax.quant.kernels); this module only names
@@ -209,7 +209,7 @@ def dequantize_for_rollout(model: nnx.Module, rows: int, after: jax.Array | None
     The decode loop then multiplies by the same bf16 values it would make at every step (the
     products may sum in another order). For the sampler's merged copy inside its program, when
     SamplingConfig.dequantize_once asks for it: the dense weights live for the decode loop
-    (13 GiB at Qwen2.5-7B), and the per-step dequantization's reads and writes are gone."""
+    (13 GB at Qwen2.5-7B), and the per-step dequantization's reads and writes are gone."""
     layers = [layer for _, layer in nnx.iter_graph(model)
               if isinstance(layer, Linear) and isinstance(layer.weight.get_value(),
                                                           QuantizedWeight)]

@@ -20,6 +20,9 @@
   a random model's next-token distribution is nearly uniform, so summation order alone moves
   some draws; the Mosaic path's largest log-prob gap on the common token prefixes must be at
   most max(0.05, twice the Triton-XLA gap).
+- SamplingConfig.dequantize_once (decode_fusion.dequantize_for_rollout) on that model at 72 rows
+  (the dequantize-then-dot path), teacher-forced: every log-prob within max(0.02, twice the gap
+  between the same rows run at batch 72 and 96) of the per-step dequantize's.
 """
 
 from __future__ import annotations

@@ -248,3 +248,23 @@ def test_linear_lora_matches_float64_and_names_bad_shapes():
         with pytest.raises(ValueError, match="lora_x_a"):
             linear(jnp.asarray(x, jnp.float32), jnp.asarray(dense, jnp.float32),
                    compute_dtype=jnp.float32, **wrong)
+
+
+def test_dense_weights_of_the_backends():
+    """MatmulBackend.dense: None for a backend that makes no dense weight (the default); the
+    XLA backend's is the weight's dequantize; a RowShardedBackend's is its inner backend's
+    (the weights on its meshes are replicated)."""
+    from qerl_jax.quant.backends.base import MatmulBackend
+    from qerl_jax.quant.backends.sharded import RowShardedBackend
+    from qerl_jax.quant.backends.xla import XLA
+    from qerl_jax.quant.nvfp4 import nvfp4_quantize
+
+    weight = nvfp4_quantize(jax.random.normal(jax.random.key(0), (32, 64)))
+    assert MatmulBackend().dense(weight, compute_dtype=jnp.bfloat16) is None
+    np.testing.assert_array_equal(np.asarray(XLA.dense(weight, compute_dtype=jnp.bfloat16)),
+                                  np.asarray(weight.dequantize(jnp.bfloat16)))
+    sharded = RowShardedBackend(XLA, mesh=None)
+    np.testing.assert_array_equal(np.asarray(sharded.dense(weight, compute_dtype=jnp.bfloat16)),
+                                  np.asarray(weight.dequantize(jnp.bfloat16)))
+    assert RowShardedBackend(MatmulBackend(), mesh=None).dense(
+        weight, compute_dtype=jnp.bfloat16) is None

@@ -91,6 +91,11 @@ class RowShardedBackend(MatmulBackend):
     def swiglu_lora_b(self, weights, lora_bs):
         return self.inner.swiglu_lora_b(weights, lora_bs)
 
+    def dense(self, weight, *, compute_dtype):
+        # the weights on the meshes this backend serves are replicated: the dense weight is
+        # made whole, as the inner backend's apply would make it on every device
+        return self.inner.dense(weight, compute_dtype=compute_dtype)
+
     def apply(self, x, weight, *, compute_dtype):
         return per_device_rows(
             self.mesh, x.shape[0],
