@@ -93,7 +93,7 @@ def test_compact_module_puts_a_repacked_model_back_bit_for_bit_with_its_shared_a
     from flax import nnx
 
     from qerl_jax.device_offload import compact_module
-    from qerl_jax.model_quant.kernels import enable_kernels
+    from qerl_jax.model_quant.kernels import disable_decode_attention, enable_kernels
     from qerl_jax.model_quant.quantize import quantize_model
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
@@ -133,3 +133,4 @@ def test_compact_module_puts_a_repacked_model_back_bit_for_bit_with_its_shared_a
         np.testing.assert_array_equal(forward(), logits)
     finally:
         unregister_kernels("cpu")
+        disable_decode_attention("cpu")   # enable_kernels registered it too

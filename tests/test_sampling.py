@@ -305,12 +305,14 @@ def test_dequantize_once_gives_the_per_step_rollout():
 
     from flax import nnx
 
-    from qerl_jax.model_quant.kernels import enable_kernels
+    from qerl_jax.model_quant.kernels import disable_decode_attention, enable_kernels
     from qerl_jax.models.decode_fusion import dequantize_for_rollout
-    from qerl_jax.quant import QuantizedWeight
+    from qerl_jax.quant import KernelOptions, QuantizedWeight
     from qerl_jax.quant.backends.triton import _dense
     from qerl_jax.quant.kernels import unregister_kernels
 
+    unregister_kernels("cpu")   # the XLA path: nothing another test registered for the CPU
+    disable_decode_attention("cpu")
     model = _quantized_tiny_with_lora()
     tokens, mask = _prompts(np.random.default_rng(8), [6, 3], 6)
     config = SamplingConfig(max_new_tokens=8, num_generations=3, prompt_bucket=8)
@@ -333,7 +335,8 @@ def test_dequantize_once_gives_the_per_step_rollout():
 
     laid_out = copy.deepcopy(model)
     try:
-        enable_kernels(laid_out, platform="cpu", interpret=True, tile_k=256)
+        enable_kernels(laid_out, KernelOptions(decode_attention=False), platform="cpu",
+                       interpret=True, tile_k=256)
         # the sampler's own preparation (pair views, grouped operands) then the dense weights:
         # 3 prompts x 22 generations = 66 rows take the dequantize-then-dot path
         wide_config = SamplingConfig(max_new_tokens=3, num_generations=22, prompt_bucket=8)
@@ -358,3 +361,4 @@ def test_dequantize_once_gives_the_per_step_rollout():
                 np.asarray(_dense(weight, True).T, np.float32))
     finally:
         unregister_kernels("cpu")
+        disable_decode_attention("cpu")
