@@ -246,6 +246,17 @@ def read_lengths(path: str) -> list[int]:
     return values
 
 
+def parsed_lengths(parser, path: str) -> list[int] | None:
+    """read_lengths(path) for a --lengths option (None when empty); a bad file is the parser's
+    one-line error naming it."""
+    if not path:
+        return None
+    try:
+        return read_lengths(path)
+    except (OSError, ValueError) as error:
+        parser.error(f"--lengths {path}: {error}")
+
+
 def draw_lengths(values: list[int], batch: int, new_tokens: int, seed: int):
     """One stop length per row: drawn with replacement from `values` (seeded by seed and
     batch), clipped to [1, new_tokens]."""

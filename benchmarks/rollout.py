@@ -111,12 +111,7 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
-    args.length_values = None
-    if args.lengths:
-        try:
-            args.length_values = common.read_lengths(args.lengths)
-        except (OSError, ValueError) as error:
-            parser.error(f"--lengths {args.lengths}: {error}")
+    args.length_values = common.parsed_lengths(parser, args.lengths)
     return args
 
 

@@ -44,12 +44,7 @@ def parse_args(argv=None):
                         help="JSON of completion lengths, as rollout.py's --lengths")
     parser.add_argument("--results", required=True, help="rows appended here (jsonl)")
     args = parser.parse_args(argv)
-    args.length_values = None
-    if args.lengths:
-        try:
-            args.length_values = common.read_lengths(args.lengths)
-        except (OSError, ValueError) as error:
-            parser.error(f"--lengths {args.lengths}: {error}")
+    args.length_values = common.parsed_lengths(parser, args.lengths)
     return args
 
 

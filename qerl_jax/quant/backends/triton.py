@@ -88,9 +88,8 @@ class TritonDequantizeBackend(MatmulBackend):
         return _layout_refusal(weight, compute_dtype)
 
     def apply(self, x, weight, *, compute_dtype):
-        del compute_dtype
         x, weight = tie_weight_to_activations(x, weight)
-        dense = _dense(weight, self.interpret)
+        dense = self.dense(weight, compute_dtype=compute_dtype)
         return lax.dot_general(x.astype(jnp.bfloat16), dense, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
