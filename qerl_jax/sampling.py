@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx, struct
 
 from qerl_jax.lora import cast_adapters_for_compute
-from qerl_jax.models.decode_fusion import dequantize_for_rollout, prepare_decode
+from qerl_jax.models.decode_fusion import (dequantize_for_rollout, dequantizes_at,
+                                           prepare_decode)
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
 from qerl_jax.parallel.distributed import put_global
@@ -54,6 +55,12 @@ class SamplingConfig:
       kernels) dequantizes each weight once, after the prefill, instead of at every decode
       step (qerl_jax.models.decode_fusion.dequantize_for_rollout): faster at large batches, for
       the dense weights' memory during the decode loop.
+    shrink_batch: the decode loop drops finished rows: whenever at most half of its rows are
+      still generating, it gathers them (and their KV cache rows) and goes on with half as many
+      rows, down to shrink_min_rows (shrink_schedule). Each row then draws from its own key,
+      fold_in(step key, row), so a row samples the same tokens wherever it sits; the program
+      holds one decode loop per batch size (longer compiles).
+    shrink_min_rows: the smallest batch shrink_batch halves down to.
     """
 
     max_new_tokens: int = 256
@@ -66,6 +73,8 @@ class SamplingConfig:
     prompt_bucket: int = 64
     kv_cache_dtype: str = "auto"
     dequantize_once: bool = False
+    shrink_batch: bool = False
+    shrink_min_rows: int = 8
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -83,6 +92,8 @@ class SamplingConfig:
             raise ValueError(f"num_generations={self.num_generations} must be positive")
         if self.prompt_bucket <= 0:
             raise ValueError(f"prompt_bucket={self.prompt_bucket} must be positive")
+        if self.shrink_min_rows <= 0:
+            raise ValueError(f"shrink_min_rows={self.shrink_min_rows} must be positive")
 
 
 @struct.dataclass
@@ -134,13 +145,21 @@ def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: floa
     return logits
 
 
-def choose_tokens(logits: jax.Array, key: jax.Array, config: SamplingConfig):
-    """Draws one token per row. Returns (tokens [B] int32, logprobs [B] float32)."""
+def choose_tokens(logits: jax.Array, key: jax.Array, config: SamplingConfig,
+                  rows: jax.Array | None = None):
+    """Draws one token per row. Returns (tokens [B] int32, logprobs [B] float32).
+    rows: [B] int ids of the rows: row i then draws from fold_in(key, rows[i]) alone (the
+    same token at any position in the batch); None: one draw over the whole [B, V] from key."""
     if config.greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return tokens, jnp.zeros(tokens.shape, jnp.float32)
     filtered = filter_logits(logits, config.temperature, config.top_k, config.top_p)
-    tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    if rows is None:
+        tokens = jax.random.categorical(key, filtered, axis=-1)
+    else:
+        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
+        tokens = jax.vmap(jax.random.categorical)(row_keys, filtered)
+    tokens = tokens.astype(jnp.int32)
     logprobs = jax.nn.log_softmax(filtered, axis=-1)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
@@ -165,13 +184,51 @@ def _repeat_rows(tree, times: int):
         lambda leaf: jnp.repeat(leaf, times, axis=0) if leaf.ndim >= 1 else leaf, tree)
 
 
+def shrink_schedule(rows: int, config: SamplingConfig, shards: int = 1) -> tuple[int, ...]:
+    """The decode loop's batch sizes: (rows,) without config.shrink_batch; with it rows, rows//2,
+    ... while the next size is >= config.shrink_min_rows and a multiple of `shards` (the
+    devices the rows are split over)."""
+    sizes = [rows]
+    while config.shrink_batch:
+        smaller = sizes[-1] // 2
+        if smaller < max(config.shrink_min_rows, 1) or smaller % shards:
+            break
+        sizes.append(smaller)
+    return tuple(sizes)
+
+
+def _batch_shards(mesh) -> int:
+    """How many parts the mesh splits the rows into (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    sizes = dict(mesh.shape)
+    return math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
+
+
+def _take_rows(cache: KVCache, order: jax.Array) -> KVCache:
+    """The cache's rows `order` (int [b']), layer by layer (each layer's old rows can be freed
+    once its gather is done)."""
+    take = lambda leaves: tuple(jnp.take(leaf, order, axis=0) for leaf in leaves)
+    return KVCache(keys=take(cache.keys), values=take(cache.values),
+                   valid=jnp.take(cache.valid, order, axis=0),
+                   next_position=jnp.take(cache.next_position, order, axis=0),
+                   index=cache.index, key_scales=take(cache.key_scales),
+                   value_scales=take(cache.value_scales))
+
+
 # ------------------------------------------------------------------------------ the program
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "cache_length", "mesh"))
 def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key, stop_lengths=None, *,
                       config: SamplingConfig, cache_length: int, mesh=None):
-    model = nnx.merge(graphdef, *states)
-    cast_adapters_for_compute(model)  # once here, not at every decode step
-    prepare_decode(model)  # grouped [A_q | A_k | A_v], [A_gate | A_up], launch operands, prefetch
+    def prepared_model():
+        # a fresh Variable per leaf (nnx.merge of the same state twice shares its Variables, so
+        # one copy's in-place changes would show in the other)
+        model = nnx.merge(graphdef, *jax.tree_util.tree_map(lambda leaf: leaf, states))
+        cast_adapters_for_compute(model)  # once here, not at every decode step
+        prepare_decode(model)  # grouped [A_q | A_k | A_v], [A_gate | A_up], operands, prefetch
+        return model
+
+    model = prepared_model()
     # The cache is allocated inside the program: the while_loop updates it in place and XLA
     # frees it at the end (no host-side buffer to donate or copy).
     cache = _constrain_cache(
@@ -189,34 +246,83 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key, stop_le
                         key_scales=_repeat_rows(cache.key_scales, groups),
                         value_scales=_repeat_rows(cache.value_scales, groups))
     batch = logits.shape[0]
-    if config.dequantize_once:   # the decode batch's matmuls would dequantize at every step
-        dequantize_for_rollout(model, batch, after=logits)   # after the prefill's temporaries
+    sizes = shrink_schedule(batch, config, _batch_shards(mesh))
+    dense_model = None
+
+    def model_for(rows: int):
+        """The model a decode loop of `rows` rows runs: with dequantize_once, a copy whose
+        weights that batch would dequantize at every step are dense (made once, after the
+        prefill; every such loop shares it)."""
+        nonlocal dense_model
+        if not config.dequantize_once or not dequantizes_at(model, rows):
+            return model
+        if dense_model is None:
+            dense_model = prepared_model()
+            dequantize_for_rollout(dense_model, rows, after=logits)  # after the prefill's temporaries
+        return dense_model
+
     steps = config.max_new_tokens
     eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
 
-    def cond(carry):
-        step, _, _, done, _, _ = carry
-        return (step < steps) & ~jnp.all(done)
+    def decode_loop(decoder, carry, row_ids, budgets, next_size):
+        """Decode steps while some row generates (and, with next_size, while more than
+        next_size do); row_ids: each row's id in the rollout (its draws' key) or None."""
 
-    def body(carry):
-        step, tokens, logprobs, done, logits, cache = carry
-        token, logprob = choose_tokens(logits, jax.random.fold_in(key, step), config)
-        token = jnp.where(done, 0, token)
-        logprob = jnp.where(done, 0.0, logprob)
-        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, step))
-        logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, step))
-        active = ~done
-        done = done | jnp.isin(token, eos)
-        if stop_lengths is not None:   # a row's budget: it ends after stop_lengths[row] tokens
-            done = done | (step + 1 >= stop_lengths)
-        logits, cache = decode_step(model, token, cache, active=active)
-        return (step + 1, *constrain_rows((tokens, logprobs, done, logits), mesh),
-                _constrain_cache(cache, mesh))
+        def cond(carry):
+            step, _, _, done, _, _ = carry
+            going = (step < steps) & ~jnp.all(done)
+            if next_size:
+                going = going & (jnp.sum(~done) > next_size)
+            return going
+
+        def body(carry):
+            step, tokens, logprobs, done, logits, cache = carry
+            token, logprob = choose_tokens(logits, jax.random.fold_in(key, step), config,
+                                           row_ids)
+            token = jnp.where(done, 0, token)
+            logprob = jnp.where(done, 0.0, logprob)
+            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, step))
+            logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, step))
+            active = ~done
+            done = done | jnp.isin(token, eos)
+            if budgets is not None:   # a row's budget: it ends after budgets[row] tokens
+                done = done | (step + 1 >= budgets)
+            logits, cache = decode_step(decoder, token, cache, active=active)
+            return (step + 1, *constrain_rows((tokens, logprobs, done, logits), mesh),
+                    _constrain_cache(cache, mesh))
+
+        return jax.lax.while_loop(cond, body, carry)
 
     carry = (jnp.zeros((), jnp.int32), *constrain_rows(
         (jnp.zeros((batch, steps), jnp.int32), jnp.zeros((batch, steps), jnp.float32),
          jnp.zeros((batch,), jnp.bool_), logits), mesh), _constrain_cache(cache, mesh))
-    step, tokens, logprobs, done, _, _ = jax.lax.while_loop(cond, body, carry)
+    row_ids = jnp.arange(batch, dtype=jnp.int32) if config.shrink_batch else None
+    budgets = stop_lengths
+    all_tokens = all_logprobs = None
+    for phase, size in enumerate(sizes):
+        next_size = sizes[phase + 1] if phase + 1 < len(sizes) else 0
+        carry = decode_loop(model_for(size), carry, row_ids, budgets, next_size)
+        if not next_size:
+            break
+        # the loop's rows -> the full [batch, steps] buffers; the rows still generating (first,
+        # in order) and finished ones up to next_size go on
+        step, tokens, logprobs, done, logits, cache = carry
+        if all_tokens is None:
+            all_tokens, all_logprobs = tokens, logprobs
+        else:
+            all_tokens = all_tokens.at[row_ids].set(tokens)
+            all_logprobs = all_logprobs.at[row_ids].set(logprobs)
+        order = jnp.argsort(done, stable=True)[:next_size]
+        row_ids = row_ids[order]
+        if budgets is not None:
+            budgets = budgets[order]
+        carry = (step, *constrain_rows((tokens[order], logprobs[order], done[order],
+                                         logits[order]), mesh),
+                 _constrain_cache(_take_rows(cache, order), mesh))
+    step, tokens, logprobs, done, _, _ = carry
+    if all_tokens is not None:
+        tokens = all_tokens.at[row_ids].set(tokens)
+        logprobs = all_logprobs.at[row_ids].set(logprobs)
     # a row's length: tokens up to and including its first EOS, else all `step` tokens
     is_eos = jnp.isin(tokens, eos) & (jnp.arange(steps)[None, :] < step)
     first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, step)

@@ -314,7 +314,7 @@ def test_dequantize_once_gives_the_per_step_rollout():
     unregister_kernels("cpu")   # the XLA path: nothing another test registered for the CPU
     disable_decode_attention("cpu")
     model = _quantized_tiny_with_lora()
-    tokens, mask = _prompts(np.random.default_rng(8), [6, 3], 6)
+    tokens, mask = _prompts(np.random.default_rng(8), [6, 3], 6, vocab=128)   # tiny_qwen2's
     config = SamplingConfig(max_new_tokens=8, num_generations=3, prompt_bucket=8)
     per_step = generate(model, tokens, mask, jax.random.key(5), config)
     once = generate(model, tokens, mask, jax.random.key(5),
@@ -322,6 +322,7 @@ def test_dequantize_once_gives_the_per_step_rollout():
     np.testing.assert_array_equal(np.asarray(once.tokens), np.asarray(per_step.tokens))
     np.testing.assert_allclose(np.asarray(once.logprobs), np.asarray(per_step.logprobs),
                                atol=1e-5)
+    assert np.isfinite(np.asarray(per_step.logprobs)).all()
 
     copied = copy.deepcopy(model)
     quantized = {path: node.weight.get_value() for path, node in nnx.iter_graph(copied)
@@ -348,6 +349,7 @@ def test_dequantize_once_gives_the_per_step_rollout():
                                       np.asarray(rows_per_step.tokens))
         np.testing.assert_allclose(np.asarray(rows_once.logprobs),
                                    np.asarray(rows_per_step.logprobs), atol=1e-5)
+        assert np.isfinite(np.asarray(rows_per_step.logprobs)).all()
         assert dequantize_for_rollout(copy.deepcopy(laid_out), 64) == 0   # fused kernels
         wide = copy.deepcopy(laid_out)
         weights = {path: node.weight.get_value() for path, node in nnx.iter_graph(wide)
@@ -359,6 +361,120 @@ def test_dequantize_once_gives_the_per_step_rollout():
             np.testing.assert_array_equal(
                 np.asarray(nodes[path].weight.get_value(), np.float32),
                 np.asarray(_dense(weight, True).T, np.float32))
+    finally:
+        unregister_kernels("cpu")
+        disable_decode_attention("cpu")
+
+
+def test_shrink_schedule_halves_down_to_the_minimum_and_the_shards():
+    from qerl_jax.sampling import shrink_schedule
+    on = SamplingConfig(shrink_batch=True, shrink_min_rows=8)
+    assert shrink_schedule(512, on) == (512, 256, 128, 64, 32, 16, 8)
+    assert shrink_schedule(512, SamplingConfig()) == (512,)   # off
+    assert shrink_schedule(15, on) == (15,)                    # 7 rows < 8
+    assert shrink_schedule(48, on) == (48, 24, 12)
+    assert shrink_schedule(48, on, shards=8) == (48, 24)       # 12 rows do not split over 8
+    assert shrink_schedule(7, dataclasses.replace(on, shrink_min_rows=1)) == (7, 3, 1)
+    with pytest.raises(ValueError, match="shrink_min_rows=0 must be positive"):
+        SamplingConfig(shrink_min_rows=0)
+
+
+def test_row_keys_draw_the_same_token_wherever_the_row_sits():
+    from qerl_jax.sampling import choose_tokens
+    logits = jax.random.normal(jax.random.key(0), (6, 50)) * 3
+    rows = jnp.arange(6, dtype=jnp.int32) * 7 + 3
+    order = jnp.array([4, 0, 5, 2, 1, 3])
+    config = SamplingConfig(top_k=20, top_p=0.9)
+    tokens, logprobs = choose_tokens(logits, jax.random.key(1), config, rows)
+    moved, moved_logprobs = choose_tokens(logits[order], jax.random.key(1), config, rows[order])
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(tokens)[np.asarray(order)])
+    np.testing.assert_array_equal(np.asarray(moved_logprobs),
+                                  np.asarray(logprobs)[np.asarray(order)])
+    # a row drawn alone from fold_in(key, row) is the same draw
+    alone, _ = choose_tokens(logits[2:3], jax.random.key(1), config, rows[2:3])
+    assert int(alone[0]) == int(tokens[2])
+
+
+def test_a_shrinking_batch_samples_what_the_full_batch_samples(tiny):
+    """SamplingConfig.shrink_batch: 8 rows whose budgets and EOS end most of them early decode
+    in loops of 8, 4 and 2 rows (the finished rows and their KV cache rows dropped); every
+    row's tokens, lengths, mask and truncation equal the full batch's (the same per-row keys,
+    shrink_min_rows = 8: one loop), its log-probs within 1e-5 (float32; a smaller batch's dot
+    may sum in another order). Ahead-of-time compiled, the same."""
+    from flax import nnx
+
+    from qerl_jax.sampling import compile_generate, generate_from_states, padded_prompt_shape
+    _, ours = tiny
+    tokens, mask = _prompts(np.random.default_rng(11), [6, 4], 6)
+    config = SamplingConfig(max_new_tokens=16, num_generations=4, prompt_bucket=8,
+                            eos_token_ids=(7, 11), shrink_batch=True, shrink_min_rows=2)
+    full_config = dataclasses.replace(config, shrink_min_rows=8)
+    budgets = np.array([2, 16, 3, 1, 5, 4, 16, 2], np.int32)
+    graphdef, state = nnx.split(ours)
+    key = jax.random.key(12)
+    shrunk = generate_from_states(graphdef, (state,), tokens, mask, key, config,
+                                  stop_lengths=budgets)
+    full = generate_from_states(graphdef, (state,), tokens, mask, key, full_config,
+                                stop_lengths=budgets)
+    for name in ("tokens", "lengths", "mask", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(shrunk, name)),
+                                      np.asarray(getattr(full, name)), err_msg=name)
+    np.testing.assert_allclose(np.asarray(shrunk.logprobs), np.asarray(full.logprobs),
+                               atol=1e-5)
+    lengths = np.asarray(full.lengths)
+    assert (lengths > 8).sum() <= 2 and lengths.max() > 8   # the 2-row loop ran
+    # without budgets (EOS alone) the same holds
+    eos_config = dataclasses.replace(config, eos_token_ids=tuple(range(0, 256, 3)))
+    shrunk = generate_from_states(graphdef, (state,), tokens, mask, key, eos_config)
+    full = generate_from_states(graphdef, (state,), tokens, mask, key,
+                                dataclasses.replace(eos_config, shrink_min_rows=8))
+    np.testing.assert_array_equal(np.asarray(shrunk.tokens), np.asarray(full.tokens))
+    np.testing.assert_array_equal(np.asarray(shrunk.lengths), np.asarray(full.lengths))
+    shape = padded_prompt_shape(tokens.shape, config)
+    compiled = compile_generate(graphdef, jax.eval_shape(lambda: (state,)), shape,
+                                jax.ShapeDtypeStruct(key.shape, key.dtype), eos_config)
+    ahead = generate_from_states(graphdef, (state,), tokens, mask, key, eos_config,
+                                 compiled=compiled)
+    np.testing.assert_array_equal(np.asarray(ahead.tokens), np.asarray(shrunk.tokens))
+
+
+def test_a_shrinking_batch_dequantizes_once_only_for_the_loops_that_would_dequantize():
+    """shrink_batch with dequantize_once on the kernel layout (Pallas interpret mode): 66 rows
+    take the dequantize-then-dot path and 33 the fused kernels (dequantizes_at), so the 66-row
+    loop runs the dense copy and the 33-row loop the quantized weights; tokens equal the same
+    schedule's without dequantize_once, log-probs within 1e-5 (the same bf16 values)."""
+    import copy
+
+    from qerl_jax.model_quant.kernels import disable_decode_attention, enable_kernels
+    from qerl_jax.models.decode_fusion import dequantizes_at
+    from qerl_jax.quant import KernelOptions
+    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.sampling import generate_from_states
+
+    unregister_kernels("cpu")
+    disable_decode_attention("cpu")
+    laid_out = copy.deepcopy(_quantized_tiny_with_lora())
+    try:
+        assert dequantizes_at(laid_out, 66)   # the XLA path: every batch dequantizes
+        enable_kernels(laid_out, KernelOptions(decode_attention=False), platform="cpu",
+                       interpret=True, tile_k=256)
+        assert dequantizes_at(laid_out, 65) and not dequantizes_at(laid_out, 64)
+        tokens, mask = _prompts(np.random.default_rng(8), [6, 3, 5], 6, vocab=128)
+        config = SamplingConfig(max_new_tokens=4, num_generations=22, prompt_bucket=8,
+                                shrink_batch=True, shrink_min_rows=33)
+        budgets = np.where(np.arange(66) % 2 == 0, 1, 4).astype(np.int32)
+        from flax import nnx
+        graphdef, state = nnx.split(laid_out)
+        per_step = generate_from_states(graphdef, (state,), tokens, mask, jax.random.key(6),
+                                        config, stop_lengths=budgets)
+        once = generate_from_states(graphdef, (state,), tokens, mask, jax.random.key(6),
+                                    dataclasses.replace(config, dequantize_once=True),
+                                    stop_lengths=budgets)
+        np.testing.assert_array_equal(np.asarray(once.tokens), np.asarray(per_step.tokens))
+        np.testing.assert_allclose(np.asarray(once.logprobs), np.asarray(per_step.logprobs),
+                                   atol=1e-5)
+        assert np.isfinite(np.asarray(per_step.logprobs)).all()
+        assert np.asarray(once.lengths).max() == 4
     finally:
         unregister_kernels("cpu")
         disable_decode_attention("cpu")

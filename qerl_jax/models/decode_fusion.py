@@ -225,6 +225,21 @@ def dequantize_for_rollout(model: nnx.Module, rows: int, after: jax.Array | None
     return count
 
 
+def dequantizes_at(model: nnx.Module, rows: int) -> bool:
+    """Whether an M = rows decode step of `model` dequantizes any of its quantized weights (the
+    weights dequantize_for_rollout(model, rows) would make dense), found from shapes alone
+    (jax.eval_shape: nothing is dequantized)."""
+    for _, layer in nnx.iter_graph(model):
+        if isinstance(layer, Linear) and isinstance(layer.weight.get_value(), QuantizedWeight):
+            made = jax.eval_shape(
+                lambda weight, layer=layer: dense_weight(weight, rows,
+                                                         compute_dtype=layer.compute_dtype),
+                layer.weight.get_value())
+            if made is not None:
+                return True
+    return False
+
+
 def prepare_decode(model) -> None:
     """What the sampler does to its merged copy before the decode loop: the grouped adapters
     and launch operands (stack_grouped_adapters), then the prefetch links."""
