@@ -419,6 +419,24 @@ def kv_read_bytes_for_lengths(architecture, prompt: int, lengths, kv_cache_dtype
                                    * tokens_read)
 
 
+def shrink_phase_steps(lengths, sizes) -> list[tuple[int, int]]:
+    """(batch size, decode steps) of each decode loop a shrinking batch runs (sampling.
+    shrink_schedule's `sizes`) when row r ends after lengths[r] tokens: at step t the rows still
+    generating are those with lengths > t, and the loop moves to the next size once at most
+    that many are."""
+    import numpy as np
+
+    lengths = np.asarray(lengths, np.int64)
+    steps = [0] * len(sizes)
+    phase = 0
+    for step in range(int(lengths.max())):
+        generating = int(np.sum(lengths > step))
+        while phase + 1 < len(sizes) and generating <= sizes[phase + 1]:
+            phase += 1
+        steps[phase] += 1
+    return [(size, count) for size, count in zip(sizes, steps)]
+
+
 def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
     """Bytes/s of a streaming read measured in this process: the sum of a float32 array of
     `num_bytes` (one pass over it; the reduction writes one value), the best of `repeats` timed

@@ -95,6 +95,11 @@ def parse_args(argv=None):
                         help="SamplingConfig.dequantize_once: a batch too large for the fused "
                              "4-bit kernels dequantizes each weight once per rollout, not at "
                              "every decode step")
+    parser.add_argument("--shrink-batch", action="store_true",
+                        help="SamplingConfig.shrink_batch: the decode loop drops finished rows, "
+                             "halving its batch whenever at most half the rows still generate")
+    parser.add_argument("--shrink-min-rows", type=int, default=8,
+                        help="SamplingConfig.shrink_min_rows: the smallest batch it halves to")
     parser.add_argument("--lengths", default="",
                         help="JSON of measured completion lengths (benchmarks/completion_lengths.py's "
                              "lengths.json, or a plain list): each row of a case stops after a "
@@ -190,8 +195,12 @@ def worker_main(args) -> None:
             config = sampling.SamplingConfig(
                 max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(),
                 num_generations=1, prompt_bucket=args.prompt,
-                kv_cache_dtype=args.kv_cache_dtype, dequantize_once=args.dequantize_once)
+                kv_cache_dtype=args.kv_cache_dtype, dequantize_once=args.dequantize_once,
+                shrink_batch=args.shrink_batch, shrink_min_rows=args.shrink_min_rows)
             row["dequantize_once"] = args.dequantize_once
+            sizes = sampling.shrink_schedule(batch, config)
+            if args.shrink_batch:
+                row["shrink_batch"] = "/".join(str(size) for size in sizes)
             tokens = jax.random.randint(jax.random.fold_in(key, batch), (batch, args.prompt), 0,
                                         architecture.vocab_size, jnp.int32)
             mask = jnp.ones((batch, args.prompt), jnp.bool_)
@@ -243,16 +252,27 @@ def worker_main(args) -> None:
                 row["tokens_per_s_runs"] = " / ".join(f"{rate:.0f}" for rate in rates)
                 row["tokens_per_s_median"] = statistics.median(rates)
                 generated = min(count for _, count in runs)  # the status below covers all runs
-            dequantized = args.dequantize_once and (row["path_decode"] == "xla" or
-                                                    row["path_decode"].endswith("_dequantize_xla"))
-            weight_bytes, kv_bytes = common.decode_read_bytes(states, architecture, batch,
-                                                              args.prompt, args.new_tokens,
-                                                              args.kv_cache_dtype, dequantized)
+            def weight_read_bytes(rows):
+                path = common.matmul_path(format_name, rows, active)
+                dequantized = args.dequantize_once and (path == "xla" or
+                                                        path.endswith("_dequantize_xla"))
+                return common.decode_read_bytes(states, architecture, rows, args.prompt,
+                                                args.new_tokens, args.kv_cache_dtype,
+                                                dequantized)[0]
+
+            _, kv_bytes = common.decode_read_bytes(states, architecture, batch, args.prompt,
+                                                   args.new_tokens, args.kv_cache_dtype)
+            weight_bytes = weight_read_bytes(batch)
             steps = args.new_tokens
             if stop is not None:   # the loop runs to the longest row; finished rows read no KV
                 steps, kv_total = common.kv_read_bytes_for_lengths(
                     architecture, args.prompt, stop, args.kv_cache_dtype)
                 kv_bytes = kv_total / steps
+                if len(sizes) > 1:   # each loop reads the weights its batch size multiplies by
+                    phases = common.shrink_phase_steps(stop, sizes)
+                    row["shrink_steps"] = "/".join(str(count) for _, count in phases)
+                    weight_bytes = sum(count * weight_read_bytes(size)
+                                       for size, count in phases) / steps
             row["decode_steps"] = steps
             row["tokens_per_step"] = expected / steps
             row["ms_per_token_step"] = 1e3 * row["run_s"] / steps
@@ -305,6 +325,7 @@ COLUMNS = [("size", "size"), ("format", "format"), ("batch", "batch"),
            ("decode_read_GB", "GB read per decode step"), ("read_GB_per_s", "read GB/s"),
            ("roofline_tokens_per_s", "roofline tok/s"), ("roofline_fraction", "of roofline"),
            ("kv_cache", "KV cache"), ("dequantize_once", "dequantize once"),
+           ("shrink_batch", "batch sizes (shrink)"), ("shrink_steps", "steps per size"),
            ("peak_GiB", "peak GiB"), ("tokens_crc32", "tokens crc32"),
            ("tokens_crc32_runs", "tokens crc32 runs"), ("compilation_cache", "compilation cache"),
            ("weights_GiB", "weights GiB"),
@@ -395,6 +416,8 @@ def parent_main(args) -> None:
                          if args.compilation_cache else []),
                        "--kv-cache-dtype", args.kv_cache_dtype,
                        *(["--dequantize-once"] if args.dequantize_once else []),
+                       *(["--shrink-batch"] if args.shrink_batch else []),
+                       "--shrink-min-rows", str(args.shrink_min_rows),
                        *(["--lengths", os.path.abspath(args.lengths)] if args.lengths else []),
                        "--spawned-at", str(time.time())]
             command += common.kernel_flags(args)

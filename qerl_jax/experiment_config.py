@@ -276,6 +276,13 @@ FIELDS: dict[str, Field] = {
         "(more than 64 rows with the 4-bit kernels; every batch without them) dequantizes each "
         "weight once after the prefill instead of at every decode step: faster, for the bf16 "
         "weights' memory during the decode loop (13 GB at 7B)."),
+    "rollout.shrink_batch": Field(
+        False, "The decode loop drops finished rows: whenever at most half its rows still "
+        "generate it goes on with half as many (their KV cache rows gathered), down to "
+        "shrink_min_rows; each row then draws from its own key (other tokens than with it off)."),
+    "rollout.shrink_min_rows": Field(8, "The smallest batch shrink_batch halves down to (each "
+                                     "size is one more decode loop to compile).",
+                                     greater_than(0)),
     "rollout.offload_weights_for_compile": Field(
         "auto", "Hold the frozen weights in host memory while a sampler program compiles "
         "('auto' = on a GPU).", one_of(ON_OFF_AUTO)),

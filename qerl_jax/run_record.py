@@ -32,6 +32,7 @@ RUN_STATE = (RUN_FILE, METRICS_FILE, CHECKPOINTS, "checkpoints_damaged", "curves
 HARMLESS_FIELDS = (
     "logging.", "checkpoint.", "eval.", "compilation_cache_dir", "xla_autotune_results",
     "rollout.offload_weights_for_compile", "rollout.offload_method", "rollout.dequantize_once",
+    "rollout.shrink_min_rows",   # numerics only: the rows keep their keys at any batch size
     "quant.kernels.",
     "quant.kernels", "quant.gate_up_pairs",  # records that name the kernel choices without a section
     "model.attention_implementation", "model.attention_query_chunk",

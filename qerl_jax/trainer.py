@@ -128,7 +128,8 @@ class Trainer:
             max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
             top_p=rollout.top_p, top_k=rollout.top_k, num_generations=rollout.num_generations,
             prompt_bucket=rollout.prompt_bucket, kv_cache_dtype=rollout.kv_cache_dtype,
-            dequantize_once=rollout.dequantize_once,
+            dequantize_once=rollout.dequantize_once, shrink_batch=rollout.shrink_batch,
+            shrink_min_rows=rollout.shrink_min_rows,
             eos_token_ids=eos_token_ids(self.tokenizer, self.model_config.eos_token_id))
         self.loss_config = LossConfig(
             loss_type=config.loss.loss_type, epsilon_low=config.loss.epsilon_low,

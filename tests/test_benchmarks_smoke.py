@@ -289,6 +289,10 @@ def test_kv_reads_of_rows_that_stop_at_their_lengths():
     assert steps == 12 and total == int(reference)
     weights, kv = common.decode_read_bytes({}, architecture, batch=4, prompt=16, new_tokens=12)
     assert kv == int(per_token * 4 * (16 + 6))   # every row to the end: the mean context
+    # a shrinking batch (sampling.shrink_schedule 4/2/1): 4 rows generate at step 0, 3 at
+    # steps 1-2 (then 2: the 2-row loop from step 3), 1 from step 7 (the 1-row loop)
+    assert common.shrink_phase_steps(lengths, (4, 2, 1)) == [(4, 3), (2, 4), (1, 5)]
+    assert common.shrink_phase_steps(lengths, (4,)) == [(4, 12)]
 
 
 def test_rollout_replays_measured_lengths(tmp_path):
@@ -304,6 +308,16 @@ def test_rollout_replays_measured_lengths(tmp_path):
     assert row["status"] == "ok", (row, text[-3000:])
     assert row["generated_tokens"] == row["expected_tokens"] < 4 * 8
     assert row["decode_steps"] <= 8 and 2 <= row["mean_length"] <= 8
+    shrunk = tmp_path / "shrunk"   # the same rows in loops of 4, 2 and 1 rows
+    text = _finish(_start("rollout.py", shrunk, "--formats", "bf16", "--batches", "4",
+                          "--lengths", str(lengths), "--shrink-batch", "--shrink-min-rows", "1"))
+    with open(shrunk / "rollout_tiny.json") as handle:
+        (shrunk_row,) = json.load(handle)["rows"]
+    assert shrunk_row["status"] == "ok", (shrunk_row, text[-3000:])
+    assert shrunk_row["shrink_batch"] == "4/2/1"
+    assert shrunk_row["generated_tokens"] == shrunk_row["expected_tokens"] == row["expected_tokens"]
+    assert sum(int(count) for count in shrunk_row["shrink_steps"].split("/")) == \
+        shrunk_row["decode_steps"]
     lengths.write_text("[0, 3]")
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rollout.py"),
                           "--smoke", "--lengths", str(lengths), "--out", str(out)],

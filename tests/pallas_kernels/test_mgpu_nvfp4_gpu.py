@@ -20,6 +20,11 @@
   a random model's next-token distribution is nearly uniform, so summation order alone moves
   some draws; the Mosaic path's largest log-prob gap on the common token prefixes must be at
   most max(0.05, twice the Triton-XLA gap).
+- SamplingConfig.shrink_batch on that model with dequantize_once: 72 rows (the
+  dequantize-then-dot path) of which half stop after 4 tokens, so the loop goes on with 36 rows
+  on the Mosaic kernels; against the same rows kept at 72 (the same per-row keys): each row's
+  log-probs on the common token prefix within max(0.05, twice the gap between those 72 rows
+  alone and as the first 72 of 96), budgets kept, nothing after a row's end.
 - SamplingConfig.dequantize_once (decode_fusion.dequantize_for_rollout) on that model at 72 rows
   (the dequantize-then-dot path), teacher-forced: every log-prob within max(0.02, twice the gap
   between the same rows run at batch 72 and 96) of the per-step dequantize's.
@@ -27,6 +32,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -300,3 +306,45 @@ def test_dequantize_once_agrees_with_the_per_step_dequantize():
     floor = float(np.abs(wider - per_step).max())
     gap = float(np.abs(once - per_step).max())
     assert gap <= max(0.02, 2 * floor), f"dequantize once: {gap:.3g} (floor {floor:.3g})"
+
+
+def test_a_shrinking_batch_agrees_with_the_full_batch():
+    """SamplingConfig.shrink_batch with dequantize_once on the Mosaic path: the 72-row loop
+    multiplies by the dense copies, the 36-row loop (after half the rows stop at 4 tokens) by
+    the fused NVFP4 kernels; against the 72 rows decoded together to the end (the same per-row
+    keys), each row's common-prefix log-probs within max(0.05, 2 x the floor), the floor being
+    the gap between those 72 rows run alone and as the first 72 of 96 rows (other GEMM
+    tilings, the same math; rows keep their keys). Budgets kept, nothing after a row's end."""
+    from qerl_jax import sampling
+    from qerl_jax.model_quant.kernels import disable_decode_attention
+    from qerl_jax.quant.kernels import unregister_kernels
+
+    try:
+        architecture, graphdef, states = _model("mosaic")
+        prompts = jax.random.randint(jax.random.key(7), (96, 64), 0, architecture.vocab_size,
+                                     jnp.int32)
+        budgets = np.where(np.arange(96) % 2 == 1, 4, 32).astype(np.int32)
+        budgets[72:] = 32
+        config = sampling.SamplingConfig(max_new_tokens=32, temperature=1.0, eos_token_ids=(),
+                                         prompt_bucket=64, dequantize_once=True,
+                                         shrink_batch=True, shrink_min_rows=36)
+
+        def run(rows, config):
+            rollout = sampling.generate_from_states(
+                graphdef, states, prompts[:rows], jnp.ones((rows, 64), jnp.bool_),
+                jax.random.key(8), config, stop_lengths=budgets[:rows])
+            return jax.device_get((rollout.tokens, rollout.logprobs, rollout.lengths))
+
+        shrunk = run(72, config)
+        full = run(72, dataclasses.replace(config, shrink_min_rows=72))
+        wider = run(96, dataclasses.replace(config, shrink_min_rows=96))
+    finally:
+        unregister_kernels("gpu")
+        disable_decode_attention("gpu")
+    np.testing.assert_array_equal(shrunk[2], budgets[:72])
+    assert all((shrunk[0][row, length:] == 0).all() for row, length in enumerate(budgets[:72]))
+    assert np.isfinite(shrunk[1]).all()
+    floor = _largest_gap(full[:2], tuple(part[:72] for part in wider[:2]))
+    gap = _largest_gap(shrunk[:2], full[:2])
+    print(f"shrunk vs full batch: {gap:.3g}; floor {floor:.3g}")
+    assert gap <= max(0.05, 2 * floor), f"shrunk vs full batch: {gap:.3g} (floor {floor:.3g})"
