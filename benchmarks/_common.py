@@ -419,6 +419,16 @@ def kv_read_bytes_for_lengths(architecture, prompt: int, lengths, kv_cache_dtype
                                    * tokens_read)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    import argparse
+
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
 def shrink_phase_steps(lengths, sizes) -> list[tuple[int, int]]:
     """(batch size, decode steps) of each decode loop a shrinking batch runs (sampling.
     shrink_schedule's `sizes`) when row r ends after lengths[r] tokens: at step t the rows still

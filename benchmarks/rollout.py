@@ -98,7 +98,7 @@ def parse_args(argv=None):
     parser.add_argument("--shrink-batch", action="store_true",
                         help="SamplingConfig.shrink_batch: the decode loop drops finished rows, "
                              "halving its batch whenever at most half the rows still generate")
-    parser.add_argument("--shrink-min-rows", type=int, default=8,
+    parser.add_argument("--shrink-min-rows", type=common.positive_int, default=8,
                         help="SamplingConfig.shrink_min_rows: the smallest batch it halves to")
     parser.add_argument("--lengths", default="",
                         help="JSON of measured completion lengths (benchmarks/completion_lengths.py's "

@@ -278,8 +278,9 @@ FIELDS: dict[str, Field] = {
         "weights' memory during the decode loop (13 GB at 7B)."),
     "rollout.shrink_batch": Field(
         False, "The decode loop drops finished rows: whenever at most half its rows still "
-        "generate it goes on with half as many (their KV cache rows gathered), down to "
-        "shrink_min_rows; each row then draws from its own key (other tokens than with it off)."),
+        "generate it goes on with half as many (their KV cache rows gathered) while the half "
+        "is >= shrink_min_rows (one device only); each row then draws from its own key "
+        "(other tokens than with it off)."),
     "rollout.shrink_min_rows": Field(8, "The smallest batch shrink_batch halves down to (each "
                                      "size is one more decode loop to compile).",
                                      greater_than(0)),

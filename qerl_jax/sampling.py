@@ -5,8 +5,10 @@ generate(model, prompts, mask, key, config) runs:
   2. the cache and last logits repeated G times (each prompt's KV reused by its G samples, no
      recomputation);
   3. a lax.while_loop of one-token decode steps that exits as soon as every sequence has emitted
-     an EOS id, or at max_new_tokens.
-Every random draw is fold_in(key, step): the same key gives the same tokens.
+     an EOS id, or at max_new_tokens (with SamplingConfig.shrink_batch, one such loop per batch
+     size of shrink_schedule, the rows still generating gathered between them).
+Every random draw is fold_in(key, step) (with shrink_batch, fold_in(fold_in(key, step), row)):
+the same key gives the same tokens.
 On a device mesh (qerl_jax.parallel.mesh) the prompts, the KV cache and every per-row array of
 the loop are split by rows over the data (and FSDP) axes; the weights keep their own shardings.
 """
@@ -57,9 +59,10 @@ class SamplingConfig:
       the dense weights' memory during the decode loop.
     shrink_batch: the decode loop drops finished rows: whenever at most half of its rows are
       still generating, it gathers them (and their KV cache rows) and goes on with half as many
-      rows, down to shrink_min_rows (shrink_schedule). Each row then draws from its own key,
-      fold_in(step key, row), so a row samples the same tokens wherever it sits; the program
-      holds one decode loop per batch size (longer compiles).
+      rows, while the half is >= shrink_min_rows (shrink_schedule; rows on one device only).
+      Each row then draws from its own key, fold_in(step key, row), so a row samples the same
+      tokens wherever it sits; the program holds one decode loop per batch size (longer
+      compiles).
     shrink_min_rows: the smallest batch shrink_batch halves down to.
     """
 
@@ -185,13 +188,14 @@ def _repeat_rows(tree, times: int):
 
 
 def shrink_schedule(rows: int, config: SamplingConfig, shards: int = 1) -> tuple[int, ...]:
-    """The decode loop's batch sizes: (rows,) without config.shrink_batch; with it rows, rows//2,
-    ... while the next size is >= config.shrink_min_rows and a multiple of `shards` (the
-    devices the rows are split over)."""
+    """The decode loops' batch sizes: (rows,) without config.shrink_batch, or when the rows are
+    split over several devices (shards > 1: gathering rows across them would copy the gathered
+    cache onto every device); else rows, rows // 2, ... while the half is >=
+    config.shrink_min_rows."""
     sizes = [rows]
-    while config.shrink_batch:
+    while config.shrink_batch and shards == 1:
         smaller = sizes[-1] // 2
-        if smaller < max(config.shrink_min_rows, 1) or smaller % shards:
+        if smaller < max(config.shrink_min_rows, 1):
             break
         sizes.append(smaller)
     return tuple(sizes)
@@ -209,7 +213,7 @@ def _take_rows(cache: KVCache, order: jax.Array) -> KVCache:
     """The cache's rows `order` (int [b']), one layer's arrays after the other: each gather
     waits for the previous one (optimization barriers), so a layer's old rows are freed before
     the next layer's new rows are made and the gathered cache never coexists with all of the
-    old one (unordered, XLA held about a third of it twice at 7B, 512 -> 256 rows)."""
+    old one."""
     layers = [cache.layer(i) for i in range(len(cache.keys))]
     gathered = []
     for i, arrays in enumerate(layers):
@@ -253,12 +257,17 @@ def _generate_program(graphdef, states, prompt_tokens, prompt_mask, key, stop_le
                         value_scales=_repeat_rows(cache.value_scales, groups))
     batch = logits.shape[0]
     sizes = shrink_schedule(batch, config, _batch_shards(mesh))
+    if config.shrink_batch:
+        logger.info("shrink_batch: decode loops of %s rows%s", "/".join(map(str, sizes)),
+                    " (the rows are split over several devices: no shrinking)"
+                    if _batch_shards(mesh) > 1 else "")
     dense_model = None
 
     def model_for(rows: int):
-        """The model a decode loop of `rows` rows runs: with dequantize_once, a copy whose
-        weights that batch would dequantize at every step are dense (made once, after the
-        prefill; every such loop shares it)."""
+        """The model a decode loop of `rows` rows runs: with dequantize_once and a batch that
+        would dequantize some weight at every step, a copy whose weights the first such batch
+        (the largest) would dequantize are dense (made once, after the prefill; every later
+        such loop shares it), else the quantized model."""
         nonlocal dense_model
         if not config.dequantize_once or not dequantizes_at(model, rows):
             return model
@@ -434,7 +443,7 @@ def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, ke
         graphdef is static and the states are inputs, so new weights (e.g. AQN-noised norm
         scales, updated LoRA) do not recompile.
       prompt_tokens: [P, T] int, left-padded. prompt_mask: [P, T], 1 for real tokens.
-      key: PRNG key for the whole batch (fold_in by step).
+      key: PRNG key for the whole batch (fold_in by step; with shrink_batch then by row).
       compiled: compile_generate's executable for these shapes and this config (None: the
         jitted program, compiled on first use of each shape).
       mesh: the device mesh the states are placed on (qerl_jax.parallel.mesh): the prompts'

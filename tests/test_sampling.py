@@ -373,7 +373,7 @@ def test_shrink_schedule_halves_down_to_the_minimum_and_the_shards():
     assert shrink_schedule(512, SamplingConfig()) == (512,)   # off
     assert shrink_schedule(15, on) == (15,)                    # 7 rows < 8
     assert shrink_schedule(48, on) == (48, 24, 12)
-    assert shrink_schedule(48, on, shards=8) == (48, 24)       # 12 rows do not split over 8
+    assert shrink_schedule(48, on, shards=8) == (48,)          # rows over 8 devices: none
     assert shrink_schedule(7, dataclasses.replace(on, shrink_min_rows=1)) == (7, 3, 1)
     with pytest.raises(ValueError, match="shrink_min_rows=0 must be positive"):
         SamplingConfig(shrink_min_rows=0)
@@ -421,6 +421,7 @@ def test_a_shrinking_batch_samples_what_the_full_batch_samples(tiny):
                                       np.asarray(getattr(full, name)), err_msg=name)
     np.testing.assert_allclose(np.asarray(shrunk.logprobs), np.asarray(full.logprobs),
                                atol=1e-5)
+    assert np.isfinite(np.asarray(full.logprobs)).all()
     lengths = np.asarray(full.lengths)
     assert (lengths > 8).sum() <= 2 and lengths.max() > 8   # the 2-row loop ran
     # without budgets (EOS alone) the same holds
@@ -431,6 +432,17 @@ def test_a_shrinking_batch_samples_what_the_full_batch_samples(tiny):
     np.testing.assert_array_equal(np.asarray(shrunk.tokens), np.asarray(full.tokens))
     np.testing.assert_array_equal(np.asarray(shrunk.lengths), np.asarray(full.lengths))
     shape = padded_prompt_shape(tokens.shape, config)
+
+    def loops(config):   # while loops in the program (StableHLO)
+        padded = jnp.zeros(shape, jnp.int32)
+        return _generate_program.lower(graphdef, (state,), padded, padded.astype(bool), key,
+                                       None, config=config,
+                                       cache_length=shape[1] + 16).as_text().count(
+                                           "stablehlo.while")
+    # one decode loop (of 8 rows), two (8, 4) and three (8, 4, 2): each adds the same whiles
+    one, two, three = (loops(dataclasses.replace(eos_config, shrink_min_rows=rows))
+                       for rows in (8, 4, 2))
+    assert three - two == two - one > 0
     compiled = compile_generate(graphdef, jax.eval_shape(lambda: (state,)), shape,
                                 jax.ShapeDtypeStruct(key.shape, key.dtype), eos_config)
     ahead = generate_from_states(graphdef, (state,), tokens, mask, key, eos_config,

@@ -298,6 +298,24 @@ def test_compilation_cache_is_written_then_read_with_the_same_numbers(tmp_path, 
         compilation_cache.reset_cache()
 
 
+def test_a_shrinking_rollout_batch_lines_up_with_the_training_forward(tmp_path, warm_cache):
+    """rollout.shrink_batch reaches the sampler, and the log-probs of a rollout whose batch
+    shrank as rows ended equal the trainer's recomputed ones (float32 tiny model: 1e-4)."""
+    config = _config()
+    config.aqn.enabled = False
+    config.rollout.shrink_batch = True
+    config.rollout.shrink_min_rows = 2
+    trainer = Trainer(config, _workdir(tmp_path, "shrink", warm_cache))
+    assert trainer.sampling.shrink_batch and trainer.sampling.shrink_min_rows == 2
+    examples = trainer.iterator.next_batch()
+    prompts, rollout, scores = trainer._sample_groups(examples, 0)
+    batch, *_ = trainer._training_arrays(trainer._group_entries(prompts, rollout, scores))
+    recomputed = np.asarray(trainer._logprobs_fn(trainer.trainable, trainer.frozen, batch))
+    mask = np.asarray(rollout.mask)
+    assert mask.sum() > 0
+    np.testing.assert_allclose(recomputed * mask, np.asarray(rollout.logprobs) * mask, atol=1e-4)
+
+
 def test_attention_query_chunk_reaches_the_model(tmp_path, warm_cache):
     """config.model.attention_query_chunk is set on the built model (its config and every
     attention layer), also when the warm-up comes from the cache."""
