@@ -348,6 +348,9 @@ def test_sampler_compiled_with_weights_offloaded_gives_the_same_run(tmp_path, wa
     the run logs the same metrics as one that compiles with the weights on the device, with no
     training program compiled twice."""
     from qerl_jax import sampling
+    # JAX's compiled-program caches are process-wide LRUs (8192 jitted functions): after the
+    # whole suite they evict entries, and the cache sizes below would count the suite's history
+    jax.clear_caches()
     config = _config(total_steps=2)
     config.rollout.offload_weights_for_compile = "off"
     plain_dir = _workdir(tmp_path, "plain", warm_cache)
