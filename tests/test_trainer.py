@@ -127,6 +127,17 @@ def test_autotune_results_file_is_set_before_anything_else(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def _assert_rollout_logprobs_equal_the_training_forward(trainer):
+    """One rollout's per-token log-probs against the trainer's recomputed ones (1e-4)."""
+    examples = trainer.iterator.next_batch()
+    prompts, rollout, scores = trainer._sample_groups(examples, 0)
+    batch, *_ = trainer._training_arrays(trainer._group_entries(prompts, rollout, scores))
+    recomputed = np.asarray(trainer._logprobs_fn(trainer.trainable, trainer.frozen, batch))
+    mask = np.asarray(rollout.mask)
+    assert mask.sum() > 0
+    np.testing.assert_allclose(recomputed * mask, np.asarray(rollout.logprobs) * mask, atol=1e-4)
+
+
 @pytest.mark.parametrize("logits_chunk_size", [0, 5])
 def test_rollout_logprobs_equal_the_training_forward(tmp_path, warm_cache, logits_chunk_size):
     """The sampler's per-token log-probs (temperature 1, no AQN) equal the trainer's recomputed
@@ -136,13 +147,7 @@ def test_rollout_logprobs_equal_the_training_forward(tmp_path, warm_cache, logit
     config = _config(logits_chunk_size=logits_chunk_size)
     config.aqn.enabled = False
     trainer = Trainer(config, _workdir(tmp_path, "logprobs", warm_cache))
-    examples = trainer.iterator.next_batch()
-    prompts, rollout, scores = trainer._sample_groups(examples, 0)
-    batch, *_ = trainer._training_arrays(trainer._group_entries(prompts, rollout, scores))
-    recomputed = np.asarray(trainer._logprobs_fn(trainer.trainable, trainer.frozen, batch))
-    mask = np.asarray(rollout.mask)
-    assert mask.sum() > 0
-    np.testing.assert_allclose(recomputed * mask, np.asarray(rollout.logprobs) * mask, atol=1e-4)
+    _assert_rollout_logprobs_equal_the_training_forward(trainer)
 
 
 def test_warmup_cache_with_other_settings_is_refused(tmp_path, warm_cache):
@@ -307,13 +312,7 @@ def test_a_shrinking_rollout_batch_lines_up_with_the_training_forward(tmp_path, 
     config.rollout.shrink_min_rows = 2
     trainer = Trainer(config, _workdir(tmp_path, "shrink", warm_cache))
     assert trainer.sampling.shrink_batch and trainer.sampling.shrink_min_rows == 2
-    examples = trainer.iterator.next_batch()
-    prompts, rollout, scores = trainer._sample_groups(examples, 0)
-    batch, *_ = trainer._training_arrays(trainer._group_entries(prompts, rollout, scores))
-    recomputed = np.asarray(trainer._logprobs_fn(trainer.trainable, trainer.frozen, batch))
-    mask = np.asarray(rollout.mask)
-    assert mask.sum() > 0
-    np.testing.assert_allclose(recomputed * mask, np.asarray(rollout.logprobs) * mask, atol=1e-4)
+    _assert_rollout_logprobs_equal_the_training_forward(trainer)
 
 
 def test_attention_query_chunk_reaches_the_model(tmp_path, warm_cache):
