@@ -65,33 +65,39 @@ from jax import lax
 
 from pallas_kernels.mgpu_nvfp4_layout import (CODE_BYTES, L2Prefetch, LORA_RANKS, MAX_M,
                                               MAX_OPERAND_RANK, PAIR_ASM, PAIR_SLOTS,
-                                              SCALED_EXPONENT, SLOTS, TILE_K, TILE_LINES,
-                                              TILE_ROWS, default_splits, extra_prefetchable,
-                                              group_lora_operand, group_permuted,
-                                              kernel_layout_from_permuted, l2_prefetch_for,
+                                              SCALED_EXPONENT, SCHEDULES, SLOTS, TILE_K,
+                                              TILE_LINES, TILE_ROWS, WARP_SPECIALIZED_MIN_M,
+                                              WS_COMPUTE_WARPGROUPS, default_splits,
+                                              extra_prefetchable, group_lora_operand,
+                                              group_permuted, kernel_layout_from_permuted,
+                                              l2_prefetch_for, launch_schedule, launch_splits,
                                               lora_operand, operand_rank_ok, padded_rows,
                                               pair_lora_operand, permute_packed, permute_tiles,
                                               permuted_dequantize_reference, refusal,
                                               resident_programs, source_bit,
-                                              unpermute_shifts, unpermute_tiles)
+                                              unpermute_shifts, unpermute_tiles, ws_smem_bytes,
+                                              ws_stages)
 
 # The kernels and the layout's names, for the backends, the tests and the benchmarks.
 __all__ = [
     "CODE_BYTES", "L2Prefetch", "LORA_RANKS", "MAX_M", "MAX_OPERAND_RANK", "PAIR_ASM",
-    "PAIR_SLOTS", "SCALED_EXPONENT", "SLOTS", "SwigluEpilogue", "TILE_K", "TILE_LINES",
-    "TILE_ROWS", "available", "default_splits", "extra_prefetchable", "group_lora_operand",
-    "group_permuted", "kernel_layout_from_permuted", "l2_prefetch_for", "lora_operand",
+    "PAIR_SLOTS", "SCALED_EXPONENT", "SCHEDULES", "SLOTS", "SwigluEpilogue", "TILE_K",
+    "TILE_LINES", "TILE_ROWS", "WARP_SPECIALIZED_MIN_M", "WS_COMPUTE_WARPGROUPS", "available",
+    "default_splits", "extra_prefetchable", "group_lora_operand", "group_permuted",
+    "kernel_layout_from_permuted", "l2_prefetch_for", "launch_schedule", "launch_splits",
+    "lora_operand",
     "matmul_unscaled", "mgpu_nvfp4_matmul", "mgpu_nvfp4_swiglu", "operand_rank_ok",
     "padded_rows", "pair_lora_operand", "permute_packed", "permute_tiles",
     "permuted_dequantize_reference", "refusal", "resident_programs", "source_bit",
-    "unpermute_shifts", "unpermute_tiles",
+    "unpermute_shifts", "unpermute_tiles", "ws_smem_bytes", "ws_stages",
 ]
 
 
-def _decode_tile(tile_ref, with_scales: bool = True):
+def _decode_tile(tile_ref, with_scales: bool = True, warpgroup_stride: int = 0):
     """Inline Mosaic GPU: a permuted tile in shared memory -> the [64, 256] bf16 weights
     (e2m1 * scale * 2^-8) in the wgmma register layout; with_scales=False (the probes' e2m1
-    variants): the exact e2m1 values, the scale codes unread."""
+    variants): the exact e2m1 values, the scale codes unread. warpgroup_stride: the tile of
+    warpgroup w (thread index // 128) starts w * warpgroup_stride bytes into tile_ref."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -111,6 +117,9 @@ def _decode_tile(tile_ref, with_scales: bool = True):
     row0 = arith.addi(arith.muli(arith.andi(arith.shrui(tid, const(5)), const(3)), const(16)),
                       arith.shrui(lane, const(2)))
     base = utils.memref_ptr(tile_ref)
+    if warpgroup_stride:
+        base = utils.getelementptr(
+            base, [arith.muli(arith.shrui(tid, const(7)), const(warpgroup_stride))], i8)
 
     def load16(offset):
         return llvm.load(vec4, utils.getelementptr(base, [offset], i8), alignment=16)
@@ -146,12 +155,25 @@ def _decode_tile(tile_ref, with_scales: bool = True):
     return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _store_transposed(acc, dst_ref) -> None:
+def _store_transposed(acc, dst_ref, per_warpgroup: bool = False) -> None:
     """Inline Mosaic GPU: acc [64, M] (any register layout) -> shared memory dst [M, 64]
     transposed, one 4-byte store per element (2 KiB at M = 8), so the kernel writes y, not
-    y^T, and XLA keeps the residual stream row-major."""
+    y^T, and XLA keeps the residual stream row-major. per_warpgroup: dst is [warpgroups, M,
+    64] and warpgroup w (thread index // 128) stores into dst[w]."""
     from jax._src.lib.mlir.dialects import memref
-    acc.foreach(lambda value, index: memref.store(value, dst_ref, [index[1], index[0]]))
+    lead = _warpgroup_index() if per_warpgroup else None
+    acc.foreach(lambda value, index: memref.store(
+        value, dst_ref, ([] if lead is None else [lead]) + [index[1], index[0]]))
+
+
+def _warpgroup_index():
+    """Inline Mosaic GPU: this thread's warpgroup (thread index // 128) as an index."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils
+    i32 = ir.IntegerType.get_signless(32)
+    return arith.index_cast(ir.IndexType.get(),
+                            arith.shrui(utils.thread_idx(), arith.constant(i32, 7)))
 
 
 def _swizzled(cols: int):
@@ -166,14 +188,16 @@ def _swizzled(cols: int):
 def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
                       k: int, splits: int | None = None, lora_down: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
-                      lora_bt: jax.Array | None = None, stages: int = 2,
-                      l2_prefetch: L2Prefetch | None = None) -> jax.Array:
+                      lora_bt: jax.Array | None = None, stages: int | None = None,
+                      l2_prefetch: L2Prefetch | None = None,
+                      schedule: str = "auto") -> jax.Array:
     """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
     lora_down [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
     LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
-    splits: split-K programs per row tile (default_splits). GPU only (Mosaic GPU)."""
+    splits: split-K programs per row tile (launch_splits); stages, schedule: matmul_unscaled's.
+    GPU only (Mosaic GPU)."""
     if lora_down is not None and lora_bt is None:
         if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
@@ -182,7 +206,8 @@ def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array
         lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
                                n_pad=padded_rows(permuted, k))
     y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch)
+                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch,
+                        schedule=schedule)
     return y[:, :n] * (2.0 ** -SCALED_EXPONENT
                        / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
 
@@ -226,14 +251,16 @@ def _issue_l2_prefetch(plan: L2Prefetch, buffer_gmem, extra_gmem, program,
             plgpu.async_prefetch(buffer_gmem.at[pl.ds(line_of(q), box)])
 
 
-def _tile_product(tile_smem, x_smem, acc_ref) -> None:
-    """Inside a kernel: acc [64, M] += the decoded weight tile [64, 256] @ x_tile^T (wgmma)."""
+def _tile_product(tile_smem, x_smem, acc_ref, warpgroup_stride: int = 0) -> None:
+    """Inside a kernel: acc [64, M] += the decoded weight tile [64, 256] @ x_tile^T (wgmma);
+    warpgroup_stride as _decode_tile's (each warpgroup its own tile of tile_smem)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     w = plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),),
         return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, TILE_K), jnp.bfloat16,
                                            layout=plgpu.Layout.WGMMA),
-    )(lambda ctx, tile_ref: _decode_tile(tile_ref))(tile_smem)
+    )(lambda ctx, tile_ref: _decode_tile(tile_ref, warpgroup_stride=warpgroup_stride))(
+        tile_smem)
     plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
     plgpu.wgmma_wait(0)
 
@@ -267,13 +294,16 @@ class SwigluEpilogue(NamedTuple):
     next_lora_a: jax.Array | None = None
 
 
-def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst) -> None:
+def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst,
+                     per_warpgroup: bool = False) -> None:
     """Inline Mosaic GPU, after acc [64, M] is stored transposed in out_smem [M, 64] (float32
     sums of e2m1 * scale * 2^-8 products): h [M, 32] = bf16(silu(g) * u), g = bf16(out[:, :32] *
     2^8 / ts_g), u = bf16(out[:, 32:] * 2^8 / ts_u) (blockwise_matmul_swiglu's epilogue), into
     h_smem and h_dst (global); with a_src ([32, r], global: next_lora_a's rows of this tile),
     also part_dst [M, r] float32 = h @ a_src, this tile's share of the next LoRA x @ A. Thread t
-    of the warpgroup computes elements t, t + 128, ... of each product (row-major)."""
+    of the warpgroup computes elements t, t + 128, ... of each product (row-major).
+    per_warpgroup: out_smem and h_smem hold one [M, 64] / [M, 32] tile per warpgroup (leading
+    index), each warpgroup's epilogue reads and writes its own."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref
     from jax._src.lib.mlir.dialects import math as mlir_math
@@ -286,7 +316,8 @@ def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst) -
         return arith.constant(index, v)
 
     tid = arith.index_cast(index, arith.andi(utils.thread_idx(), arith.constant(i32, 127)))
-    m_pad = ir.MemRefType(out_smem.type).shape[0]
+    m_pad = ir.MemRefType(out_smem.type).shape[-2]
+    lead = [_warpgroup_index()] if per_warpgroup else []
     utils.warpgroup_barrier()  # every thread's transposed store is in
     one, full = arith.constant(f32, 1.0), arith.constant(f32, 2.0 ** -SCALED_EXPONENT)
     scale_g = arith.divf(full, memref.load(gate_ts, [at(0)]))
@@ -298,11 +329,12 @@ def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst) -
     for e in range(m_pad * 32 // 128):
         i = arith.addi(tid, at(128 * e))
         row, col = arith.divui(i, at(32)), arith.remui(i, at(32))
-        gate = rounded(arith.mulf(memref.load(out_smem, [row, col]), scale_g))
-        up = rounded(arith.mulf(memref.load(out_smem, [row, arith.addi(col, at(32))]), scale_u))
+        gate = rounded(arith.mulf(memref.load(out_smem, lead + [row, col]), scale_g))
+        up = rounded(arith.mulf(memref.load(out_smem, lead + [row, arith.addi(col, at(32))]),
+                                scale_u))
         silu = arith.divf(gate, arith.addf(one, mlir_math.exp(arith.negf(gate))))
         h = arith.truncf(bf16, arith.mulf(silu, up))
-        memref.store(h, h_smem, [row, col])
+        memref.store(h, h_smem, lead + [row, col])
         memref.store(h, h_dst, [row, col])
     if a_src is None:
         return
@@ -313,7 +345,7 @@ def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst) -
         row, col = arith.divui(i, at(rank)), arith.remui(i, at(rank))
         total = arith.constant(f32, 0.0)
         for j in range(32):
-            h = arith.extf(f32, memref.load(h_smem, [row, at(j)]))
+            h = arith.extf(f32, memref.load(h_smem, lead + [row, at(j)]))
             a = arith.extf(f32, memref.load(a_src, [at(j), col]))
             total = arith.addf(total, arith.mulf(h, a))
         memref.store(total, part_dst, [row, col])
@@ -340,9 +372,9 @@ def _launch(body, out_type, grid, grid_names, m_pad, rank, swiglu: bool = False)
 
 def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     splits: int | None = None, lora_down: jax.Array | None = None,
-                    lora_bt: jax.Array | None = None, stages: int = 2,
+                    lora_bt: jax.Array | None = None, stages: int | None = None,
                     l2_prefetch: L2Prefetch | None = None,
-                    swiglu: SwigluEpilogue | None = None):
+                    swiglu: SwigluEpilogue | None = None, schedule: str = "auto"):
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
     (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
@@ -351,7 +383,10 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     launch's first tiles, prefetched into L2 by each program after its K loop.
     swiglu (one split only): instead (h bf16 [M, N_pad / 2], the SwiGLU of a gate/up pair in
     blocks of 32 rows, and with swiglu.next_lora_a the float32 [row tiles, M, r] shares of
-    h @ next_lora_a, or None) from the fused epilogue (_swiglu_epilogue)."""
+    h @ next_lora_a, or None) from the fused epilogue (_swiglu_epilogue).
+    schedule (launch_schedule): "split_k" (_split_k_kernel), "warp_specialized"
+    (_warp_specialized_kernel) or "auto" (by M); stages: pipeline depth (None: 2 for split-K,
+    ws_stages for warp-specialized)."""
     m = x.shape[0]
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
@@ -369,8 +404,13 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    splits = (default_splits(row_tiles, k_tiles, m=m, stages=stages) if splits is None
-              else splits)
+    schedule = launch_schedule(m, row_tiles, schedule)
+    warp_specialized = schedule == "warp_specialized"
+    rank = lora_down.shape[1] if with_lora else None
+    if stages is None:
+        stages = ws_stages(m, rank, swiglu is not None) if warp_specialized else 2
+    splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, stages=stages)
+              if splits is None else splits)
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
     m_pad = -(-m // 8) * 8
@@ -404,7 +444,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
         inputs += [jnp.asarray(swiglu.gate_divisor, jnp.float32).reshape(1),
                    jnp.asarray(swiglu.up_divisor, jnp.float32).reshape(1)]
         inputs += [] if next_a is None else [next_a.astype(jnp.bfloat16)]
-    kernel = _split_k_kernel(
+    kernel = (_warp_specialized_kernel if warp_specialized else _split_k_kernel)(
         m_pad=m_pad, k_tiles=k_tiles, row_tiles=row_tiles, splits=splits, stages=stages,
         rank=lora_bt.shape[1] if with_lora else None, plan=plan, swiglu=swiglu is not None,
         next_rank=None if next_a is None else next_a.shape[1])
@@ -518,6 +558,146 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                            rank, swiglu=swiglu))
 
 
+@functools.lru_cache(maxsize=None)
+def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int,
+                             stages: int, rank: int | None, plan: L2Prefetch | None,
+                             swiglu: bool, next_rank: int | None):
+    """matmul_unscaled's warp-specialized kernel for one static configuration (cached, as
+    _split_k_kernel's): grid (row tiles / 2, splits), one program per SM, three warpgroups.
+    Warpgroups 0 and 1 each decode one row tile (2c and 2c + 1) and multiply it by the x tile
+    they share; warpgroup 2 only issues the TMA copies of both weight tiles and the x tile,
+    `stages` steps ahead (plgpu.emit_pipeline_warp_specialized), so the copies never wait for
+    the decode. At M = 64 each x tile (32 KiB) is read once per two weight tiles (9 KiB each)
+    instead of once per tile. Same results as the split-K kernel with the same splits: each
+    row tile's products are summed in the same order. The LoRA operands (split 0), the L2
+    prefetch and the SwiGLU epilogue are the split-K kernel's, per warpgroup."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    wgs = WS_COMPUTE_WARPGROUPS
+    steps = -(-k_tiles // splits)
+    uneven = k_tiles % splits != 0
+    with_lora = rank is not None
+    n_pad = row_tiles * TILE_ROWS
+    programs = row_tiles // wgs * splits
+
+    def body(x_gmem, packed_gmem, *refs):
+        prefetch_gmem = extra_gmem = None
+        if plan is not None:
+            prefetch_gmem, *refs = refs
+            if plan.extra is not None:
+                extra_gmem, *refs = refs
+        if with_lora:
+            lora_x_gmem, lora_bt_gmem, *refs = refs
+        if swiglu:
+            gate_ts, up_ts, *refs = refs
+            next_a_gmem = None
+            if next_rank is not None:
+                next_a_gmem, *refs = refs
+            h_gmem, *refs = refs
+            share_gmem = None
+            if next_rank is not None:
+                share_gmem, *refs = refs
+        else:
+            part_gmem, *refs = refs
+        out_smem, *refs = refs
+        if with_lora:
+            lx_smem, bt_smem, barrier, *refs = refs
+        if swiglu:
+            (h_smem,) = refs
+        c = lax.axis_index("tiles")
+        s = lax.axis_index("splits")
+        first = s * k_tiles // splits
+        last = (s + 1) * k_tiles // splits  # exclusive
+
+        def step(indices, w_smem, x_smem, acc_ref):
+            def product():
+                _tile_product(w_smem, x_smem, acc_ref,
+                              warpgroup_stride=TILE_LINES * 128)
+            if uneven:
+                pl.when(first + indices[0] < last)(product)
+            else:
+                product()
+            return acc_ref
+
+        def compute_context(run_pipeline):
+            wg = lax.axis_index("wg")
+            tile = c * wgs + wg
+            if with_lora:  # split 0's LoRA operands, in flight while the pipeline runs
+                @pl.when(jnp.logical_and(s == 0, wg == 0))
+                def _():
+                    plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
+                    plgpu.copy_gmem_to_smem(
+                        lora_bt_gmem.at[pl.ds(c * wgs * TILE_ROWS, wgs * TILE_ROWS)],
+                        bt_smem, barrier)
+
+            def scoped(acc_ref):
+                run_pipeline(acc_ref)
+                if plan is not None:
+                    _issue_l2_prefetch(plan, prefetch_gmem, extra_gmem,
+                                       (c * splits + s) * wgs + wg, programs * wgs)
+                if with_lora:
+                    pl.when(s == 0)(lambda: _lora_product(
+                        acc_ref, bt_smem.at[pl.ds(wg * TILE_ROWS, TILE_ROWS)], lx_smem,
+                        barrier))
+                plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+                    lambda ctx, acc, out: _store_transposed(acc, out, per_warpgroup=True))(
+                        acc_ref[...], out_smem)
+                if not swiglu:
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], part_gmem.at[
+                        s, :, pl.ds(tile * TILE_ROWS, TILE_ROWS)])
+                    plgpu.wait_smem_to_gmem(0)
+                    return
+                half = pl.ds(tile * (TILE_ROWS // 2), TILE_ROWS // 2)
+                refs_in = [out_smem, h_smem, gate_ts, up_ts, h_gmem.at[:, half]]
+                if next_rank is not None:
+                    refs_in += [next_a_gmem.at[half], share_gmem.at[tile]]
+                plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs_in))(
+                    lambda ctx, *r: _swiglu_epilogue(
+                        *r[:5], *(r[5:] if len(r) > 5 else (None, None)),
+                        per_warpgroup=True))(*refs_in)
+
+            pl.run_scoped(scoped, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step, grid=(steps,), memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((wgs, TILE_LINES, 128),
+                                lambda j: (c, jnp.minimum(first + j, last - 1), 0)),
+                plgpu.BlockSpec((m_pad, TILE_K),
+                                lambda j: (0, jnp.minimum(first + j, last - 1)),
+                                transforms=_swizzled(TILE_K))],
+            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
+            compute_context=compute_context)
+        pipeline(packed_gmem, x_gmem)
+
+    if swiglu:
+        out_type = [jax.ShapeDtypeStruct((m_pad, n_pad // 2), jnp.bfloat16)]
+        if next_rank is not None:
+            out_type.append(jax.ShapeDtypeStruct((row_tiles, m_pad, next_rank), jnp.float32))
+        out_type = tuple(out_type)
+    else:
+        out_type = jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32)
+    scratch = [plgpu.SMEM((wgs, m_pad, TILE_ROWS), jnp.float32)]
+    if with_lora:
+        scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
+                    plgpu.SMEM((wgs * TILE_ROWS, rank), jnp.bfloat16,
+                               transforms=_swizzled(rank)),
+                    plgpu.Barrier(num_arrivals=2)]
+    if swiglu:
+        scratch.append(plgpu.SMEM((wgs, m_pad, TILE_ROWS // 2), jnp.bfloat16))
+    kernel = plgpu.kernel(
+        body, out_type=out_type, grid=(row_tiles // wgs, splits),
+        grid_names=("tiles", "splits"), scratch_types=scratch,
+        num_threads=wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+    def launch(x, permuted, *rest):  # the weight tiles of a row pair: one 3-D TMA box
+        return kernel(x, permuted.reshape(row_tiles, k_tiles * TILE_LINES, 128), *rest)
+    return jax.jit(launch)
+
+
 def _padded_inputs(x, lora_down, m_pad, k_pad):
     """x (and lora_down) in bf16, zero-padded to m_pad rows and k_pad columns where needed (no
     copy at the model's shapes)."""
@@ -538,7 +718,8 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
                       up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
                       lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
                       next_lora_a: jax.Array | None = None, splits: int | None = None,
-                      l2_prefetch: L2Prefetch | None = None, fused: bool = True):
+                      l2_prefetch: L2Prefetch | None = None, fused: bool = True,
+                      schedule: str = "auto"):
     """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
     half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
     each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue). lora_bt:
@@ -547,14 +728,15 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
     next_lora_a. With `fused` (and blocks of 32 rows, one split, r a multiple of 16) the
     kernel's epilogue computes the SwiGLU and each row tile's share of that product
     (SwigluEpilogue; XLA sums the shares); else the kernel gives the pair's product and XLA
-    the rest."""
+    the rest. schedule: matmul_unscaled's."""
     m = x.shape[0]
     n_pad2 = padded_rows(permuted_pair, k)
     if n_pad2 % (2 * half_block) or out_n > n_pad2 // 2:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     row_tiles = n_pad2 // TILE_ROWS
-    resolved = default_splits(row_tiles, -(-k // TILE_K), m=m) if splits is None else splits
+    resolved = (launch_splits(row_tiles, -(-k // TILE_K), m=m, schedule=schedule)
+                if splits is None else splits)
     if (fused and half_block == TILE_ROWS // 2 and resolved == 1
             and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):
         next_a = next_lora_a  # matmul_unscaled takes it in bf16
@@ -562,12 +744,12 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
             next_a = jnp.pad(next_a, ((0, n_pad2 // 2 - next_a.shape[0]), (0, 0)))
         h, shares = matmul_unscaled(
             x, permuted_pair, n=n_pad2, k=k, splits=1, lora_down=lora_down, lora_bt=lora_bt,
-            l2_prefetch=l2_prefetch,
+            l2_prefetch=l2_prefetch, schedule=schedule,
             swiglu=SwigluEpilogue(gate_tensor_scale, up_tensor_scale, next_a))
         out = h[:, :out_n]
         return out if next_lora_a is None else (out, shares.sum(axis=0))
     y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
-                        lora_bt=lora_bt, l2_prefetch=l2_prefetch)
+                        lora_bt=lora_bt, l2_prefetch=l2_prefetch, schedule=schedule)
     y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
     halves = []
     for half, ts in enumerate((gate_tensor_scale, up_tensor_scale)):

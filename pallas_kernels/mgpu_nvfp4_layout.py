@@ -25,6 +25,11 @@ MAX_OPERAND_RANK = 192  # the LoRA operand's width: 3 x 64 (a grouped q|k|v laun
 SLOTS = 528  # programs resident at once: 132 SMs x 4 (118-124 registers per thread)
 SMS = 132  # streaming multiprocessors of an H100 / H200 SXM
 SMEM_PER_SM = 227 * 1024  # shared memory one SM gives the programs resident on it
+SCHEDULES = ("auto", "split_k", "warp_specialized")
+# the smallest M the "auto" schedule runs warp-specialized (two compute warpgroups sharing each
+# x tile, a third issuing the TMA copies); below it the split-K programs, 2-4 per SM, were faster
+WARP_SPECIALIZED_MIN_M = 33
+WS_COMPUTE_WARPGROUPS = 2  # row tiles per warp-specialized program (one per compute warpgroup)
 
 # (column half, row half) of pair k of a word: columns 16 i + 8 c + 2 (lane % 4) + {0, 1},
 # row r0 + 8 h.
@@ -201,6 +206,49 @@ def default_splits(row_tiles: int, k_tiles: int, slots: int | None = None, *,
     return -(-k_tiles // steps)
 
 
+def launch_schedule(m: int, row_tiles: int, schedule: str = "auto") -> str:
+    """The schedule a launch at M = m over `row_tiles` row tiles runs: "split_k" (one
+    warpgroup per program, several programs per SM) or "warp_specialized" (one program per SM:
+    WS_COMPUTE_WARPGROUPS compute warpgroups, each a row tile, sharing each x tile, and a
+    warpgroup issuing the TMA copies), the latter only where the row tiles pair up (else
+    split-K). "auto": warp-specialized from WARP_SPECIALIZED_MIN_M rows."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"mgpu_nvfp4: schedule {schedule!r}; one of {SCHEDULES}")
+    if row_tiles % WS_COMPUTE_WARPGROUPS or schedule == "split_k" or (
+            schedule == "auto" and m < WARP_SPECIALIZED_MIN_M):
+        return "split_k"
+    return "warp_specialized"
+
+
+def launch_splits(row_tiles: int, k_tiles: int, *, m: int, schedule: str = "auto",
+                  stages: int = 2) -> int:
+    """The split-K count of a launch (default_splits): for the warp-specialized schedule one
+    program per SM, each over WS_COMPUTE_WARPGROUPS row tiles."""
+    if launch_schedule(m, row_tiles, schedule) == "warp_specialized":
+        return default_splits(row_tiles // WS_COMPUTE_WARPGROUPS, k_tiles, SMS)
+    return default_splits(row_tiles, k_tiles, m=m, stages=stages)
+
+
+def ws_smem_bytes(m: int, stages: int, rank: int | None = None, swiglu: bool = False) -> int:
+    """Shared memory of a warp-specialized program: its pipeline (stages x (the row tiles'
+    weight tiles + the x tile)), the transposed stores, the LoRA tiles (x @ A shared, the
+    operand's rows of both row tiles) and the SwiGLU's h tiles."""
+    m_pad = -(-m // 8) * 8
+    wgs = WS_COMPUTE_WARPGROUPS
+    total = stages * (wgs * TILE_LINES * 128 + m_pad * TILE_K * 2) + wgs * m_pad * TILE_ROWS * 4
+    if rank is not None:
+        total += (m_pad + wgs * TILE_ROWS) * rank * 2
+    if swiglu:
+        total += wgs * m_pad * TILE_ROWS // 2 * 2
+    return total
+
+
+def ws_stages(m: int, rank: int | None = None, swiglu: bool = False) -> int:
+    """Pipeline depth of a warp-specialized program: 3 where its shared memory fits (3 was
+    faster than 2 at M = 64 on every 7B launch), else 2."""
+    return 3 if ws_smem_bytes(m, 3, rank, swiglu) <= SMEM_PER_SM - 2048 else 2
+
+
 def operand_rank_ok(rank: int) -> bool:
     """LoRA operand widths the kernel takes: a multiple of 16 (wgmma's K step) up to
     MAX_OPERAND_RANK (the LORA_RANKS of one adapter, 2r of a gate/up pair, 3r of a grouped
@@ -285,13 +333,15 @@ class L2Prefetch(NamedTuple):
 
 def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, ahead: int = 2,
                     contiguous_lines: int = 0, extra: jax.Array | None = None,
-                    m: int = 8) -> L2Prefetch:
+                    m: int = 8, schedule: str = "auto") -> L2Prefetch:
     """The L2Prefetch plan of a launch of matmul_unscaled over `permuted` (a [N, k] weight's
-    buffer) at M = m with `splits` (default_splits when None), and `extra` ([rows, cols], a
-    row of a multiple of 16 bytes and at most 256 columns: a TMA box) if given."""
+    buffer) at M = m with `splits` (launch_splits of its schedule when None), and `extra`
+    ([rows, cols], a row of a multiple of 16 bytes and at most 256 columns: a TMA box) if
+    given."""
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
-    splits = default_splits(row_tiles, k_tiles, m=m) if splits is None else splits
+    splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule) if splits is None
+              else splits)
     if not 1 <= ahead <= 3:
         raise ValueError(f"l2_prefetch_for: ahead={ahead} (1-3 tiles: a TMA box has at most "
                          f"256 lines)")

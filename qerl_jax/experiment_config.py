@@ -50,6 +50,7 @@ COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ON_OFF_AUTO = ("auto", "on", "off")                          # quant.kernel_options.MOSAIC_CHOICES
 KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")          # sampling.KV_CACHE_DTYPES
+MOSAIC_SCHEDULES = ("auto", "split_k", "warp_specialized")  # quant.kernel_options.MOSAIC_SCHEDULES
 WEIGHT_AS_LHS = ("auto", "weights", "activations")           # quant.kernel_options.WEIGHT_AS_LHS
 KERNEL_DECODERS = ("fp8", "ptx_scaled", "ptx_paired_scales", "lut", "lut16", "select")                                 # FormatSpec.decoders
 DECODE_BLOCK_N = (16, 32, 64)                                # DecodeTuning.block_n
@@ -173,6 +174,12 @@ FIELDS: dict[str, Field] = {
     "quant.kernels.mosaic_prefetch_tiles": Field(1, "K tiles per program of the next Mosaic "
                                                  "decode launch each launch prefetches into L2 "
                                                  "(0 = no prefetch).", in_interval(0, 3)),
+    "quant.kernels.mosaic_schedule": Field(
+        "auto", "Schedule of the Mosaic decode launches: 'auto' = warp-specialized (two compute "
+        "warpgroups share each activation tile, a third issues the copies) from 33 rows and "
+        "split-K programs below; 'split_k' = always split-K; 'warp_specialized' = every launch "
+        "whose 64-row tiles pair up.",
+        one_of(MOSAIC_SCHEDULES)),
     "quant.kernels.compact_after_repack": Field(
         "auto", "After repacking the 4-bit weights for the kernels, copy them through host "
         "memory once so the device allocator holds them without the repack's gaps (0.77 GiB at "

@@ -41,19 +41,26 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
     return [("q/o", h, h), ("down", h, i), ("gate|up", 2 * i, h), ("q|k|v", h + 2 * kv, h)]
 
 
-def schedules(n: int, k: int, sweep: bool, stages=(2,), m: int = 8,
-              extra_splits=()) -> list[tuple[str, dict]]:
-    """(label, matmul keyword arguments) of the schedules --profile times at M = m: the default
+def schedules(n: int, k: int, sweep: bool, stages=(None,), m: int = 8,
+              extra_splits=(), kernel_schedules=("auto",)) -> list[tuple[str, dict]]:
+    """(label, matmul keyword arguments) of the schedules --profile times at M = m: for each
+    kernel schedule of --schedules (mgpu_nvfp4.launch_schedule; "auto" unlabelled) the default
     split-K count, with --sweep half and twice it, and the counts of --splits; each at every
-    pipeline depth in `stages` (--stages; 2, the kernel's default, unlabelled)."""
+    pipeline depth in `stages` (--stages; the schedule's default, None, unlabelled)."""
     from pallas_kernels import mgpu_nvfp4 as mg
-    splits = mg.default_splits(-(-n // 64), -(-k // 256), m=m)
-    out = [(f"splits {splits}", {})]
-    others = sweep_splits(n, k, m) if sweep else []
-    others += [s for s in extra_splits if s not in others and 1 <= s <= -(-k // 256)]
-    out += [(f"splits {s}", {"splits": s}) for s in others if s != splits]
-    return [(label if depth == 2 else f"{label}, stages {depth}",
-             kwargs if depth == 2 else {**kwargs, "stages": depth})
+    row_tiles, k_tiles = -(-n // 64), -(-k // 256)
+    out = []
+    for schedule in kernel_schedules:
+        resolved = mg.launch_schedule(m, row_tiles, schedule)
+        splits = mg.launch_splits(row_tiles, k_tiles, m=m, schedule=schedule)
+        prefix = "" if schedule == "auto" else f"{resolved}, "
+        base = {} if schedule == "auto" else {"schedule": schedule}
+        out.append((f"{prefix}splits {splits}", base))
+        others = sweep_splits(n, k, m) if sweep else []
+        others += [s for s in extra_splits if s not in others and 1 <= s <= k_tiles]
+        out += [(f"{prefix}splits {s}", {**base, "splits": s}) for s in others if s != splits]
+    return [(label if depth is None else f"{label}, stages {depth}",
+             kwargs if depth is None else {**kwargs, "stages": depth})
             for depth in stages for label, kwargs in out]
 
 
@@ -75,8 +82,12 @@ def parse_args(argv=None):
                         help="--profile also times other split-K counts (sweep_splits)")
     parser.add_argument("--mosaic-only", action="store_true",
                         help="--profile times the Mosaic GPU kernel only (no Triton rows)")
-    parser.add_argument("--stages", default="2",
-                        help="comma-separated pipeline depths --profile times (default 2)")
+    parser.add_argument("--stages", default="",
+                        help="comma-separated pipeline depths --profile times (default: each "
+                             "schedule's own)")
+    parser.add_argument("--schedules", default="auto",
+                        help="comma-separated kernel schedules --profile times: auto, split_k, "
+                             "warp_specialized (mgpu_nvfp4.launch_schedule)")
     parser.add_argument("--sizes", default="32b",
                         help="comma-separated model sizes whose launch shapes --profile times")
     parser.add_argument("--m", type=int, default=8)
@@ -97,8 +108,8 @@ def _inputs(key, n, k, m, rank):
     return ckpt, x, down, lora_b
 
 
-def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), triton=True,
-                       extra_splits=()):
+def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), triton=True,
+                       extra_splits=(), kernel_schedules=("auto",)):
     """q|k|v: Triton's grouped launch (three weights, r32 each; unless not triton) against the
     Mosaic kernel on the stacked buffer with the block-diagonal rank-96 operand (+ XLA's
     per-member rescale)."""
@@ -137,7 +148,8 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
     operand = mg.group_lora_operand(lora_bs, [p.tensor_scale for p in packed], [2.0] * 3,
                                     n_pads)
     scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
-    for label, kwargs in schedules(sum(n_pads), k, sweep, stages, m, extra_splits):
+    for label, kwargs in schedules(sum(n_pads), k, sweep, stages, m, extra_splits,
+                                   kernel_schedules):
         def launch(x, t, d, kwargs=kwargs):
             y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_down=d, lora_bt=operand,
                                    **kwargs)
@@ -154,8 +166,8 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(2,), trit
     return rows
 
 
-def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=True,
-                  extra_splits=()):
+def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), triton=True,
+                  extra_splits=(), kernel_schedules=("auto",)):
     import jax
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
@@ -184,7 +196,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(2,), triton=
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
-    for label, kwargs in schedules(n, k, sweep, stages, m, extra_splits):
+    for label, kwargs in schedules(n, k, sweep, stages, m, extra_splits, kernel_schedules):
         fn = jax.jit(lambda x, ps, d, bt, kwargs=kwargs: [mg.mgpu_nvfp4_matmul(
             x, p, ts, n=n, k=k, lora_down=d, lora_bt=bt, **kwargs) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
@@ -274,7 +286,8 @@ def main(argv=None):
     key = jax.random.key(0)
     started = time.perf_counter()
     meta = {**common.device_info(), "jax": jax.__version__}
-    stages = tuple(int(depth) for depth in args.stages.split(","))
+    stages = tuple(int(depth) for depth in args.stages.split(",") if depth) or (None,)
+    kernel_schedules = tuple(name for name in args.schedules.split(",") if name)
     extra_splits = tuple(int(count) for count in args.splits.split(",") if count)
     profiles = []
     for size in args.sizes.split(","):
@@ -287,11 +300,13 @@ def main(argv=None):
                     profiles += group_profile_rows(key, label, n, k, args.m, args.repeats,
                                                    args.sweep, (h, kv, kv), stages,
                                                    triton=not args.mosaic_only,
-                                                   extra_splits=extra_splits)
+                                                   extra_splits=extra_splits,
+                                                   kernel_schedules=kernel_schedules)
                 else:
                     profiles += profile_shape(key, label, n, k, args.m, args.repeats,
                                               args.sweep, stages, triton=not args.mosaic_only,
-                                              extra_splits=extra_splits)
+                                              extra_splits=extra_splits,
+                                              kernel_schedules=kernel_schedules)
             except Exception as e:
                 traceback.print_exc()
                 profiles.append({"shape": label, "n": n, "k": k,

@@ -12,6 +12,7 @@ from pallas_kernels.blockwise_configs import DecodeTuning
 from pallas_kernels.decode_attention import DecodeAttentionConfig
 
 MOSAIC_CHOICES = ("auto", "on", "off")
+MOSAIC_SCHEDULES = ("auto", "split_k", "warp_specialized")  # pallas_kernels.mgpu_nvfp4.SCHEDULES
 WEIGHT_AS_LHS = {"auto": None, "weights": True, "activations": False}
 
 
@@ -29,6 +30,10 @@ class KernelOptions:
     mosaic_nvfp4: str = "auto"
     # K tiles per program of the next Mosaic launch that each launch prefetches into L2 (0: none)
     mosaic_prefetch_tiles: int = 1
+    # schedule of the Mosaic launches: 'auto' warp-specialized (two compute warpgroups sharing
+    # each x tile, one issuing the copies) from 33 rows, split-K programs below; 'split_k' always
+    # split-K; 'warp_specialized' wherever the launch's 64-row tiles pair up
+    mosaic_schedule: str = "auto"
     # the Pallas decode-attention kernel for one-token decode steps
     decode_attention: bool = True
     # tiling of the Triton fused kernel at decode M (M <= 16)
@@ -40,6 +45,9 @@ class KernelOptions:
         if self.mosaic_nvfp4 not in MOSAIC_CHOICES:
             raise ValueError(f"KernelOptions.mosaic_nvfp4={self.mosaic_nvfp4!r}: one of "
                              f"{MOSAIC_CHOICES}")
+        if self.mosaic_schedule not in MOSAIC_SCHEDULES:
+            raise ValueError(f"KernelOptions.mosaic_schedule={self.mosaic_schedule!r}: one of "
+                             f"{MOSAIC_SCHEDULES}")
         if not 0 <= self.mosaic_prefetch_tiles <= 3:
             raise ValueError(f"KernelOptions.mosaic_prefetch_tiles={self.mosaic_prefetch_tiles}"
                              ": 0 (off) to 3")
@@ -57,6 +65,7 @@ class KernelOptions:
             enabled=kernels["enabled"], gate_up_pairs=kernels["gate_up_pairs"],
             mosaic_nvfp4=kernels["mosaic_nvfp4"],
             mosaic_prefetch_tiles=kernels["mosaic_prefetch_tiles"],
+            mosaic_schedule=kernels["mosaic_schedule"],
             decode_attention=kernels["decode_attention"],
             decode_matmul=DecodeTuning(
                 target_programs=matmul["target_programs"],

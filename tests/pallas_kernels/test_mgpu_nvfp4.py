@@ -181,12 +181,12 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
 
 
 def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
-                        stages=2, l2_prefetch=None, swiglu=None):
+                        stages=None, l2_prefetch=None, swiglu=None, schedule="auto"):
     """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
     numbers are checked on the GPU by test_mgpu_nvfp4_gpu.py; an L2 prefetch is a
     hint that changes no result); with swiglu, the fused epilogue's (h, shares) as its
     docstring states them."""
-    del splits, stages, l2_prefetch
+    del splits, stages, l2_prefetch, schedule
     n_pad = mg.padded_rows(permuted, k)
     raw = mg.permuted_dequantize_reference(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
                                  n=n_pad, k=k)  # e2m1 x block scale x 2^-8
@@ -719,3 +719,92 @@ def test_mosaic_option_and_lora_ranks(caplog, rank, ok):
                 mosaic.unavailable = original
         assert "keep the kernel layout and the Triton kernels" in caplog.text
         assert any(r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_launch_schedule_and_its_splits():
+    """"auto": split-K programs below WARP_SPECIALIZED_MIN_M rows, warp-specialized from it
+    where the row tiles pair up (odd counts stay split-K, also when it is asked for); the
+    warp-specialized splits fill one program per SM (132) with pairs of row tiles, the split-K
+    ones resident_programs per SM; the L2 prefetch plan of the next launch takes that launch's
+    splits; the pipeline is 3 deep where its shared memory fits, else 2."""
+    assert mg.WARP_SPECIALIZED_MIN_M == 33 and mg.WS_COMPUTE_WARPGROUPS == 2
+    assert mg.launch_schedule(32, 56) == "split_k"
+    assert mg.launch_schedule(33, 56) == mg.launch_schedule(64, 56) == "warp_specialized"
+    assert mg.launch_schedule(64, 55) == "split_k"
+    assert mg.launch_schedule(8, 56, "warp_specialized") == "warp_specialized"
+    assert mg.launch_schedule(64, 7, "warp_specialized") == "split_k"
+    assert mg.launch_schedule(64, 56, "split_k") == "split_k"
+    with pytest.raises(ValueError, match="stream_k"):
+        mg.launch_schedule(64, 56, "stream_k")
+    # 7B launches at M = 64: gate|up pair, down, q|k|v, o
+    assert [mg.launch_splits(r, t, m=64) for r, t in ((592, 14), (56, 74), (72, 14), (56, 14))
+            ] == [1, 4, 3, 4]
+    assert mg.launch_splits(40, 14, m=40) == mg.default_splits(20, 14, 132) == 5
+    assert mg.launch_splits(40, 14, m=40, schedule="split_k") == mg.default_splits(
+        40, 14, m=40) == 7
+    assert mg.launch_splits(56, 74, m=8) == mg.default_splits(56, 74) == 9
+    permuted = jnp.zeros((40 * 14 * mg.TILE_LINES, 128), jnp.uint8)
+    assert mg.l2_prefetch_for(permuted, k=3584, m=40).splits == 5
+    assert mg.l2_prefetch_for(permuted, k=3584, m=40, schedule="split_k").splits == 7
+    assert mg.ws_stages(64, 96) == mg.ws_stages(64, 64, swiglu=True) == 3
+    assert mg.ws_stages(64, 192) == 2
+    assert mg.ws_smem_bytes(64, 3, 96) == 3 * (2 * 9216 + 64 * 512) + 2 * 64 * 256 + 192 * 192
+
+
+def test_warp_specialized_kernel_lowers_for_cuda():
+    """The warp-specialized kernel lowers for CUDA with every operand the split-K kernel
+    takes: no LoRA, LoRA widths 32-192 (the 192-wide operand at 2 stages), splits that do not
+    divide the K tiles, M not a multiple of 8, an L2 prefetch plan with an extra array, and the
+    fused SwiGLU epilogue with and without the next LoRA product."""
+    n, k = 384, 1792  # 6 row tiles, 7 K tiles
+    def calls():
+        info = mg._warp_specialized_kernel.cache_info()
+        return info.hits + info.misses
+    calls_before = calls()
+    for m, rank, splits in ((64, 0, None), (40, 96, None), (57, 48, 3), (64, 192, 2)):
+        args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                jax.ShapeDtypeStruct((n // 64 * 7 * mg.TILE_LINES, 128), jnp.uint8)]
+        if rank:
+            args += [jax.ShapeDtypeStruct((m, rank), jnp.bfloat16),
+                     jax.ShapeDtypeStruct((n, rank), jnp.bfloat16)]
+
+        def f(x, p, *lora, splits=splits):
+            lora = dict(lora_down=lora[0], lora_bt=lora[1]) if lora else {}
+            return mg.matmul_unscaled(x, p, n=n, k=k, splits=splits, **lora)
+
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text() and lowered.out_info.shape == (m, n)
+    m = 64
+    following = jnp.zeros((16 * 7 * mg.TILE_LINES, 128), jnp.uint8)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n // 64 * 7 * mg.TILE_LINES, 128), jnp.uint8),
+            jax.ShapeDtypeStruct(following.shape, jnp.uint8),
+            jax.ShapeDtypeStruct((m, 32), jnp.bfloat16), jax.ShapeDtypeStruct((n, 32),
+                                                                              jnp.bfloat16))
+
+    def prefetching(x, p, q, d, o):
+        plan = mg.l2_prefetch_for(q, k=k, m=m, ahead=1, extra=jnp.zeros((600, 96), jnp.bfloat16))
+        return mg.matmul_unscaled(x, p, n=n, k=k, lora_down=d, lora_bt=o, l2_prefetch=plan)
+
+    lowered = jax.jit(prefetching).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.out_info.shape == (m, n)
+    n, k = 128, 512
+    gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(i),
+                                                                      (n, k))), tile_k=256)
+                for i in (0, 1))
+    view = kl.pair_gate_up(gate, up)[0]
+    tiles = jax.ShapeDtypeStruct(mg.permute_packed(view.whole_pair()).shape, jnp.uint8)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), tiles,
+            jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
+            jax.ShapeDtypeStruct((m, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2 * n, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n, 32), jnp.bfloat16))
+    for with_next in (True, False):
+        def fused(x, tiles, ts_g, ts_u, down, operand, next_a, with_next=with_next):
+            return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
+                                        lora_down=down, lora_bt=operand, splits=1,
+                                        next_lora_a=next_a if with_next else None)
+        lowered = jax.jit(fused).trace(*args).lower(lowering_platforms=("cuda",))
+        shapes = jax.tree.map(lambda o: o.shape, lowered.out_info)
+        assert shapes == (((m, n), (m, 32)) if with_next else (m, n)), shapes
+    assert calls() - calls_before == 7  # every launch above took the warp-specialized kernel

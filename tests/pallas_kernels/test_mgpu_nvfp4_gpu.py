@@ -9,6 +9,12 @@
   (|x| @ |W|^T + the same product of absolute values of the LoRA term), float32 accumulation
   over K <= 27648 of exact products. "prepared" cases pass the operand made ahead (lora_bt, as
   the sampler does), the others pass B and the LoRA scale.
+- The warp-specialized schedule (M >= 33; two compute warpgroups and a copying one) against
+  the split-K schedule at the same splits, bit for bit (each row tile's products are summed in
+  the same order), and against float64 with the bound above: single weights with and without
+  LoRA, uneven splits, M not a multiple of 8, a grouped q|k|v launch, and the fused SwiGLU
+  launch of a 7B gate|up pair at M = 64 (against the split-K launch bit for bit, and that one
+  against its XLA epilogue within 2^-7 of the largest |output|).
 - The grouped q|k|v launch: three weights' buffers stacked (group_permuted), the block-diagonal
   operand (group_lora_operand), each member's columns rescaled by its own 2^8 / tensor_scale,
   each against its float64 product with the same bound.
@@ -182,6 +188,111 @@ def test_swiglu_launch_matches_the_triton_launch(fused):
     for name, value, reference in (("output", got, want), ("next LoRA", got_next, want_next)):
         value, reference = _float64(value), _float64(reference)
         assert value.shape == reference.shape and np.isfinite(value).all(), name
+        error = float(np.abs(value - reference).max() / (2.0 ** -7 * np.abs(reference).max()))
+        assert error <= 1.0, f"{name}: largest error / (2^-7 max|reference|) {error:.3g}"
+
+
+WS_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared): warp-specialized launches
+    (3584, 18944, 64, 32, None, True), (640, 2304, 40, 64, 2, True),
+    (384, 1792, 57, 32, 3, False), (256, 1024, 33, 0, None, False),
+    (37888, 3584, 64, 32, None, True)]
+
+
+def _float64_check(y, ckpt, x, down, operand, packed, n, rank):
+    """Largest |y - float64 reference| / (BOUND x the absolute product), as in
+    test_matmul_matches_float64."""
+    w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*ckpt), np.float64)
+    x64 = _float64(x)
+    reference, bound = x64 @ w.T, np.abs(x64) @ np.abs(w).T
+    if rank:
+        lx = _float64(down.astype(jnp.bfloat16))
+        bt = _float64(operand)[:n]
+        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(packed.tensor_scale).reshape(()))
+        reference = reference + (lx @ bt.T) * rescale
+        bound = bound + (np.abs(lx) @ np.abs(bt).T) * rescale
+    return float((np.abs(y - reference) / (BOUND * bound + 1e-30)).max())
+
+
+@pytest.mark.parametrize("n,k,m,rank,splits,prepared", WS_CASES)
+def test_warp_specialized_schedule_matches_split_k_and_float64(n, k, m, rank, splits,
+                                                               prepared):
+    ckpt, x, down, lora_b = _inputs(jax.random.key(n * 3 + k + m), n, k, m, rank)
+    packed = nvfp4_matmul.repack_nvfp4(*ckpt)
+    permuted = mg.permute_packed(packed)
+    row_tiles, k_tiles = -(-n // mg.TILE_ROWS), -(-k // mg.TILE_K)
+    assert mg.launch_schedule(m, row_tiles) == "warp_specialized"
+    if splits is None:
+        splits = mg.launch_splits(row_tiles, k_tiles, m=m)
+    operand, kwargs = None, {}
+    if rank:
+        operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
+        kwargs = (dict(lora_down=down, lora_bt=operand) if prepared
+                  else dict(lora_down=down, lora_b=lora_b, lora_scale=2.0))
+    outputs = {}
+    for schedule in ("warp_specialized", "split_k"):
+        fn = jax.jit(lambda x, p, ts, kw, schedule=schedule: mg.mgpu_nvfp4_matmul(
+            x, p, ts, n=n, k=k, splits=splits, schedule=schedule, **kw))
+        outputs[schedule] = np.asarray(fn(x, permuted, packed.tensor_scale, kwargs), np.float64)
+    y = outputs["warp_specialized"]
+    assert np.isfinite(y).all()
+    np.testing.assert_array_equal(y, outputs["split_k"])
+    excess = _float64_check(y, ckpt, x, down, operand, packed, n, rank)
+    assert excess <= 1.0, f"largest error / bound {excess:.3g}"
+
+
+def test_warp_specialized_grouped_launch_matches_split_k():
+    """A 7B q|k|v grouped launch at M = 48 (LoRA r32 each): both schedules, same splits,
+    bit for bit."""
+    ns, k, m, rank = (3584, 512, 512), 3584, 48, 32
+    members = [_inputs(jax.random.key(2000 * i + k), n, k, m, rank) for i, n in enumerate(ns)]
+    x = members[0][1]
+    down = jnp.concatenate([member[2] for member in members], axis=1)
+    packed = [nvfp4_matmul.repack_nvfp4(*member[0]) for member in members]
+    tiles = mg.group_permuted([mg.permute_packed(p) for p in packed], [k] * len(ns))
+    n_pads = [p.codes.shape[0] for p in packed]
+    operand = mg.group_lora_operand([member[3] for member in members],
+                                    [p.tensor_scale for p in packed], [2.0] * len(ns), n_pads)
+    splits = mg.launch_splits(sum(n_pads) // mg.TILE_ROWS, k // mg.TILE_K, m=m)
+    outputs = [np.asarray(jax.jit(lambda x, t, d, o, schedule=schedule: mg.matmul_unscaled(
+        x, t, n=sum(n_pads), k=k, splits=splits, lora_down=d, lora_bt=o, schedule=schedule))(
+            x, tiles, down, operand)) for schedule in ("warp_specialized", "split_k")]
+    assert np.isfinite(outputs[0]).all()
+    np.testing.assert_array_equal(*outputs)
+
+
+def test_warp_specialized_swiglu_launch_matches_split_k():
+    """The 7B gate|up pair (18944 x 3584 each), M = 64, LoRA r32 on both halves and the next
+    layer's LoRA A, the SwiGLU in the kernel's epilogue: the warp-specialized launch equals the
+    split-K one bit for bit; that one is within 2^-7 of the largest |output| of the same
+    products with the SwiGLU in XLA."""
+    from qerl_jax.quant.nvfp4 import nvfp4_quantize
+    n, k, m, rank, half_block = 18944, 3584, 64, 32, 32
+    keys = jax.random.split(jax.random.key(11), 8)
+    gate, up = (nvfp4_matmul.repack_nvfp4(*_checkpoint_arrays(nvfp4_quantize(
+        jax.random.normal(keys[i], (n, k)) * 0.02)), tile_k=mg.TILE_K) for i in (0, 1))
+    pair = mg.permute_packed(bw.interleave_gate_up(gate, up, half_block))
+    n_pad = gate.codes.shape[0]
+    x = jax.random.normal(keys[2], (m, k), jnp.bfloat16)
+    down = (jax.random.normal(keys[3], (m, 2 * rank)) * 0.1).astype(jnp.bfloat16)
+    gate_b, up_b = ((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
+                    for i in (4, 5))
+    next_a = (jax.random.normal(keys[6], (n, rank)) * 0.01).astype(jnp.bfloat16)
+    scales = (gate.tensor_scale, up.tensor_scale)
+    operand = mg.pair_lora_operand(gate_b, up_b, *scales, 1.0, n_pad=n_pad,
+                                   half_block=half_block)
+    results = {}
+    for schedule, fused in (("warp_specialized", True), ("split_k", True), ("split_k", False)):
+        results[schedule, fused] = jax.device_get(jax.jit(
+            lambda x, d, schedule=schedule, fused=fused: mg.mgpu_nvfp4_swiglu(
+                x, pair, *scales, out_n=n, k=k, half_block=half_block, lora_down=d,
+                lora_bt=operand, next_lora_a=next_a, splits=1, fused=fused,
+                schedule=schedule))(x, down))
+    for got, want in zip(results["warp_specialized", True], results["split_k", True]):
+        assert np.isfinite(_float64(got)).all()
+        np.testing.assert_array_equal(_float64(got), _float64(want))
+    for name, value, reference in zip(("output", "next LoRA"), results["split_k", True],
+                                      results["split_k", False]):
+        value, reference = _float64(value), _float64(reference)
         error = float(np.abs(value - reference).max() / (2.0 ** -7 * np.abs(reference).max()))
         assert error <= 1.0, f"{name}: largest error / (2^-7 max|reference|) {error:.3g}"
 

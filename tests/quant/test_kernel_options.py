@@ -19,6 +19,9 @@ def test_config_choices_equal_their_sources():
     from pallas_kernels.nf4_matmul import NF4
     from pallas_kernels.nvfp4_matmul import NVFP4
     assert experiment_config.ON_OFF_AUTO == kernel_options.MOSAIC_CHOICES
+    assert experiment_config.MOSAIC_SCHEDULES == kernel_options.MOSAIC_SCHEDULES
+    from pallas_kernels.mgpu_nvfp4_layout import SCHEDULES
+    assert kernel_options.MOSAIC_SCHEDULES == SCHEDULES
     assert experiment_config.WEIGHT_AS_LHS == tuple(kernel_options.WEIGHT_AS_LHS)
     decoders = set(NVFP4.decoders) | set(MXFP4.decoders) | set(NF4.decoders)
     assert set(experiment_config.KERNEL_DECODERS) == decoders
@@ -28,6 +31,7 @@ def test_every_option_reaches_the_dataclass():
     config = experiment_config.base_config()
     kernels = config.quant.kernels
     kernels.gate_up_pairs, kernels.mosaic_nvfp4, kernels.mosaic_prefetch_tiles = False, "off", 0
+    kernels.mosaic_schedule = "split_k"
     kernels.decode_attention = False
     kernels.decode_matmul.update(target_programs=320, min_tiles_per_split=2,
                                  no_split_programs=128, max_split=4, block_n=32, num_warps=8,
@@ -37,6 +41,7 @@ def test_every_option_reaches_the_dataclass():
     options = KernelOptions.from_config(kernels)
     assert (options.gate_up_pairs, options.mosaic_nvfp4, options.mosaic_prefetch_tiles,
             options.decode_attention, options.mosaic) == (False, "off", 0, False, False)
+    assert options.mosaic_schedule == "split_k"
     tuning = options.decode_matmul
     assert (tuning.target_programs, tuning.min_tiles_per_split, tuning.no_split_programs,
             tuning.max_split, tuning.block_n, tuning.num_warps, tuning.num_stages,
@@ -51,6 +56,7 @@ def test_every_option_reaches_the_dataclass():
 @pytest.mark.parametrize("path,value,message", [
     ("quant.kernels.mosaic_nvfp4", "1", "'1' not in ('auto', 'on', 'off')"),
     ("quant.kernels.mosaic_prefetch_tiles", -1, "must be in [0, 3], got -1"),
+    ("quant.kernels.mosaic_schedule", "stream_k", "'stream_k' not in"),
     ("quant.kernels.decode_matmul.weight_as_lhs", "x", "'x' not in"),
     ("quant.kernels.decode_attention_tiling.block_s", 48, "48 not in"),
     ("quant.kernels.gate_up_pairs", "yes", "must be True or False"),

@@ -194,9 +194,9 @@ def with_prefetch(weight, following, following_lora_a):
                           mosaic_prefetch_k=following.shape[1])
 
 
-def _prefetch_plan(weight, prefetch_tiles: int, m: int):
-    """The mgpu_nvfp4.L2Prefetch of a weight linked by with_prefetch (its launch at M = m),
-    else None."""
+def _prefetch_plan(weight, prefetch_tiles: int, m: int, schedule: str = "auto"):
+    """The mgpu_nvfp4.L2Prefetch of a weight linked by with_prefetch (its launch at M = m,
+    the following launch on `schedule`), else None."""
     target = getattr(weight, "mosaic_prefetch", None)
     if target is None or not prefetch_tiles:
         return None
@@ -204,7 +204,7 @@ def _prefetch_plan(weight, prefetch_tiles: int, m: int):
     if extra is not None and not mgpu_nvfp4.extra_prefetchable(extra):
         extra = None
     return mgpu_nvfp4.l2_prefetch_for(target, k=weight.mosaic_prefetch_k, ahead=prefetch_tiles,
-                                      extra=extra, m=m)
+                                      extra=extra, m=m, schedule=schedule)
 
 
 def _prepared_lora_operand(weight, lora_x_a):
@@ -234,9 +234,10 @@ def refusal(x, weight, lora_x_a) -> str | None:
     return mgpu_nvfp4.available()
 
 
-def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int):
+def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int,
+          schedule: str = "auto"):
     """x [M, K] @ W^T (+ lora_scale * lora_x_a @ lora_b) -> [M, N] float32, rounded to bf16
-    like the Triton fused kernel."""
+    like the Triton fused kernel. schedule: mgpu_nvfp4.launch_schedule's (all launches)."""
     kwargs = {}
     if lora_x_a is not None:
         operand = _prepared_lora_operand(weight, lora_x_a)
@@ -246,7 +247,8 @@ def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int):
                                      weight.kernel_tensor_scale(), n=weight.shape[0],
                                      k=weight.shape[1],
                                      l2_prefetch=_prefetch_plan(weight, prefetch_tiles,
-                                                                x.shape[0]), **kwargs)
+                                                                x.shape[0], schedule),
+                                     schedule=schedule, **kwargs)
     return y.astype(jnp.bfloat16).astype(jnp.float32)
 
 
@@ -262,7 +264,8 @@ def group_refusal(x, weights, lora_x_a, lora_bs) -> str | None:
     return mgpu_nvfp4.available()
 
 
-def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles: int):
+def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles: int,
+                  schedule: str = "auto"):
     """One matmul over the group's stacked buffer, each member's columns rescaled by its own
     2^8 / tensor_scale and rounded to bf16 (as the fused kernel's outputs) -> tuple of
     [M, N_i] float32."""
@@ -277,8 +280,9 @@ def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles:
         lora = dict(lora_down=lora_x_a, lora_bt=operand)
     y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
                                    k=first.shape[1],
-                                   l2_prefetch=_prefetch_plan(first, prefetch_tiles, x.shape[0]),
-                                   **lora)
+                                   l2_prefetch=_prefetch_plan(first, prefetch_tiles, x.shape[0],
+                                                              schedule),
+                                   schedule=schedule, **lora)
     outputs, offset = [], 0
     for weight, n_pad in zip(weights, n_pads):
         scale = 2.0 ** -mgpu_nvfp4.SCALED_EXPONENT / weight.kernel_tensor_scale().reshape(())
@@ -303,7 +307,7 @@ def swiglu_refusal(x, gate, lora_x_a, lora_bs) -> str | None:
 
 
 def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
-                 prefetch_tiles: int):
+                 prefetch_tiles: int, schedule: str = "auto"):
     """silu(gate) * up [M, N] bf16 of a pair in one launch over its permuted buffer, the SwiGLU
     (and with next_lora_a its product with it) in the kernel's epilogue."""
     gate, up = weights
@@ -319,5 +323,6 @@ def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
     return mgpu_nvfp4.mgpu_nvfp4_swiglu(
         x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_tensor_scale(),
         up.kernel_tensor_scale(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
-        next_lora_a=next_lora_a, l2_prefetch=_prefetch_plan(gate, prefetch_tiles, x.shape[0]),
-        **lora)
+        next_lora_a=next_lora_a,
+        l2_prefetch=_prefetch_plan(gate, prefetch_tiles, x.shape[0], schedule),
+        schedule=schedule, **lora)

@@ -148,7 +148,8 @@ class TritonDecodeBackend(MatmulBackend):
         refusal = self._mosaic_refusal(mosaic.refusal, x, weight, lora_x_a)
         if refusal is None:
             return mosaic.apply(x, weight, lora_x_a, lora_b, lora_scale,
-                                prefetch_tiles=self.options.mosaic_prefetch_tiles)
+                                prefetch_tiles=self.options.mosaic_prefetch_tiles,
+                                schedule=self.options.mosaic_schedule)
         self._note_fallback((weight,), "single-weight", refusal)
         packed = weight.packed()
         config = bw.default_matmul_config(x.shape[0], packed, self.options.decode_matmul)
@@ -177,7 +178,8 @@ class TritonDecodeBackend(MatmulBackend):
         refusal = self._mosaic_refusal(mosaic.group_refusal, x, weights, lora_x_a, lora_bs)
         if refusal is None:
             return mosaic.apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales,
-                                        prefetch_tiles=self.options.mosaic_prefetch_tiles)
+                                        prefetch_tiles=self.options.mosaic_prefetch_tiles,
+                                schedule=self.options.mosaic_schedule)
         self._note_fallback(weights, "grouped", refusal)
         packed = tuple(w.packed() for w in weights)
         config = bw.default_group_matmul_config(x.shape[0], packed, self.options.decode_matmul)
@@ -229,7 +231,8 @@ class TritonDecodeBackend(MatmulBackend):
         if refusal is None:
             result = mosaic.apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales,
                                          next_lora_a,
-                                         prefetch_tiles=self.options.mosaic_prefetch_tiles)
+                                         prefetch_tiles=self.options.mosaic_prefetch_tiles,
+                                schedule=self.options.mosaic_schedule)
         else:
             self._note_fallback(weights, "gate|up SwiGLU", refusal)
             # the two tensor scales go to the kernel as they are: a [2] array of them would be
