@@ -198,7 +198,7 @@ def add_worker_arguments(parser, script_name: str) -> None:
     parser.add_argument("--mosaic-schedule", default="auto",
                         choices=("auto", "split_k", "warp_specialized"),
                         help="config.quant.kernels.mosaic_schedule: the Mosaic launches' "
-                             "schedule ('auto': warp-specialized from 33 rows)")
+                             "schedule (mgpu_nvfp4.launch_schedule)")
     parser.add_argument("--decode-tuning", default="",
                         help="config.quant.kernels.decode_matmul fields, e.g. "
                              "'block_n=32,num_warps=8' (pallas_kernels.blockwise_matmul."

@@ -75,7 +75,7 @@ from pallas_kernels.mgpu_nvfp4_layout import (CODE_BYTES, L2Prefetch, LORA_RANKS
                                               pair_lora_operand, permute_packed, permute_tiles,
                                               permuted_dequantize_reference, refusal,
                                               resident_programs, source_bit,
-                                              unpermute_shifts, unpermute_tiles, ws_smem_bytes,
+                                              split_k_smem_bytes, unpermute_shifts, unpermute_tiles, ws_smem_bytes,
                                               ws_stages)
 
 # The kernels and the layout's names, for the backends, the tests and the benchmarks.
@@ -85,7 +85,7 @@ __all__ = [
     "TILE_LINES", "TILE_ROWS", "WARP_SPECIALIZED_MIN_M", "WS_COMPUTE_WARPGROUPS", "available",
     "default_splits", "extra_prefetchable", "group_lora_operand", "group_permuted",
     "kernel_layout_from_permuted", "l2_prefetch_for", "launch_schedule", "launch_splits",
-    "lora_operand",
+    "lora_operand", "split_k_smem_bytes",
     "matmul_unscaled", "mgpu_nvfp4_matmul", "mgpu_nvfp4_swiglu", "operand_rank_ok",
     "padded_rows", "pair_lora_operand", "permute_packed", "permute_tiles",
     "permuted_dequantize_reference", "refusal", "resident_programs", "source_bit",
@@ -404,13 +404,13 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
             raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    schedule = launch_schedule(m, row_tiles, schedule)
-    warp_specialized = schedule == "warp_specialized"
     rank = lora_down.shape[1] if with_lora else None
+    schedule = launch_schedule(m, row_tiles, schedule, rank)
+    warp_specialized = schedule == "warp_specialized"
     if stages is None:
         stages = ws_stages(m, rank, swiglu is not None) if warp_specialized else 2
-    splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, stages=stages)
-              if splits is None else splits)
+    splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, stages=stages,
+                            rank=rank) if splits is None else splits)
     if not 1 <= splits <= k_tiles:
         raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
     m_pad = -(-m // 8) * 8
@@ -735,7 +735,8 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
         raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     row_tiles = n_pad2 // TILE_ROWS
-    resolved = (launch_splits(row_tiles, -(-k // TILE_K), m=m, schedule=schedule)
+    resolved = (launch_splits(row_tiles, -(-k // TILE_K), m=m, schedule=schedule,
+                              rank=None if lora_down is None else lora_down.shape[1])
                 if splits is None else splits)
     if (fused and half_block == TILE_ROWS // 2 and resolved == 1
             and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):

@@ -26,8 +26,9 @@ SLOTS = 528  # programs resident at once: 132 SMs x 4 (118-124 registers per thr
 SMS = 132  # streaming multiprocessors of an H100 / H200 SXM
 SMEM_PER_SM = 227 * 1024  # shared memory one SM gives the programs resident on it
 SCHEDULES = ("auto", "split_k", "warp_specialized")
-# the smallest M the "auto" schedule runs warp-specialized (two compute warpgroups sharing each
-# x tile, a third issuing the TMA copies); below it the split-K programs, 2-4 per SM, were faster
+# the smallest M the "auto" schedule may run warp-specialized (two compute warpgroups sharing
+# each x tile, a third issuing the TMA copies): from it, where a split-K program's shared memory
+# (with its LoRA tiles) leaves room for only one per SM
 WARP_SPECIALIZED_MIN_M = 33
 WS_COMPUTE_WARPGROUPS = 2  # row tiles per warp-specialized program (one per compute warpgroup)
 
@@ -206,25 +207,40 @@ def default_splits(row_tiles: int, k_tiles: int, slots: int | None = None, *,
     return -(-k_tiles // steps)
 
 
-def launch_schedule(m: int, row_tiles: int, schedule: str = "auto") -> str:
-    """The schedule a launch at M = m over `row_tiles` row tiles runs: "split_k" (one
-    warpgroup per program, several programs per SM) or "warp_specialized" (one program per SM:
-    WS_COMPUTE_WARPGROUPS compute warpgroups, each a row tile, sharing each x tile, and a
-    warpgroup issuing the TMA copies), the latter only where the row tiles pair up (else
-    split-K). "auto": warp-specialized from WARP_SPECIALIZED_MIN_M rows."""
+def split_k_smem_bytes(m: int, rank: int | None = None, stages: int = 2) -> int:
+    """Shared memory of a split-K program: resident_programs' count plus the LoRA tiles of
+    split 0 (x @ A [m_pad, r] and the operand's [64, r])."""
+    m_pad = -(-m // 8) * 8
+    smem = stages * (m_pad * TILE_K * 2 + TILE_LINES * 128) + m_pad * TILE_ROWS * 4
+    return smem + (0 if rank is None else (m_pad + TILE_ROWS) * rank * 2)
+
+
+def launch_schedule(m: int, row_tiles: int, schedule: str = "auto",
+                    rank: int | None = None) -> str:
+    """The schedule a launch at M = m over `row_tiles` row tiles (LoRA operand width `rank`,
+    None without) runs: "split_k" (one warpgroup per program, several programs per SM) or
+    "warp_specialized" (one program per SM: WS_COMPUTE_WARPGROUPS compute warpgroups, each a
+    row tile, sharing each x tile, and a warpgroup issuing the TMA copies), the latter only
+    where the row tiles pair up (else split-K). "auto": warp-specialized from
+    WARP_SPECIALIZED_MIN_M rows where one split-K program per SM fits in shared memory
+    (split_k_smem_bytes: at M = 64 the operands of a grouped q|k|v launch (r 96) and of a
+    gate|up pair (r 64)); with two or more the split-K programs were as fast or faster
+    (benchmarks/RESULTS.md)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"mgpu_nvfp4: schedule {schedule!r}; one of {SCHEDULES}")
-    if row_tiles % WS_COMPUTE_WARPGROUPS or schedule == "split_k" or (
-            schedule == "auto" and m < WARP_SPECIALIZED_MIN_M):
+    if row_tiles % WS_COMPUTE_WARPGROUPS or schedule == "split_k":
+        return "split_k"
+    if schedule == "auto" and (m < WARP_SPECIALIZED_MIN_M
+                               or SMEM_PER_SM // split_k_smem_bytes(m, rank) >= 2):
         return "split_k"
     return "warp_specialized"
 
 
 def launch_splits(row_tiles: int, k_tiles: int, *, m: int, schedule: str = "auto",
-                  stages: int = 2) -> int:
+                  stages: int = 2, rank: int | None = None) -> int:
     """The split-K count of a launch (default_splits): for the warp-specialized schedule one
     program per SM, each over WS_COMPUTE_WARPGROUPS row tiles."""
-    if launch_schedule(m, row_tiles, schedule) == "warp_specialized":
+    if launch_schedule(m, row_tiles, schedule, rank) == "warp_specialized":
         return default_splits(row_tiles // WS_COMPUTE_WARPGROUPS, k_tiles, SMS)
     return default_splits(row_tiles, k_tiles, m=m, stages=stages)
 
@@ -333,15 +349,17 @@ class L2Prefetch(NamedTuple):
 
 def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, ahead: int = 2,
                     contiguous_lines: int = 0, extra: jax.Array | None = None,
-                    m: int = 8, schedule: str = "auto") -> L2Prefetch:
+                    m: int = 8, schedule: str = "auto",
+                    rank: int | None = None) -> L2Prefetch:
     """The L2Prefetch plan of a launch of matmul_unscaled over `permuted` (a [N, k] weight's
-    buffer) at M = m with `splits` (launch_splits of its schedule when None), and `extra`
+    buffer) at M = m, LoRA operand width `rank`, with `splits` (launch_splits of its schedule
+    when None), and `extra`
     ([rows, cols], a row of a multiple of 16 bytes and at most 256 columns: a TMA box) if
     given."""
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
-    splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule) if splits is None
-              else splits)
+    splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, rank=rank)
+              if splits is None else splits)
     if not 1 <= ahead <= 3:
         raise ValueError(f"l2_prefetch_for: ahead={ahead} (1-3 tiles: a TMA box has at most "
                          f"256 lines)")

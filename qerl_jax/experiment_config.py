@@ -176,9 +176,10 @@ FIELDS: dict[str, Field] = {
                                                  "(0 = no prefetch).", in_interval(0, 3)),
     "quant.kernels.mosaic_schedule": Field(
         "auto", "Schedule of the Mosaic decode launches: 'auto' = warp-specialized (two compute "
-        "warpgroups share each activation tile, a third issues the copies) from 33 rows and "
-        "split-K programs below; 'split_k' = always split-K; 'warp_specialized' = every launch "
-        "whose 64-row tiles pair up.",
+        "warpgroups share each activation tile, a third issues the copies) from 33 rows where "
+        "a split-K program with its LoRA tiles leaves room for no second one per SM, split-K "
+        "elsewhere; 'split_k' = always split-K; 'warp_specialized' = every launch whose 64-row "
+        "tiles pair up.",
         one_of(MOSAIC_SCHEDULES)),
     "quant.kernels.compact_after_repack": Field(
         "auto", "After repacking the 4-bit weights for the kernels, copy them through host "

@@ -31,7 +31,8 @@ class KernelOptions:
     # K tiles per program of the next Mosaic launch that each launch prefetches into L2 (0: none)
     mosaic_prefetch_tiles: int = 1
     # schedule of the Mosaic launches: 'auto' warp-specialized (two compute warpgroups sharing
-    # each x tile, one issuing the copies) from 33 rows, split-K programs below; 'split_k' always
+    # each x tile, one issuing the copies) from 33 rows where only one split-K program would fit
+    # an SM's shared memory (wide LoRA operands), split-K programs elsewhere; 'split_k' always
     # split-K; 'warp_specialized' wherever the launch's 64-row tiles pair up
     mosaic_schedule: str = "auto"
     # the Pallas decode-attention kernel for one-token decode steps

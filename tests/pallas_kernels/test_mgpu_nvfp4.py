@@ -722,30 +722,38 @@ def test_mosaic_option_and_lora_ranks(caplog, rank, ok):
 
 
 def test_launch_schedule_and_its_splits():
-    """"auto": split-K programs below WARP_SPECIALIZED_MIN_M rows, warp-specialized from it
-    where the row tiles pair up (odd counts stay split-K, also when it is asked for); the
-    warp-specialized splits fill one program per SM (132) with pairs of row tiles, the split-K
-    ones resident_programs per SM; the L2 prefetch plan of the next launch takes that launch's
-    splits; the pipeline is 3 deep where its shared memory fits, else 2."""
+    """"auto": split-K programs below WARP_SPECIALIZED_MIN_M rows and wherever two fit an SM's
+    shared memory with their LoRA tiles; warp-specialized otherwise, where the row tiles pair
+    up (odd counts stay split-K, also when it is asked for): at M = 64 the grouped q|k|v (r 96)
+    and gate|up pair (r 64) launches, not r 32 or none. The warp-specialized splits fill one
+    program per SM (132) with pairs of row tiles, the split-K ones resident_programs per SM; the
+    L2 prefetch plan of the next launch takes that launch's splits; the pipeline is 3 deep
+    where its shared memory fits, else 2."""
     assert mg.WARP_SPECIALIZED_MIN_M == 33 and mg.WS_COMPUTE_WARPGROUPS == 2
-    assert mg.launch_schedule(32, 56) == "split_k"
-    assert mg.launch_schedule(33, 56) == mg.launch_schedule(64, 56) == "warp_specialized"
-    assert mg.launch_schedule(64, 55) == "split_k"
+    assert [mg.launch_schedule(64, 72, rank=r) for r in (None, 32, 64, 96)] == [
+        "split_k", "split_k", "warp_specialized", "warp_specialized"]
+    assert mg.split_k_smem_bytes(64, 64) == 2 * (64 * 512 + 9216) + 64 * 256 + 128 * 128
+    assert mg.launch_schedule(32, 56, rank=192) == "split_k"
+    assert mg.launch_schedule(48, 56, rank=96) == "split_k"
+    assert mg.launch_schedule(48, 56, rank=192) == "warp_specialized"
+    assert mg.launch_schedule(64, 55, rank=96) == "split_k"
     assert mg.launch_schedule(8, 56, "warp_specialized") == "warp_specialized"
     assert mg.launch_schedule(64, 7, "warp_specialized") == "split_k"
     assert mg.launch_schedule(64, 56, "split_k") == "split_k"
     with pytest.raises(ValueError, match="stream_k"):
         mg.launch_schedule(64, 56, "stream_k")
     # 7B launches at M = 64: gate|up pair, down, q|k|v, o
-    assert [mg.launch_splits(r, t, m=64) for r, t in ((592, 14), (56, 74), (72, 14), (56, 14))
-            ] == [1, 4, 3, 4]
-    assert mg.launch_splits(40, 14, m=40) == mg.default_splits(20, 14, 132) == 5
-    assert mg.launch_splits(40, 14, m=40, schedule="split_k") == mg.default_splits(
-        40, 14, m=40) == 7
+    assert [mg.launch_splits(r, t, m=64, schedule="warp_specialized")
+            for r, t in ((592, 14), (56, 74), (72, 14), (56, 14))] == [1, 4, 3, 4]
+    ws = dict(schedule="warp_specialized")
+    assert mg.launch_splits(40, 14, m=40, **ws) == mg.default_splits(20, 14, 132) == 5
+    assert mg.launch_splits(40, 14, m=40) == mg.default_splits(40, 14, m=40) == 7
+    assert mg.launch_splits(40, 14, m=48, rank=192) == 5
     assert mg.launch_splits(56, 74, m=8) == mg.default_splits(56, 74) == 9
     permuted = jnp.zeros((40 * 14 * mg.TILE_LINES, 128), jnp.uint8)
-    assert mg.l2_prefetch_for(permuted, k=3584, m=40).splits == 5
-    assert mg.l2_prefetch_for(permuted, k=3584, m=40, schedule="split_k").splits == 7
+    assert mg.l2_prefetch_for(permuted, k=3584, m=40, **ws).splits == 5
+    assert mg.l2_prefetch_for(permuted, k=3584, m=40).splits == 7
+    assert mg.l2_prefetch_for(permuted, k=3584, m=48, rank=192).splits == 5
     assert mg.ws_stages(64, 96) == mg.ws_stages(64, 64, swiglu=True) == 3
     assert mg.ws_stages(64, 192) == 2
     assert mg.ws_smem_bytes(64, 3, 96) == 3 * (2 * 9216 + 64 * 512) + 2 * 64 * 256 + 192 * 192
@@ -770,7 +778,8 @@ def test_warp_specialized_kernel_lowers_for_cuda():
 
         def f(x, p, *lora, splits=splits):
             lora = dict(lora_down=lora[0], lora_bt=lora[1]) if lora else {}
-            return mg.matmul_unscaled(x, p, n=n, k=k, splits=splits, **lora)
+            return mg.matmul_unscaled(x, p, n=n, k=k, splits=splits,
+                                      schedule="warp_specialized", **lora)
 
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text() and lowered.out_info.shape == (m, n)
@@ -784,7 +793,8 @@ def test_warp_specialized_kernel_lowers_for_cuda():
 
     def prefetching(x, p, q, d, o):
         plan = mg.l2_prefetch_for(q, k=k, m=m, ahead=1, extra=jnp.zeros((600, 96), jnp.bfloat16))
-        return mg.matmul_unscaled(x, p, n=n, k=k, lora_down=d, lora_bt=o, l2_prefetch=plan)
+        return mg.matmul_unscaled(x, p, n=n, k=k, lora_down=d, lora_bt=o, l2_prefetch=plan,
+                                  schedule="warp_specialized")
 
     lowered = jax.jit(prefetching).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.out_info.shape == (m, n)
@@ -803,7 +813,8 @@ def test_warp_specialized_kernel_lowers_for_cuda():
         def fused(x, tiles, ts_g, ts_u, down, operand, next_a, with_next=with_next):
             return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
                                         lora_down=down, lora_bt=operand, splits=1,
-                                        next_lora_a=next_a if with_next else None)
+                                        next_lora_a=next_a if with_next else None,
+                                        schedule="warp_specialized")
         lowered = jax.jit(fused).trace(*args).lower(lowering_platforms=("cuda",))
         shapes = jax.tree.map(lambda o: o.shape, lowered.out_info)
         assert shapes == (((m, n), (m, 32)) if with_next else (m, n)), shapes

@@ -14,7 +14,8 @@
   the same order), and against float64 with the bound above: single weights with and without
   LoRA, uneven splits, M not a multiple of 8, a grouped q|k|v launch, and the fused SwiGLU
   launch of a 7B gate|up pair at M = 64 (against the split-K launch bit for bit, and that one
-  against its XLA epilogue within 2^-7 of the largest |output|).
+  against its XLA epilogue within 2^-7 of the largest |output|); and the sampler at batch 64
+  with each schedule setting, equal token for token and log-prob for log-prob.
 - The grouped q|k|v launch: three weights' buffers stacked (group_permuted), the block-diagonal
   operand (group_lora_operand), each member's columns rescaled by its own 2^8 / tensor_scale,
   each against its float64 product with the same bound.
@@ -220,9 +221,9 @@ def test_warp_specialized_schedule_matches_split_k_and_float64(n, k, m, rank, sp
     packed = nvfp4_matmul.repack_nvfp4(*ckpt)
     permuted = mg.permute_packed(packed)
     row_tiles, k_tiles = -(-n // mg.TILE_ROWS), -(-k // mg.TILE_K)
-    assert mg.launch_schedule(m, row_tiles) == "warp_specialized"
+    assert mg.launch_schedule(m, row_tiles, "warp_specialized") == "warp_specialized"
     if splits is None:
-        splits = mg.launch_splits(row_tiles, k_tiles, m=m)
+        splits = mg.launch_splits(row_tiles, k_tiles, m=m, schedule="warp_specialized")
     operand, kwargs = None, {}
     if rank:
         operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
@@ -301,7 +302,7 @@ def _checkpoint_arrays(quantized):
     return quantized.codes, quantized.block_scales, quantized.tensor_scale
 
 
-def _model(path: str):
+def _model(path: str, schedule: str = "auto"):
     """(architecture, graphdef, (trainable, frozen)) of one random 1.5B NVFP4 model (seed 0)
     with a rank-32 LoRA (nonzero B), on `path`: "xla" (no Pallas kernel), "triton" (the Triton
     kernels) or "mosaic" (the Mosaic GPU NVFP4 path)."""
@@ -328,24 +329,25 @@ def _model(path: str):
     kernels.unregister_kernels("gpu")
     model_kernels.disable_decode_attention("gpu")
     if path != "xla":
-        options = KernelOptions(mosaic_nvfp4="on" if path == "mosaic" else "off")
+        options = KernelOptions(mosaic_nvfp4="on" if path == "mosaic" else "off",
+                                mosaic_schedule=schedule)
         model_kernels.enable_kernels(model, options)
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     return architecture, graphdef, (trainable, frozen)
 
 
-def _rollout(path: str, monkeypatch):
-    """(tokens, log-probs) of 64 sampled tokens from _model(path), batch 8, prompt 64."""
+def _rollout(path: str, monkeypatch, batch: int = 8, schedule: str = "auto"):
+    """(tokens, log-probs) of 64 sampled tokens from _model(path, schedule), prompt 64."""
     from qerl_jax import sampling
 
-    architecture, graphdef, (trainable, frozen) = _model(path)
+    architecture, graphdef, (trainable, frozen) = _model(path, schedule)
     config = sampling.SamplingConfig(max_new_tokens=64, temperature=1.0, eos_token_ids=(),
                                      num_generations=1, prompt_bucket=64)
-    tokens = jax.random.randint(jax.random.key(7), (8, 64), 0, architecture.vocab_size,
+    tokens = jax.random.randint(jax.random.key(7), (batch, 64), 0, architecture.vocab_size,
                                 jnp.int32)
     rollout = sampling.generate_from_states(graphdef, (trainable, frozen), tokens,
-                                            jnp.ones((8, 64), jnp.bool_), jax.random.key(8),
-                                            config)
+                                            jnp.ones((batch, 64), jnp.bool_),
+                                            jax.random.key(8), config)
     return jax.device_get((rollout.tokens, rollout.logprobs))
 
 
@@ -370,6 +372,31 @@ def test_sampler_on_the_mosaic_path_agrees_within_the_noise_floor(monkeypatch):
     for other in ("triton", "xla"):
         gap = _largest_gap(rollouts["mosaic"], rollouts[other])
         assert gap <= max(0.05, 2 * floor), f"Mosaic vs {other}: {gap:.3g} (floor {floor:.3g})"
+
+
+def test_sampler_schedules_give_the_same_rollout():
+    """Batch 64 on the Mosaic path of the 1.5B model: every decode launch at M = 64 takes the
+    warp-specialized kernel ('warp_specialized'), the split-K one ('split_k') or each the one
+    'auto' picks. At this model's shapes both schedules choose the same splits, and each row
+    tile's products are summed in the same order, so the three rollouts (one process, the same
+    XLA programs around the kernels) are equal token for token and log-prob for log-prob."""
+    from qerl_jax.model_quant.kernels import disable_decode_attention
+    from qerl_jax.quant.kernels import unregister_kernels
+    for n, k in ((1536, 1536), (1536, 8960), (2048, 1536), (17920, 1536)):
+        row_tiles, k_tiles = n // mg.TILE_ROWS, k // mg.TILE_K
+        assert len({mg.launch_splits(row_tiles, k_tiles, m=64, schedule=s)
+                    for s in ("split_k", "warp_specialized")}) == 1
+    try:
+        rollouts = {schedule: _rollout("mosaic", None, batch=64, schedule=schedule)
+                    for schedule in ("split_k", "warp_specialized", "auto")}
+    finally:
+        unregister_kernels("gpu")
+        disable_decode_attention("gpu")
+    tokens, logprobs = rollouts["split_k"]
+    assert np.isfinite(np.asarray(logprobs)).all()
+    for schedule in ("warp_specialized", "auto"):
+        np.testing.assert_array_equal(rollouts[schedule][0], tokens, err_msg=schedule)
+        np.testing.assert_array_equal(rollouts[schedule][1], logprobs, err_msg=schedule)
 
 
 def test_dequantize_once_agrees_with_the_per_step_dequantize():

@@ -203,8 +203,10 @@ def _prefetch_plan(weight, prefetch_tiles: int, m: int, schedule: str = "auto"):
     extra = getattr(weight, "mosaic_prefetch_lora_a", None)
     if extra is not None and not mgpu_nvfp4.extra_prefetchable(extra):
         extra = None
+    lora_a = getattr(weight, "mosaic_prefetch_lora_a", None)  # its width: the operand's
     return mgpu_nvfp4.l2_prefetch_for(target, k=weight.mosaic_prefetch_k, ahead=prefetch_tiles,
-                                      extra=extra, m=m, schedule=schedule)
+                                      extra=extra, m=m, schedule=schedule,
+                                      rank=None if lora_a is None else lora_a.shape[-1])
 
 
 def _prepared_lora_operand(weight, lora_x_a):
