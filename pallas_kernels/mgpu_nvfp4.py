@@ -33,6 +33,13 @@ program's HLO showed). With LoRA, split 0 also adds its [64, r] tile of the LoRA
 products) times (x @ A)^T into acc (one more wgmma) before storing. The partials are summed by
 elementwise adds, which XLA fuses into the consumer of y (no kernel of its own).
 
+A second schedule (`_warp_specialized_kernel`, mgpu_nvfp4_layout.launch_schedule): grid (row
+tiles / 2, splits), one program per SM of three warpgroups; two decode and multiply one row tile
+each, sharing every x tile, and the third issues the TMA copies. Same splits, same bits as the
+split-K kernel. It runs where a split-K program with its LoRA tiles would leave an SM no room
+for a second one (at M = 64 the wide operands of q|k|v and gate|up launches); elsewhere the
+split-K programs were as fast or faster (benchmarks/RESULTS.md).
+
 A stream-K schedule (every program in one wave, each an equal share of the (row tile, K tile)
 units) was correct on the H100 but no faster (docs/decisions.md; its code is at commit
 7d89713).
@@ -566,8 +573,8 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
     _split_k_kernel's): grid (row tiles / 2, splits), one program per SM, three warpgroups.
     Warpgroups 0 and 1 each decode one row tile (2c and 2c + 1) and multiply it by the x tile
     they share; warpgroup 2 only issues the TMA copies of both weight tiles and the x tile,
-    `stages` steps ahead (plgpu.emit_pipeline_warp_specialized), so the copies never wait for
-    the decode. At M = 64 each x tile (32 KiB) is read once per two weight tiles (9 KiB each)
+    `stages` steps ahead (plgpu.emit_pipeline_warp_specialized), so a copy waits only for a free
+    pipeline slot, not for the decode. At M = 64 each x tile (32 KiB) is read once per two weight tiles (9 KiB each)
     instead of once per tile. Same results as the split-K kernel with the same splits: each
     row tile's products are summed in the same order. The LoRA operands (split 0), the L2
     prefetch and the SwiGLU epilogue are the split-K kernel's, per warpgroup."""

@@ -224,8 +224,9 @@ def launch_schedule(m: int, row_tiles: int, schedule: str = "auto",
     where the row tiles pair up (else split-K). "auto": warp-specialized from
     WARP_SPECIALIZED_MIN_M rows where one split-K program per SM fits in shared memory
     (split_k_smem_bytes: at M = 64 the operands of a grouped q|k|v launch (r 96) and of a
-    gate|up pair (r 64)); with two or more the split-K programs were as fast or faster
-    (benchmarks/RESULTS.md)."""
+    gate|up pair (r 64)). With two or more split-K programs per SM, split-K was faster on every
+    7B launch at M = 64 and, summed over a layer, within 1% at M = 33-40 (where o, down and
+    q|k|v were faster warp-specialized and gate|up slower; benchmarks/RESULTS.md)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"mgpu_nvfp4: schedule {schedule!r}; one of {SCHEDULES}")
     if row_tiles % WS_COMPUTE_WARPGROUPS or schedule == "split_k":
@@ -261,7 +262,8 @@ def ws_smem_bytes(m: int, stages: int, rank: int | None = None, swiglu: bool = F
 
 def ws_stages(m: int, rank: int | None = None, swiglu: bool = False) -> int:
     """Pipeline depth of a warp-specialized program: 3 where its shared memory fits (3 was
-    faster than 2 at M = 64 on every 7B launch), else 2."""
+    faster than 2 at M = 64 on every 7B launch, no LoRA: benchmarks/results/
+    mosaic_kernel_probes_h100_7b.json), else 2."""
     return 3 if ws_smem_bytes(m, 3, rank, swiglu) <= SMEM_PER_SM - 2048 else 2
 
 

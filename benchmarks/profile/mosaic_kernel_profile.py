@@ -42,18 +42,20 @@ def profile_shapes(size: str) -> list[tuple[str, int, int]]:
 
 
 def schedules(n: int, k: int, sweep: bool, stages=(None,), m: int = 8,
-              extra_splits=(), kernel_schedules=("auto",)) -> list[tuple[str, dict]]:
+              extra_splits=(), kernel_schedules=("auto",),
+              rank: int | None = 32) -> list[tuple[str, dict]]:
     """(label, matmul keyword arguments) of the schedules --profile times at M = m: for each
     kernel schedule of --schedules (mgpu_nvfp4.launch_schedule; "auto" unlabelled) the default
     split-K count, with --sweep half and twice it, and the counts of --splits; each at every
-    pipeline depth in `stages` (--stages; the schedule's default, None, unlabelled)."""
+    pipeline depth in `stages` (--stages; the schedule's default, None, unlabelled). rank: the
+    launch's LoRA operand width (the schedule "auto" picks depends on it)."""
     from pallas_kernels import mgpu_nvfp4 as mg
     row_tiles, k_tiles = -(-n // 64), -(-k // 256)
     out = []
     for schedule in kernel_schedules:
-        resolved = mg.launch_schedule(m, row_tiles, schedule)
-        splits = mg.launch_splits(row_tiles, k_tiles, m=m, schedule=schedule)
-        prefix = "" if schedule == "auto" else f"{resolved}, "
+        resolved = mg.launch_schedule(m, row_tiles, schedule, rank)
+        splits = mg.launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, rank=rank)
+        prefix = f"{resolved}, " if schedule != "auto" or len(kernel_schedules) > 1 else ""
         base = {} if schedule == "auto" else {"schedule": schedule}
         out.append((f"{prefix}splits {splits}", base))
         others = sweep_splits(n, k, m) if sweep else []
@@ -149,7 +151,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), t
                                     n_pads)
     scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
     for label, kwargs in schedules(sum(n_pads), k, sweep, stages, m, extra_splits,
-                                   kernel_schedules):
+                                   kernel_schedules, rank=32 * len(ns)):
         def launch(x, t, d, kwargs=kwargs):
             y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_down=d, lora_bt=operand,
                                    **kwargs)

@@ -605,6 +605,15 @@ def test_link_decode_prefetch_chains_the_decode_launches():
             assert plan.buffer is target.mosaic_tiles and plan.ahead == 1
             assert plan.extra is lora_a and mg.extra_prefetchable(lora_a)
             assert mosaic._prefetch_plan(weight, 0, 8) is None
+            # the plan's grid is the following launch's, under each schedule, with that
+            # launch's LoRA operand (the width of the x @ A it reads)
+            row_tiles = target.mosaic_tiles.shape[0] // (
+                mg.TILE_LINES * -(-target.shape[1] // mg.TILE_K))
+            for schedule in ("split_k", "warp_specialized", "auto"):
+                expected = mg.launch_splits(row_tiles, -(-target.shape[1] // mg.TILE_K),
+                                            m=64, schedule=schedule, rank=lora_a.shape[1])
+                got = mosaic._prefetch_plan(weight, 1, 64, schedule)
+                assert (got.row_tiles, got.splits) == (row_tiles, expected), schedule
             leaves, treedef = jax.tree_util.tree_flatten(weight)
             again = jax.tree_util.tree_unflatten(treedef, leaves)
             assert again.mosaic_prefetch_k == weight.mosaic_prefetch_k

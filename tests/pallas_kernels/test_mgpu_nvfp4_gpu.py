@@ -377,7 +377,9 @@ def test_sampler_on_the_mosaic_path_agrees_within_the_noise_floor(monkeypatch):
 def test_sampler_schedules_give_the_same_rollout():
     """Batch 64 on the Mosaic path of the 1.5B model: every decode launch at M = 64 takes the
     warp-specialized kernel ('warp_specialized'), the split-K one ('split_k') or each the one
-    'auto' picks. At this model's shapes both schedules choose the same splits, and each row
+    'auto' picks (each traced afresh: the warp-specialized kernel is built for none of the
+    'split_k' launches, for all of the others' and for some of 'auto''s). At this model's
+    shapes both schedules choose the same splits, and each row
     tile's products are summed in the same order, so the three rollouts (one process, the same
     XLA programs around the kernels) are equal token for token and log-prob for log-prob."""
     from qerl_jax.model_quant.kernels import disable_decode_attention
@@ -386,12 +388,23 @@ def test_sampler_schedules_give_the_same_rollout():
         row_tiles, k_tiles = n // mg.TILE_ROWS, k // mg.TILE_K
         assert len({mg.launch_splits(row_tiles, k_tiles, m=64, schedule=s)
                     for s in ("split_k", "warp_specialized")}) == 1
+    def warp_specialized_traced():
+        info = mg._warp_specialized_kernel.cache_info()
+        return info.hits + info.misses
+
+    rollouts, traced = {}, {}
     try:
-        rollouts = {schedule: _rollout("mosaic", None, batch=64, schedule=schedule)
-                    for schedule in ("split_k", "warp_specialized", "auto")}
+        for schedule in ("split_k", "warp_specialized", "auto"):
+            # the three models are alike: without this the sampler's jit would reuse the first
+            # trace, whose launches read the kernel options registered then
+            jax.clear_caches()
+            before = warp_specialized_traced()
+            rollouts[schedule] = _rollout("mosaic", None, batch=64, schedule=schedule)
+            traced[schedule] = warp_specialized_traced() - before
     finally:
         unregister_kernels("gpu")
         disable_decode_attention("gpu")
+    assert traced["split_k"] == 0 and traced["warp_specialized"] > traced["auto"] > 0, traced
     tokens, logprobs = rollouts["split_k"]
     assert np.isfinite(np.asarray(logprobs)).all()
     for schedule in ("warp_specialized", "auto"):

@@ -179,7 +179,7 @@ class TritonDecodeBackend(MatmulBackend):
         if refusal is None:
             return mosaic.apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales,
                                         prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                schedule=self.options.mosaic_schedule)
+                                        schedule=self.options.mosaic_schedule)
         self._note_fallback(weights, "grouped", refusal)
         packed = tuple(w.packed() for w in weights)
         config = bw.default_group_matmul_config(x.shape[0], packed, self.options.decode_matmul)
@@ -232,7 +232,7 @@ class TritonDecodeBackend(MatmulBackend):
             result = mosaic.apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales,
                                          next_lora_a,
                                          prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                schedule=self.options.mosaic_schedule)
+                                        schedule=self.options.mosaic_schedule)
         else:
             self._note_fallback(weights, "gate|up SwiGLU", refusal)
             # the two tensor scales go to the kernel as they are: a [2] array of them would be
