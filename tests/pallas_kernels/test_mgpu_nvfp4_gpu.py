@@ -104,6 +104,22 @@ def _float64(array) -> np.ndarray:
     return np.asarray(jnp.asarray(array).astype(jnp.float32), np.float64)
 
 
+def _float64_check(y, ckpt, x, down, operand, packed, n, rank):
+    """Largest |y - float64 reference| / (BOUND x the absolute product): the checkpoint's
+    weights times x, plus the LoRA term with the kernel's bf16 roundings (bf16(down) @ the
+    operand, rescaled by 2^8 / tensor_scale)."""
+    w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*ckpt), np.float64)
+    x64 = _float64(x)
+    reference, bound = x64 @ w.T, np.abs(x64) @ np.abs(w).T
+    if rank:
+        lx = _float64(down.astype(jnp.bfloat16))
+        bt = _float64(operand)[:n]
+        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(packed.tensor_scale).reshape(()))
+        reference = reference + (lx @ bt.T) * rescale
+        bound = bound + (np.abs(lx) @ np.abs(bt).T) * rescale
+    return float((np.abs(y - reference) / (BOUND * bound + 1e-30)).max())
+
+
 @pytest.mark.parametrize("n,k,m,rank,splits,prepared", MATMUL_CASES)
 def test_matmul_matches_float64(n, k, m, rank, splits, prepared):
     ckpt, x, down, lora_b = _inputs(jax.random.key(n * 7 + k), n, k, m, rank)
@@ -117,23 +133,16 @@ def test_matmul_matches_float64(n, k, m, rank, splits, prepared):
     fn = jax.jit(lambda x, p, ts, kw: mg.mgpu_nvfp4_matmul(x, p, ts, n=n, k=k, splits=splits,
                                                           **kw))
     y = np.asarray(fn(x, permuted, packed.tensor_scale, kwargs), np.float64)
-    w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*ckpt), np.float64)
-    x64 = _float64(x)
-    reference, bound = x64 @ w.T, np.abs(x64) @ np.abs(w).T
-    if rank:
-        lx = _float64(down.astype(jnp.bfloat16))
-        bt = _float64(operand)[:n]
-        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(packed.tensor_scale).reshape(()))
-        reference = reference + (lx @ bt.T) * rescale
-        bound = bound + (np.abs(lx) @ np.abs(bt).T) * rescale
     assert np.isfinite(y).all()
-    excess = float((np.abs(y - reference) / (BOUND * bound + 1e-30)).max())
+    excess = _float64_check(y, ckpt, x, down, operand, packed, n, rank)
     assert excess <= 1.0, f"largest error / bound {excess:.3g}"
 
 
-@pytest.mark.parametrize("ns,k,m,rank,splits", GROUP_CASES)
-def test_grouped_launch_matches_float64(ns, k, m, rank, splits):
-    members = [_inputs(jax.random.key(1000 * i + k), n, k, m, rank) for i, n in enumerate(ns)]
+def _group_inputs(ns, k: int, m: int, rank: int, seed: int):
+    """A grouped q|k|v launch's operands: (members (_inputs each), x, the stacked x @ A,
+    repacked weights, their stacked permuted buffer, padded row counts, the block-diagonal
+    LoRA operand with LoRA scale 2)."""
+    members = [_inputs(jax.random.key(seed * i + k), n, k, m, rank) for i, n in enumerate(ns)]
     x = members[0][1]
     down = jnp.concatenate([member[2] for member in members], axis=1)
     packed = [nvfp4_matmul.repack_nvfp4(*member[0]) for member in members]
@@ -141,6 +150,12 @@ def test_grouped_launch_matches_float64(ns, k, m, rank, splits):
     n_pads = [p.codes.shape[0] for p in packed]
     operand = mg.group_lora_operand([member[3] for member in members],
                                     [p.tensor_scale for p in packed], [2.0] * len(ns), n_pads)
+    return members, x, down, packed, tiles, n_pads, operand
+
+
+@pytest.mark.parametrize("ns,k,m,rank,splits", GROUP_CASES)
+def test_grouped_launch_matches_float64(ns, k, m, rank, splits):
+    members, x, down, packed, tiles, n_pads, operand = _group_inputs(ns, k, m, rank, 1000)
     fn = jax.jit(lambda x, t, d, o: mg.matmul_unscaled(x, t, n=sum(n_pads), k=k,
                                                        splits=splits, lora_down=d, lora_bt=o))
     y = np.asarray(fn(x, tiles, down, operand), np.float64)
@@ -199,21 +214,6 @@ WS_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared): warp-specialized
     (37888, 3584, 64, 32, None, True)]
 
 
-def _float64_check(y, ckpt, x, down, operand, packed, n, rank):
-    """Largest |y - float64 reference| / (BOUND x the absolute product), as in
-    test_matmul_matches_float64."""
-    w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*ckpt), np.float64)
-    x64 = _float64(x)
-    reference, bound = x64 @ w.T, np.abs(x64) @ np.abs(w).T
-    if rank:
-        lx = _float64(down.astype(jnp.bfloat16))
-        bt = _float64(operand)[:n]
-        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(packed.tensor_scale).reshape(()))
-        reference = reference + (lx @ bt.T) * rescale
-        bound = bound + (np.abs(lx) @ np.abs(bt).T) * rescale
-    return float((np.abs(y - reference) / (BOUND * bound + 1e-30)).max())
-
-
 @pytest.mark.parametrize("n,k,m,rank,splits,prepared", WS_CASES)
 def test_warp_specialized_schedule_matches_split_k_and_float64(n, k, m, rank, splits,
                                                                prepared):
@@ -245,14 +245,7 @@ def test_warp_specialized_grouped_launch_matches_split_k():
     """A 7B q|k|v grouped launch at M = 48 (LoRA r32 each): both schedules, same splits,
     bit for bit."""
     ns, k, m, rank = (3584, 512, 512), 3584, 48, 32
-    members = [_inputs(jax.random.key(2000 * i + k), n, k, m, rank) for i, n in enumerate(ns)]
-    x = members[0][1]
-    down = jnp.concatenate([member[2] for member in members], axis=1)
-    packed = [nvfp4_matmul.repack_nvfp4(*member[0]) for member in members]
-    tiles = mg.group_permuted([mg.permute_packed(p) for p in packed], [k] * len(ns))
-    n_pads = [p.codes.shape[0] for p in packed]
-    operand = mg.group_lora_operand([member[3] for member in members],
-                                    [p.tensor_scale for p in packed], [2.0] * len(ns), n_pads)
+    _, x, down, _, tiles, n_pads, operand = _group_inputs(ns, k, m, rank, 2000)
     splits = mg.launch_splits(sum(n_pads) // mg.TILE_ROWS, k // mg.TILE_K, m=m)
     outputs = [np.asarray(jax.jit(lambda x, t, d, o, schedule=schedule: mg.matmul_unscaled(
         x, t, n=sum(n_pads), k=k, splits=splits, lora_down=d, lora_bt=o, schedule=schedule))(
