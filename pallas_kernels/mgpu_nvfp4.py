@@ -358,6 +358,80 @@ def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst,
         memref.store(total, part_dst, [row, col])
 
 
+class _KernelRefs(NamedTuple):
+    """The refs a kernel body gets after x and the permuted buffer, in launch order (None
+    where its configuration has none): the L2 prefetch's buffer and extra array; the LoRA
+    operands (x @ A, the operand); the SwiGLU epilogue's divisors, next LoRA A, h and shares,
+    else the partials; the scratch: the transposed store, the LoRA tiles and their barrier, h."""
+    prefetch: object = None
+    extra: object = None
+    lora_x: object = None
+    lora_bt: object = None
+    gate_ts: object = None
+    up_ts: object = None
+    next_a: object = None
+    h: object = None
+    share: object = None
+    part: object = None
+    out_smem: object = None
+    lx_smem: object = None
+    bt_smem: object = None
+    barrier: object = None
+    h_smem: object = None
+
+    @classmethod
+    def unpack(cls, refs, *, plan, with_lora: bool, swiglu: bool, next_rank):
+        refs, got = list(refs), {}
+
+        def take(*names):
+            for name in names:
+                got[name] = refs.pop(0)
+        if plan is not None:
+            take("prefetch", *(("extra",) if plan.extra is not None else ()))
+        if with_lora:
+            take("lora_x", "lora_bt")
+        if swiglu:
+            take("gate_ts", "up_ts", *(("next_a",) if next_rank is not None else ()), "h",
+                 *(("share",) if next_rank is not None else ()))
+        else:
+            take("part")
+        take("out_smem")
+        if with_lora:
+            take("lx_smem", "bt_smem", "barrier")
+        if swiglu:
+            take("h_smem")
+        if refs:
+            raise ValueError(f"mgpu_nvfp4: {len(refs)} kernel refs left over")
+        return cls(**got)
+
+
+def _out_type(*, m_pad: int, row_tiles: int, splits: int, swiglu: bool, next_rank):
+    """A kernel's outputs: the split partials [splits, m_pad, N_pad] float32, or for the SwiGLU
+    epilogue h [m_pad, N_pad / 2] bf16 (and the next LoRA's shares [row tiles, m_pad, r])."""
+    n_pad = row_tiles * TILE_ROWS
+    if not swiglu:
+        return jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32)
+    out_type = [jax.ShapeDtypeStruct((m_pad, n_pad // 2), jnp.bfloat16)]
+    if next_rank is not None:
+        out_type.append(jax.ShapeDtypeStruct((row_tiles, m_pad, next_rank), jnp.float32))
+    return tuple(out_type)
+
+
+def _run_swiglu_epilogue(r: _KernelRefs, tile, per_warpgroup: bool = False) -> None:
+    """Inside a kernel, after the transposed store: _swiglu_epilogue of row tile `tile` (its
+    32 output columns of h, its share of the next LoRA product)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    half = pl.ds(tile * (TILE_ROWS // 2), TILE_ROWS // 2)
+    refs_in = [r.out_smem, r.h_smem, r.gate_ts, r.up_ts, r.h.at[:, half]]
+    if r.next_a is not None:
+        refs_in += [r.next_a.at[half], r.share.at[tile]]
+    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs_in))(
+        lambda ctx, *refs: _swiglu_epilogue(*refs[:5], *(refs[5:] if len(refs) > 5
+                                                         else (None, None)),
+                                            per_warpgroup=per_warpgroup))(*refs_in)
+
+
 def _launch(body, out_type, grid, grid_names, m_pad, rank, swiglu: bool = False):
     """plgpu.kernel of a schedule's body: outputs `out_type`, shared memory for the transposed
     store, (with a LoRA operand of width rank) the LoRA operands' tiles and their barrier,
@@ -478,32 +552,10 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
     steps = -(-k_tiles // splits)
     uneven = k_tiles % splits != 0
     with_lora = rank is not None
-    n_pad = row_tiles * TILE_ROWS
 
     def body(x_gmem, packed_gmem, *refs):
-        prefetch_gmem = extra_gmem = None
-        if plan is not None:
-            prefetch_gmem, *refs = refs
-            if plan.extra is not None:
-                extra_gmem, *refs = refs
-        if with_lora:
-            lora_x_gmem, lora_bt_gmem, *refs = refs
-        if swiglu:
-            gate_ts, up_ts, *refs = refs
-            next_a_gmem = None
-            if next_rank is not None:
-                next_a_gmem, *refs = refs
-            h_gmem, *refs = refs
-            share_gmem = None
-            if next_rank is not None:
-                share_gmem, *refs = refs
-        else:
-            part_gmem, *refs = refs
-        out_smem, *refs = refs
-        if with_lora:
-            lx_smem, bt_smem, barrier, *refs = refs
-        if swiglu:
-            (h_smem,) = refs
+        r = _KernelRefs.unpack(refs, plan=plan, with_lora=with_lora, swiglu=swiglu,
+                               next_rank=next_rank)
         b = lax.axis_index("tiles")
         s = lax.axis_index("splits")
         first = s * k_tiles // splits
@@ -512,8 +564,8 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
         if with_lora:  # split 0's LoRA operands, in flight while the pipeline runs
             @pl.when(s == 0)
             def _():
-                plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
-                plgpu.copy_gmem_to_smem(lora_bt_gmem.at[rows], bt_smem, barrier)
+                plgpu.copy_gmem_to_smem(r.lora_x, r.lx_smem, r.barrier)
+                plgpu.copy_gmem_to_smem(r.lora_bt.at[rows], r.bt_smem, r.barrier)
 
         def step(indices, tile_smem, x_smem, acc_ref):
             if uneven:
@@ -535,32 +587,22 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                                     transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
             if plan is not None:
-                _issue_l2_prefetch(plan, prefetch_gmem, extra_gmem, b * splits + s,
+                _issue_l2_prefetch(plan, r.prefetch, r.extra, b * splits + s,
                                    row_tiles * splits)
             if with_lora:
-                pl.when(s == 0)(lambda: _lora_product(acc_ref, bt_smem, lx_smem, barrier))
+                pl.when(s == 0)(lambda: _lora_product(acc_ref, r.bt_smem, r.lx_smem,
+                                                      r.barrier))
             if not swiglu:
-                _store_partial(acc_ref, out_smem, part_gmem.at[s, :, rows])
+                _store_partial(acc_ref, r.out_smem, r.part.at[s, :, rows])
                 return
             plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-                lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
-            half = pl.ds(b * (TILE_ROWS // 2), TILE_ROWS // 2)
-            refs_in = [out_smem, h_smem, gate_ts, up_ts, h_gmem.at[:, half]]
-            if next_rank is not None:
-                refs_in += [next_a_gmem.at[half], share_gmem.at[b]]
-            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs_in))(
-                lambda ctx, *r: _swiglu_epilogue(*r[:5], *(r[5:] if len(r) > 5
-                                                             else (None, None))))(*refs_in)
+                lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], r.out_smem)
+            _run_swiglu_epilogue(r, b)
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
-    if swiglu:
-        out_type = [jax.ShapeDtypeStruct((m_pad, n_pad // 2), jnp.bfloat16)]
-        if next_rank is not None:
-            out_type.append(jax.ShapeDtypeStruct((row_tiles, m_pad, next_rank), jnp.float32))
-        out_type = tuple(out_type)
-    else:
-        out_type = jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32)
+    out_type = _out_type(m_pad=m_pad, row_tiles=row_tiles, splits=splits, swiglu=swiglu,
+                         next_rank=next_rank)
     return jax.jit(_launch(body, out_type, (row_tiles, splits), ("tiles", "splits"), m_pad,
                            rank, swiglu=swiglu))
 
@@ -574,8 +616,8 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
     Warpgroups 0 and 1 each decode one row tile (2c and 2c + 1) and multiply it by the x tile
     they share; warpgroup 2 only issues the TMA copies of both weight tiles and the x tile,
     `stages` steps ahead (plgpu.emit_pipeline_warp_specialized), so a copy waits only for a free
-    pipeline slot, not for the decode. At M = 64 each x tile (32 KiB) is read once per two weight tiles (9 KiB each)
-    instead of once per tile. Same results as the split-K kernel with the same splits: each
+    pipeline slot, not for the decode. At M = 64 each x tile (32 KiB) is read once per two
+    weight tiles (9 KiB each) instead of once per tile. Same results as the split-K kernel with the same splits: each
     row tile's products are summed in the same order. The LoRA operands (split 0), the L2
     prefetch and the SwiGLU epilogue are the split-K kernel's, per warpgroup."""
     from jax.experimental import pallas as pl
@@ -584,33 +626,11 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
     steps = -(-k_tiles // splits)
     uneven = k_tiles % splits != 0
     with_lora = rank is not None
-    n_pad = row_tiles * TILE_ROWS
     programs = row_tiles // wgs * splits
 
     def body(x_gmem, packed_gmem, *refs):
-        prefetch_gmem = extra_gmem = None
-        if plan is not None:
-            prefetch_gmem, *refs = refs
-            if plan.extra is not None:
-                extra_gmem, *refs = refs
-        if with_lora:
-            lora_x_gmem, lora_bt_gmem, *refs = refs
-        if swiglu:
-            gate_ts, up_ts, *refs = refs
-            next_a_gmem = None
-            if next_rank is not None:
-                next_a_gmem, *refs = refs
-            h_gmem, *refs = refs
-            share_gmem = None
-            if next_rank is not None:
-                share_gmem, *refs = refs
-        else:
-            part_gmem, *refs = refs
-        out_smem, *refs = refs
-        if with_lora:
-            lx_smem, bt_smem, barrier, *refs = refs
-        if swiglu:
-            (h_smem,) = refs
+        r = _KernelRefs.unpack(refs, plan=plan, with_lora=with_lora, swiglu=swiglu,
+                               next_rank=next_rank)
         c = lax.axis_index("tiles")
         s = lax.axis_index("splits")
         first = s * k_tiles // splits
@@ -632,37 +652,30 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
             if with_lora:  # split 0's LoRA operands, in flight while the pipeline runs
                 @pl.when(jnp.logical_and(s == 0, wg == 0))
                 def _():
-                    plgpu.copy_gmem_to_smem(lora_x_gmem, lx_smem, barrier)
+                    plgpu.copy_gmem_to_smem(r.lora_x, r.lx_smem, r.barrier)
                     plgpu.copy_gmem_to_smem(
-                        lora_bt_gmem.at[pl.ds(c * wgs * TILE_ROWS, wgs * TILE_ROWS)],
-                        bt_smem, barrier)
+                        r.lora_bt.at[pl.ds(c * wgs * TILE_ROWS, wgs * TILE_ROWS)],
+                        r.bt_smem, r.barrier)
 
             def scoped(acc_ref):
                 run_pipeline(acc_ref)
                 if plan is not None:
-                    _issue_l2_prefetch(plan, prefetch_gmem, extra_gmem,
+                    _issue_l2_prefetch(plan, r.prefetch, r.extra,
                                        (c * splits + s) * wgs + wg, programs * wgs)
                 if with_lora:
                     pl.when(s == 0)(lambda: _lora_product(
-                        acc_ref, bt_smem.at[pl.ds(wg * TILE_ROWS, TILE_ROWS)], lx_smem,
-                        barrier))
+                        acc_ref, r.bt_smem.at[pl.ds(wg * TILE_ROWS, TILE_ROWS)], r.lx_smem,
+                        r.barrier))
                 plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
                     lambda ctx, acc, out: _store_transposed(acc, out, per_warpgroup=True))(
-                        acc_ref[...], out_smem)
+                        acc_ref[...], r.out_smem)
                 if not swiglu:
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], part_gmem.at[
+                    plgpu.copy_smem_to_gmem(r.out_smem.at[wg], r.part.at[
                         s, :, pl.ds(tile * TILE_ROWS, TILE_ROWS)])
                     plgpu.wait_smem_to_gmem(0)
                     return
-                half = pl.ds(tile * (TILE_ROWS // 2), TILE_ROWS // 2)
-                refs_in = [out_smem, h_smem, gate_ts, up_ts, h_gmem.at[:, half]]
-                if next_rank is not None:
-                    refs_in += [next_a_gmem.at[half], share_gmem.at[tile]]
-                plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs_in))(
-                    lambda ctx, *r: _swiglu_epilogue(
-                        *r[:5], *(r[5:] if len(r) > 5 else (None, None)),
-                        per_warpgroup=True))(*refs_in)
+                _run_swiglu_epilogue(r, tile, per_warpgroup=True)
 
             pl.run_scoped(scoped, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
@@ -678,13 +691,8 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
             compute_context=compute_context)
         pipeline(packed_gmem, x_gmem)
 
-    if swiglu:
-        out_type = [jax.ShapeDtypeStruct((m_pad, n_pad // 2), jnp.bfloat16)]
-        if next_rank is not None:
-            out_type.append(jax.ShapeDtypeStruct((row_tiles, m_pad, next_rank), jnp.float32))
-        out_type = tuple(out_type)
-    else:
-        out_type = jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32)
+    out_type = _out_type(m_pad=m_pad, row_tiles=row_tiles, splits=splits, swiglu=swiglu,
+                         next_rank=next_rank)
     scratch = [plgpu.SMEM((wgs, m_pad, TILE_ROWS), jnp.float32)]
     if with_lora:
         scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
