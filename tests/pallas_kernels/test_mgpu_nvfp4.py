@@ -257,18 +257,25 @@ def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch):
     assert mosaic.swiglu_refusal(x, views[0], jnp.zeros((m, 48)), lora_bs) is not None
 
 
-def test_swiglu_lowers_for_cuda():
-    n, k, m = 128, 512, 8
+def _swiglu_lowering_args(n: int, k: int, m: int):
+    """Shapes of a fused SwiGLU launch over a [n, k] gate/up pair at M = m, LoRA r32 on each
+    half: x, the pair's permuted buffer, the two tensor scales, x @ A, the pair operand, the
+    next layer's LoRA A."""
     gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(i),
                                                                       (n, k))), tile_k=256)
                 for i in (0, 1))
     view = kl.pair_gate_up(gate, up)[0]
     tiles = jax.ShapeDtypeStruct(mg.permute_packed(view.whole_pair()).shape, jnp.uint8)
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), tiles,
+    return (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), tiles,
             jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
             jax.ShapeDtypeStruct((m, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((2 * n, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((n, 32), jnp.bfloat16))
+
+
+def test_swiglu_lowers_for_cuda():
+    n, k, m = 128, 512, 8
+    args = _swiglu_lowering_args(n, k, m)
 
     def f(x, tiles, ts_g, ts_u, down, operand, next_a):
         return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
@@ -808,16 +815,7 @@ def test_warp_specialized_kernel_lowers_for_cuda():
     lowered = jax.jit(prefetching).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.out_info.shape == (m, n)
     n, k = 128, 512
-    gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(i),
-                                                                      (n, k))), tile_k=256)
-                for i in (0, 1))
-    view = kl.pair_gate_up(gate, up)[0]
-    tiles = jax.ShapeDtypeStruct(mg.permute_packed(view.whole_pair()).shape, jnp.uint8)
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), tiles,
-            jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
-            jax.ShapeDtypeStruct((m, 64), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2 * n, 64), jnp.bfloat16),
-            jax.ShapeDtypeStruct((n, 32), jnp.bfloat16))
+    args = _swiglu_lowering_args(n, k, m)
     for with_next in (True, False):
         def fused(x, tiles, ts_g, ts_u, down, operand, next_a, with_next=with_next):
             return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
