@@ -82,8 +82,8 @@ from pallas_kernels.mgpu_nvfp4_layout import (CODE_BYTES, L2Prefetch, LORA_RANKS
                                               pair_lora_operand, permute_packed, permute_tiles,
                                               permuted_dequantize_reference, refusal,
                                               resident_programs, source_bit,
-                                              split_k_smem_bytes, unpermute_shifts, unpermute_tiles, ws_smem_bytes,
-                                              ws_stages)
+                                              split_k_smem_bytes, unpermute_shifts,
+                                              unpermute_tiles, ws_smem_bytes, ws_stages)
 
 # The kernels and the layout's names, for the backends, the tests and the benchmarks.
 __all__ = [
@@ -617,9 +617,10 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
     they share; warpgroup 2 only issues the TMA copies of both weight tiles and the x tile,
     `stages` steps ahead (plgpu.emit_pipeline_warp_specialized), so a copy waits only for a free
     pipeline slot, not for the decode. At M = 64 each x tile (32 KiB) is read once per two
-    weight tiles (9 KiB each) instead of once per tile. Same results as the split-K kernel with the same splits: each
-    row tile's products are summed in the same order. The LoRA operands (split 0), the L2
-    prefetch and the SwiGLU epilogue are the split-K kernel's, per warpgroup."""
+    weight tiles (9 KiB each) instead of once per tile. Same results as the split-K kernel
+    with the same splits: each row tile's products are summed in the same order. The LoRA
+    operands (split 0), the L2 prefetch and the SwiGLU epilogue are the split-K kernel's, per
+    warpgroup."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     wgs = WS_COMPUTE_WARPGROUPS

@@ -355,9 +355,8 @@ def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, a
                     rank: int | None = None) -> L2Prefetch:
     """The L2Prefetch plan of a launch of matmul_unscaled over `permuted` (a [N, k] weight's
     buffer) at M = m, LoRA operand width `rank`, with `splits` (launch_splits of its schedule
-    when None), and `extra`
-    ([rows, cols], a row of a multiple of 16 bytes and at most 256 columns: a TMA box) if
-    given."""
+    when None), and `extra` ([rows, cols], a row of a multiple of 16 bytes and at most 256
+    columns: a TMA box) if given."""
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
     splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, rank=rank)

@@ -200,10 +200,8 @@ def _prefetch_plan(weight, prefetch_tiles: int, m: int, schedule: str = "auto"):
     target = getattr(weight, "mosaic_prefetch", None)
     if target is None or not prefetch_tiles:
         return None
-    extra = getattr(weight, "mosaic_prefetch_lora_a", None)
-    if extra is not None and not mgpu_nvfp4.extra_prefetchable(extra):
-        extra = None
     lora_a = getattr(weight, "mosaic_prefetch_lora_a", None)  # its width: the operand's
+    extra = lora_a if lora_a is not None and mgpu_nvfp4.extra_prefetchable(lora_a) else None
     return mgpu_nvfp4.l2_prefetch_for(target, k=weight.mosaic_prefetch_k, ahead=prefetch_tiles,
                                       extra=extra, m=m, schedule=schedule,
                                       rank=None if lora_a is None else lora_a.shape[-1])
