@@ -357,12 +357,14 @@ def generate(model: CausalLM, prompt_tokens, prompt_mask, key: jax.Array,
     return generate_from_states(graphdef, (state,), prompt_tokens, prompt_mask, key, config)
 
 
-def pad_prompts(prompt_tokens, prompt_mask, config: SamplingConfig):
+def pad_prompts(prompt_tokens, prompt_mask, config: SamplingConfig,
+                vocab_size: int | None = None):
     """[P, T] left-padded prompts -> (tokens int32, mask bool), both [P, bucket_length(T)]:
     more left padding up to the length bucket the sampler compiles for. Host prompts (numpy
     arrays, lists) are padded on the host, so a new T costs no XLA program (an eager jnp.pad
     would compile one per distinct [P, T]); device arrays are padded on the device. Raises
-    ValueError naming both shapes unless they are equal and two-dimensional."""
+    ValueError naming both shapes unless they are equal and two-dimensional, and (with
+    vocab_size) check_prompt_ids' error for an id outside the vocabulary."""
     on_device = isinstance(prompt_tokens, jax.Array) or isinstance(prompt_mask, jax.Array)
     xp = jnp if on_device else np
     prompt_tokens = xp.asarray(prompt_tokens, xp.int32)
@@ -370,6 +372,7 @@ def pad_prompts(prompt_tokens, prompt_mask, config: SamplingConfig):
     if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
         raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask "
                          f"{prompt_mask.shape} must both be [P, T]")
+    check_prompt_ids(prompt_tokens, vocab_size)
     length = prompt_tokens.shape[1]
     pad = padded_prompt_shape(prompt_tokens.shape, config)[1] - length
     if pad:
@@ -432,6 +435,34 @@ def compile_generate(graphdef, abstract_states: tuple, prompt_shape: tuple[int, 
                                    mesh=mesh).compile()
 
 
+def _embedding_rows(states) -> int | None:
+    """Rows of the model's token embedding table among `states` (nnx states or their abstract
+    values), or None where there is none."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(states)[0]:
+        names = [str(getattr(entry, "key", getattr(entry, "name", ""))) for entry in path]
+        if "embed_tokens" in names and len(getattr(leaf, "shape", ())) == 2:
+            return int(leaf.shape[0])
+    return None
+
+
+def check_prompt_ids(prompt_tokens, vocab_size: int | None) -> None:
+    """Raises ValueError naming the first prompt id outside [0, vocab_size) (row, column,
+    value): the embedding lookup would give NaN for it, and every token sampled after it would
+    be garbage. Padding positions are checked too (they are embedded as well). Skipped while
+    tracing, for arrays another process holds part of, and without a known vocabulary
+    size."""
+    if vocab_size is None or isinstance(prompt_tokens, jax.core.Tracer) or (
+            isinstance(prompt_tokens, jax.Array) and not prompt_tokens.is_fully_addressable):
+        return
+    ids = np.asarray(prompt_tokens)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        row, column = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"prompt_tokens: id {int(ids[row, column])} at row {row}, column "
+                         f"{column} is outside the model's vocabulary [0, {vocab_size}) "
+                         f"({int(bad.sum())} such ids in all)")
+
+
 def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, key: jax.Array,
                          config: SamplingConfig,
                          compiled: jax.stages.Compiled | None = None, mesh=None,
@@ -455,8 +486,10 @@ def generate_from_states(graphdef, states: tuple, prompt_tokens, prompt_mask, ke
         random-weight models this way.
     Returns:
       Rollout with B = P * G rows, row p*G + g = generation g of prompt p.
+    Raises ValueError for a prompt id outside the embedding table (check_prompt_ids).
     """
-    prompt_tokens, prompt_mask = pad_prompts(prompt_tokens, prompt_mask, config)
+    prompt_tokens, prompt_mask = pad_prompts(prompt_tokens, prompt_mask, config,
+                                             vocab_size=_embedding_rows(states))
     if stop_lengths is not None:
         stop_lengths = np.asarray(stop_lengths)
         count = prompt_tokens.shape[0] * config.num_generations

@@ -490,3 +490,20 @@ def test_a_shrinking_batch_dequantizes_once_only_for_the_loops_that_would_dequan
     finally:
         unregister_kernels("cpu")
         disable_decode_attention("cpu")
+
+
+def test_prompt_ids_outside_the_vocabulary_are_named(tiny):
+    """An id past the embedding table (or negative) would embed as NaN and poison every token
+    after it: the sampler refuses it, naming its row, column and value, before any work."""
+    _, ours = tiny
+    vocab = ours.config.vocab_size
+    tokens, mask = _prompts(np.random.default_rng(3), [5, 3], 5)
+    config = SamplingConfig(max_new_tokens=2, greedy=True, prompt_bucket=8)
+    for value, row, column in ((vocab, 1, 4), (-1, 0, 2)):
+        bad = tokens.copy()
+        bad[row, column] = value
+        with pytest.raises(ValueError, match=rf"id {value} at row {row}, column {column} "
+                                             rf"is outside the model's vocabulary \[0, {vocab}\)"):
+            generate(ours, bad, mask, jax.random.key(0), config)
+    rollout = generate(ours, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0), config)
+    assert np.isfinite(np.asarray(rollout.logprobs)).all()
