@@ -268,7 +268,7 @@ def _tile_product(tile_smem, x_smem, acc_ref, warpgroup_stride: int = 0) -> None
                                            layout=plgpu.Layout.WGMMA),
     )(lambda ctx, tile_ref: _decode_tile(tile_ref, warpgroup_stride=warpgroup_stride))(
         tile_smem)
-    plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+    plgpu.wgmma(acc_ref, w, x_smem.transpose((1, 0)))
     plgpu.wgmma_wait(0)
 
 
@@ -276,7 +276,7 @@ def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
     """Inside a kernel: acc += the LoRA operand's tile [64, r] @ (x A)^T, once its copy is in."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     plgpu.barrier_wait(barrier)
-    plgpu.wgmma(acc_ref, bt_smem, plgpu.transpose_ref(lx_smem, (1, 0)))
+    plgpu.wgmma(acc_ref, bt_smem, lx_smem.transpose((1, 0)))
     plgpu.wgmma_wait(0)
 
 

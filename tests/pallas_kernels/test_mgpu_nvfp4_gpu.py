@@ -12,9 +12,10 @@
 - The warp-specialized schedule (asked for, M = 33-64; two compute warpgroups and a copying
   one) against the split-K schedule at the same splits, bit for bit (each row tile's products
   are summed in the same order), and against float64 with the bound above: single weights with
-  and without LoRA, uneven splits, M not a multiple of 8, a grouped q|k|v launch, and the
-  fused SwiGLU launch of a 7B gate|up pair at M = 64 (against the split-K launch bit for
-  bit, and that one against its XLA epilogue within 2^-7 of the largest |output|); and the
+  and without LoRA, uneven splits, M not a multiple of 8, grouped q|k|v launches (7B; 14B and
+  32B at M = 64), and the fused SwiGLU launch of a 7B and a 32B gate|up pair at M = 64 (against
+  the split-K launch bit for bit, and that one against its XLA epilogue within 2^-7 of the
+  largest |output|); and the
   sampler at batch 64 with each schedule setting, equal token for token and log-prob for
   log-prob.
 - The grouped q|k|v launch: three weights' buffers stacked (group_permuted), the block-diagonal
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,7 @@ from pallas_kernels import nvfp4_matmul
 
 pytestmark = pytest.mark.gpu
 
+HALF_BLOCK = 32  # rows of each gate / up block in an interleaved pair
 BOUND = 1e-5  # of |x| @ |W|^T (+ the LoRA term's absolute product), per element
 MATMUL_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     (256, 1024, 8, 0, None, False), (256, 1024, 5, 32, 3, False), (200, 608, 1, 16, 1, True),
@@ -175,38 +178,66 @@ def test_grouped_launch_matches_float64(ns, k, m, rank, splits):
         offset += n_pad
 
 
+class _GateUpPair(NamedTuple):
+    """A random NVFP4 gate/up pair (each [n, k]) and its launch operands: interleaved in
+    blocks of 32 rows (`pair`, repacked), x [m, k] and down [m, 2 rank] bf16, both halves' LoRA
+    B [rank, n], the next layer's LoRA A [n, rank], the halves' tensor scales and the pair's
+    LoRA operand (pair_lora_operand, LoRA scale 1)."""
+    pair: object
+    x: jax.Array
+    down: jax.Array
+    gate_b: jax.Array
+    up_b: jax.Array
+    next_a: jax.Array
+    scales: tuple
+    operand: jax.Array
+    n_pad: int
+
+
+def _gate_up_pair(n: int, k: int, m: int, rank: int, seed: int) -> _GateUpPair:
+    from qerl_jax.quant.nvfp4 import nvfp4_quantize
+    keys = jax.random.split(jax.random.key(seed), 8)
+    gate, up = (nvfp4_matmul.repack_nvfp4(*_checkpoint_arrays(nvfp4_quantize(
+        jax.random.normal(keys[i], (n, k)) * 0.02)), tile_k=mg.TILE_K) for i in (0, 1))
+    pair = bw.interleave_gate_up(gate, up, HALF_BLOCK)
+    n_pad = gate.codes.shape[0]
+    gate_b, up_b = ((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
+                    for i in (4, 5))
+    scales = (gate.tensor_scale, up.tensor_scale)
+    return _GateUpPair(
+        pair=pair, x=jax.random.normal(keys[2], (m, k), jnp.bfloat16),
+        down=(jax.random.normal(keys[3], (m, 2 * rank)) * 0.1).astype(jnp.bfloat16),
+        gate_b=gate_b, up_b=up_b,
+        next_a=(jax.random.normal(keys[6], (n, rank)) * 0.01).astype(jnp.bfloat16),
+        scales=scales, n_pad=n_pad,
+        operand=mg.pair_lora_operand(gate_b, up_b, *scales, 1.0, n_pad=n_pad,
+                                     half_block=HALF_BLOCK))
+
+
+def _within_bf16_of(value, reference, name: str) -> None:
+    """bf16 outputs of sums in different orders: within 2^-7 of the largest |reference|."""
+    value, reference = _float64(value), _float64(reference)
+    assert value.shape == reference.shape and np.isfinite(value).all(), name
+    error = float(np.abs(value - reference).max() / (2.0 ** -7 * np.abs(reference).max()))
+    assert error <= 1.0, f"{name}: largest error / (2^-7 max|reference|) {error:.3g}"
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["kernel_epilogue", "xla_epilogue"])
 def test_swiglu_launch_matches_the_triton_launch(fused):
     """The 32B gate|up pair (27648 x 5120 each), M = 8, LoRA r32 on both halves and the next
     layer's LoRA A: the Mosaic launch against Triton's blockwise_matmul_swiglu."""
-    from qerl_jax.quant.nvfp4 import nvfp4_quantize
-    n, k, m, rank, half_block = 27648, 5120, 8, 32, 32
-    keys = jax.random.split(jax.random.key(7), 8)
-    gate, up = (nvfp4_matmul.repack_nvfp4(*_checkpoint_arrays(nvfp4_quantize(
-        jax.random.normal(keys[i], (n, k)) * 0.02)), tile_k=mg.TILE_K) for i in (0, 1))
-    pair = bw.interleave_gate_up(gate, up, half_block)
-    n_pad = gate.codes.shape[0]
-    x = jax.random.normal(keys[2], (m, k), jnp.bfloat16)
-    down = (jax.random.normal(keys[3], (m, 2 * rank)) * 0.1).astype(jnp.bfloat16)
-    gate_b, up_b = ((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
-                    for i in (4, 5))
-    next_a = (jax.random.normal(keys[6], (n, rank)) * 0.01).astype(jnp.bfloat16)
-    scales = (gate.tensor_scale, up.tensor_scale)
-
+    n, k, m, rank = 27648, 5120, 8, 32
+    g = _gate_up_pair(n, k, m, rank, 7)
     want, want_next = jax.jit(lambda x, d: bw.blockwise_matmul_swiglu(
-        x, pair, spec=nvfp4_matmul.NVFP4, out_n=n, half_block=half_block, lora_down=d,
-        lora_ranks=(rank, rank), lora_b=bw.interleave_lora_b(gate_b, up_b, n_pad, half_block),
-        lora_scale=1.0, tensor_scales=scales, next_lora_a=next_a))(x, down)
-    operand = mg.pair_lora_operand(gate_b, up_b, *scales, 1.0, n_pad=n_pad,
-                                   half_block=half_block)
+        x, g.pair, spec=nvfp4_matmul.NVFP4, out_n=n, half_block=HALF_BLOCK, lora_down=d,
+        lora_ranks=(rank, rank),
+        lora_b=bw.interleave_lora_b(g.gate_b, g.up_b, g.n_pad, HALF_BLOCK),
+        lora_scale=1.0, tensor_scales=g.scales, next_lora_a=g.next_a))(g.x, g.down)
     got, got_next = jax.jit(lambda x, d: mg.mgpu_nvfp4_swiglu(
-        x, mg.permute_packed(pair), *scales, out_n=n, k=k, half_block=half_block, lora_down=d,
-        lora_bt=operand, next_lora_a=next_a, fused=fused))(x, down)
+        x, mg.permute_packed(g.pair), *g.scales, out_n=n, k=k, half_block=HALF_BLOCK,
+        lora_down=d, lora_bt=g.operand, next_lora_a=g.next_a, fused=fused))(g.x, g.down)
     for name, value, reference in (("output", got, want), ("next LoRA", got_next, want_next)):
-        value, reference = _float64(value), _float64(reference)
-        assert value.shape == reference.shape and np.isfinite(value).all(), name
-        error = float(np.abs(value - reference).max() / (2.0 ** -7 * np.abs(reference).max()))
-        assert error <= 1.0, f"{name}: largest error / (2^-7 max|reference|) {error:.3g}"
+        _within_bf16_of(value, reference, name)
 
 
 WS_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared): warp-specialized launches
@@ -242,11 +273,12 @@ def test_warp_specialized_schedule_matches_split_k_and_float64(n, k, m, rank, sp
     assert excess <= 1.0, f"largest error / bound {excess:.3g}"
 
 
-def test_warp_specialized_grouped_launch_matches_split_k():
-    """A 7B q|k|v grouped launch at M = 48 (LoRA r32 each): both schedules, same splits,
-    bit for bit."""
-    ns, k, m, rank = (3584, 512, 512), 3584, 48, 32
-    _, x, down, _, tiles, n_pads, operand = _group_inputs(ns, k, m, rank, 2000)
+@pytest.mark.parametrize("ns,k,m", [((3584, 512, 512), 3584, 48),
+                                     ((5120, 1024, 1024), 5120, 64)], ids=["7b", "14b_32b"])
+def test_warp_specialized_grouped_launch_matches_split_k(ns, k, m):
+    """A q|k|v grouped launch (LoRA r32 each) of 7B at M = 48 and of 14B and 32B (the same
+    shape) at M = 64: both schedules, same splits, bit for bit."""
+    _, x, down, _, tiles, n_pads, operand = _group_inputs(ns, k, m, 32, 2000)
     splits = mg.launch_splits(sum(n_pads) // mg.TILE_ROWS, k // mg.TILE_K, m=m)
     outputs = [np.asarray(jax.jit(lambda x, t, d, o, schedule=schedule: mg.matmul_unscaled(
         x, t, n=sum(n_pads), k=k, splits=splits, lora_down=d, lora_bt=o, schedule=schedule))(
@@ -255,41 +287,27 @@ def test_warp_specialized_grouped_launch_matches_split_k():
     np.testing.assert_array_equal(*outputs)
 
 
-def test_warp_specialized_swiglu_launch_matches_split_k():
-    """The 7B gate|up pair (18944 x 3584 each), M = 64, LoRA r32 on both halves and the next
-    layer's LoRA A, the SwiGLU in the kernel's epilogue: the warp-specialized launch equals the
-    split-K one bit for bit; that one is within 2^-7 of the largest |output| of the same
-    products with the SwiGLU in XLA."""
-    from qerl_jax.quant.nvfp4 import nvfp4_quantize
-    n, k, m, rank, half_block = 18944, 3584, 64, 32, 32
-    keys = jax.random.split(jax.random.key(11), 8)
-    gate, up = (nvfp4_matmul.repack_nvfp4(*_checkpoint_arrays(nvfp4_quantize(
-        jax.random.normal(keys[i], (n, k)) * 0.02)), tile_k=mg.TILE_K) for i in (0, 1))
-    pair = mg.permute_packed(bw.interleave_gate_up(gate, up, half_block))
-    n_pad = gate.codes.shape[0]
-    x = jax.random.normal(keys[2], (m, k), jnp.bfloat16)
-    down = (jax.random.normal(keys[3], (m, 2 * rank)) * 0.1).astype(jnp.bfloat16)
-    gate_b, up_b = ((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
-                    for i in (4, 5))
-    next_a = (jax.random.normal(keys[6], (n, rank)) * 0.01).astype(jnp.bfloat16)
-    scales = (gate.tensor_scale, up.tensor_scale)
-    operand = mg.pair_lora_operand(gate_b, up_b, *scales, 1.0, n_pad=n_pad,
-                                   half_block=half_block)
+@pytest.mark.parametrize("n,k", [(18944, 3584), (27648, 5120)], ids=["7b", "32b"])
+def test_warp_specialized_swiglu_launch_matches_split_k(n, k):
+    """A gate|up pair (7B: 18944 x 3584 each; 32B: 27648 x 5120), M = 64, LoRA r32 on both
+    halves and the next layer's LoRA A, the SwiGLU in the kernel's epilogue: the
+    warp-specialized launch equals the split-K one bit for bit; that one is within 2^-7 of
+    the largest |output| of the same products with the SwiGLU in XLA."""
+    g = _gate_up_pair(n, k, 64, 32, 11)
+    pair = mg.permute_packed(g.pair)
     results = {}
     for schedule, fused in (("warp_specialized", True), ("split_k", True), ("split_k", False)):
         results[schedule, fused] = jax.device_get(jax.jit(
             lambda x, d, schedule=schedule, fused=fused: mg.mgpu_nvfp4_swiglu(
-                x, pair, *scales, out_n=n, k=k, half_block=half_block, lora_down=d,
-                lora_bt=operand, next_lora_a=next_a, splits=1, fused=fused,
-                schedule=schedule))(x, down))
+                x, pair, *g.scales, out_n=n, k=k, half_block=HALF_BLOCK, lora_down=d,
+                lora_bt=g.operand, next_lora_a=g.next_a, splits=1, fused=fused,
+                schedule=schedule))(g.x, g.down))
     for got, want in zip(results["warp_specialized", True], results["split_k", True]):
         assert np.isfinite(_float64(got)).all()
         np.testing.assert_array_equal(_float64(got), _float64(want))
     for name, value, reference in zip(("output", "next LoRA"), results["split_k", True],
                                       results["split_k", False]):
-        value, reference = _float64(value), _float64(reference)
-        error = float(np.abs(value - reference).max() / (2.0 ** -7 * np.abs(reference).max()))
-        assert error <= 1.0, f"{name}: largest error / (2^-7 max|reference|) {error:.3g}"
+        _within_bf16_of(value, reference, name)
 
 
 def _checkpoint_arrays(quantized):
