@@ -38,7 +38,8 @@ tiles / 2, splits), one program per SM of three warpgroups; two decode and multi
 each, sharing every x tile, and the third issues the TMA copies. Same splits, same bits as the
 split-K kernel. It runs where a split-K program with its LoRA tiles would leave an SM no room
 for a second one (at M = 64 the wide operands of q|k|v and gate|up launches); elsewhere the
-split-K programs were as fast or faster (benchmarks/RESULTS.md).
+split-K programs were faster per launch at M = 64 and as fast summed over a layer at M = 33-40
+(benchmarks/RESULTS.md).
 
 A stream-K schedule (every program in one wave, each an equal share of the (row tile, K tile)
 units) was correct on the H100 but no faster (docs/decisions.md; its code is at commit
