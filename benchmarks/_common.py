@@ -199,6 +199,10 @@ def add_worker_arguments(parser, script_name: str) -> None:
                         choices=("auto", "split_k", "warp_specialized"),
                         help="config.quant.kernels.mosaic_schedule: the Mosaic launches' "
                              "schedule (mgpu_nvfp4.launch_schedule)")
+    parser.add_argument("--mosaic-swiglu-epilogue-max-m", type=int, default=None,
+                        help="config.quant.kernels.mosaic_swiglu_epilogue_max_m: the most rows "
+                             "at which a Mosaic gate|up launch runs the SwiGLU in its epilogue "
+                             "(default: the config's)")
     parser.add_argument("--decode-tuning", default="",
                         help="config.quant.kernels.decode_matmul fields, e.g. "
                              "'block_n=32,num_warps=8' (pallas_kernels.blockwise_matmul."
@@ -233,6 +237,8 @@ def kernel_flags(args) -> list[str]:
                                    ("--kernels-interpret", args.kernels_interpret)) if on]
     return flags + [f"--mosaic-nvfp4={args.mosaic_nvfp4}",
                     f"--mosaic-schedule={args.mosaic_schedule}",
+                    *([] if args.mosaic_swiglu_epilogue_max_m is None else
+                      [f"--mosaic-swiglu-epilogue-max-m={args.mosaic_swiglu_epilogue_max_m}"]),
                     f"--decode-tuning={args.decode_tuning}",
                     f"--decode-attention-tiling={args.decode_attention_tiling}"]
 
@@ -274,6 +280,7 @@ def draw_lengths(values: list[int], batch: int, new_tokens: int, seed: int):
 def kernel_settings(args) -> dict:
     """The _prepare_model keywords of the kernel options on the command line."""
     return dict(mosaic_nvfp4=args.mosaic_nvfp4, mosaic_schedule=args.mosaic_schedule,
+                swiglu_epilogue_max_m=args.mosaic_swiglu_epilogue_max_m,
                 decode_tuning=args.decode_tuning,
                 attention_tiling=args.decode_attention_tiling)
 
@@ -283,6 +290,8 @@ def output_name(script_name: str, sizes: list[str], args) -> str:
     return (f"{script_name}_" + "-".join(sizes) + ("_no-kernels" if args.no_kernels else "")
             + (f"_mosaic-{args.mosaic_nvfp4}" if args.mosaic_nvfp4 != "auto" else "")
             + (f"_{args.mosaic_schedule}" if args.mosaic_schedule != "auto" else "")
+            + ("" if args.mosaic_swiglu_epilogue_max_m is None
+               else f"_swiglu-epilogue-{args.mosaic_swiglu_epilogue_max_m}")
             + ("_no-pairs" if args.no_gate_up_pairs else "")
             + ("_no-decode-attention" if args.no_decode_attention else ""))
 
@@ -541,11 +550,13 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
                    interpret: bool = False, tile_k: int | None = None,
                    decode_attention: bool = True, pair_mlp: bool = True,
                    mosaic_nvfp4: str = "auto", decode_tuning: str = "",
-                   attention_tiling: str = "", mesh=None, mosaic_schedule: str = "auto"):
+                   attention_tiling: str = "", mesh=None, mosaic_schedule: str = "auto",
+                   swiglu_epilogue_max_m: int | None = None):
     """THE KERNEL HOOK: turns the Pallas quantized-matmul kernels on for `model` when asked and
     when qerl_jax.model_quant.kernels.enable_kernels exists; otherwise the pure XLA path. The
     kernel options (KernelOptions) come from the arguments: gate/up pairs, decode attention,
-    mosaic_nvfp4, mosaic_schedule, and decode_tuning / attention_tiling ('name=value,...' fields of
+    mosaic_nvfp4, mosaic_schedule, swiglu_epilogue_max_m (None: KernelOptions' default), and
+    decode_tuning / attention_tiling ('name=value,...' fields of
     DecodeTuning / DecodeAttentionConfig). On a `mesh` of several devices the kernels run per
     device (as the trainer runs them: qerl_jax/model_setup.py); where it splits the weights
     (fsdp or tensor > 1) the matmuls take the XLA path and only the decode attention is a
@@ -571,7 +582,7 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
                                          f"attention {attention_tiling}") if text)
     if enable_kernels is not None:
         options = _kernel_options(pair_mlp, decode_attention, mosaic_nvfp4, decode_tuning,
-                                  attention_tiling, mosaic_schedule)
+                                  attention_tiling, mosaic_schedule, swiglu_epilogue_max_m)
     if not (use_kernels and decode_attention) and enable_kernels is not None:
         # the trainer's build_model may have registered it already
         from qerl_jax.model_quant.kernels import disable_decode_attention
@@ -605,6 +616,8 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
                                   f"{mosaic_nvfp4}")
                                + ("" if mosaic_schedule == "auto" else f", mosaic_schedule "
                                   f"{mosaic_schedule}")
+                               + ("" if swiglu_epilogue_max_m is None else
+                                  f", mosaic_swiglu_epilogue_max_m {swiglu_epilogue_max_m}")
                                + ("" if pair_mlp else ", no gate/up pairs")
                                + ("" if decode_attention else ", no decode attention kernel")
                                + (f", tile_k {tile_k} for every weight" if tile_k else "")
@@ -625,7 +638,8 @@ def _prepare_model(model, format_name: str, use_kernels: bool = True,
 
 
 def _kernel_options(pair_mlp: bool, decode_attention: bool, mosaic_nvfp4: str,
-                    decode_tuning: str, attention_tiling: str, mosaic_schedule: str = "auto"):
+                    decode_tuning: str, attention_tiling: str, mosaic_schedule: str = "auto",
+                    swiglu_epilogue_max_m: int | None = None):
     """The KernelOptions of the benchmark's switches."""
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import decode_attention as attention_kernels
@@ -633,6 +647,8 @@ def _kernel_options(pair_mlp: bool, decode_attention: bool, mosaic_nvfp4: str,
     return KernelOptions(
         gate_up_pairs=pair_mlp, decode_attention=decode_attention, mosaic_nvfp4=mosaic_nvfp4,
         mosaic_schedule=mosaic_schedule,
+        **({} if swiglu_epilogue_max_m is None
+           else {"mosaic_swiglu_epilogue_max_m": swiglu_epilogue_max_m}),
         decode_matmul=bw.DecodeTuning(**bw.parse_tuning(decode_tuning)),
         decode_attention_tiling=attention_kernels.DecodeAttentionConfig(
             **attention_kernels.parse_config(attention_tiling)))

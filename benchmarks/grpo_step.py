@@ -202,6 +202,9 @@ def worker_main(args) -> None:
         config.quant.kernels.gate_up_pairs = not args.no_gate_up_pairs
         config.quant.kernels.mosaic_nvfp4 = args.mosaic_nvfp4
         config.quant.kernels.mosaic_schedule = args.mosaic_schedule
+        if args.mosaic_swiglu_epilogue_max_m is not None:
+            config.quant.kernels.mosaic_swiglu_epilogue_max_m = (
+                args.mosaic_swiglu_epilogue_max_m)
         config.quant.kernels.decode_attention = not args.no_decode_attention
         if args.compilation_cache:
             from qerl_jax.compilation_cache import cache_entries

@@ -181,6 +181,10 @@ FIELDS: dict[str, Field] = {
         "elsewhere; 'split_k' = always split-K; 'warp_specialized' = every launch whose 64-row "
         "tiles pair up.",
         one_of(MOSAIC_SCHEDULES)),
+    "quant.kernels.mosaic_swiglu_epilogue_max_m": Field(
+        16, "The most rows (sequences in a decode step) at which a Mosaic gate|up launch "
+        "computes the SwiGLU and the next LoRA x @ A in its epilogue; with more, XLA computes "
+        "them from the launch's output (0 = never).", in_interval(0, 64)),
     "quant.kernels.compact_after_repack": Field(
         "auto", "After repacking the 4-bit weights for the kernels, copy them through host "
         "memory once so the device allocator holds them without the repack's gaps (0.77 GiB at "

@@ -6,10 +6,11 @@ trace, weights streamed from HBM as in kernel_profile.py; M = --m, LoRA rank 32.
 size in --sizes: q/o, down, the gate|up pair as one weight, and q|k|v (Triton's grouped launch
 against the Mosaic kernel on the three weights stacked with a block-diagonal rank-96 operand).
 --sweep also times half and twice the default split-K count, --stages other pipeline depths
-(default 2), --mosaic-only skips the Triton rows. With 32b, the fused SwiGLU launch of a 32B
-gate/up pair with the next layer's LoRA product: the Mosaic path (the SwiGLU in the kernel's
-epilogue, and in XLA) against Triton's fused kernel, compared (within 2^-7 of the largest
-output) and timed. The kernel's correctness checks are tests (tests/pallas_kernels/
+(default 2), --mosaic-only skips the Triton rows. Then for each size the fused SwiGLU launch
+of its gate/up pair as the sampler makes it (LoRA r32 on each half: a 64-wide operand; the
+next layer's LoRA product), on the Mosaic path at each --schedules entry with the SwiGLU in the
+kernel's epilogue and in XLA (KernelOptions.mosaic_swiglu_epilogue_max_m), against Triton's
+fused kernel (unless --mosaic-only): compared (within 2^-7 of the largest output) and timed. The kernel's correctness checks are tests (tests/pallas_kernels/
 test_mgpu_nvfp4_gpu.py, pytest -m gpu).
 
     python benchmarks/profile/mosaic_kernel_profile.py --profile --sizes 14b,32b --out $OUT
@@ -210,14 +211,15 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
     return rows
 
 
-def swiglu_rows(key, m: int, repeats: int, profile: bool) -> list[dict]:
-    """The fused SwiGLU launch of a 32B gate/up pair with the next layer's LoRA product
-    (TritonDecodeBackend.apply_swiglu, as the sampler calls it, LoRA operands made ahead):
-    Triton's fused kernel against the Mosaic GPU path: the kernel with the SwiGLU and each row
-    tile's share of the next-LoRA product in its epilogue (mgpu_nvfp4.SwigluEpilogue). Check:
-    equal within 2^-7
-    of the largest |output| (bf16 outputs summed in different orders); with profile, device
-    time per call (all events, weights from HBM)."""
+def swiglu_rows(key, size: str, m: int, repeats: int, profile: bool, triton: bool = True,
+                kernel_schedules=("auto",)) -> list[dict]:
+    """The fused SwiGLU launch of a model size's gate/up pair with the next layer's LoRA
+    product (TritonDecodeBackend.apply_swiglu, as the sampler calls it, LoRA operands made
+    ahead): the Mosaic GPU path at each kernel schedule, with the SwiGLU and each row tile's
+    share of the next-LoRA product in the kernel's epilogue (mgpu_nvfp4.SwigluEpilogue) and
+    with both in XLA, against Triton's fused kernel. Check: equal within 2^-7 of the largest |output| (bf16
+    outputs summed in different orders; against the first Mosaic schedule with triton=False);
+    with profile, device time per call (all events, weights from HBM)."""
     import jax
     import jax.numpy as jnp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -228,7 +230,8 @@ def swiglu_rows(key, m: int, repeats: int, profile: bool) -> list[dict]:
     from qerl_jax.quant.kernel_options import KernelOptions
     from qerl_jax.quant.nvfp4 import nvfp4_quantize
 
-    n, k, rank = 27648, 5120, 32
+    (_, pair_n, k), = [shape for shape in profile_shapes(size) if shape[0] == "gate|up"]
+    n, rank, shape = pair_n // 2, 32, f"{size} gate|up SwiGLU + next LoRA"
     keys = jax.random.split(jax.random.fold_in(key, 7), 8)
     gate, up = (kernel_layout.to_kernel_layout(nvfp4_quantize(jax.random.normal(keys[i], (n, k)) * 0.02),
                                     tile_k=256) for i in (0, 1))
@@ -244,24 +247,34 @@ def swiglu_rows(key, m: int, repeats: int, profile: bool) -> list[dict]:
     pair_b = TritonDecodeBackend("nvfp4", KernelOptions()).swiglu_lora_b(views, lora_bs)
     prepared = (mosaic.with_pair_lora_operand(*views, *lora_bs, 1.0), views[1])
 
-    def make(mosaic_nvfp4):
-        backend = TritonDecodeBackend("nvfp4", KernelOptions(mosaic_nvfp4=mosaic_nvfp4))
+    def make(**options):
+        backend = TritonDecodeBackend("nvfp4", KernelOptions(**options))
         fn = jax.jit(lambda x, vs, d: [backend.apply_swiglu(
             x, v, d, lora_bs, (1.0, 1.0), pair_b, next_a, compute_dtype=jnp.bfloat16)
             for v in vs])
         jax.block_until_ready(fn(x, [prepared], down))
         return fn
 
-    triton, on_mosaic = make("off"), make("on")
-    (want, want_next), = triton(x, [prepared], down)
+    row_tiles = -(-pair_n // mg.TILE_ROWS)
+    launches = []
+    if triton:
+        launches.append(("Triton fused SwiGLU (LoRA r32, next LoRA)", make(mosaic_nvfp4="off")))
+    for schedule in kernel_schedules:
+        resolved = mg.launch_schedule(m, row_tiles, schedule, 2 * rank)
+        for where, max_m in (("its epilogue", 64), ("XLA", 0)):
+            launches.append((f"Mosaic GPU permuted, SwiGLU / next LoRA in {where}, "
+                             f"{schedule} ({resolved})",
+                             make(mosaic_nvfp4="on", mosaic_schedule=schedule,
+                                  mosaic_swiglu_epilogue_max_m=max_m)))
+    (want, want_next), = launches[0][1](x, [prepared], down)
     rows = []
-    for label, fn in (("fused epilogue", on_mosaic),):
+    for name, fn in launches[1:]:
         (got, got_next), = fn(x, [prepared], down)
         errors = [float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
                         / (2.0 ** -7 * float(jnp.abs(b.astype(jnp.float32)).max())))
                   for a, b in ((got, want), (got_next, want_next))]
-        rows.append({"shape": "gate|up SwiGLU + next LoRA", "n": n, "k": k,
-                     "kernel": f"check: Mosaic ({label}) vs Triton, max err / (2^-7 "
+        rows.append({"shape": shape, "n": pair_n, "k": k,
+                     "kernel": f"check: {name} vs {launches[0][0]}, max err / (2^-7 "
                                "max|y|), output / next",
                      "call_us": f"{errors[0]:.3g} / {errors[1]:.3g}",
                      "ok": bool(max(errors) <= 1.0)})
@@ -270,14 +283,11 @@ def swiglu_rows(key, m: int, repeats: int, profile: bool) -> list[dict]:
         nbytes = 2 * kernel_profile.weight_bytes("nvfp4", n, k)
         count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
         weights = kernel_bench.copies(list(prepared), count)
-        for name, fn in (("Triton fused SwiGLU (LoRA r32, next LoRA)", triton),
-                         ("Mosaic GPU permuted, SwiGLU / next LoRA in its epilogue",
-                          on_mosaic)):
+        for name, fn in launches:
             _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down), repeats,
                                                             count, None)
-            rows.append({"shape": "gate|up SwiGLU + next LoRA", "n": n, "k": k,
-                         "kernel": name, "call_us": call_us,
-                         "TB_s": nbytes / call_us / 1e6})
+            rows.append({"shape": shape, "n": pair_n, "k": k, "kernel": name,
+                         "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
             print(rows[-1], flush=True)
     return rows
 
@@ -314,14 +324,16 @@ def main(argv=None):
                 profiles.append({"shape": label, "n": n, "k": k,
                                  "error": common.describe_error(e)})
                 print(profiles[-1], flush=True)
-    if "32b" in args.sizes.split(","):
+    for size in args.sizes.split(","):
         try:
-            profiles += swiglu_rows(key, args.m, args.repeats, profile=True)
+            profiles += swiglu_rows(key, size, args.m, args.repeats, profile=True,
+                                    triton=not args.mosaic_only,
+                                    kernel_schedules=kernel_schedules)
         except Exception as e:
             traceback.print_exc()
-            profiles.append({"shape": "gate|up SwiGLU + next LoRA", "ok": False,
+            profiles.append({"shape": f"{size} gate|up SwiGLU + next LoRA", "ok": False,
                              "error": common.describe_error(e)})
-        print(profiles[-1], flush=True)
+            print(profiles[-1], flush=True)
     table = common.markdown_table(profiles, [
         ("shape", "shape"), ("n", "N"), ("k", "K"), ("kernel", "kernel"),
         ("call_us", "us per call"), ("TB_s", "weight TB/s"), ("ok", "ok"), ("error", "error")])

@@ -35,6 +35,9 @@ class KernelOptions:
     # an SM's shared memory (wide LoRA operands), split-K programs elsewhere; 'split_k' always
     # split-K; 'warp_specialized' wherever the launch's 64-row tiles pair up
     mosaic_schedule: str = "auto"
+    # the most rows at which a Mosaic gate|up launch computes the SwiGLU (and the next LoRA
+    # x @ A) in its epilogue; with more, XLA computes them from the launch's output (0: never)
+    mosaic_swiglu_epilogue_max_m: int = 16
     # the Pallas decode-attention kernel for one-token decode steps
     decode_attention: bool = True
     # tiling of the Triton fused kernel at decode M (M <= 16)
@@ -49,6 +52,9 @@ class KernelOptions:
         if self.mosaic_schedule not in MOSAIC_SCHEDULES:
             raise ValueError(f"KernelOptions.mosaic_schedule={self.mosaic_schedule!r}: one of "
                              f"{MOSAIC_SCHEDULES}")
+        if not 0 <= self.mosaic_swiglu_epilogue_max_m <= 64:
+            raise ValueError("KernelOptions.mosaic_swiglu_epilogue_max_m="
+                             f"{self.mosaic_swiglu_epilogue_max_m}: 0 (never) to 64")
         if not 0 <= self.mosaic_prefetch_tiles <= 3:
             raise ValueError(f"KernelOptions.mosaic_prefetch_tiles={self.mosaic_prefetch_tiles}"
                              ": 0 (off) to 3")
@@ -67,6 +73,7 @@ class KernelOptions:
             mosaic_nvfp4=kernels["mosaic_nvfp4"],
             mosaic_prefetch_tiles=kernels["mosaic_prefetch_tiles"],
             mosaic_schedule=kernels["mosaic_schedule"],
+            mosaic_swiglu_epilogue_max_m=kernels["mosaic_swiglu_epilogue_max_m"],
             decode_attention=kernels["decode_attention"],
             decode_matmul=DecodeTuning(
                 target_programs=matmul["target_programs"],

@@ -257,6 +257,32 @@ def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch):
     assert mosaic.swiglu_refusal(x, views[0], jnp.zeros((m, 48)), lora_bs) is not None
 
 
+def test_swiglu_epilogue_up_to_its_row_limit(monkeypatch):
+    """KernelOptions.mosaic_swiglu_epilogue_max_m: a gate|up launch of at most that many rows
+    asks mgpu_nvfp4_swiglu for the SwiGLU in the kernel's epilogue (fused), one of more rows
+    for the XLA one; the default puts M = 8 and 16 in the kernel and 17-64 in XLA (per launch
+    on an H100, benchmarks/RESULTS.md)."""
+    n, k = 96, 512
+    gate, up = (kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(i), (n, k))),
+                                    tile_k=256) for i in (0, 1))
+    views = kl.pair_gate_up(gate, up)
+    tiles = mg.permute_packed(views[0].whole_pair())
+    views = tuple(v.replace(mosaic_tiles=tiles) for v in views)
+    asked = []
+    monkeypatch.setattr(mg, "available", lambda: None)
+    monkeypatch.setattr(mg, "mgpu_nvfp4_swiglu",
+                        lambda x, *args, fused=True, **kwargs: asked.append(fused) or x)
+    for options, m, fused in ((KernelOptions(), 8, True), (KernelOptions(), 16, True),
+                              (KernelOptions(), 17, False), (KernelOptions(), 64, False),
+                              (KernelOptions(mosaic_swiglu_epilogue_max_m=64), 64, True),
+                              (KernelOptions(mosaic_swiglu_epilogue_max_m=0), 1, False)):
+        backend = TritonDecodeBackend("nvfp4", options)
+        backend.apply_swiglu(jnp.ones((m, k), jnp.bfloat16), views, None, (None, None),
+                             (1.0, 1.0), None, None, compute_dtype=jnp.bfloat16)
+        assert asked[-1] is fused, (options.mosaic_swiglu_epilogue_max_m, m)
+    assert len(asked) == 6
+
+
 def _swiglu_lowering_args(n: int, k: int, m: int):
     """Shapes of a fused SwiGLU launch over a [n, k] gate/up pair at M = m, LoRA r32 on each
     half: x, the pair's permuted buffer, the two tensor scales, x @ A, the pair operand, the

@@ -31,7 +31,7 @@ def test_every_option_reaches_the_dataclass():
     config = experiment_config.base_config()
     kernels = config.quant.kernels
     kernels.gate_up_pairs, kernels.mosaic_nvfp4, kernels.mosaic_prefetch_tiles = False, "off", 0
-    kernels.mosaic_schedule = "split_k"
+    kernels.mosaic_schedule, kernels.mosaic_swiglu_epilogue_max_m = "split_k", 0
     kernels.decode_attention = False
     kernels.decode_matmul.update(target_programs=320, min_tiles_per_split=2,
                                  no_split_programs=128, max_split=4, block_n=32, num_warps=8,
@@ -41,7 +41,7 @@ def test_every_option_reaches_the_dataclass():
     options = KernelOptions.from_config(kernels)
     assert (options.gate_up_pairs, options.mosaic_nvfp4, options.mosaic_prefetch_tiles,
             options.decode_attention, options.mosaic) == (False, "off", 0, False, False)
-    assert options.mosaic_schedule == "split_k"
+    assert (options.mosaic_schedule, options.mosaic_swiglu_epilogue_max_m) == ("split_k", 0)
     tuning = options.decode_matmul
     assert (tuning.target_programs, tuning.min_tiles_per_split, tuning.no_split_programs,
             tuning.max_split, tuning.block_n, tuning.num_warps, tuning.num_stages,
@@ -57,6 +57,7 @@ def test_every_option_reaches_the_dataclass():
     ("quant.kernels.mosaic_nvfp4", "1", "'1' not in ('auto', 'on', 'off')"),
     ("quant.kernels.mosaic_prefetch_tiles", -1, "must be in [0, 3], got -1"),
     ("quant.kernels.mosaic_schedule", "stream_k", "'stream_k' not in"),
+    ("quant.kernels.mosaic_swiglu_epilogue_max_m", 65, "must be in [0, 64], got 65"),
     ("quant.kernels.decode_matmul.weight_as_lhs", "x", "'x' not in"),
     ("quant.kernels.decode_attention_tiling.block_s", 48, "48 not in"),
     ("quant.kernels.gate_up_pairs", "yes", "must be True or False"),
@@ -74,3 +75,5 @@ def test_bad_values_name_the_field(path, value, message):
         experiment_config._check_fields(ml_collections.ConfigDict(config))
     with pytest.raises(ValueError, match="mosaic_nvfp4"):
         KernelOptions(mosaic_nvfp4="1")
+    with pytest.raises(ValueError, match="mosaic_swiglu_epilogue_max_m=-1"):
+        KernelOptions(mosaic_swiglu_epilogue_max_m=-1)

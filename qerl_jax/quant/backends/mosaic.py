@@ -307,9 +307,10 @@ def swiglu_refusal(x, gate, lora_x_a, lora_bs) -> str | None:
 
 
 def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
-                 prefetch_tiles: int, schedule: str = "auto"):
+                 prefetch_tiles: int, schedule: str = "auto", epilogue_max_m: int = 16):
     """silu(gate) * up [M, N] bf16 of a pair in one launch over its permuted buffer, the SwiGLU
-    (and with next_lora_a its product with it) in the kernel's epilogue."""
+    (and with next_lora_a its product with it) in the kernel's epilogue up to epilogue_max_m
+    rows, else in XLA from the launch's output (mgpu_nvfp4_swiglu's `fused`)."""
     gate, up = weights
     half_block = gate.pair_view[0]
     lora = {}
@@ -325,4 +326,4 @@ def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
         up.kernel_tensor_scale(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,
         next_lora_a=next_lora_a,
         l2_prefetch=_prefetch_plan(gate, prefetch_tiles, x.shape[0], schedule),
-        schedule=schedule, **lora)
+        schedule=schedule, fused=x.shape[0] <= epilogue_max_m, **lora)

@@ -232,7 +232,9 @@ class TritonDecodeBackend(MatmulBackend):
             result = mosaic.apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales,
                                          next_lora_a,
                                          prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                        schedule=self.options.mosaic_schedule)
+                                         schedule=self.options.mosaic_schedule,
+                                         epilogue_max_m=(
+                                             self.options.mosaic_swiglu_epilogue_max_m))
         else:
             self._note_fallback(weights, "gate|up SwiGLU", refusal)
             # the two tensor scales go to the kernel as they are: a [2] array of them would be
