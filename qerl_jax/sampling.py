@@ -367,12 +367,12 @@ def pad_prompts(prompt_tokens, prompt_mask, config: SamplingConfig,
     vocab_size) check_prompt_ids' error for an id outside the vocabulary."""
     on_device = isinstance(prompt_tokens, jax.Array) or isinstance(prompt_mask, jax.Array)
     xp = jnp if on_device else np
+    check_prompt_ids(prompt_tokens, vocab_size)
     prompt_tokens = xp.asarray(prompt_tokens, xp.int32)
     prompt_mask = xp.asarray(prompt_mask, xp.bool_)
     if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
         raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask "
                          f"{prompt_mask.shape} must both be [P, T]")
-    check_prompt_ids(prompt_tokens, vocab_size)
     length = prompt_tokens.shape[1]
     pad = padded_prompt_shape(prompt_tokens.shape, config)[1] - length
     if pad:
@@ -447,14 +447,18 @@ def _embedding_rows(states) -> int | None:
 
 def check_prompt_ids(prompt_tokens, vocab_size: int | None) -> None:
     """Raises ValueError naming the first prompt id outside [0, vocab_size) (row, column,
-    value): the embedding lookup would give NaN for it, and every token sampled after it would
-    be garbage. Padding positions are checked too (they are embedded as well). Skipped while
-    tracing, for arrays another process holds part of, and without a known vocabulary
-    size."""
+    value) of [P, T] prompts, checked as given (before any int32 cast could wrap a large id):
+    the embedding lookup gives NaN for an id past the table and another row's vector for a
+    negative one, and every token sampled after it would be garbage. Padding positions are
+    checked too (they are embedded as well). Costs one host copy of device prompts. Skipped
+    while tracing, for arrays another process holds part of, for other than two dimensions
+    (pad_prompts names those) and without a known vocabulary size."""
     if vocab_size is None or isinstance(prompt_tokens, jax.core.Tracer) or (
             isinstance(prompt_tokens, jax.Array) and not prompt_tokens.is_fully_addressable):
         return
     ids = np.asarray(prompt_tokens)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        return
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
         row, column = (int(i) for i in np.argwhere(bad)[0])

@@ -493,8 +493,9 @@ def test_a_shrinking_batch_dequantizes_once_only_for_the_loops_that_would_dequan
 
 
 def test_prompt_ids_outside_the_vocabulary_are_named(tiny):
-    """An id past the embedding table (or negative) would embed as NaN and poison every token
-    after it: the sampler refuses it, naming its row, column and value, before any work."""
+    """An id past the embedding table (NaN) or negative (another row's vector) would poison
+    every token after it: the sampler refuses it, naming its row, column and value, before any
+    work: host and device prompts, padding positions, ids an int32 cast would wrap."""
     _, ours = tiny
     vocab = ours.config.vocab_size
     tokens, mask = _prompts(np.random.default_rng(3), [5, 3], 5)
@@ -505,5 +506,18 @@ def test_prompt_ids_outside_the_vocabulary_are_named(tiny):
         with pytest.raises(ValueError, match=rf"id {value} at row {row}, column {column} "
                                              rf"is outside the model's vocabulary \[0, {vocab}\)"):
             generate(ours, bad, mask, jax.random.key(0), config)
+    big = tokens.astype(np.int64)
+    big[1, 0] = 2 ** 32 + 5  # int32 would wrap it to 5: refused as given
+    with pytest.raises(ValueError, match=r"id 4294967301 at row 1, column 0 "):
+        generate(ours, big, mask, jax.random.key(0), config)
+    padding = tokens.copy()
+    assert not mask[1, 0]
+    padding[1, 0] = vocab  # a padding position is embedded too
+    with pytest.raises(ValueError, match=r"at row 1, column 0 "):
+        generate(ours, padding, mask, jax.random.key(0), config)
+    with pytest.raises(ValueError, match=rf"id {vocab} at row 0, column 1 "):
+        bad = tokens.copy()
+        bad[0, 1] = vocab
+        generate(ours, jnp.asarray(bad), jnp.asarray(mask), jax.random.key(0), config)
     rollout = generate(ours, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0), config)
     assert np.isfinite(np.asarray(rollout.logprobs)).all()

@@ -11,12 +11,11 @@
   the sampler does), the others pass B and the LoRA scale.
 - The warp-specialized schedule (asked for, M = 33-64; two compute warpgroups and a copying
   one) against the split-K schedule at the same splits, bit for bit (each row tile's products
-  are summed in the same order), and against float64 with the bound above: single weights with
-  and without LoRA, uneven splits, M not a multiple of 8, grouped q|k|v launches (7B; 14B and
-  32B at M = 64), and the fused SwiGLU launch of a 7B and a 32B gate|up pair at M = 64 (against
-  the split-K launch bit for bit, and that one against its XLA epilogue within 2^-7 of the
-  largest |output|); and the
-  sampler at batch 64 with each schedule setting, equal token for token and log-prob for
+  are summed in the same order): single weights with and without LoRA, uneven splits, M not a
+  multiple of 8 (these also against float64 with the bound above); grouped q|k|v launches (7B;
+  14B and 32B at M = 64); the fused SwiGLU launch of a 7B and a 32B gate|up pair at M = 64
+  (the split-K launch also against its XLA epilogue within 2^-7 of the largest |output|); and
+  the sampler at batch 64 with each schedule setting, equal token for token and log-prob for
   log-prob.
 - The grouped q|k|v launch: three weights' buffers stacked (group_permuted), the block-diagonal
   operand (group_lora_operand), each member's columns rescaled by its own 2^8 / tensor_scale,
