@@ -31,7 +31,8 @@ from qerl_jax.models.decode_fusion import (dequantize_for_rollout, dequantizes_a
 from qerl_jax.models.kv_cache import KVCache, init_kv_cache
 from qerl_jax.models.transformer import CausalLM, decode_step, prefill
 from qerl_jax.parallel.distributed import put_global
-from qerl_jax.parallel.mesh import BATCH_AXES, batch_spec, constrain_logical, constrain_rows
+from qerl_jax.parallel.mesh import (BATCH_AXES, batch_spec, constrain_logical, constrain_rows,
+                                     path_names)
 
 logger = logging.getLogger(__name__)
 
@@ -439,8 +440,7 @@ def _embedding_rows(states) -> int | None:
     """Rows of the model's token embedding table among `states` (nnx states or their abstract
     values), or None where there is none."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(states)[0]:
-        names = [str(getattr(entry, "key", getattr(entry, "name", ""))) for entry in path]
-        if "embed_tokens" in names and len(getattr(leaf, "shape", ())) == 2:
+        if "embed_tokens" in path_names(path) and len(getattr(leaf, "shape", ())) == 2:
             return int(leaf.shape[0])
     return None
 

@@ -515,9 +515,9 @@ def test_prompt_ids_outside_the_vocabulary_are_named(tiny):
     padding[1, 0] = vocab  # a padding position is embedded too
     with pytest.raises(ValueError, match=r"at row 1, column 0 "):
         generate(ours, padding, mask, jax.random.key(0), config)
+    on_device = tokens.copy()
+    on_device[0, 1] = vocab
     with pytest.raises(ValueError, match=rf"id {vocab} at row 0, column 1 "):
-        bad = tokens.copy()
-        bad[0, 1] = vocab
-        generate(ours, jnp.asarray(bad), jnp.asarray(mask), jax.random.key(0), config)
+        generate(ours, jnp.asarray(on_device), jnp.asarray(mask), jax.random.key(0), config)
     rollout = generate(ours, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0), config)
     assert np.isfinite(np.asarray(rollout.logprobs)).all()

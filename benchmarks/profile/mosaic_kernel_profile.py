@@ -10,8 +10,9 @@ against the Mosaic kernel on the three weights stacked with a block-diagonal ran
 of its gate/up pair as the sampler makes it (LoRA r32 on each half: a 64-wide operand; the
 next layer's LoRA product), on the Mosaic path at each --schedules entry with the SwiGLU in the
 kernel's epilogue and in XLA (KernelOptions.mosaic_swiglu_epilogue_max_m), against Triton's
-fused kernel (unless --mosaic-only): compared (within 2^-7 of the largest output) and timed. The kernel's correctness checks are tests (tests/pallas_kernels/
-test_mgpu_nvfp4_gpu.py, pytest -m gpu).
+fused kernel (unless --mosaic-only): compared (within 2^-7 of the largest output) and timed.
+The kernel's correctness checks are tests (tests/pallas_kernels/test_mgpu_nvfp4_gpu.py,
+pytest -m gpu).
 
     python benchmarks/profile/mosaic_kernel_profile.py --profile --sizes 14b,32b --out $OUT
 """
@@ -217,9 +218,9 @@ def swiglu_rows(key, size: str, m: int, repeats: int, profile: bool, triton: boo
     product (TritonDecodeBackend.apply_swiglu, as the sampler calls it, LoRA operands made
     ahead): the Mosaic GPU path at each kernel schedule, with the SwiGLU and each row tile's
     share of the next-LoRA product in the kernel's epilogue (mgpu_nvfp4.SwigluEpilogue) and
-    with both in XLA, against Triton's fused kernel. Check: equal within 2^-7 of the largest |output| (bf16
-    outputs summed in different orders; against the first Mosaic schedule with triton=False);
-    with profile, device time per call (all events, weights from HBM)."""
+    with both in XLA, against Triton's fused kernel. Check: equal within 2^-7 of the largest
+    |output| (bf16 outputs summed in different orders; against the first Mosaic launch with
+    triton=False); with profile, device time per call (all events, weights from HBM)."""
     import jax
     import jax.numpy as jnp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -122,7 +122,9 @@ def logical_spec(logical: Sequence[str | None], shapes: Sequence[Sequence[int]],
     return PartitionSpec(*spec)
 
 
-def _path_names(path) -> list[str]:
+def path_names(path) -> list[str]:
+    """The names along a pytree path (dict keys, attribute names, sequence indices), as
+    strings."""
     names = []
     for entry in path:
         for attribute in ("key", "name", "idx"):
@@ -174,7 +176,7 @@ def tree_specs(tree: Any, axis_sizes: Mapping[str, int]) -> Any:
     structure; QuantizedWeights get a spec per array: the shared one for 2-D arrays, P() for
     scalars and 1-D scales)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _leaf_spec(_path_names(path), leaf, axis_sizes), tree,
+        lambda path, leaf: _leaf_spec(path_names(path), leaf, axis_sizes), tree,
         is_leaf=_is_quantized)
 
 

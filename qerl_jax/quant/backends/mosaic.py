@@ -307,10 +307,11 @@ def swiglu_refusal(x, gate, lora_x_a, lora_bs) -> str | None:
 
 
 def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
-                 prefetch_tiles: int, schedule: str = "auto", epilogue_max_m: int = 16):
+                 prefetch_tiles: int, schedule: str, epilogue_max_m: int):
     """silu(gate) * up [M, N] bf16 of a pair in one launch over its permuted buffer, the SwiGLU
     (and with next_lora_a its product with it) in the kernel's epilogue up to epilogue_max_m
-    rows, else in XLA from the launch's output (mgpu_nvfp4_swiglu's `fused`)."""
+    rows, else in XLA from the launch's output (mgpu_nvfp4_swiglu's `fused`). schedule,
+    epilogue_max_m: KernelOptions' mosaic_schedule and mosaic_swiglu_epilogue_max_m."""
     gate, up = weights
     half_block = gate.pair_view[0]
     lora = {}
