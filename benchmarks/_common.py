@@ -331,7 +331,7 @@ def device_info() -> dict:
     import flax
     import jax
 
-    from qerl_jax.metrics import git_revision
+    from qerl_jax.infra.metrics import git_revision
     return {"device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
             "jax": jax.__version__, "flax": flax.__version__, "git": git_revision(),
             "memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}

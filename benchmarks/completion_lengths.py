@@ -94,7 +94,7 @@ def main(argv=None):
     result = measure(args)
     result.update(date=datetime.date.today().isoformat(), device=str(jax.devices()[0]),
                   jax=jax.__version__)
-    from qerl_jax.metrics import git_revision
+    from qerl_jax.infra.metrics import git_revision
     result["commit"] = git_revision()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "lengths.json"), "w") as handle:

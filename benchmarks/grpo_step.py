@@ -207,7 +207,7 @@ def worker_main(args) -> None:
                 args.mosaic_swiglu_epilogue_max_m)
         config.quant.kernels.decode_attention = not args.no_decode_attention
         if args.compilation_cache:
-            from qerl_jax.compilation_cache import cache_entries
+            from qerl_jax.infra.compilation_cache import cache_entries
             entries = cache_entries(args.compilation_cache)
             row["compilation_cache"] = f"warm ({entries} files)" if entries else "cold"
             config.compilation_cache_dir = args.compilation_cache

@@ -145,7 +145,7 @@ def table(result: dict) -> str:
 def main(argv=None):
     args = parse_args(argv)
     result = measure(args)
-    from qerl_jax.metrics import git_revision
+    from qerl_jax.infra.metrics import git_revision
 
     commit = git_revision()
     result.update(date=datetime.date.today().isoformat(), jax=jax.__version__,

@@ -1,4 +1,4 @@
-"""How long qerl_jax.device_offload takes to hold weights in host memory and put them back.
+"""How long qerl_jax.infra.device_offload takes to hold weights in host memory and put them back.
 
 The trainer offloads its frozen weights while each sampler program compiles
 (config.rollout.offload_weights_for_compile). This measures, per total size and method
@@ -41,7 +41,7 @@ def measure(size_gib: float, method: str, array_mib: float) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from qerl_jax.device_offload import offload_to_host, restore_to_device
+    from qerl_jax.infra.device_offload import offload_to_host, restore_to_device
 
     count = max(1, round(size_gib * 1024 / array_mib))
     elements = int(array_mib * 2**20 / 2)

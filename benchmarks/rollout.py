@@ -74,10 +74,10 @@ def parse_args(argv=None):
                              "deterministic)")
     parser.add_argument("--compilation-cache", default="",
                         help="JAX's persistent compilation cache directory "
-                             "(qerl_jax.compilation_cache): a warm cache loads the sampler "
+                             "(qerl_jax.infra.compilation_cache): a warm cache loads the sampler "
                              "program instead of compiling it")
     parser.add_argument("--autotune-results", default="",
-                        help="XLA's GPU autotuning results file (qerl_jax.xla_autotuning: "
+                        help="XLA's GPU autotuning results file (qerl_jax.infra.xla_autotuning: "
                              "loaded if present, rewritten after each compile): every process "
                              "then picks the same kernels and samples the same tokens")
     parser.add_argument("--tile-k", type=int, default=None,
@@ -135,7 +135,7 @@ def worker_main(args) -> None:
     import gc
     import logging
 
-    from qerl_jax.xla_autotuning import persist_autotuning
+    from qerl_jax.infra.xla_autotuning import persist_autotuning
     # before the first JAX computation of the process: XLA reads its flags when it starts
     persist_autotuning(args.autotune_results, field="--autotune-results")
 
@@ -144,7 +144,7 @@ def worker_main(args) -> None:
     import numpy as np
 
     from qerl_jax import sampling
-    from qerl_jax.compilation_cache import cache_entries, enable_compilation_cache
+    from qerl_jax.infra.compilation_cache import cache_entries, enable_compilation_cache
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     size, format_name = args.size, args.format

@@ -49,20 +49,18 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from qerl_jax.run_record import read_starts
+from experiments.ablation_plots import FORMAT_COLORS, PASS_AT_1, plot_format_curves
+from qerl_jax.infra.run_record import read_starts
 
 # The study's formats in table order; FORMATS (the first five) is the script's default set.
 FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4", "nvfp4+aqn")
 KNOWN_FORMATS = FORMATS + ("nvfp4+aqn+tis",)
 QUANTIZED_FORMATS = ("nf4", "mxfp4", "nvfp4", "nvfp4+aqn", "nvfp4+aqn+tis")
-FORMAT_COLORS = {"bf16": "#444444", "nf4": "#1f77b4", "mxfp4": "#2ca02c", "nvfp4": "#ff7f0e",
-                 "nvfp4+aqn": "#d62728", "nvfp4+aqn+tis": "#9467bd"}
 # The truncation cap of nvfp4+aqn+tis when the config sets none (TRL's and verl's default).
 TIS_CAP = 2.0
 CONFIDENCE = 0.95
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
-PASS_AT_1 = "eval/pass@1"
 ROLLOUT_KL = "rollout/kl"
 
 
@@ -151,7 +149,7 @@ def read_jsonl(path: str) -> list[dict]:
 def load_run(path: str) -> Run:
     """Reads one run directory (metrics.jsonl + run.json); a torn last line (a run being
     written) is left out."""
-    from qerl_jax.metrics import read_metrics
+    from qerl_jax.infra.metrics import read_metrics
 
     meta = read_starts(path)[-1]   # run.json keeps every start; the last one's config rules
     rows = sorted(read_metrics(path), key=lambda row: row["step"])
@@ -579,8 +577,6 @@ def analyze(roots: str | Sequence[str], out_dir: str, early_fraction: float = 0.
                              growth_late_fraction)
     files = write_summary(summary, out_dir)
     complete = [run for run in runs if run.complete] or runs
-    from experiments.ablation_plots import plot_format_curves
-
     files["plots"] = plot_format_curves(complete, out_dir, smooth)
     summary["files"] = files
     summary["markdown"] = summary_markdown(summary)

@@ -1,5 +1,6 @@
 """The format ablation's curves: a line per format (mean over seeds) with a +-1 std band, one
-figure per metric, as a palette PNG and an SVG (experiments/ablation_analysis.py loads the runs).
+figure per metric, as a palette PNG and an SVG (experiments/ablation_analysis.py loads the runs and calls it;
+this module never imports it).
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.ablation_analysis import FORMAT_COLORS, PASS_AT_1, Run
+# one color per study arm; curves of other arms take matplotlib's cycle
+FORMAT_COLORS = {"bf16": "#444444", "nf4": "#1f77b4", "mxfp4": "#2ca02c", "nvfp4": "#ff7f0e",
+                 "nvfp4+aqn": "#d62728", "nvfp4+aqn+tis": "#9467bd"}
+PASS_AT_1 = "eval/pass@1"
 
 CURVE_KEYS = ("entropy", "reward", "accuracy")
 CURVE_LABELS = {PASS_AT_1: "held-out pass@1 (greedy)"}
 
 
-def seed_band(runs: Sequence[Run], key: str, smooth: int = 1):
+def seed_band(runs: Sequence["ablation_analysis.Run"], key: str, smooth: int = 1):
     """(steps, mean, std) over the steps every run logged `key` at; std 0 with one run;
     empty arrays when the runs share no such step.
 
@@ -55,7 +59,7 @@ def _save_png(figure, path: str, dpi: int) -> None:
         image.convert("RGB").quantize(256).save(path, optimize=True)
 
 
-def plot_format_curves(runs: Sequence[Run], out_dir: str, smooth: int = 1,
+def plot_format_curves(runs: Sequence["ablation_analysis.Run"], out_dir: str, smooth: int = 1,
                        keys: Sequence[str] | None = None) -> list[str]:
     """One figure per metric: a line per format (mean over seeds) with a +-1 std band.
 

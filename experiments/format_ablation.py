@@ -53,7 +53,7 @@ from experiments.ablation_analysis import (
     format_directory_name,
     format_overrides,
 )
-from qerl_jax.atomic_io import write_json_atomic
+from qerl_jax.infra.atomic_io import write_json_atomic
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join("configs", "tiny.py")

@@ -19,9 +19,9 @@ import sys
 
 import numpy as np
 
-from qerl_jax.atomic_io import write_json_atomic
-from qerl_jax.metrics import read_metrics
-from qerl_jax.run_record import read_starts
+from qerl_jax.infra.atomic_io import write_json_atomic
+from qerl_jax.infra.metrics import read_metrics
+from qerl_jax.infra.run_record import read_starts
 
 REFERENCE_DIRECTORY = os.path.join(os.path.dirname(__file__), "results", "main_job")
 METRICS_FILE = os.path.join(REFERENCE_DIRECTORY, "metrics.jsonl")

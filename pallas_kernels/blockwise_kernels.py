@@ -70,11 +70,11 @@ def matmul_kernel(x_ref, codes_ref, scales_ref, ts_ref, *rest, poisoned: bool,
 def grouped_matmul_kernel(x_ref, *refs, members: tuple[tuple[int, int, int], ...],
                            lora_scales: tuple[float, ...] | None,
                            lora_columns: tuple[int, ...] | None, poisoned: bool, **static):
-    """Several weights sharing x in one launch. refs: [the LoRA down [M, R] of all members,]
+    """Several weights sharing x in one launch. refs: [the LoRA x @ A [M, R] of all members,]
     per member (codes, scales, tensor scale[, lora_b]), then the aux refs, [one poison per
     member,] one output per member. members[i] = (n_i, first N-tile program of member i, its N
     tiles): the programs of the N grid axis are dealt out to the members in order, each running
-    the single-weight program; member i's LoRA down is columns [lora_columns[i], + r_i)."""
+    the single-weight program; member i's LoRA x @ A is columns [lora_columns[i], + r_i)."""
     count = len(members)
     shared_down = None
     if lora_scales is not None:
@@ -403,15 +403,15 @@ MIN_LORA_RANK = 16
 
 
 
-def lora_epilogue_inputs(lora_down, lora_b, lead, n):
+def lora_epilogue_inputs(lora_x_a, lora_b, lead, n):
     """(down [M, r'] bf16, B [r', N] bf16), r' = r zero-padded to a power of two >= 16 (Pallas
     blocks are powers of two; tl.dot needs >= 16 along the contraction)."""
-    rank = lora_down.shape[-1]
-    if lora_b is None or lora_b.shape != (rank, n) or lora_down.shape[:-1] != tuple(lead):
-        raise ValueError(f"LoRA epilogue: lora_down {lora_down.shape} and lora_b "
+    rank = lora_x_a.shape[-1]
+    if lora_b is None or lora_b.shape != (rank, n) or lora_x_a.shape[:-1] != tuple(lead):
+        raise ValueError(f"LoRA epilogue: lora_x_a {lora_x_a.shape} and lora_b "
                          f"{None if lora_b is None else lora_b.shape} must be "
                          f"[..., r] with x's leading dims {tuple(lead)} and [r, N={n}]")
-    down2 = lora_down.reshape(-1, rank).astype(jnp.bfloat16)
+    down2 = lora_x_a.reshape(-1, rank).astype(jnp.bfloat16)
     lora_b = lora_b.astype(jnp.bfloat16)
     padded_rank = max(MIN_LORA_RANK, next_pow2(rank))
     if padded_rank > rank:
@@ -425,8 +425,8 @@ def kernel_rank(rank: int) -> int:
     return max(MIN_LORA_RANK, next_pow2(rank))
 
 
-def pad_lora_down(down: jax.Array, ranks) -> jax.Array:
-    """LoRA down products side by side [M, sum r_i] -> [M, sum r_i'], each zero-padded to a
+def pad_lora_x_a(down: jax.Array, ranks) -> jax.Array:
+    """LoRA x @ A products side by side [M, sum r_i] -> [M, sum r_i'], each zero-padded to a
     kernel rank r_i' (a power of two >= 16); the same array when every r_i already is one."""
     if all(kernel_rank(r) == r for r in ranks):
         return down

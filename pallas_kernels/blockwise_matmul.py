@@ -37,7 +37,7 @@ from pallas_kernels.blockwise_configs import (DecodeTuning, DequantizeConfig, Ma
 from pallas_kernels.blockwise_kernels import (check_packed, check_row_tile, compiler_params,
                                               dequantize_kernel, grouped_matmul_kernel,
                                               kernel_rank, launch, lora_epilogue_inputs,
-                                              matmul_kernel, pad_lora_down, resolve_decoder,
+                                              matmul_kernel, pad_lora_x_a, resolve_decoder,
                                               transposed_kernel)
 from pallas_kernels.blockwise_layout import (N_MULTIPLE, TILE_ROWS, FormatSpec, PackedWeight,
                                              cdiv, expand_block_scale, from_plane_layout,
@@ -57,27 +57,27 @@ __all__ = [
     "check_group", "default_group_matmul_config", "default_matmul_config",
     "default_transposed_config", "expand_block_scale", "from_plane_layout", "interleave_gate_up",
     "interleave_lora_b", "interleave_rows", "interleave_tile_major_arrays", "next_pow2",
-    "pad_lora_down", "pad_scales", "padded_sizes", "pair_row", "pair_view_of", "parse_tuning",
+    "pad_lora_x_a", "pad_scales", "padded_sizes", "pair_row", "pair_view_of", "parse_tuning",
     "row_major", "row_major_arrays", "tile_columns", "tile_major", "tile_major_arrays",
     "tile_row", "tile_views", "to_plane_layout", "valid_split",
 ]
 
 def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
                      config: MatmulConfig | None = None, interpret: bool = False,
-                     poison_output: bool = False, lora_down: jax.Array | None = None,
+                     poison_output: bool = False, lora_x_a: jax.Array | None = None,
                      lora_b: jax.Array | None = None, lora_scale: float = 0.0) -> jax.Array:
-    """y [..., N] bf16 = x [..., K] @ W^T (+ lora_scale * lora_down @ lora_b) for a packed
+    """y [..., N] bf16 = x [..., K] @ W^T (+ lora_scale * lora_x_a @ lora_b) for a packed
     4-bit W [N, K].
 
     config None picks default_matmul_config(M, packed) (outside the jit).
-    lora_down [..., r] (= x @ A, rounded to bf16) and lora_b [r, N]: an unmerged LoRA
+    lora_x_a [..., r] (= x @ A, rounded to bf16) and lora_b [r, N]: an unmerged LoRA
     adapter's second product, added in the fused kernel's f32 epilogue (one kernel instead of
     the matmul, the B dot and the add), or after the XLA dot on the dequantize path.
     """
     if config is None:
         config = default_matmul_config(math.prod(x.shape[:-1]), packed)
     return _blockwise_matmul(x, packed, spec=spec, config=config, interpret=interpret,
-                             poison_output=poison_output, lora_down=lora_down, lora_b=lora_b,
+                             poison_output=poison_output, lora_x_a=lora_x_a, lora_b=lora_b,
                              lora_scale=lora_scale)
 
 
@@ -85,7 +85,7 @@ def blockwise_matmul(x: jax.Array, packed: PackedWeight, *, spec: FormatSpec,
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
                                              "lora_scale"))
 def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: MatmulConfig,
-                      interpret: bool, poison_output: bool, lora_down, lora_b,
+                      interpret: bool, poison_output: bool, lora_x_a, lora_b,
                       lora_scale: float) -> jax.Array:
     check_packed(packed, spec)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -93,9 +93,9 @@ def _blockwise_matmul(x, packed: PackedWeight, *, spec: FormatSpec, config: Matm
         raise ValueError(f"x has K={k}, weight has K={packed.k}")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    has_lora = lora_down is not None
+    has_lora = lora_x_a is not None
     if has_lora:
-        down2, lora_b = lora_epilogue_inputs(lora_down, lora_b, lead, packed.n)
+        down2, lora_b = lora_epilogue_inputs(lora_x_a, lora_b, lead, packed.n)
     if config.path == "dequantize":
         w = blockwise_dequantize(packed, spec=spec, config=DequantizeConfig(),
                                  interpret=interpret, poison_output=poison_output)
@@ -171,7 +171,7 @@ def check_group(packed: tuple[PackedWeight, ...], spec: FormatSpec) -> None:
 
 def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, spec: FormatSpec,
                            config: MatmulConfig | None = None, interpret: bool = False,
-                           poison_output: bool = False, lora_down: jax.Array | None = None,
+                           poison_output: bool = False, lora_x_a: jax.Array | None = None,
                            lora_bs=None,
                            lora_scales: tuple[float, ...] | None = None) -> tuple[jax.Array, ...]:
     """(x @ W_i^T (+ lora_scales[i] * down_i @ lora_bs[i]))_i, bf16 [..., N_i], for weights
@@ -180,7 +180,7 @@ def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, sp
     weight under the same config. Saves a launch and its fill/drain per extra weight, and lets
     small weights (k/v) share the GPU with a large one, without concatenating the weights.
 
-    LoRA (all weights or none): lora_down [..., R] = x @ [A_0 | A_1 | ...], the members' down
+    LoRA (all weights or none): lora_x_a [..., R] = x @ [A_0 | A_1 | ...], the members' down
     products side by side (one dot for the group), member i's at columns [sum_{j<i} r_j, + r_i)
     with r_i = lora_bs[i].shape[0]; lora_bs[i] [r_i, N_i]. config None picks
     default_group_matmul_config (decided outside the jit). The "dequantize" path runs the
@@ -189,18 +189,18 @@ def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, sp
     packed = tuple(packed)
     if config is None:
         config = default_group_matmul_config(math.prod(x.shape[:-1]), packed)
-    if lora_down is not None:
+    if lora_x_a is not None:
         lora_bs = tuple(lora_bs)
         lora_scales = tuple(float(s) for s in lora_scales)
         if not len(lora_bs) == len(lora_scales) == len(packed):
             raise ValueError(f"grouped matmul: {len(packed)} weights but {len(lora_bs)} LoRA B "
                              f"matrices and {len(lora_scales)} scales")
         ranks = sum(b.shape[0] for b in lora_bs)
-        if lora_down.shape[-1] != ranks:
-            raise ValueError(f"grouped matmul: lora_down has {lora_down.shape[-1]} columns; the "
+        if lora_x_a.shape[-1] != ranks:
+            raise ValueError(f"grouped matmul: lora_x_a has {lora_x_a.shape[-1]} columns; the "
                              f"B matrices' ranks sum to {ranks}")
     return _blockwise_matmul_group(x, packed, spec=spec, config=config, interpret=interpret,
-                                   poison_output=poison_output, lora_down=lora_down,
+                                   poison_output=poison_output, lora_x_a=lora_x_a,
                                    lora_bs=lora_bs, lora_scales=lora_scales)
 
 
@@ -208,17 +208,17 @@ def blockwise_matmul_group(x: jax.Array, packed: tuple[PackedWeight, ...], *, sp
 @functools.partial(jax.jit, static_argnames=("spec", "config", "interpret", "poison_output",
                                              "lora_scales"))
 def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig,
-                            interpret: bool, poison_output: bool, lora_down, lora_bs,
+                            interpret: bool, poison_output: bool, lora_x_a, lora_bs,
                             lora_scales) -> tuple[jax.Array, ...]:
     check_group(packed, spec)
-    has_lora = lora_down is not None
+    has_lora = lora_x_a is not None
     lead, k = x.shape[:-1], x.shape[-1]
     ranks = [b.shape[0] for b in lora_bs] if has_lora else []
     starts = [sum(ranks[:i]) for i in range(len(ranks))]
     if config.path == "dequantize":
         return tuple(_blockwise_matmul(
             x, p, spec=spec, config=config, interpret=interpret, poison_output=poison_output,
-            lora_down=lora_down[..., starts[i]:starts[i] + ranks[i]] if has_lora else None,
+            lora_x_a=lora_x_a[..., starts[i]:starts[i] + ranks[i]] if has_lora else None,
             lora_b=lora_bs[i] if has_lora else None,
             lora_scale=lora_scales[i] if has_lora else 0.0) for i, p in enumerate(packed))
     if config.path != "fused":
@@ -238,9 +238,9 @@ def _blockwise_matmul_group(x, packed, *, spec: FormatSpec, config: MatmulConfig
         raise ValueError("grouped matmul: group_dots is not supported")
     shared, columns = [], None
     if has_lora:
-        down2 = lora_down.reshape(m, -1).astype(jnp.bfloat16)
+        down2 = lora_x_a.reshape(m, -1).astype(jnp.bfloat16)
         bs = [b.astype(jnp.bfloat16) for b in lora_bs]
-        down2 = pad_lora_down(down2, ranks)  # each member zero-padded to a kernel rank
+        down2 = pad_lora_x_a(down2, ranks)  # each member zero-padded to a kernel rank
         if any(kernel_rank(r) != r for r in ranks):
             bs = [jnp.pad(b, ((0, kernel_rank(r) - r), (0, 0))) for b, r in zip(bs, ranks)]
         kernel_ranks = [kernel_rank(r) for r in ranks]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.blockwise_configs import DecodeTuning, MatmulConfig, default_matmul_config
 from pallas_kernels.blockwise_kernels import (check_packed, check_row_tile, compiler_params,
-                                              kernel_rank, launch, pad_lora_down,
+                                              kernel_rank, launch, pad_lora_x_a,
                                               resolve_decoder, swiglu_matmul_kernel)
 from pallas_kernels.blockwise_layout import (FormatSpec, PackedWeight, cdiv, row_major_arrays,
                                              tile_major_arrays, tile_views)
@@ -94,7 +94,7 @@ def interleave_lora_b(gate_b: jax.Array, up_b: jax.Array, n_pad: int,
 def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: FormatSpec,
                             out_n: int, half_block: int, config: MatmulConfig | None = None,
                             interpret: bool = False, poison_output: bool = False,
-                            lora_down: jax.Array | None = None,
+                            lora_x_a: jax.Array | None = None,
                             lora_ranks: tuple[int, int] | None = None,
                             lora_b: jax.Array | None = None,
                             lora_scale: float = 0.0,
@@ -105,7 +105,7 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     weight (made with `half_block`) in ONE single-weight launch (one dot per K step over
     block_n = 2 * half_block rows: half_block of gate and of up) whose epilogue splits the tile
     and applies the SwiGLU. config None: default_matmul_config (with `tuning`) with that block_n (it must be
-    fused with one split; None gives one). LoRA: lora_down [..., r_g + r_u] = x @ [A_gate |
+    fused with one split; None gives one). LoRA: lora_x_a [..., r_g + r_u] = x @ [A_gate |
     A_up], lora_ranks = (r_g, r_u), lora_b = interleave_lora_b(B_gate, B_up, ...), lora_scale
     (the same for both). tensor_scales: (gate's divisor [1], up's [1]) as two kernel inputs,
     in place of gate_up.tensor_scale [2] (which may then be None): a caller inside a decode
@@ -130,13 +130,13 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
     if config.block_n != 2 * half_block:
         raise ValueError(f"fused SwiGLU: block_n {config.block_n} must be 2 * half_block "
                          f"{half_block} (the interleave's row blocks)")
-    if lora_down is not None:
-        if lora_ranks is None or len(lora_ranks) != 2 or lora_down.shape[-1] != sum(lora_ranks):
-            raise ValueError(f"fused SwiGLU: lora_down {lora_down.shape} needs lora_ranks "
+    if lora_x_a is not None:
+        if lora_ranks is None or len(lora_ranks) != 2 or lora_x_a.shape[-1] != sum(lora_ranks):
+            raise ValueError(f"fused SwiGLU: lora_x_a {lora_x_a.shape} needs lora_ranks "
                              f"(r_gate, r_up) summing to its last dim, got {lora_ranks}")
-        lead = lora_down.shape[:-1]
-        lora_down = pad_lora_down(lora_down.reshape(-1, lora_down.shape[-1]), lora_ranks)
-        lora_down = lora_down.reshape(*lead, lora_down.shape[-1])
+        lead = lora_x_a.shape[:-1]
+        lora_x_a = pad_lora_x_a(lora_x_a.reshape(-1, lora_x_a.shape[-1]), lora_ranks)
+        lora_x_a = lora_x_a.reshape(*lead, lora_x_a.shape[-1])
     if tensor_scales is None:
         if gate_up.tensor_scale is None or gate_up.tensor_scale.shape != (2,):
             raise ValueError(f"fused SwiGLU: the pair's tensor_scale must be [2] (gate's, "
@@ -150,7 +150,7 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
                          f"{out_n}, r]")
     return _blockwise_matmul_swiglu(x, gate_up, tuple(tensor_scales), spec=spec, out_n=out_n,
                                     config=config, interpret=interpret,
-                                    poison_output=poison_output, lora_down=lora_down,
+                                    poison_output=poison_output, lora_x_a=lora_x_a,
                                     lora_b=lora_b, lora_scale=float(lora_scale),
                                     next_lora_a=next_lora_a)
 
@@ -158,7 +158,7 @@ def blockwise_matmul_swiglu(x: jax.Array, gate_up: PackedWeight, *, spec: Format
 @functools.partial(jax.jit, static_argnames=("spec", "out_n", "config", "interpret",
                                              "poison_output", "lora_scale"))
 def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, interpret,
-                             poison_output, lora_down, lora_b, lora_scale, next_lora_a):
+                             poison_output, lora_x_a, lora_b, lora_scale, next_lora_a):
     check_packed(packed, spec)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -169,13 +169,13 @@ def _blockwise_matmul_swiglu(x, packed, tensor_scales, *, spec, out_n, config, i
         raise ValueError(f"fused SwiGLU: config {config} does not tile the interleaved pair "
                          f"[{packed.n}, {packed.k}]")
     check_row_tile(packed, bn)
-    has_lora = lora_down is not None
+    has_lora = lora_x_a is not None
     extra = ()
     if has_lora:
-        if lora_b.shape != (lora_down.shape[-1], packed.n):
-            raise ValueError(f"fused SwiGLU: lora_down {lora_down.shape} and lora_b "
+        if lora_b.shape != (lora_x_a.shape[-1], packed.n):
+            raise ValueError(f"fused SwiGLU: lora_x_a {lora_x_a.shape} and lora_b "
                              f"{lora_b.shape} must be [..., R] and [R, {packed.n}]")
-        extra = (lora_down.reshape(m, -1).astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
+        extra = (lora_x_a.reshape(m, -1).astype(jnp.bfloat16), lora_b.astype(jnp.bfloat16))
     out_shape = jax.ShapeDtypeStruct((m, out_n), jnp.bfloat16)
     with_shares = next_lora_a is not None
     if with_shares:

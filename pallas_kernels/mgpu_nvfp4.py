@@ -194,26 +194,26 @@ def _swizzled(cols: int):
 
 
 def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
-                      k: int, splits: int | None = None, lora_down: jax.Array | None = None,
+                      k: int, splits: int | None = None, lora_x_a: jax.Array | None = None,
                       lora_b: jax.Array | None = None, lora_scale=None,
                       lora_bt: jax.Array | None = None, stages: int | None = None,
                       l2_prefetch: L2Prefetch | None = None,
                       schedule: str = "auto") -> jax.Array:
-    """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_down @ lora_b).
+    """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_x_a @ lora_b).
 
     x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
-    lora_down [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
+    lora_x_a [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
     LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
     splits: split-K programs per row tile (launch_splits); stages, schedule: matmul_unscaled's.
     GPU only (Mosaic GPU)."""
-    if lora_down is not None and lora_bt is None:
-        if lora_b is None or lora_b.shape != (lora_down.shape[-1], n):
-            raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, B "
+    if lora_x_a is not None and lora_bt is None:
+        if lora_b is None or lora_b.shape != (lora_x_a.shape[-1], n):
+            raise ValueError(f"mgpu_nvfp4_matmul: lora_x_a {lora_x_a.shape}, B "
                              f"{None if lora_b is None else lora_b.shape}; expected B "
-                             f"[{lora_down.shape[-1]}, {n}] (or lora_bt)")
+                             f"[{lora_x_a.shape[-1]}, {n}] (or lora_bt)")
         lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
                                n_pad=padded_rows(permuted, k))
-    y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=lora_down,
+    y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_x_a=lora_x_a,
                         lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch,
                         schedule=schedule)
     return y[:, :n] * (2.0 ** -SCALED_EXPONENT
@@ -453,12 +453,12 @@ def _launch(body, out_type, grid, grid_names, m_pad, rank, swiglu: bool = False)
 
 
 def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
-                    splits: int | None = None, lora_down: jax.Array | None = None,
+                    splits: int | None = None, lora_x_a: jax.Array | None = None,
                     lora_bt: jax.Array | None = None, stages: int | None = None,
                     l2_prefetch: L2Prefetch | None = None,
                     swiglu: SwigluEpilogue | None = None, schedule: str = "auto"):
     """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
-    (+ lora_down @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
+    (+ lora_x_a @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
     adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
     permuted buffer past n are whatever it holds (zeros for permute_packed's padding). Grid
     (row tiles, splits): the split-K schedule of the module docstring. l2_prefetch: another
@@ -478,15 +478,15 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     if permuted.shape != (row_tiles * k_tiles * TILE_LINES, 128) or n_pad < n:
         raise ValueError(f"mgpu_nvfp4_matmul: permuted {permuted.shape} is not a [{n}, {k}] "
                          "weight's permuted layout")
-    with_lora = lora_down is not None
+    with_lora = lora_x_a is not None
     if with_lora:
-        rank = lora_down.shape[1]
-        if (lora_down.shape != (m, rank) or not operand_rank_ok(rank) or lora_bt is None
+        rank = lora_x_a.shape[1]
+        if (lora_x_a.shape != (m, rank) or not operand_rank_ok(rank) or lora_bt is None
                 or lora_bt.shape != (n_pad, rank)):
-            raise ValueError(f"mgpu_nvfp4_matmul: LoRA down {lora_down.shape}, operand "
+            raise ValueError(f"mgpu_nvfp4_matmul: lora_x_a {lora_x_a.shape}, operand "
                              f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
                              f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    rank = lora_down.shape[1] if with_lora else None
+    rank = lora_x_a.shape[1] if with_lora else None
     schedule = launch_schedule(m, row_tiles, schedule, rank)
     warp_specialized = schedule == "warp_specialized"
     if stages is None:
@@ -508,7 +508,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     # K padded to whole tiles: no copy of x at all for M % 8 == 0 and K % 256 == 0 (the model's
     # shapes). With uneven splits a program with one tile fewer than `steps` reloads its last
     # tiles in its last step and skips that step's product.
-    x_pad, lora_x = _padded_inputs(x, lora_down, m_pad, k_tiles * TILE_K)
+    x_pad, lora_x = _padded_inputs(x, lora_x_a, m_pad, k_tiles * TILE_K)
     inputs = [x_pad, permuted]
     plan = None  # the prefetch plan's static part (arrays as shapes): part of the kernel's key
     if l2_prefetch is not None:  # the body takes it right after the permuted buffer
@@ -715,16 +715,16 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
     return jax.jit(launch)
 
 
-def _padded_inputs(x, lora_down, m_pad, k_pad):
-    """x (and lora_down) in bf16, zero-padded to m_pad rows and k_pad columns where needed (no
+def _padded_inputs(x, lora_x_a, m_pad, k_pad):
+    """x (and lora_x_a) in bf16, zero-padded to m_pad rows and k_pad columns where needed (no
     copy at the model's shapes)."""
     m, k = x.shape
     x_pad = x.astype(jnp.bfloat16)
     if (m_pad, k_pad) != (m, k):
         x_pad = jnp.pad(x_pad, ((0, m_pad - m), (0, k_pad - k)))
-    if lora_down is None:
+    if lora_x_a is None:
         return x_pad, None
-    lora_x = lora_down.astype(jnp.bfloat16)
+    lora_x = lora_x_a.astype(jnp.bfloat16)
     if m_pad != m:
         lora_x = jnp.pad(lora_x, ((0, m_pad - m), (0, 0)))
     return x_pad, lora_x
@@ -733,14 +733,14 @@ def _padded_inputs(x, lora_down, m_pad, k_pad):
 
 def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale: jax.Array,
                       up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
-                      lora_down: jax.Array | None = None, lora_bt: jax.Array | None = None,
+                      lora_x_a: jax.Array | None = None, lora_bt: jax.Array | None = None,
                       next_lora_a: jax.Array | None = None, splits: int | None = None,
                       l2_prefetch: L2Prefetch | None = None, fused: bool = True,
                       schedule: str = "auto"):
     """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
     half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
     each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue). lora_bt:
-    pair_lora_operand's, with lora_down = x @ [A_gate | A_up]. next_lora_a [out_n, r]: then
+    pair_lora_operand's, with lora_x_a = x @ [A_gate | A_up]. next_lora_a [out_n, r]: then
     also returns the float32 product of the bf16 output with it, as blockwise_matmul_swiglu's
     next_lora_a. With `fused` (and blocks of 32 rows, one split, r a multiple of 16) the
     kernel's epilogue computes the SwiGLU and each row tile's share of that product
@@ -753,7 +753,7 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
                          f"[{out_n}, {k}] halves in blocks of {half_block}")
     row_tiles = n_pad2 // TILE_ROWS
     resolved = (launch_splits(row_tiles, -(-k // TILE_K), m=m, schedule=schedule,
-                              rank=None if lora_down is None else lora_down.shape[1])
+                              rank=None if lora_x_a is None else lora_x_a.shape[1])
                 if splits is None else splits)
     if (fused and half_block == TILE_ROWS // 2 and resolved == 1
             and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):
@@ -761,12 +761,12 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
         if next_a is not None and next_a.shape[0] != n_pad2 // 2:
             next_a = jnp.pad(next_a, ((0, n_pad2 // 2 - next_a.shape[0]), (0, 0)))
         h, shares = matmul_unscaled(
-            x, permuted_pair, n=n_pad2, k=k, splits=1, lora_down=lora_down, lora_bt=lora_bt,
+            x, permuted_pair, n=n_pad2, k=k, splits=1, lora_x_a=lora_x_a, lora_bt=lora_bt,
             l2_prefetch=l2_prefetch, schedule=schedule,
             swiglu=SwigluEpilogue(gate_tensor_scale, up_tensor_scale, next_a))
         out = h[:, :out_n]
         return out if next_lora_a is None else (out, shares.sum(axis=0))
-    y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_down=lora_down,
+    y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_x_a=lora_x_a,
                         lora_bt=lora_bt, l2_prefetch=l2_prefetch, schedule=schedule)
     y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
     halves = []

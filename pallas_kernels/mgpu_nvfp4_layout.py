@@ -296,7 +296,7 @@ def group_lora_operand(lora_bs, tensor_scales, lora_scales, n_pads) -> jax.Array
     """The LoRA operand bf16 [sum n_pad_i, sum r_i] of weights stacked by rows in one permuted
     buffer (a grouped q|k|v launch, `group_permuted`): weight i's rows hold
     lora_operand(B_i, tensor_scale_i, lora_scale_i) in columns [r_0 + ... + r_{i-1}, + r_i),
-    zeros elsewhere (block diagonal), for lora_down = x @ [A_0 | A_1 | ...]."""
+    zeros elsewhere (block diagonal), for lora_x_a = x @ [A_0 | A_1 | ...]."""
     lora_bs, n_pads = tuple(lora_bs), tuple(n_pads)
     if not (len(lora_bs) == len(tuple(tensor_scales)) == len(tuple(lora_scales)) == len(n_pads)):
         raise ValueError("group_lora_operand: one B, tensor scale, LoRA scale and n_pad per "
@@ -388,7 +388,7 @@ def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax
     """The LoRA operand bf16 [2 n_pad, 2r] of a gate/up pair interleaved in blocks of
     half_block rows (kernel_layout.pair_gate_up): gate rows hold lora_operand(B_gate)'s
     rows in columns [0, r), up rows lora_operand(B_up)'s in [r, 2r), zeros elsewhere (block
-    diagonal), for lora_down = x @ [A_gate | A_up]; r in LORA_RANKS."""
+    diagonal), for lora_x_a = x @ [A_gate | A_up]; r in LORA_RANKS."""
     rank = gate_b.shape[0]
     if up_b.shape != gate_b.shape or rank not in LORA_RANKS or n_pad % half_block:
         raise ValueError(f"pair_lora_operand: B_gate {gate_b.shape}, B_up {up_b.shape}, "

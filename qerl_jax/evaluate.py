@@ -31,12 +31,12 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from qerl_jax.atomic_io import write_json_atomic
-from qerl_jax.checkpointing import TrainingCheckpoints
+from qerl_jax.infra.atomic_io import write_json_atomic
+from qerl_jax.infra.checkpointing import TrainingCheckpoints
 from qerl_jax.experiment_config import FORMATS
 from qerl_jax.data import encode_prompts, load_examples
 from qerl_jax.data.prompts import build_prompt_text
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
 from qerl_jax.model_setup import build_model
 from qerl_jax.models.config import preset
@@ -46,7 +46,7 @@ from qerl_jax.models.tokenizer import decode_completion, eos_token_ids, load_tok
 from qerl_jax.rewards.arithmetic import arithmetic_last_integer_reward, arithmetic_reward
 from qerl_jax.rewards.gsm8k import gsm8k_numeric_reward
 from qerl_jax.rewards.math_answers import math_accuracy_reward
-from qerl_jax.run_record import RUN_FILE, current_config
+from qerl_jax.infra.run_record import RUN_FILE, current_config
 from qerl_jax.sampling import Rollout, SamplingConfig, generate
 from qerl_jax.warmup import require_cached_warmup, warmup_settings
 

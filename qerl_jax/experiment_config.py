@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import ml_collections
 
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 
 # Choices, each equal to its source of truth (tests/test_config.py):
 FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")                  # quant.formats.known_formats()

@@ -13,7 +13,7 @@ import os
 import jax
 import ml_collections
 
-from qerl_jax.device_offload import compact_module
+from qerl_jax.infra.device_offload import compact_module
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.config import preset
 from qerl_jax.models.hf_io import load_hf_model

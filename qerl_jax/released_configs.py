@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.experiment_config import base_config
 
 RELEASED_SIZES = {"3b": "qwen2p5_3b", "7b": "qwen2p5_7b", "14b": "qwen2p5_14b",

@@ -25,7 +25,7 @@ from ml_collections import config_flags
 from qerl_jax.experiment_config import (FIELDS, MAPPING_FIELDS, base_config, config_leaves,
                                       suggest_field, validate_config)
 from qerl_jax.data.sources import load_eval_examples, load_training_examples
-from qerl_jax.errors import ConfigError, TrainingStopped
+from qerl_jax.infra.errors import ConfigError, TrainingStopped
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130

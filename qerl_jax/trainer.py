@@ -29,18 +29,18 @@ import numpy as np
 from flax import nnx
 
 from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
-from qerl_jax.checkpointing import TrainingCheckpoints, check_resume_meta
-from qerl_jax.compilation_cache import enable_compilation_cache
+from qerl_jax.infra.checkpointing import TrainingCheckpoints, check_resume_meta
+from qerl_jax.infra.compilation_cache import enable_compilation_cache
 from qerl_jax.experiment_config import validate_config
 from qerl_jax.data import PromptIterator, encode_prompts
 from qerl_jax.data.sources import load_eval_examples, load_training_examples
 from qerl_jax.data.prompts import build_prompt_text
-from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
+from qerl_jax.infra.device_offload import commit_to_devices, offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
-from qerl_jax.errors import TrainingStopped
+from qerl_jax.infra.errors import TrainingStopped
 from qerl_jax.evaluate import pass_at_1
-from qerl_jax.interrupts import Interrupted, StopSignals, logging_above_progress_bar
-from qerl_jax.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run_metadata
+from qerl_jax.infra.interrupts import Interrupted, StopSignals, logging_above_progress_bar
+from qerl_jax.infra.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run_metadata
 from qerl_jax.model_setup import build_model
 from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
 from qerl_jax.models.transformer import CausalLM
@@ -50,11 +50,11 @@ from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.plots import write_run_curves
 from qerl_jax.rl.optimizer import make_optimizer
 from qerl_jax.rl.train_step import make_train_programs, training_batch
-from qerl_jax.run_record import prepare_workdir, record_start
+from qerl_jax.infra.run_record import prepare_workdir, record_start
 from qerl_jax.rl.losses import (LossConfig)
 from qerl_jax.sampling import (SamplingConfig, compile_generate,
                                generate_from_states, padded_prompt_shape)
-from qerl_jax.xla_autotuning import persist_autotuning
+from qerl_jax.infra.xla_autotuning import persist_autotuning
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Trainer:
         """With rollout.offload_weights_for_compile: the sampler's executable for [P, T] prompts
         (`sampling`, default the rollouts'; `states`, a function returning the states it runs
         on, default _rollout_states), compiled on first use of their length bucket while the
-        frozen weights are held in host memory (qerl_jax.device_offload). Otherwise None:
+        frozen weights are held in host memory (qerl_jax.infra.device_offload). Otherwise None:
         generate_from_states' jitted program, which compiles with the weights on the device.
         Same program, same numbers."""
         if not self.offload_weights_for_compile:

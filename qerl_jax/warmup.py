@@ -18,9 +18,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from qerl_jax.atomic_io import write_json_atomic
+from qerl_jax.infra.atomic_io import write_json_atomic
 from qerl_jax.data.prompts import build_prompt_text
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.models.hf_io import load_hf_model, save_hf_model
 from qerl_jax.models.tokenizer import load_tokenizer
 from qerl_jax.models.transformer import CausalLM

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.evaluate import load_peft_adapter, main, model_from_run, read_run_config
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora, export_peft_adapter
 from qerl_jax.models.char_tokenizer import build_char_tokenizer

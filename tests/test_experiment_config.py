@@ -14,7 +14,7 @@ import pytest
 from qerl_jax import experiment_config
 from qerl_jax.experiment_config import (FIELDS, base_config, field_descriptions,
                                       validate_config)
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.released_configs import released_script_config
 from tests.conftest import config_from_file
 
@@ -52,7 +52,8 @@ def _gsm8k(tmp_path, **fields):
 
 
 def test_constants_equal_their_jax_side_sources():
-    from qerl_jax import aqn, device_offload, lora, sampling
+    from qerl_jax import aqn, lora, sampling
+    from qerl_jax.infra import device_offload
     from qerl_jax.data import sources
     from qerl_jax.data.prompts import build_prompt_text
     from qerl_jax.models.config import ModelConfig, PRESETS

@@ -14,7 +14,7 @@ from scipy import stats
 from experiments import ablation_analysis as analysis
 from experiments import ablation_plots
 from experiments import format_ablation
-from qerl_jax.run_record import read_starts
+from qerl_jax.infra.run_record import read_starts
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 

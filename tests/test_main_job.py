@@ -5,7 +5,7 @@ import os
 import re
 
 from experiments import main_job_reference as reference
-from qerl_jax.metrics import read_metrics
+from qerl_jax.infra.metrics import read_metrics
 from qerl_jax.trainer import Trainer
 from tests.conftest import config_from_file
 

@@ -13,7 +13,7 @@ import pytest
 
 from qerl_jax import train
 from qerl_jax.experiment_config import FIELDS
-from qerl_jax.errors import ConfigError, TrainingStopped
+from qerl_jax.infra.errors import ConfigError, TrainingStopped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join("configs", "tiny.py")

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from qerl_jax.checkpointing import TrainingCheckpoints
+from qerl_jax.infra.checkpointing import TrainingCheckpoints
 from qerl_jax.experiment_config import validate_config
-from qerl_jax.metrics import read_metrics
-from qerl_jax.errors import ConfigError, TrainingStopped
-from qerl_jax.run_record import read_starts
+from qerl_jax.infra.metrics import read_metrics
+from qerl_jax.infra.errors import ConfigError, TrainingStopped
+from qerl_jax.infra.run_record import read_starts
 from qerl_jax.trainer import NonFiniteError, Trainer
 from tests.conftest import small_trainer_config
 
@@ -116,7 +116,7 @@ def test_invalid_config_names_the_field():
 
 
 def test_autotune_results_file_is_set_before_anything_else(tmp_path):
-    """config.xla_autotune_results reaches qerl_jax.xla_autotuning first thing: this test
+    """config.xla_autotune_results reaches qerl_jax.infra.xla_autotuning first thing: this test
     process has started JAX's backend, so the trainer refuses the file (XLA would ignore the
     flags) before it creates the workdir or builds anything."""
     jax.numpy.ones(1).block_until_ready()
@@ -277,7 +277,7 @@ def test_compilation_cache_is_written_then_read_with_the_same_numbers(tmp_path, 
     that cannot be a directory is refused naming the field."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    from qerl_jax.compilation_cache import cache_entries, enable_compilation_cache
+    from qerl_jax.infra.compilation_cache import cache_entries, enable_compilation_cache
     cache = str(tmp_path / "xla_cache")
     config = _config(total_steps=2)
     config.compilation_cache_dir = cache

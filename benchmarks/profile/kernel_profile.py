@@ -166,7 +166,7 @@ def main(argv=None):
                                                       bw.DecodeTuning(**parsed[tuning]))
                     fn = jax.jit(lambda x, ws, down, lora_b, config=config: [
                         bw.blockwise_matmul(x, w, spec=spec, config=config,
-                                            interpret=interpret, lora_down=down,
+                                            interpret=interpret, lora_x_a=down,
                                             lora_b=lora_b, lora_scale=2.0) for w in ws])
                     row = {"shape": name, "n": n, "k": k, "format": fmt, "tile_k": tile_k,
                            "tuning": tuning, "config": _short(config), "copies": count}

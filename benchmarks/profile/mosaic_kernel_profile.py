@@ -137,7 +137,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), t
     if triton:
         weights = kernel_bench.copies(list(packed), count)
         fn = jax.jit(lambda x, groups, d: [bw.blockwise_matmul_group(
-            x, tuple(g), spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_bs=lora_bs,
+            x, tuple(g), spec=nvfp4_matmul.NVFP4, config=config, lora_x_a=d, lora_bs=lora_bs,
             lora_scales=(2.0,) * 3) for g in groups])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down), repeats, count,
                                                         None)
@@ -155,7 +155,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), t
     for label, kwargs in schedules(sum(n_pads), k, sweep, stages, m, extra_splits,
                                    kernel_schedules, rank=32 * len(ns)):
         def launch(x, t, d, kwargs=kwargs):
-            y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_down=d, lora_bt=operand,
+            y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_x_a=d, lora_bt=operand,
                                    **kwargs)
             bounds = np.cumsum([0] + n_pads)
             return [(y[:, a:a + ni] * s).astype(jnp.bfloat16)
@@ -188,7 +188,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
         weights = kernel_bench.copies(packed, count)
         config = bw.default_matmul_config(m, packed)
         fn = jax.jit(lambda x, ws, d, b: [bw.blockwise_matmul(
-            x, w, spec=nvfp4_matmul.NVFP4, config=config, lora_down=d, lora_b=b,
+            x, w, spec=nvfp4_matmul.NVFP4, config=config, lora_x_a=d, lora_b=b,
             lora_scale=2.0) for w in ws])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down, lora_b), repeats,
                                                         count, None)
@@ -202,7 +202,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
     operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
     for label, kwargs in schedules(n, k, sweep, stages, m, extra_splits, kernel_schedules):
         fn = jax.jit(lambda x, ps, d, bt, kwargs=kwargs: [mg.mgpu_nvfp4_matmul(
-            x, p, ts, n=n, k=k, lora_down=d, lora_bt=bt, **kwargs) for p in ps])
+            x, p, ts, n=n, k=k, lora_x_a=d, lora_bt=bt, **kwargs) for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
                                                         repeats, count, None)
         rows.append({"shape": name, "n": n, "k": k,

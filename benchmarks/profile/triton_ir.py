@@ -84,7 +84,7 @@ def run_worker(args) -> None:
     tuning = bw.DecodeTuning(**({} if args.worker == "base" else bw.parse_tuning(args.worker)))
     config = bw.default_matmul_config(args.m, packed, tuning)
     y = bw.blockwise_matmul(x, packed, spec=kernel_bench.SPECS[args.format], config=config,
-                            lora_down=down, lora_b=lora_b, lora_scale=2.0 if args.rank else 0.0)
+                            lora_x_a=down, lora_b=lora_b, lora_scale=2.0 if args.rank else 0.0)
     jax.block_until_ready(y)
     print(f"config {config}", flush=True)
     print(f"info {json.dumps(common.device_info())}", flush=True)

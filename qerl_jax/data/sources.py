@@ -15,7 +15,7 @@ import json
 import os
 from typing import Iterator
 
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.rewards.arithmetic import arithmetic_problems
 from qerl_jax.rewards.gsm8k import gsm8k_gold_answer
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qerl_jax.atomic_io import write_json_atomic
+from qerl_jax.infra.atomic_io import write_json_atomic
 from qerl_jax.models.config import ModelConfig, dtype_from_name
 from qerl_jax.models.safetensors_io import SafetensorsFile, save_safetensors
 from qerl_jax.models.transformer import CausalLM, abstract_model

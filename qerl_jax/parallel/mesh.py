@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.parallel.distributed import put_global, put_tree
 from qerl_jax.quant.qarray import QuantizedWeight
 

@@ -8,7 +8,7 @@ import pytest
 
 from qerl_jax.data.sources import (is_local_source, load_eval_examples, load_examples,
                                    load_training_examples)
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from tests.conftest import config_from_file, SHARED_DATA_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,7 +12,7 @@ import transformers
 
 gguf = pytest.importorskip("gguf", reason="GGUF import needs gguf: pip install 'gguf>=0.10'")
 
-from qerl_jax.errors import ConfigError  # noqa: E402
+from qerl_jax.infra.errors import ConfigError  # noqa: E402
 from qerl_jax.experiment_config import validate_config  # noqa: E402
 from qerl_jax.models.gguf_io import (GGUFError, export_gguf_to_hf, load_gguf_model,  # noqa: E402
                                      load_gguf_tokenizer, smollm2_gguf_path)

@@ -175,7 +175,7 @@ def test_gate_up_pair(fmt):
             swiglu = gate / (1.0 + np.exp(-gate)) * up
         next_a = 0.05 * jax.random.normal(jax.random.fold_in(keys[2], 2000 + m), (n, rank),
                                           jnp.bfloat16)
-        lora = dict(lora_down=down, lora_ranks=(rank, rank), lora_b=pair_b, lora_scale=2.0)
+        lora = dict(lora_x_a=down, lora_ranks=(rank, rank), lora_b=pair_b, lora_scale=2.0)
         if m == 5:  # the launch without the next product
             y = bw.blockwise_matmul_swiglu(x, pair, spec=spec, out_n=n, half_block=32,
                                            poison_output=True, **lora)

@@ -64,7 +64,7 @@ def test_matches_reference(slots, length, groups, block_s, splits, balanced):
 
 
 @pytest.mark.parametrize("splits,rank", [(4, 16), (1, 16), (4, 24)])
-def test_lora_down_of_the_output_rows(splits, rank):
+def test_lora_x_a_of_the_output_rows(splits, rank):
     """lora_a: the per-head products returned with the output (by the combine kernel with
     splits and a power-of-two rank, by XLA otherwise) equal float64 products of the returned
     bf16 rows: their sum over heads is the o-projection's x @ A (float32 sums, tolerance

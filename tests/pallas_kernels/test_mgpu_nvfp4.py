@@ -124,9 +124,9 @@ def test_kernel_lowers_for_cuda(m, rank, splits, prepared):
     def f(x, permuted, ts, *lora):
         kwargs = {}
         if lora and prepared:
-            kwargs = dict(lora_down=lora[0], lora_bt=lora[1])
+            kwargs = dict(lora_x_a=lora[0], lora_bt=lora[1])
         elif lora:
-            kwargs = dict(lora_down=lora[0], lora_b=lora[1], lora_scale=2.0)
+            kwargs = dict(lora_x_a=lora[0], lora_b=lora[1], lora_scale=2.0)
         return mg.mgpu_nvfp4_matmul(x, permuted, ts, n=n, k=k, splits=splits, **kwargs)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
@@ -151,10 +151,10 @@ def test_refusals_and_bad_shapes():
                              n=64, k=256, splits=3)
     with pytest.raises(ValueError, match="operand None"):
         mg.matmul_unscaled(jnp.zeros((8, 256), jnp.bfloat16), permuted, n=64, k=256,
-                           lora_down=jnp.zeros((8, 32), jnp.bfloat16))
+                           lora_x_a=jnp.zeros((8, 32), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"operand \(192, 32\)"):
         mg.mgpu_nvfp4_matmul(jnp.zeros((8, 256), jnp.bfloat16), permuted, packed.tensor_scale,
-                             n=64, k=256, lora_down=jnp.zeros((8, 32), jnp.bfloat16),
+                             n=64, k=256, lora_x_a=jnp.zeros((8, 32), jnp.bfloat16),
                              lora_bt=jnp.zeros((192, 32), jnp.bfloat16))
 
 
@@ -180,7 +180,7 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
     assert mosaic.with_lora_operand(weight, jnp.zeros((24, n)), 0.5) is weight  # rank
 
 
-def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_bt=None,
+def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_x_a=None, lora_bt=None,
                         stages=None, l2_prefetch=None, swiglu=None, schedule="auto"):
     """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
     numbers are checked on the GPU by test_mgpu_nvfp4_gpu.py; an L2 prefetch is a
@@ -191,8 +191,8 @@ def _reference_unscaled(x, permuted, *, n, k, splits=None, lora_down=None, lora_
     raw = mg.permuted_dequantize_reference(permuted, jnp.asarray([2.0 ** -mg.SCALED_EXPONENT]),
                                  n=n_pad, k=k)  # e2m1 x block scale x 2^-8
     y = x.astype(jnp.float32) @ raw.T
-    if lora_down is not None:
-        y = y + (lora_down.astype(jnp.bfloat16).astype(jnp.float32)
+    if lora_x_a is not None:
+        y = y + (lora_x_a.astype(jnp.bfloat16).astype(jnp.float32)
                  @ lora_bt.astype(jnp.float32).T)
     if swiglu is None:
         return y
@@ -305,7 +305,7 @@ def test_swiglu_lowers_for_cuda():
 
     def f(x, tiles, ts_g, ts_u, down, operand, next_a):
         return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
-                                    lora_down=down, lora_bt=operand, next_lora_a=next_a)
+                                    lora_x_a=down, lora_bt=operand, next_lora_a=next_a)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
@@ -314,7 +314,7 @@ def test_swiglu_lowers_for_cuda():
     for with_next in (True, False):
         def fused(x, tiles, ts_g, ts_u, down, operand, next_a, with_next=with_next):
             return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
-                                        lora_down=down, lora_bt=operand, splits=1,
+                                        lora_x_a=down, lora_bt=operand, splits=1,
                                         next_lora_a=next_a if with_next else None)
         lowered = jax.jit(fused).trace(*args).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
@@ -485,7 +485,7 @@ def test_kernel_lowers_with_grouped_operands_and_uneven_splits(rank, splits):
             jax.ShapeDtypeStruct((n, rank), jnp.bfloat16))
 
     def f(x, permuted, down, operand):
-        return mg.matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_down=down,
+        return mg.matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_x_a=down,
                                   lora_bt=operand)
 
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
@@ -588,7 +588,7 @@ def test_l2_prefetch_plans_and_lowering():
     for mode in (dict(ahead=1), dict(ahead=3, splits=2), dict(contiguous_lines=5000),
                  dict(ahead=1, extra=extra)):
         def f(x, p, q, d, o, mode=mode):
-            return mg.matmul_unscaled(x, p, n=n, k=k, splits=3, lora_down=d, lora_bt=o,
+            return mg.matmul_unscaled(x, p, n=n, k=k, splits=3, lora_x_a=d, lora_bt=o,
                                       l2_prefetch=mg.l2_prefetch_for(q, k=k, **mode))
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text() and lowered.out_info.shape == (m, n)
@@ -712,7 +712,7 @@ def test_identical_launches_lower_to_one_kernel():
         y = x
         for i, w in enumerate(weights):
             splits = 3 if i < 7 else 7
-            y = mg.matmul_unscaled(y, w, n=n, k=k, splits=splits, lora_down=down,
+            y = mg.matmul_unscaled(y, w, n=n, k=k, splits=splits, lora_x_a=down,
                                    lora_bt=operand)
             y = jnp.tile(y, (1, -(-k // n)))[:, :k].astype(jnp.bfloat16)
         return y
@@ -819,7 +819,7 @@ def test_warp_specialized_kernel_lowers_for_cuda():
                      jax.ShapeDtypeStruct((n, rank), jnp.bfloat16)]
 
         def f(x, p, *lora, splits=splits):
-            lora = dict(lora_down=lora[0], lora_bt=lora[1]) if lora else {}
+            lora = dict(lora_x_a=lora[0], lora_bt=lora[1]) if lora else {}
             return mg.matmul_unscaled(x, p, n=n, k=k, splits=splits,
                                       schedule="warp_specialized", **lora)
 
@@ -835,7 +835,7 @@ def test_warp_specialized_kernel_lowers_for_cuda():
 
     def prefetching(x, p, q, d, o):
         plan = mg.l2_prefetch_for(q, k=k, m=m, ahead=1, extra=jnp.zeros((600, 96), jnp.bfloat16))
-        return mg.matmul_unscaled(x, p, n=n, k=k, lora_down=d, lora_bt=o, l2_prefetch=plan,
+        return mg.matmul_unscaled(x, p, n=n, k=k, lora_x_a=d, lora_bt=o, l2_prefetch=plan,
                                   schedule="warp_specialized")
 
     lowered = jax.jit(prefetching).trace(*args).lower(lowering_platforms=("cuda",))
@@ -845,7 +845,7 @@ def test_warp_specialized_kernel_lowers_for_cuda():
     for with_next in (True, False):
         def fused(x, tiles, ts_g, ts_u, down, operand, next_a, with_next=with_next):
             return mg.mgpu_nvfp4_swiglu(x, tiles, ts_g, ts_u, out_n=n, k=k, half_block=32,
-                                        lora_down=down, lora_bt=operand, splits=1,
+                                        lora_x_a=down, lora_bt=operand, splits=1,
                                         next_lora_a=next_a if with_next else None,
                                         schedule="warp_specialized")
         lowered = jax.jit(fused).trace(*args).lower(lowering_platforms=("cuda",))

@@ -131,8 +131,8 @@ def test_matmul_matches_float64(n, k, m, rank, splits, prepared):
     operand, kwargs = None, {}
     if rank:
         operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
-        kwargs = (dict(lora_down=down, lora_bt=operand) if prepared
-                  else dict(lora_down=down, lora_b=lora_b, lora_scale=2.0))
+        kwargs = (dict(lora_x_a=down, lora_bt=operand) if prepared
+                  else dict(lora_x_a=down, lora_b=lora_b, lora_scale=2.0))
     fn = jax.jit(lambda x, p, ts, kw: mg.mgpu_nvfp4_matmul(x, p, ts, n=n, k=k, splits=splits,
                                                           **kw))
     y = np.asarray(fn(x, permuted, packed.tensor_scale, kwargs), np.float64)
@@ -160,7 +160,7 @@ def _group_inputs(ns, k: int, m: int, rank: int, seed: int):
 def test_grouped_launch_matches_float64(ns, k, m, rank, splits):
     members, x, down, packed, tiles, n_pads, operand = _group_inputs(ns, k, m, rank, 1000)
     fn = jax.jit(lambda x, t, d, o: mg.matmul_unscaled(x, t, n=sum(n_pads), k=k,
-                                                       splits=splits, lora_down=d, lora_bt=o))
+                                                       splits=splits, lora_x_a=d, lora_bt=o))
     y = np.asarray(fn(x, tiles, down, operand), np.float64)
     assert np.isfinite(y).all()
     x64, lx, bt_all = _float64(x), _float64(down), _float64(operand)
@@ -228,13 +228,13 @@ def test_swiglu_launch_matches_the_triton_launch(fused):
     n, k, m, rank = 27648, 5120, 8, 32
     g = _gate_up_pair(n, k, m, rank, 7)
     want, want_next = jax.jit(lambda x, d: bw.blockwise_matmul_swiglu(
-        x, g.pair, spec=nvfp4_matmul.NVFP4, out_n=n, half_block=HALF_BLOCK, lora_down=d,
+        x, g.pair, spec=nvfp4_matmul.NVFP4, out_n=n, half_block=HALF_BLOCK, lora_x_a=d,
         lora_ranks=(rank, rank),
         lora_b=bw.interleave_lora_b(g.gate_b, g.up_b, g.n_pad, HALF_BLOCK),
         lora_scale=1.0, tensor_scales=g.scales, next_lora_a=g.next_a))(g.x, g.down)
     got, got_next = jax.jit(lambda x, d: mg.mgpu_nvfp4_swiglu(
         x, mg.permute_packed(g.pair), *g.scales, out_n=n, k=k, half_block=HALF_BLOCK,
-        lora_down=d, lora_bt=g.operand, next_lora_a=g.next_a, fused=fused))(g.x, g.down)
+        lora_x_a=d, lora_bt=g.operand, next_lora_a=g.next_a, fused=fused))(g.x, g.down)
     for name, value, reference in (("output", got, want), ("next LoRA", got_next, want_next)):
         _within_bf16_of(value, reference, name)
 
@@ -258,8 +258,8 @@ def test_warp_specialized_schedule_matches_split_k_and_float64(n, k, m, rank, sp
     operand, kwargs = None, {}
     if rank:
         operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
-        kwargs = (dict(lora_down=down, lora_bt=operand) if prepared
-                  else dict(lora_down=down, lora_b=lora_b, lora_scale=2.0))
+        kwargs = (dict(lora_x_a=down, lora_bt=operand) if prepared
+                  else dict(lora_x_a=down, lora_b=lora_b, lora_scale=2.0))
     outputs = {}
     for schedule in ("warp_specialized", "split_k"):
         fn = jax.jit(lambda x, p, ts, kw, schedule=schedule: mg.mgpu_nvfp4_matmul(
@@ -280,7 +280,7 @@ def test_warp_specialized_grouped_launch_matches_split_k(ns, k, m):
     _, x, down, _, tiles, n_pads, operand = _group_inputs(ns, k, m, 32, 2000)
     splits = mg.launch_splits(sum(n_pads) // mg.TILE_ROWS, k // mg.TILE_K, m=m)
     outputs = [np.asarray(jax.jit(lambda x, t, d, o, schedule=schedule: mg.matmul_unscaled(
-        x, t, n=sum(n_pads), k=k, splits=splits, lora_down=d, lora_bt=o, schedule=schedule))(
+        x, t, n=sum(n_pads), k=k, splits=splits, lora_x_a=d, lora_bt=o, schedule=schedule))(
             x, tiles, down, operand)) for schedule in ("warp_specialized", "split_k")]
     assert np.isfinite(outputs[0]).all()
     np.testing.assert_array_equal(*outputs)
@@ -298,7 +298,7 @@ def test_warp_specialized_swiglu_launch_matches_split_k(n, k):
     for schedule, fused in (("warp_specialized", True), ("split_k", True), ("split_k", False)):
         results[schedule, fused] = jax.device_get(jax.jit(
             lambda x, d, schedule=schedule, fused=fused: mg.mgpu_nvfp4_swiglu(
-                x, pair, *g.scales, out_n=n, k=k, half_block=HALF_BLOCK, lora_down=d,
+                x, pair, *g.scales, out_n=n, k=k, half_block=HALF_BLOCK, lora_x_a=d,
                 lora_bt=g.operand, next_lora_a=g.next_a, splits=1, fused=fused,
                 schedule=schedule))(g.x, g.down))
     for got, want in zip(results["warp_specialized", True], results["split_k", True]):

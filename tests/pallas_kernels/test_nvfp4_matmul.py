@@ -164,7 +164,7 @@ def test_matmul_lora_epilogue(m, rank, config):
     down = jnp.asarray(rng.standard_normal((m, rank)), jnp.bfloat16)
     lora_b = jnp.asarray(rng.standard_normal((rank, 80)), jnp.bfloat16)
     y = bw.blockwise_matmul(x, packed, spec=nv.NVFP4, config=config, interpret=True,
-                            poison_output=True, lora_down=down, lora_b=lora_b, lora_scale=0.5)
+                            poison_output=True, lora_x_a=down, lora_b=lora_b, lora_scale=0.5)
     reference = (np.asarray(nv.nvfp4_matmul_reference(x, *ckpt), np.float32)
                  + 0.5 * np.asarray(down, np.float32) @ np.asarray(lora_b, np.float32))
     kc.assert_close(y, jnp.asarray(reference, jnp.bfloat16), f"seed={seed} M={m} r={rank} {config}")
@@ -174,7 +174,7 @@ def test_matmul_lora_epilogue_shape_errors():
     _, x, packed = kc.random_problem(NVFP4, 0, 3, 80, 256, 128)
     with pytest.raises(ValueError, match="LoRA epilogue"):
         bw.blockwise_matmul(x, packed, spec=nv.NVFP4, interpret=True,
-                            lora_down=jnp.zeros((3, 8), jnp.bfloat16),
+                            lora_x_a=jnp.zeros((3, 8), jnp.bfloat16),
                             lora_b=jnp.zeros((8, 81), jnp.bfloat16), lora_scale=1.0)
 
 
@@ -234,11 +234,11 @@ def test_grouped_matmul_equals_single_launches(m, split, lora):
     config = bw.MatmulConfig(block_m=max(16, bw.next_pow2(m)), block_n=32, split_k=split,
                              weight_as_lhs=False)
     ys = bw.blockwise_matmul_group(x, packed, spec=nv.NVFP4, config=config, interpret=True,
-                                   poison_output=True, lora_down=stacked, lora_bs=bs,
+                                   poison_output=True, lora_x_a=stacked, lora_bs=bs,
                                    lora_scales=scales)
     for i, (p, y) in enumerate(zip(packed, ys)):
         single = bw.blockwise_matmul(x, p, spec=nv.NVFP4, config=config, interpret=True,
-                                     lora_down=None if downs is None else downs[i],
+                                     lora_x_a=None if downs is None else downs[i],
                                      lora_b=None if bs is None else bs[i],
                                      lora_scale=0.0 if scales is None else scales[i])
         assert y.shape == (m, p.n) and y.dtype == jnp.bfloat16
@@ -265,11 +265,11 @@ def test_grouped_matmul_default_config_and_errors():
                                   interpret=True)
     with pytest.raises(ValueError, match="LoRA B"):
         bw.blockwise_matmul_group(problems[0][1], packed, spec=nv.NVFP4, interpret=True,
-                                  lora_down=jnp.zeros((4, 8), jnp.bfloat16),
+                                  lora_x_a=jnp.zeros((4, 8), jnp.bfloat16),
                                   lora_bs=[jnp.zeros((8, 80), jnp.bfloat16)], lora_scales=(1.0,))
     with pytest.raises(ValueError, match="sum to 16"):
         bw.blockwise_matmul_group(problems[0][1], packed, spec=nv.NVFP4, interpret=True,
-                                  lora_down=jnp.zeros((4, 12), jnp.bfloat16),
+                                  lora_x_a=jnp.zeros((4, 12), jnp.bfloat16),
                                   lora_bs=[jnp.zeros((8, 80), jnp.bfloat16),
                                            jnp.zeros((8, 40), jnp.bfloat16)],
                                   lora_scales=(1.0, 1.0))
@@ -301,11 +301,11 @@ def test_interleaved_gate_up_swiglu_epilogue(m, ranks, weight_as_lhs, n):
     config = bw.MatmulConfig(block_m=16, block_n=64, split_k=1, weight_as_lhs=weight_as_lhs)
     fused = bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=32,
                                        config=config, interpret=True, poison_output=True,
-                                       lora_down=stacked, lora_ranks=ranks, lora_b=b_pair,
+                                       lora_x_a=stacked, lora_ranks=ranks, lora_b=b_pair,
                                        lora_scale=2.0)
     assert fused.shape == (m, n) and fused.dtype == jnp.bfloat16
     g, u = bw.blockwise_matmul_group(x, (gate, up), spec=nv.NVFP4, config=config, interpret=True,
-                                     lora_down=stacked, lora_bs=bs,
+                                     lora_x_a=stacked, lora_bs=bs,
                                      lora_scales=None if ranks is None else (2.0, 2.0))
     unfused = np.asarray((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32))
                          .astype(jnp.bfloat16), np.float32)
@@ -327,11 +327,11 @@ def test_interleaved_gate_up_swiglu_epilogue(m, ranks, weight_as_lhs, n):
     if ranks is not None:
         with pytest.raises(ValueError, match="lora_ranks"):
             bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=32,
-                                       interpret=True, lora_down=stacked, lora_b=b_pair)
+                                       interpret=True, lora_x_a=stacked, lora_b=b_pair)
 
 
 @pytest.mark.parametrize("m,n,next_rank,ranks", [(3, 80, 8, None), (16, 128, 32, (16, 16))])
-def test_swiglu_launch_writes_the_next_lora_down(m, n, next_rank, ranks):
+def test_swiglu_launch_writes_the_next_lora_x_a(m, n, next_rank, ranks):
     """blockwise_matmul_swiglu(next_lora_a=A) returns the same SwiGLU output bit for bit and
     y @ A from its per-tile float32 shares: against float64 products of the returned bf16 y and
     A, within 1e-6 of sum |y| |A| (float32 sums of exact bf16 products). N = 80 ends inside
@@ -346,7 +346,7 @@ def test_swiglu_launch_writes_the_next_lora_down(m, n, next_rank, ranks):
     if ranks is not None:
         downs = jnp.asarray(rng.standard_normal((m, sum(ranks))), jnp.bfloat16)
         bs = [jnp.asarray(0.1 * rng.standard_normal((r, n)), jnp.bfloat16) for r in ranks]
-        lora = dict(lora_down=downs, lora_ranks=ranks, lora_scale=2.0,
+        lora = dict(lora_x_a=downs, lora_ranks=ranks, lora_scale=2.0,
                     lora_b=bw.interleave_lora_b(bs[0], bs[1], pair.n // 2, 32))
     a_next = jnp.asarray(rng.standard_normal((n, next_rank)), jnp.bfloat16)
     plain = bw.blockwise_matmul_swiglu(x, pair, spec=nv.NVFP4, out_n=n, half_block=32,
@@ -388,11 +388,11 @@ def test_pair_views_read_gate_and_up_in_place(m, n):
         assert view.n_pad == weight.codes.shape[0] and view.max_block_n == 32
         for config in (None, fused):
             got = bw.blockwise_matmul(x, view, spec=nv.NVFP4, config=config, interpret=True,
-                                      poison_output=True, lora_down=down, lora_b=lora_b,
+                                      poison_output=True, lora_x_a=down, lora_b=lora_b,
                                       lora_scale=0.5)
             want = bw.blockwise_matmul(x, weight, spec=nv.NVFP4,
                                        config=config or bw.default_matmul_config(m, view),
-                                       interpret=True, lora_down=down, lora_b=lora_b,
+                                       interpret=True, lora_x_a=down, lora_b=lora_b,
                                        lora_scale=0.5)
             np.testing.assert_array_equal(np.asarray(got, np.float32),
                                           np.asarray(want, np.float32), err_msg=context)

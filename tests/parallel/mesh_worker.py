@@ -34,7 +34,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from qerl_jax.checkpointing import TrainingCheckpoints  # noqa: E402
+from qerl_jax.infra.checkpointing import TrainingCheckpoints  # noqa: E402
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora  # noqa: E402
 from qerl_jax.model_quant.quantize import quantize_model  # noqa: E402
 from qerl_jax.models.config import preset  # noqa: E402

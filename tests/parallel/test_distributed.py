@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.experiment_config import base_config, validate_config
 from qerl_jax.parallel.distributed import cluster_launch, initialize_arguments, is_primary
 

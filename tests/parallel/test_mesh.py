@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.experiment_config import base_config
 from qerl_jax.parallel.mesh import (batch_spec, check_mesh_shape, logical_spec,
                                     mesh_from_config, tree_specs)
@@ -289,8 +289,8 @@ def test_the_trainer_on_a_mesh_and_over_two_processes(tmp_path):
     import json
     import shutil
 
-    from qerl_jax.metrics import read_metrics
-    from qerl_jax.run_record import read_starts
+    from qerl_jax.infra.metrics import read_metrics
+    from qerl_jax.infra.run_record import read_starts
 
     single, processes = tmp_path / "single", tmp_path / "processes"
     _trainer_run(single, "", 1)

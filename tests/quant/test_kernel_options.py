@@ -4,7 +4,7 @@ dataclass defaults, its choices are the sources', and bad values are refused nam
 import pytest
 
 from qerl_jax import experiment_config
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.quant import kernel_options
 from qerl_jax.quant.kernel_options import KernelOptions
 

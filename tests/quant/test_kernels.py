@@ -473,7 +473,7 @@ def test_fused_swiglu_of_pair_views_matches_the_unfused_mlp(interpret_kernels, f
 
 
 @pytest.mark.parametrize("format_name", ["nvfp4", "nf4"])
-def test_fused_swiglu_also_computes_the_next_lora_down(interpret_kernels, format_name):
+def test_fused_swiglu_also_computes_the_next_lora_x_a(interpret_kernels, format_name):
     """linear_swiglu(next_lora_a=A_down) at decode M: the same output bit for bit, and
     output @ A_down from the launch (within one bf16 rounding of the float32 product of the
     bf16 output and A); gradients (x, A, B of gate/up, A_down) against the same fused SwiGLU

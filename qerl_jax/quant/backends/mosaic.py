@@ -241,8 +241,8 @@ def apply(x, weight, lora_x_a, lora_b, lora_scale, *, prefetch_tiles: int,
     kwargs = {}
     if lora_x_a is not None:
         operand = _prepared_lora_operand(weight, lora_x_a)
-        kwargs = (dict(lora_down=lora_x_a, lora_bt=operand) if operand is not None
-                  else dict(lora_down=lora_x_a, lora_b=lora_b, lora_scale=lora_scale))
+        kwargs = (dict(lora_x_a=lora_x_a, lora_bt=operand) if operand is not None
+                  else dict(lora_x_a=lora_x_a, lora_b=lora_b, lora_scale=lora_scale))
     y = mgpu_nvfp4.mgpu_nvfp4_matmul(x.astype(jnp.bfloat16), weight.mosaic_tiles,
                                      weight.kernel_tensor_scale(), n=weight.shape[0],
                                      k=weight.shape[1],
@@ -277,7 +277,7 @@ def apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales, *, prefetch_tiles:
         if operand is None or operand.shape[0] != sum(n_pads):
             operand = mgpu_nvfp4.group_lora_operand(
                 lora_bs, [w.kernel_tensor_scale() for w in weights], lora_scales, n_pads)
-        lora = dict(lora_down=lora_x_a, lora_bt=operand)
+        lora = dict(lora_x_a=lora_x_a, lora_bt=operand)
     y = mgpu_nvfp4.matmul_unscaled(x.astype(jnp.bfloat16), first.mosaic_tiles, n=sum(n_pads),
                                    k=first.shape[1],
                                    l2_prefetch=_prefetch_plan(first, prefetch_tiles, x.shape[0],
@@ -321,7 +321,7 @@ def apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales, next_lora_a, *,
             operand = mgpu_nvfp4.pair_lora_operand(
                 lora_bs[0], lora_bs[1], gate.kernel_tensor_scale(), up.kernel_tensor_scale(),
                 lora_scales[0], n_pad=gate.kernel_rows // 2, half_block=half_block)
-        lora = dict(lora_down=lora_x_a, lora_bt=operand)
+        lora = dict(lora_x_a=lora_x_a, lora_bt=operand)
     return mgpu_nvfp4.mgpu_nvfp4_swiglu(
         x.astype(jnp.bfloat16), gate.mosaic_tiles, gate.kernel_tensor_scale(),
         up.kernel_tensor_scale(), out_n=gate.shape[0], k=gate.shape[1], half_block=half_block,

@@ -154,7 +154,7 @@ class TritonDecodeBackend(MatmulBackend):
         packed = weight.packed()
         config = bw.default_matmul_config(x.shape[0], packed, self.options.decode_matmul)
         return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config,
-                                   interpret=self.interpret, lora_down=lora_x_a, lora_b=lora_b,
+                                   interpret=self.interpret, lora_x_a=lora_x_a, lora_b=lora_b,
                                    lora_scale=lora_scale).astype(jnp.float32)
 
     def group_refusal(self, weights):
@@ -184,7 +184,7 @@ class TritonDecodeBackend(MatmulBackend):
         packed = tuple(w.packed() for w in weights)
         config = bw.default_group_matmul_config(x.shape[0], packed, self.options.decode_matmul)
         ys = bw.blockwise_matmul_group(x, packed, spec=weights[0].spec, config=config,
-                                       interpret=self.interpret, lora_down=lora_x_a,
+                                       interpret=self.interpret, lora_x_a=lora_x_a,
                                        lora_bs=lora_bs, lora_scales=lora_scales)
         return tuple(y.astype(jnp.float32) for y in ys)
 
@@ -241,7 +241,7 @@ class TritonDecodeBackend(MatmulBackend):
             # built at every decode step (a concatenate kernel per layer inside the loop)
             lora = {}
             if lora_x_a is not None:
-                lora = dict(lora_down=lora_x_a, lora_ranks=tuple(b.shape[0] for b in lora_bs),
+                lora = dict(lora_x_a=lora_x_a, lora_ranks=tuple(b.shape[0] for b in lora_bs),
                             lora_b=self.swiglu_lora_b(weights, lora_bs) if pair_lora_b is None
                             else pair_lora_b, lora_scale=lora_scales[0])
             result = bw.blockwise_matmul_swiglu(

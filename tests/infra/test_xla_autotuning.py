@@ -1,4 +1,4 @@
-"""qerl_jax.xla_autotuning: the XLA_FLAGS it composes, and its clear errors.
+"""qerl_jax.infra.xla_autotuning: the XLA_FLAGS it composes, and its clear errors.
 
 That the flags make GPU rollouts reproducible is measured on the GPU (benchmarks/RESULTS.md,
 "Reproducible GPU rollouts"): the CPU backend accepts the flags and ignores them.
@@ -13,7 +13,7 @@ import ml_collections
 import pytest
 
 from qerl_jax import experiment_config
-from qerl_jax.xla_autotuning import (DUMP_FLAG, LOAD_FLAG, autotune_xla_flags,
+from qerl_jax.infra.xla_autotuning import (DUMP_FLAG, LOAD_FLAG, autotune_xla_flags,
                                      persist_autotuning)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +64,7 @@ def test_fresh_process_sets_the_flags_before_the_backend_starts(tmp_path):
     path = tmp_path / "runs" / "autotune.textproto"
     script = textwrap.dedent(f"""
         import os, jax.numpy as jnp
-        from qerl_jax.xla_autotuning import persist_autotuning
+        from qerl_jax.infra.xla_autotuning import persist_autotuning
         assert persist_autotuning({str(path)!r}) == {str(path)!r}
         print(os.environ["XLA_FLAGS"])
         jnp.ones(2).block_until_ready()

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from qerl_jax.errors import TrainingStopped
+from qerl_jax.infra.errors import TrainingStopped
 
 logger = logging.getLogger(__name__)
 

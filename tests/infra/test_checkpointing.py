@@ -7,8 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from qerl_jax.checkpointing import DAMAGED_DIRECTORY, TrainingCheckpoints
-from qerl_jax.errors import TrainingStopped
+from qerl_jax.infra.checkpointing import DAMAGED_DIRECTORY, TrainingCheckpoints
+from qerl_jax.infra.errors import TrainingStopped
 
 
 def _state(value):

@@ -15,8 +15,8 @@ import shutil
 import time
 from typing import Any
 
-from qerl_jax.atomic_io import write_json_atomic
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.atomic_io import write_json_atomic
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.experiment_config import FIELDS, LOSS_TYPE_ALIASES
 
 RUN_FILE = "run.json"

@@ -1,6 +1,6 @@
 """run.json's config comparison on resume: which changes are refused, which are harmless."""
 
-from qerl_jax.run_record import config_changes
+from qerl_jax.infra.run_record import config_changes
 
 
 def test_changes_are_listed_per_field_and_classified():

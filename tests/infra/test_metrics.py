@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from qerl_jax.errors import ConfigError
-from qerl_jax.metrics import MetricsWriter, read_metrics
+from qerl_jax.infra.errors import ConfigError
+from qerl_jax.infra.metrics import MetricsWriter, read_metrics
 
 
 def _lines(workdir):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qerl_jax.device_offload import commit_to_devices, offload_to_host, restore_to_device
+from qerl_jax.infra.device_offload import commit_to_devices, offload_to_host, restore_to_device
 
 
 def _tree():
@@ -92,7 +92,7 @@ def test_compact_module_puts_a_repacked_model_back_bit_for_bit_with_its_shared_a
     weights is still one array, each counted once, and the logits do not change."""
     from flax import nnx
 
-    from qerl_jax.device_offload import compact_module
+    from qerl_jax.infra.device_offload import compact_module
     from qerl_jax.model_quant.kernels import disable_decode_attention, enable_kernels
     from qerl_jax.model_quant.quantize import quantize_model
     from qerl_jax.models.config import tiny_qwen2

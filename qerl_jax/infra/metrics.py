@@ -13,7 +13,7 @@ import subprocess
 
 import jax
 
-from qerl_jax.errors import ConfigError
+from qerl_jax.infra.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
