@@ -1,5 +1,6 @@
-"""Imports run one way: no cycle among the modules of qerl_jax/ and pallas_kernels/ (module- and
-function-level imports, parsed with ast), and pallas_kernels imports nothing from qerl_jax."""
+"""Imports run one way: no cycle among the modules of qerl_jax/, pallas_kernels/ and experiments/
+(module- and function-level imports, parsed with ast), no cycle between qerl_jax's subpackages, and
+the layering rules of LAYER_RULES (a package never imports the rooms above it)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("qerl_jax", "pallas_kernels")
+PACKAGES = ("qerl_jax", "pallas_kernels", "experiments")
 
 
 def _modules() -> dict[str, str]:
@@ -103,15 +104,98 @@ def test_pallas_kernels_import_nothing_from_qerl_jax():
     assert not any(wrong.values()), wrong
 
 
-def test_quant_imports_neither_models_nor_the_layers_above():
-    """quant/ sits below models/ (which calls its linear op) and below the whole-model
-    operations of model_quant/."""
+# The CLI modules: entry points that nothing imports.
+CLI_MODULES = ("qerl_jax.train", "qerl_jax.evaluate")
+
+# (importing package, packages it must never import, why). A package is a module name prefix
+# ("qerl_jax.quant" covers qerl_jax/quant/ and everything under it).
+_ABOVE_MODELS = ("qerl_jax.rl", "qerl_jax.sampling", "qerl_jax.trainer", "qerl_jax.data",
+                 "qerl_jax.rewards", "qerl_jax.aqn", "qerl_jax.lora", "qerl_jax.model_setup",
+                 "qerl_jax.evaluation", "qerl_jax.warmup")
+LAYER_RULES = (
+    ("pallas_kernels", ("qerl_jax", "experiments"),
+     "the kernels are arrays in, arrays out"),
+    ("qerl_jax", ("experiments", "benchmarks"),
+     "the library never imports the studies or benchmarks that use it"),
+    ("qerl_jax.quant", ("qerl_jax.models", "qerl_jax.model_quant", "qerl_jax.parallel")
+     + _ABOVE_MODELS,
+     "formats and the linear op sit below the model, the mesh and the whole-model setup"),
+    ("qerl_jax.models", ("qerl_jax.model_quant", "qerl_jax.quant.backends",
+                         "qerl_jax.quant.kernel_registry", "qerl_jax.quant.kernels",
+                         "pallas_kernels") + _ABOVE_MODELS,
+     "the model knows nothing of RL, data, rewards or kernel policy"),
+    ("qerl_jax.parallel", ("qerl_jax.models", "qerl_jax.model_quant") + _ABOVE_MODELS,
+     "the mesh sits below the model that is laid out on it"),
+    ("qerl_jax.data", ("qerl_jax.rewards", "qerl_jax.rl", "qerl_jax.sampling",
+                       "qerl_jax.trainer", "qerl_jax.quant", "qerl_jax.model_quant"),
+     "prompts and gold answers know nothing of how they are scored"),
+    ("qerl_jax.rewards", ("qerl_jax.models", "qerl_jax.quant", "qerl_jax.model_quant",
+                          "qerl_jax.parallel", "qerl_jax.data") + _ABOVE_MODELS[:-1],
+     "rewards are pure Python scorers of (completion, gold)"),
+    ("qerl_jax.rl", ("qerl_jax.sampling", "qerl_jax.trainer", "qerl_jax.data",
+                     "qerl_jax.rewards", "qerl_jax.model_setup", "qerl_jax.model_quant"),
+     "advantages, losses and the train step take arrays, not the sampler or the data"),
+    ("qerl_jax.infra", ("qerl_jax.models", "qerl_jax.quant", "qerl_jax.model_quant",
+                        "qerl_jax.parallel", "pallas_kernels") + _ABOVE_MODELS,
+     "run infrastructure serves every layer and depends on none of them"),
+    ("qerl_jax.registry", ("qerl_jax",),
+     "the name registry imports nothing of the library (its entries load lazily)"),
+)
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layering_violations(graph) -> list[str]:
+    """One line per import that breaks a rule of LAYER_RULES or imports a CLI module."""
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if target in CLI_MODULES and module != target:
+                wrong.append(f"{module} imports the CLI module {target}")
+            for package, forbidden, why in LAYER_RULES:
+                if not _under(module, package):
+                    continue
+                for room in forbidden:
+                    if _under(target, room) and not _under(target, package):
+                        wrong.append(f"{module} imports {target}: {why}")
+    return wrong
+
+
+def test_the_layering_rules_hold():
     graph = import_graph()
-    wrong = {module: sorted(t for t in targets
-                            if t.startswith(("qerl_jax.models", "qerl_jax.model_quant",
-                                             "qerl_jax.lora", "qerl_jax.sampling")))
-             for module, targets in graph.items() if module.startswith("qerl_jax.quant")}
-    assert not any(wrong.values()), wrong
+    wrong = layering_violations(graph)
+    assert not wrong, "\n".join(wrong)
+
+
+def _subpackage(module: str) -> str:
+    """qerl_jax.quant.backends.xla -> qerl_jax.quant; top-level modules stay themselves."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_cycle_between_subpackages():
+    """Collapsed to qerl_jax's subpackages and top-level modules, the graph has no cycle
+    (quant <-> parallel once made one)."""
+    graph = {}
+    for module, targets in import_graph().items():
+        if not module.startswith("qerl_jax"):
+            continue
+        node = _subpackage(module)
+        graph.setdefault(node, set()).update(
+            _subpackage(t) for t in targets if t.startswith("qerl_jax") and _subpackage(t) != node)
+    cycle = _cycle(graph)
+    assert cycle is None, "subpackage cycle: " + " -> ".join(cycle)
+
+
+def test_the_rules_catch_a_wrong_way_edge():
+    graph = {"qerl_jax.data.sources": {"qerl_jax.rewards.gsm8k"},
+             "qerl_jax.trainer": {"qerl_jax.evaluate"},
+             "qerl_jax.quant.backends.sharded": {"qerl_jax.parallel.mesh"},
+             "qerl_jax.models.layers": {"qerl_jax.quant.linear_op"}}
+    wrong = layering_violations(graph)
+    assert len(wrong) == 3 and not any(w.startswith("qerl_jax.models") for w in wrong), wrong
 
 
 def test_function_level_imports_are_edges():
