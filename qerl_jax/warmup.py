@@ -24,7 +24,7 @@ from qerl_jax.infra.errors import ConfigError
 from qerl_jax.models.hf_io import load_hf_model, save_hf_model
 from qerl_jax.models.tokenizer import load_tokenizer
 from qerl_jax.models.transformer import CausalLM
-from qerl_jax.rewards.arithmetic import arithmetic_problems
+from qerl_jax.data.arithmetic import arithmetic_problems
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from qerl_jax.rewards.registry import register_reward
+
 FORMAT_REWARD = 0.2
 _WHITESPACE = re.compile(r"\s*")   # the regex engine's \s, so the format keeps its meaning
 
@@ -33,10 +35,11 @@ def has_think_answer_format(completion: str) -> bool:
         search_from = close + 1
 
 
+@register_reward("format")
 def format_reward(completion: str, gold: str | None = None) -> float:
     """0.2 when a <think>...</think> block is followed by an <answer>...</answer> block.
 
-    `gold` is unused: it is there so that the registry calls every reward as f(completion, gold).
+    `gold` is unused: every reward is called as f(completion, gold).
     """
     del gold
     try:

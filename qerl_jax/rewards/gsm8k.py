@@ -1,8 +1,9 @@
 """GSM8K rewards (QeRL facts section 4): format 0.2 + correctness 2.0.
 
-`gsm8k_exact_reward` is QeRL's: the extracted answer string equals the gold string (text after
-'####', stripped). `gsm8k_numeric_reward` also accepts numerically equal answers after removing
-thousands separators, '$', '%', units text and trailing zeros ("1,000" == "1000" == "1000.00").
+`gsm8k_exact_reward` is QeRL's: the extracted answer string equals the gold string (the text
+after the solution's last '####', stripped). `gsm8k_numeric_reward` also accepts numerically
+equal answers after removing thousands separators, '$', '%', units text and trailing zeros
+("1,000" == "1000" == "1000.00").
 """
 
 from __future__ import annotations
@@ -11,16 +12,10 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from qerl_jax.rewards.answer_format import extract_answer
+from qerl_jax.rewards.registry import register_reward
 
 CORRECTNESS_REWARD = 2.0
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-
-
-def gsm8k_gold_answer(solution: str) -> str:
-    """The gold answer of a GSM8K solution: the text after the last '####', stripped."""
-    if "####" not in solution:
-        raise ValueError(f"GSM8K solution has no '####' answer marker: {solution[-80:]!r}")
-    return solution.rsplit("####", 1)[1].strip()
 
 
 def normalize_number(text: str) -> Decimal | None:
@@ -34,6 +29,7 @@ def normalize_number(text: str) -> Decimal | None:
         return None
 
 
+@register_reward("gsm8k_exact")
 def gsm8k_exact_reward(completion: str, gold: str) -> float:
     """2.0 when the extracted answer equals the gold string exactly (QeRL's rule)."""
     try:
@@ -43,6 +39,7 @@ def gsm8k_exact_reward(completion: str, gold: str) -> float:
         return 0.0
 
 
+@register_reward("gsm8k_numeric")
 def gsm8k_numeric_reward(completion: str, gold: str) -> float:
     """2.0 when the extracted answer equals the gold number after numeric normalization."""
     try:

@@ -1,34 +1,43 @@
 """Reward functions by name: f(completion: str, gold: str) -> float, summed with weight 1.
 
-Every entry is a module-level function, so that it pickles by reference into the scoring worker
-(`scoring.py`); a user's own reward must be one too, in an importable module.
+A reward is registered where it is defined, with `@register_reward("name")`; the built-ins are
+registered when `qerl_jax.rewards` is imported (pure Python: no JAX, and math-verify only on a
+reward's first call). Every entry is a module-level function, so that it pickles by reference
+into the scoring worker (`scoring.py`); a user's own reward must be one too, in an importable
+module.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
-from qerl_jax.rewards.answer_format import format_reward
-from qerl_jax.rewards.arithmetic import arithmetic_last_integer_reward, arithmetic_reward
-from qerl_jax.rewards.gsm8k import gsm8k_exact_reward, gsm8k_numeric_reward
-from qerl_jax.rewards.math_answers import math_accuracy_reward
+from qerl_jax.registry import Registry
 
 RewardFunction = Callable[[str, str], float]
 
-REWARD_FUNCTIONS: dict[str, RewardFunction] = {
-    "format": format_reward,
-    "gsm8k_exact": gsm8k_exact_reward,
-    "gsm8k_numeric": gsm8k_numeric_reward,
-    "math_verify": math_accuracy_reward,
-    "arithmetic": arithmetic_reward,
-    "arithmetic_last_integer": arithmetic_last_integer_reward,
-}
+REWARDS = Registry("reward")
+
+
+def register_reward(name: str, *, aliases: Iterable[str] = ()):
+    """Decorator registering a module-level f(completion, gold) -> float under `name`."""
+    def decorator(function: RewardFunction) -> RewardFunction:
+        if "<locals>" in getattr(function, "__qualname__", "<locals>"):
+            raise ValueError(f"reward {name!r}: {function!r} is not a module-level function "
+                             "(the scoring worker loads rewards by reference)")
+        return REWARDS.register(name, function, aliases=aliases)
+    return decorator
+
+
+def reward_names() -> tuple[str, ...]:
+    """The registered reward names, in registration order."""
+    return REWARDS.names()
 
 
 def get_reward_functions(names: Sequence[str]) -> dict[str, RewardFunction]:
-    """The named reward functions; a clear error lists the known names."""
-    unknown = [name for name in names if name not in REWARD_FUNCTIONS]
+    """name -> function for each of `names`; ValueError (one line, listing the known names) for
+    an unknown name or an empty list."""
+    unknown = [name for name in names if name not in REWARDS]
     if unknown or not names:
         raise ValueError(f"unknown reward function(s) {unknown or '(none given)'}; known: "
-                         f"{sorted(REWARD_FUNCTIONS)}")
-    return {name: REWARD_FUNCTIONS[name] for name in names}
+                         f"{', '.join(REWARDS.names(with_aliases=True))}")
+    return {name: REWARDS.get(name) for name in names}

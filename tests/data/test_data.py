@@ -6,10 +6,11 @@ import os
 
 import pytest
 
-from qerl_jax.data import PromptIterator, encode_prompts, load_examples
+from qerl_jax.data import PromptIterator, encode_prompts
 from qerl_jax.data.prompts import QERL_THINK_ANSWER_SUFFIX, build_prompt_text
 from qerl_jax.infra.errors import ConfigError
 from qerl_jax.models.tokenizer import load_tokenizer
+from qerl_jax.tasks import load_examples
 from tests.conftest import SHARED_DATA_DIR
 from tests.hf_reference import make_tiny_tokenizer
 

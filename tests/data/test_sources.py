@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from qerl_jax.data.sources import (is_local_source, load_eval_examples, load_examples,
-                                   load_training_examples)
+from qerl_jax.data.arithmetic import held_out_arithmetic_examples
+from qerl_jax.data.sources import is_local_source
 from qerl_jax.infra.errors import ConfigError
+from qerl_jax.tasks import load_eval_examples, load_examples, load_training_examples
 from tests.conftest import config_from_file, SHARED_DATA_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,6 +67,17 @@ def test_gsm8k_fields_are_checked(tmp_path):
     path = _jsonl(tmp_path, json.dumps({"problem": "x"}))
     _raises(f"{path}:1: a gsm8k row needs 'question' and 'answer' fields, got ['problem']",
             "gsm8k", path)
+
+
+def test_a_key_given_twice_is_refused_by_line(tmp_path):
+    """JSON keeps the last of two equal keys silently; a row with one is refused instead, at
+    any depth of the row."""
+    path = _jsonl(tmp_path, _gsm8k_row(), '{"question": "q", "answer": "#### 1", "answer": "2"}')
+    _raises(f"{path}:2: duplicate key 'answer'", "gsm8k", path)
+    path = _jsonl(tmp_path, '{"problem": "p", "answer": 1, "meta": {"id": 1, "id": 2}}')
+    _raises(f"{path}:1: duplicate key 'id'", "math", path)
+    path = _jsonl(tmp_path, '{"problem": "p", "answer": 1, "meta": [{"id": 1}, {"id": 2}]}')
+    assert [e.gold for e in load_examples("math", path)] == ["1"]   # equal keys, two objects
 
 
 def test_math_rows(tmp_path):
@@ -178,8 +190,6 @@ def test_shared_files_load_without_complaint():
 def test_held_out_arithmetic_questions_follow_the_phrasing_and_avoid_training():
     """The test split of the question phrasing: the same problems as the expression phrasing's
     (same seed, same draws), asked as questions, none a training question."""
-    from qerl_jax.data.sources import held_out_arithmetic_examples, load_examples
-
     training = load_examples("arithmetic", arithmetic_count=32, arithmetic_max_operand=9,
                              arithmetic_phrasing="question", seed=5)
     assert all(example.question.startswith("What is ") for example in training)
