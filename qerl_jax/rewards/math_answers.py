@@ -17,6 +17,7 @@ import re
 import threading
 
 from qerl_jax.rewards.answer_format import extract_answer
+from qerl_jax.rewards.registry import register_reward
 
 ACCURACY_REWARD = 1.0
 PARSE_TIMEOUT_SECONDS = 1    # per math-verify parse (its alarm takes whole seconds)
@@ -139,6 +140,7 @@ def _answer_text(completion: str) -> str:
     return completion
 
 
+@register_reward("math_verify")
 def math_accuracy_reward(completion: str, gold: str) -> float:
     """1.0 when math-verify judges the completion's answer equal to the gold answer."""
     try:
