@@ -7,12 +7,9 @@ quantized to config.quant.format, LoRA + AQN as in QeRL.
     python -m qerl_jax.train --config configs/smollm2.py:cpu --workdir runs/smollm2_cpu
 
 Task: arithmetic phrased as questions ("What is 7 + 5?", operands 0..9), scored on the last
-integer of the completion. Measured greedy pass@1 of the base model through its chat template
-(float32, 64 problems, 2026-11-25, CPU): GSM8K test 0.0 (64 problems, 256 new tokens, plain and
-think/answer prompts); arithmetic 'a+b=' with operands 0..20 0.03 (first integer); 'What is
-a + b?' operands 0..9 0.17 scored on the first integer (often an operand) and 0.375 on the last
-integer. GSM8K leaves RL no signal at this size; the question phrasing with last-integer scoring
-puts pass@1 in the middle of the 10-60% band where group advantages are informative.
+integer of the completion: at this size GSM8K leaves RL no signal, and the question phrasing with
+last-integer scoring puts the base model's greedy pass@1 where group advantages are informative
+(docs/decisions.md has the measurements).
 Spec 'cpu': float32 and smaller steps for a 2-core machine.
 """
 

@@ -4,12 +4,11 @@ GRPO/DAPO with LoRA and AQN. Runs on a 2-core CPU in minutes.
 
     python -m qerl_jax.train --config configs/tiny.py --workdir runs/tiny
 
-Tuned so that the reward rises measurably (2026-11-21, 2-core CPU, seed 0): single-digit
-operands; 250 warm-up steps leave the NVFP4 model at greedy accuracy ~0.56 and sampled (T=1)
-accuracy ~0.29, so RL has room; a fixed set of 64 problems is revisited every 4 steps, so each
-problem's group signal accumulates; lr 2e-3 (5e-3 and 1e-2 were noise-dominated: accuracy fell
-and entropy rose). Truncated completions are not masked: with a 16-token limit, masking them let
-a policy drift into truncation without any penalty (observed at lr 1e-2).
+Tuned so that the reward rises measurably: single-digit operands; the warm-up leaves the NVFP4
+model with room for RL between its greedy and its sampled (T=1) accuracy; a fixed set of 64
+problems is revisited every 4 steps, so each problem's group signal accumulates; larger learning
+rates were noise-dominated (accuracy fell, entropy rose). Truncated completions are not masked:
+with a 16-token limit, masking them lets a policy drift into truncation without any penalty.
 """
 
 from qerl_jax.experiment_config import base_config

@@ -7,7 +7,8 @@ the q/k/v and gate/up weights that follow, with no change to the quantized matmu
 
 Everything here is a pure function of (base key, step, schedule): the noisy scales are made
 fresh from the clean state at every step, so nothing accumulates across steps (the released
-code's in-place noise does not have that property).
+code's in-place noise does not have that property). The schedule kinds are registered functions
+(AQN_SCHEDULES, `register_aqn_schedule`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-SCHEDULES = ("released_code", "paper")
+from qerl_jax.registry import AQN_SCHEDULES
+
 _DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
@@ -40,8 +42,8 @@ class AQNSchedule:
     kind: str = "released_code"
 
     def __post_init__(self):
-        if self.kind not in SCHEDULES:
-            raise ValueError(f"aqn schedule kind={self.kind!r} not in {SCHEDULES}")
+        if self.kind not in AQN_SCHEDULES:
+            raise ValueError(f"aqn schedule kind: {AQN_SCHEDULES.unknown_message(self.kind)}")
         if self.total_steps <= 0:
             raise ValueError(f"aqn total_steps={self.total_steps} must be positive")
         if self.stages < 3:
@@ -51,16 +53,31 @@ class AQNSchedule:
                              f"{self.sigma_end} must be positive")
 
 
+def register_aqn_schedule(name: str):
+    """Registers a schedule kind: (step float32 scalar, AQNSchedule) -> float32 noise std."""
+    return AQN_SCHEDULES.register(name)
+
+
 def aqn_sigma(step, schedule: AQNSchedule) -> jax.Array:
     """The noise std at optimizer step `step` (int or traced int32) -> float32 scalar."""
     step = jnp.asarray(step, jnp.float32)
+    return AQN_SCHEDULES.get(schedule.kind)(step, schedule)
+
+
+@register_aqn_schedule("released_code")
+def _released_code_sigma(step, schedule: AQNSchedule) -> jax.Array:
     k, total = schedule.stages, schedule.total_steps
     ratio = schedule.sigma_end / schedule.sigma_start
-    if schedule.kind == "released_code":
-        interval = jnp.floor(step / (total / k))
-        level = jnp.minimum(interval - 1, k - 2)
-        sigma = schedule.sigma_start * ratio ** (level / (k - 2))
-        return jnp.where(interval < 1, 0.0, sigma).astype(jnp.float32)
+    interval = jnp.floor(step / (total / k))
+    level = jnp.minimum(interval - 1, k - 2)
+    sigma = schedule.sigma_start * ratio ** (level / (k - 2))
+    return jnp.where(interval < 1, 0.0, sigma).astype(jnp.float32)
+
+
+@register_aqn_schedule("paper")
+def _paper_sigma(step, schedule: AQNSchedule) -> jax.Array:
+    k, total = schedule.stages, schedule.total_steps
+    ratio = schedule.sigma_end / schedule.sigma_start
     stage = jnp.minimum(jnp.floor(step * k / total), k - 1)
     sigma = schedule.sigma_start * ratio ** ((stage - 1) / (k - 1))
     return jnp.where(stage < 1, 0.0, sigma).astype(jnp.float32)

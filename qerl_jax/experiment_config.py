@@ -3,9 +3,11 @@
 fields) before any model is built. The released scripts' hyperparameters build on it in
 qerl_jax/released_configs.py.
 
-Imports no JAX: `python -m qerl_jax.train --help` and a bad field's error need none. The names a
-user picks from are literal tuples here; tests/test_experiment_config.py checks that each equals its source
-of truth in the JAX-side modules. configs/*.py start from `base_config()` and override fields.
+Imports no JAX: `python -m qerl_jax.train --help` and a bad field's error need none. Every name a
+user picks is checked against its registry (qerl_jax.registry lists the JAX-side ones lazily;
+rewards, tasks and prompt styles register where they are defined), after the modules named in
+`config.imports` are imported, so a plug-in's registrations are selectable. configs/*.py start
+from `base_config()` and override fields.
 """
 
 from __future__ import annotations
@@ -19,26 +21,14 @@ from typing import Any, Callable, Mapping
 
 import ml_collections
 
+from qerl_jax import registry
+from qerl_jax.data.arithmetic import PHRASINGS as ARITHMETIC_PHRASINGS
+from qerl_jax.data.prompts import PROMPT_STYLES
 from qerl_jax.infra.errors import ConfigError
+from qerl_jax.registry import Registry
+from qerl_jax.rewards.registry import REWARDS
+from qerl_jax.tasks import TASKS
 
-# Choices, each equal to its source of truth (tests/test_config.py):
-FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")                  # quant.formats.known_formats()
-SCHEDULES = ("released_code", "paper")                       # aqn.SCHEDULES
-TASKS = ("gsm8k", "math", "arithmetic")                      # data.sources.TASKS
-OFFLOAD_METHODS = ("auto", "numpy", "pinned_host")           # device_offload.METHODS
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                   "down_proj")                              # lora.ALL_PROJECTIONS
-PRESET_NAMES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b",
-                "qwen2p5_32b", "qwen2p5_72b", "llama3p1_8b",
-                "tiny_qwen2")                                # models.config.PRESETS
-REWARD_NAMES = ("format", "gsm8k_exact", "gsm8k_numeric", "math_verify", "arithmetic",
-                "arithmetic_last_integer")                   # rewards.REWARD_FUNCTIONS
-ARITHMETIC_PHRASINGS = ("expression", "question")            # rewards.arithmetic.PHRASINGS
-LOSS_TYPES = ("sequence_mean", "micro_batch_token_mean", "constant_length_sum",
-              "batch_token_mean", "grpo", "bnpo", "dr_grpo", "dapo")   # rl.losses.LOSS_TYPES
-LOSS_TYPE_ALIASES = {"grpo": "sequence_mean", "bnpo": "micro_batch_token_mean",   # rl.losses
-                     "dr_grpo": "constant_length_sum", "dapo": "batch_token_mean"}
-PROMPT_STYLES = ("paper", "system", "plain")                 # data.prompts.build_prompt_text
 MODEL_CONFIG_FIELDS = (                                      # models.config.ModelConfig
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
@@ -48,11 +38,6 @@ MODEL_CONFIG_FIELDS = (                                      # models.config.Mod
 PARAM_DTYPES = ("bfloat16", "float32")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-ON_OFF_AUTO = ("auto", "on", "off")                          # quant.kernel_options.MOSAIC_CHOICES
-KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")          # sampling.KV_CACHE_DTYPES
-MOSAIC_SCHEDULES = ("auto", "split_k", "warp_specialized")  # quant.kernel_options.MOSAIC_SCHEDULES
-WEIGHT_AS_LHS = ("auto", "weights", "activations")           # quant.kernel_options.WEIGHT_AS_LHS
-KERNEL_DECODERS = ("fp8", "ptx_scaled", "ptx_paired_scales", "lut", "lut16", "select")                                 # FormatSpec.decoders
 DECODE_BLOCK_N = (16, 32, 64)                                # DecodeTuning.block_n
 ATTENTION_BLOCK_S = (16, 32, 64, 128, 256, 512)              # DecodeAttentionConfig.block_s
 NUM_WARPS = (1, 2, 4, 8, 16)
@@ -60,6 +45,8 @@ NUM_WARPS = (1, 2, 4, 8, 16)
 ATTENTION_OVERRIDES = ("attention_query_chunk", "attention_implementation")
 # set by config.model.* fields; in model.overrides they would reach preset() twice
 MODEL_FIELDS_NOT_OVERRIDES = ("param_dtype", "compute_dtype", "remat")
+# config.data fields read outside their task: the warm-up's problems use the largest operand
+DATA_FIELDS_READ_BY_WARMUP = ("arithmetic_max_operand",)
 
 Check = Callable[[Any], "str | None"]   # a value -> what is wrong with it, or None
 
@@ -88,17 +75,34 @@ def one_of(choices: tuple) -> Check:
     return lambda value: None if value in choices else f"{value!r} not in {choices}"
 
 
-def names_from(choices: tuple, *, allow_empty: bool) -> Check:
+def registered(names: Registry, *, allow_empty: bool = False) -> Check:
+    """A name registered in `names` (read when the check runs: plug-ins' names included); ''
+    too with allow_empty."""
     def check(value):
-        unknown = [name for name in value if name not in choices]
-        if unknown:
-            return f"unknown {unknown}; known {choices}"
+        if allow_empty and value == "":
+            return None
+        return None if value in names else names.unknown_message(value)
+    return check
+
+
+def names_from(names: Registry, *, allow_empty: bool) -> Check:
+    """A tuple of distinct names registered in `names`."""
+    def check(value):
+        for name in value:
+            if name not in names:
+                return names.unknown_message(name)
         if len(set(value)) != len(value):
             return f"names a function twice: {tuple(value)}"
         if not value and not allow_empty:
-            return f"must name at least one of {choices}"
+            return f"must name at least one {names.kind}; known: {', '.join(names.names())}"
         return None
     return check
+
+
+def auto_or(names: Registry) -> Check:
+    """'auto' or a name registered in `names`."""
+    check = registered(names)
+    return lambda value: None if value == "auto" else check(value)
 
 
 def anything(value) -> None:
@@ -120,6 +124,8 @@ class Field:
 FIELDS: dict[str, Field] = {
     "seed": Field(0, "Random seed: LoRA init, rollouts, AQN noise, data order, arithmetic "
                   "problems and the warm-up all draw from keys split from it.", at_least(0)),
+    "imports": Field((), "Plug-in modules imported before validation, so that the formats, "
+                     "losses, rewards, tasks, ... they register can be selected by name."),
     "compilation_cache_dir": Field(
         "", "JAX persistent compilation cache directory ('' = off): runs of the same shapes "
         "load their compiled programs instead of compiling them again."),
@@ -129,7 +135,7 @@ FIELDS: dict[str, Field] = {
     # model
     "model.preset": Field("", "Architecture preset of a model built from scratch "
                           "(models.config.PRESETS); set this or model.hf_path.",
-                          one_of(("",) + PRESET_NAMES)),
+                          registered(registry.MODEL_PRESETS, allow_empty=True)),
     "model.hf_path": Field("", "Local HF checkpoint directory (config.json + *.safetensors) "
                            "to load and quantize; set this or model.preset."),
     "model.gguf_path": Field("", "Local llama GGUF file to load (dequantized) and quantize, "
@@ -161,7 +167,7 @@ FIELDS: dict[str, Field] = {
     "warmup.batch_size": Field(64, "Problems per supervised warm-up step.", greater_than(0)),
     # quant
     "quant.format": Field("nvfp4", "Weight format of the frozen base model ('bf16' = not "
-                          "quantized).", one_of(FORMATS)),
+                          "quantized).", registered(registry.FORMATS)),
     "quant.kernels.enabled": Field(True, "Use the Pallas GPU kernels for the 4-bit matmuls and "
                                    "decode attention (a no-op on CPU; False keeps the XLA path)."),
     "quant.kernels.gate_up_pairs": Field(True, "Each MLP's gate and up weights form one "
@@ -170,7 +176,7 @@ FIELDS: dict[str, Field] = {
     "quant.kernels.mosaic_nvfp4": Field("auto", "NVFP4 decode launches on the Mosaic GPU kernel: "
                                         "'auto' where it runs (Hopper), 'on' the same with a "
                                         "warning where it cannot, 'off' the Triton kernels.",
-                                        one_of(ON_OFF_AUTO)),
+                                        registered(registry.SWITCH)),
     "quant.kernels.mosaic_prefetch_tiles": Field(1, "K tiles per program of the next Mosaic "
                                                  "decode launch each launch prefetches into L2 "
                                                  "(0 = no prefetch).", in_interval(0, 3)),
@@ -180,7 +186,7 @@ FIELDS: dict[str, Field] = {
         "a split-K program with its LoRA tiles leaves room for no second one per SM, split-K "
         "elsewhere; 'split_k' = always split-K; 'warp_specialized' = every launch whose 64-row "
         "tiles pair up.",
-        one_of(MOSAIC_SCHEDULES)),
+        registered(registry.MOSAIC_SCHEDULES)),
     "quant.kernels.mosaic_swiglu_epilogue_max_m": Field(
         16, "The most rows (sequences in a decode step) at which a Mosaic gate|up launch "
         "computes the SwiGLU and the next LoRA x @ A in its epilogue; with more, XLA computes "
@@ -188,7 +194,7 @@ FIELDS: dict[str, Field] = {
     "quant.kernels.compact_after_repack": Field(
         "auto", "After repacking the 4-bit weights for the kernels, copy them through host "
         "memory once so the device allocator holds them without the repack's gaps (0.77 GiB at "
-        "7B); needs host memory for the weights ('auto' = on a GPU).", one_of(ON_OFF_AUTO)),
+        "7B); needs host memory for the weights ('auto' = on a GPU).", registered(registry.SWITCH)),
     "quant.kernels.decode_attention": Field(True, "The Pallas decode-attention kernel for "
                                             "one-token decode steps."),
     "quant.kernels.decode_matmul.target_programs": Field(
@@ -207,10 +213,10 @@ FIELDS: dict[str, Field] = {
     "quant.kernels.decode_matmul.num_stages": Field(3, "Triton pipeline stages.", at_least(1)),
     "quant.kernels.decode_matmul.weight_as_lhs": Field(
         "auto", "Left dot operand: 'auto' (per format), 'weights' or 'activations'.",
-        one_of(WEIGHT_AS_LHS)),
+        registered(registry.WEIGHT_AS_LHS)),
     "quant.kernels.decode_matmul.decoder": Field(
         "auto", "In-kernel 4-bit decoder ('auto' = the format's GPU default).",
-        one_of(("auto",) + KERNEL_DECODERS)),
+        auto_or(registry.KERNEL_DECODERS)),
     "quant.kernels.decode_attention_tiling.block_s": Field(
         64, "Decode attention: cache slots per loop step (a power of two >= 16).",
         one_of(ATTENTION_BLOCK_S)),
@@ -227,15 +233,17 @@ FIELDS: dict[str, Field] = {
     "lora.rank": Field(16, "LoRA rank r.", greater_than(0)),
     "lora.alpha": Field(16.0, "LoRA alpha; the adapter's output is scaled by alpha / rank.",
                         greater_than(0)),
-    "lora.target_modules": Field(ALL_PROJECTIONS, "Projections that get LoRA adapters.",
-                                 names_from(ALL_PROJECTIONS, allow_empty=True)),
+    "lora.target_modules": Field(registry.LORA_PROJECTIONS.names(), "Projections that get "
+                                 "LoRA adapters.",
+                                 names_from(registry.LORA_PROJECTIONS, allow_empty=True)),
     "lora.train_norms": Field(True, "Also train the decoder layers' RMSNorm scales (QeRL "
                               "ln=True; AQN's noise lives in them)."),
     # aqn
     "aqn.enabled": Field(False, "Adaptive quantization noise on the rollout policy's norm "
                          "scales (QeRL section 3.3; quantized formats only)."),
     "aqn.schedule": Field("released_code", "Noise schedule: 'released_code' (the released "
-                          "scripts) or 'paper' (the paper's equation).", one_of(SCHEDULES)),
+                          "scripts) or 'paper' (the paper's equation).",
+                          registered(registry.AQN_SCHEDULES)),
     "aqn.sigma_start": Field(1e-2, "Noise std of the first noisy stage (> 0, >= sigma_end).",
                              greater_than(0)),
     "aqn.sigma_end": Field(1e-4, "Noise std of the last stage; the std decays exponentially "
@@ -246,7 +254,7 @@ FIELDS: dict[str, Field] = {
                                    "pass (off: only the rollouts are noisy)."),
     # data
     "data.task": Field("gsm8k", "Task: 'gsm8k' or 'math' (read from data.path) or "
-                       "'arithmetic' (generated problems).", one_of(TASKS)),
+                       "'arithmetic' (generated problems).", registered(TASKS)),
     "data.path": Field("", "A .jsonl/.parquet file or a hub dataset name ('owner/name'); "
                        "required by gsm8k and math, refused by arithmetic."),
     "data.split": Field("train", "Split of a hub dataset (a local file is one split: keep "
@@ -262,7 +270,7 @@ FIELDS: dict[str, Field] = {
                                       "instruct models).", one_of(ARITHMETIC_PHRASINGS)),
     "data.prompt_style": Field("paper", "'paper' appends QeRL's think/answer instruction, "
                                "'system' puts it in a system message, 'plain' adds nothing.",
-                               one_of(PROMPT_STYLES)),
+                               registered(PROMPT_STYLES)),
     "data.use_chat_template": Field(True, "Wrap each prompt in the tokenizer's chat template."),
     "data.max_prompt_length": Field(256, "Prompt tokens kept (longer prompts are "
                                     "left-truncated, with a warning).", greater_than(0)),
@@ -282,7 +290,7 @@ FIELDS: dict[str, Field] = {
         "auto", "KV cache of the training rollouts (evaluation keeps the compute dtype): "
         "'auto' = the compute dtype, 'int8' / 'float8_e4m3fn' = 8-bit codes with a float32 "
         "scale per token and kv head (half the bytes).",
-        one_of(KV_CACHE_DTYPES)),
+        registered(registry.KV_CACHE_DTYPES)),
     "rollout.dequantize_once": Field(
         False, "A rollout whose batch (prompts x generations) takes a dequantize-then-dot path "
         "(more than 64 rows with the 4-bit kernels; every batch without them) dequantizes each "
@@ -298,9 +306,9 @@ FIELDS: dict[str, Field] = {
                                      greater_than(0)),
     "rollout.offload_weights_for_compile": Field(
         "auto", "Hold the frozen weights in host memory while a sampler program compiles "
-        "('auto' = on a GPU).", one_of(ON_OFF_AUTO)),
+        "('auto' = on a GPU).", registered(registry.SWITCH)),
     "rollout.offload_method": Field("auto", "Where the weights wait meanwhile ('auto' = "
-                                    "'numpy').", one_of(OFFLOAD_METHODS)),
+                                    "'numpy').", registered(registry.OFFLOAD_METHODS)),
     # train
     "train.total_steps": Field(100, "Optimizer steps of the run.", greater_than(0)),
     "train.prompts_per_step": Field(16, "Prompts P per step (P * G completions).",
@@ -330,7 +338,14 @@ FIELDS: dict[str, Field] = {
     # loss
     "loss.loss_type": Field("micro_batch_token_mean", "Policy-loss aggregation over tokens "
                             "(rl.losses; grpo/bnpo/dr_grpo/dapo are aliases).",
-                            one_of(LOSS_TYPES)),
+                            registered(registry.LOSS_NORMALIZERS)),
+    "loss.policy_objective": Field("clipped_surrogate", "Per-token policy loss (rl.losses): "
+                                   "'clipped_surrogate' = PPO's clipped ratio with the clip "
+                                   "range below.", registered(registry.POLICY_OBJECTIVES)),
+    "loss.advantage_estimator": Field("group_normalized", "Rewards -> advantages "
+                                      "(rl.advantages): 'group_normalized' = GRPO's (r - group "
+                                      "mean) / (group std + 1e-4).",
+                                      registered(registry.ADVANTAGE_ESTIMATORS)),
     "loss.epsilon_low": Field(0.2, "Lower clip range: ratios below 1 - epsilon_low are "
                               "clipped.", in_interval(0, 1, high_open=True)),
     "loss.epsilon_high": Field(0.28, "Upper clip range: ratios above 1 + epsilon_high are "
@@ -348,8 +363,8 @@ FIELDS: dict[str, Field] = {
                                              "from the loss."),
     # rewards
     "rewards.names": Field(("format", "gsm8k_exact"), "Reward functions, summed with weight 1 "
-                           "(rewards.REWARD_FUNCTIONS).",
-                           names_from(REWARD_NAMES, allow_empty=False)),
+                           "(rewards.REWARDS).",
+                           names_from(REWARDS, allow_empty=False)),
     "rewards.time_limit_seconds": Field(5.0, "Time limit of scoring one completion (0 = no "
                                         "limit, scored in-process).", at_least(0)),
     # eval
@@ -382,7 +397,7 @@ FIELDS: dict[str, Field] = {
     # distributed (qerl_jax.parallel.distributed): several processes, one per host
     "distributed.initialize": Field("auto", "jax.distributed.initialize first: 'auto' when "
                                     "SLURM / Open MPI or distributed.coordinator_address say "
-                                    "so, 'on' always, 'off' never.", one_of(ON_OFF_AUTO)),
+                                    "so, 'on' always, 'off' never.", registered(registry.SWITCH)),
     "distributed.coordinator_address": Field("", "host:port of process 0's coordinator ('' = "
                                              "from the cluster's environment)."),
     "distributed.num_processes": Field(0, "Processes of the run (0 = from the cluster's "
@@ -547,36 +562,35 @@ def _check_model(config) -> None:
 
 
 def _check_data(config) -> None:
-    data, defaults = config.data, FIELDS
-    if data.task == "arithmetic":
-        for name in ("path", "split", "subset"):
-            if data[name] != defaults[f"data.{name}"].default:
-                raise _fail(f"data.{name}", f"{data[name]!r} is unused by task 'arithmetic' "
-                            "(it generates data.arithmetic_count problems); set data.task to "
-                            "'gsm8k' or 'math' to read a dataset")
-        if data.arithmetic_count < config.train.prompts_per_step:
-            raise _fail("data.arithmetic_count", f"{data.arithmetic_count} problems are fewer "
-                        f"than one step's train.prompts_per_step="
-                        f"{config.train.prompts_per_step}")
-    else:
+    data = config.data
+    task = TASKS.get(data.task)
+    # the config.data fields that are some task's options and not this one's go unused
+    others = {name for other in TASKS.names() for name in TASKS.get(other).options}
+    unused = sorted(others - set(task.options))
+    if config.warmup.steps:
+        unused = [name for name in unused if name not in DATA_FIELDS_READ_BY_WARMUP]
+    if task.reads_files:
         if not data.path:
-            raise _fail("data.path", f"task {data.task!r} needs a .jsonl/.parquet file or a "
+            raise _fail("data.path", f"task {task.name!r} needs a .jsonl/.parquet file or a "
                         "hub dataset name")
-        for name in ("arithmetic_count", "arithmetic_phrasing"):
-            if data[name] != defaults[f"data.{name}"].default:
-                raise _fail(f"data.{name}", f"{data[name]!r} is unused by task {data.task!r} "
-                            "(it reads data.path)")
-        max_operand = defaults["data.arithmetic_max_operand"].default
-        if data.arithmetic_max_operand != max_operand and not config.warmup.steps:
-            raise _fail("data.arithmetic_max_operand", f"{data.arithmetic_max_operand} is "
-                        f"unused by task {data.task!r} without warm-up")
+    else:
+        unused = ["path", "split", "subset"] + unused
+    reads = ("it reads data.path" if task.reads_files else "it generates its problems")
+    for name in unused:
+        if name in data and data[name] != FIELDS[f"data.{name}"].default:
+            why = ("without warm-up" if name in DATA_FIELDS_READ_BY_WARMUP else f"({reads})")
+            raise _fail(f"data.{name}", f"{data[name]!r} is unused by task {task.name!r} "
+                        f"{why}")
+    if task.count_option and data[task.count_option] < config.train.prompts_per_step:
+        raise _fail(f"data.{task.count_option}", f"{data[task.count_option]} problems are fewer "
+                    f"than one step's train.prompts_per_step={config.train.prompts_per_step}")
     if data.limit and data.limit < config.train.prompts_per_step:
         raise _fail("data.limit", f"{data.limit} examples are fewer than one step's "
                     f"train.prompts_per_step={config.train.prompts_per_step}")
 
 
 def _check_training(config) -> None:
-    if config.aqn.enabled and config.quant.format == "bf16":
+    if config.aqn.enabled and not registry.FORMATS.fact(config.quant.format, "is_quantized"):
         raise _fail("aqn.enabled", "AQN is defined for quantized bases only (QeRL); use a "
                     "quantized quant.format or aqn.enabled=False")
     if config.aqn.sigma_start < config.aqn.sigma_end:
@@ -605,9 +619,29 @@ def _check_parallel(config) -> None:
                     "unused; set 'auto' or 'on'")
 
 
+def import_config_plugins(config) -> None:
+    """Imports the modules config.imports names: what they register becomes selectable.
+
+    Raises:
+      ConfigError: one line naming the module that failed to import and why.
+    """
+    modules = config.get("imports", ())
+    problem = _type_problem(modules, FIELDS["imports"].default)
+    if problem:
+        raise _fail("imports", problem)
+
+    def refuse(module: str, error: BaseException):
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise _fail("imports", f"cannot import {module!r}: {type(error).__name__}: "
+                    f"{reason}") from error
+
+    registry.import_plugins(tuple(modules), refuse)
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Checks the whole config before any model work: unknown and missing fields, each field's
-    type and range, and the combinations that cannot run or would ignore a field.
+    type and range, each name against its registry (after importing config.imports), and the
+    combinations that cannot run or would ignore a field.
 
     Raises:
       ConfigError: one line naming the first bad field, 'config.a.b: problem'.
@@ -615,6 +649,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(f"config must be an ml_collections.ConfigDict, got "
                           f"{type(config).__name__}")
+    import_config_plugins(config)
     _check_fields(config)
     _check_model(config)
     _check_data(config)

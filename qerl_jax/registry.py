@@ -1,37 +1,53 @@
-"""Named registries: the single source of every name a user picks (formats, losses, objectives,
-advantage estimators, rewards, tasks, presets, kernel choices).
+"""Named registries: the single source of every name a user picks (formats, loss types,
+policy objectives, advantage estimators, AQN schedules, presets, kernel choices, ...).
 
-A registry maps a name to an implementation, or to the import path of one ("module:attr"), so
-the built-in names are known without importing JAX: the config schema and `--help` read
-`names()`, and `get(name)` imports the implementation the first time it is asked for. A name
-registered from outside the package (a plug-in module named in `config.imports`) is selectable
-like a built-in one.
+A registry maps a name to an implementation, or to where one is registered: "module:attr" (the
+object at that path) or "module" (importing the module registers the name). So the built-in
+names are known without importing JAX: the config schema and `--help` read `names()`, and
+`get(name)` imports the implementation the first time it is asked for. A name registered from
+outside the package (a plug-in module named in `config.imports`) is selectable like a built-in
+one.
 
-    FORMATS = Registry("weight format")
-    FORMATS.register_lazy("nvfp4", "qerl_jax.quant.nvfp4:NVFP4")
-    @REWARDS.register("my_reward")
-    def my_reward(completion, gold): ...
+The registries whose implementations need JAX are defined at the end of this module, with their
+built-in names listed lazily; each implementation module registers into its registry (e.g.
+`register_format(Format(...))` in quant/nvfp4.py fills the "nvfp4" entry). Pure-Python ones
+live with their implementations (prompt styles in data/prompts.py, rewards, tasks).
+
+    @LOSS_NORMALIZERS.register("my_loss")
+    def my_loss(masked, mask, sequences, global_valid_tokens, config): ...
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Iterable
+import sys
+from typing import Any, Callable, Iterable, Mapping
+
+_DECORATE = object()   # register()'s value when it is used as a decorator
 
 
 class Registry:
-    """Names -> implementations (or "module:attr" paths, resolved on first `get`)."""
+    """Names -> implementations (or lazy entries, resolved on first `get`)."""
 
     def __init__(self, kind: str):
         self.kind = kind                      # what the names are, for error messages
         self._entries: dict[str, Any] = {}    # name -> value, or _Lazy before first get
         self._aliases: dict[str, str] = {}    # alias -> registered name
+        self._facts: dict[str, dict] = {}     # name -> facts known before its import
 
-    def register(self, name: str, value: Any = None, *, aliases: Iterable[str] = (),
+    @classmethod
+    def of(cls, kind: str, entries: Mapping[str, Any]) -> "Registry":
+        """A registry holding `entries` (name -> value) in order."""
+        registry = cls(kind)
+        for name, value in entries.items():
+            registry.register(name, value)
+        return registry
+
+    def register(self, name: str, value: Any = _DECORATE, *, aliases: Iterable[str] = (),
                  replace: bool = False):
         """Registers `value` under `name`; without a value, a decorator that registers the
         decorated object and returns it unchanged."""
-        if value is None:
+        if value is _DECORATE:
             def decorator(obj):
                 self.register(name, obj, aliases=aliases, replace=replace)
                 return obj
@@ -39,30 +55,46 @@ class Registry:
         self._add(name, value, aliases, replace)
         return value
 
-    def register_lazy(self, name: str, path: str, *, aliases: Iterable[str] = ()) -> None:
-        """Registers the object at import path "module:attr" under `name` without importing it."""
-        if ":" not in path:
-            raise ValueError(f"{self.kind} {name!r}: lazy path must be 'module:attr', got {path!r}")
+    def register_lazy(self, name: str, path: str, *, aliases: Iterable[str] = (),
+                      **facts: Any) -> None:
+        """Registers "module:attr" (the object at that path) or "module" (whose import
+        registers `name`) under `name` without importing it. `facts`: attributes of the
+        implementation that `fact()` answers without the import (checked when it registers)."""
+        if not isinstance(path, str) or not path or path.startswith(":") or path.endswith(":"):
+            raise ValueError(f"{self.kind} {name!r}: lazy path must be 'module:attr' or "
+                             f"'module', got {path!r}")
         self._add(name, _Lazy(path), aliases, replace=False)
+        self._facts[name] = dict(facts)
 
     def _add(self, name: str, value: Any, aliases: Iterable[str], replace: bool) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+        existing = self._entries.get(name)
         taken = name in self._entries or name in self._aliases
-        if taken and not replace:
+        # the module a lazy entry names registers the entry's implementation on import
+        fills_lazy = (isinstance(existing, _Lazy) and not isinstance(value, _Lazy)
+                      and existing.module in sys.modules)
+        if taken and not replace and not fills_lazy:
             # re-registering the same object (a module imported twice) is harmless
-            if self._entries.get(name) is value:
+            if existing is value:
                 return
             raise ValueError(f"{self.kind} {name!r} is already registered")
+        for key, fact in self._facts.get(name, {}).items() if fills_lazy else ():
+            if getattr(value, key, fact) != fact:
+                raise ValueError(f"{self.kind} {name!r}: {key}={getattr(value, key)!r}, but "
+                                 f"qerl_jax.registry lists it with {key}={fact!r}")
+        aliases = tuple(aliases)
+        for alias in aliases:
+            if alias == name or alias in self._entries or self._aliases.get(alias, name) != name:
+                raise ValueError(f"{self.kind} alias {alias!r} is already taken")
         self._entries[name] = value
         for alias in aliases:
-            if alias in self._entries or (alias in self._aliases and self._aliases[alias] != name):
-                raise ValueError(f"{self.kind} alias {alias!r} is already taken")
             self._aliases[alias] = name
 
     def unregister(self, name: str) -> None:
         """Removes `name` and its aliases (tests and plug-ins that replace an entry)."""
         self._entries.pop(name, None)
+        self._facts.pop(name, None)
         for alias in [a for a, target in self._aliases.items() if target == name]:
             del self._aliases[alias]
 
@@ -76,16 +108,24 @@ class Registry:
         return dict(self._aliases)
 
     def canonical(self, name: str) -> str:
-        """The registered name of `name` or of the entry it is an alias of."""
-        name = self._aliases.get(name, name)
+        """The registered name of `name` or of the entry it is an alias of; KeyError (one line
+        listing the known names) for an unknown one."""
+        name = self._aliases.get(name, name) if isinstance(name, str) else name
         if name not in self._entries:
             raise KeyError(self.unknown_message(name))
         return name
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries or name in self._aliases
+        return isinstance(name, str) and (name in self._entries or name in self._aliases)
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def unknown_message(self, name: object) -> str:
+        """"unknown KIND 'name'; known: a, b, c" (aliases included)."""
         known = ", ".join(self.names(with_aliases=True))
         return f"unknown {self.kind} {name!r}; known: {known}"
 
@@ -94,9 +134,21 @@ class Registry:
         name = self.canonical(name)
         value = self._entries[name]
         if isinstance(value, _Lazy):
-            value = value.resolve(self.kind, name)
+            value = value.resolve(self, name)
             self._entries[name] = value
         return value
+
+    def fact(self, name: str, key: str) -> Any:
+        """Attribute `key` of the implementation of `name`, from the facts its lazy entry lists
+        when it has not been imported (so the config schema needs no JAX)."""
+        name = self.canonical(name)
+        value = self._entries[name]
+        if isinstance(value, _Lazy):
+            facts = self._facts.get(name, {})
+            if key in facts:
+                return facts[key]
+            value = self.get(name)
+        return getattr(value, key)
 
     def items(self) -> list[tuple[str, Any]]:
         """(name, implementation) for every entry, importing the lazy ones."""
@@ -104,18 +156,24 @@ class Registry:
 
 
 class _Lazy:
-    __slots__ = ("path",)
+    __slots__ = ("module", "attr")
 
     def __init__(self, path: str):
-        self.path = path
+        self.module, _, self.attr = path.partition(":")
 
-    def resolve(self, kind: str, name: str) -> Any:
-        module_name, attr = self.path.split(":", 1)
-        module = importlib.import_module(module_name)
+    def resolve(self, registry: Registry, name: str) -> Any:
+        importlib.import_module(self.module)
+        value = registry._entries.get(name)   # noqa: SLF001 - filled by the module's import
+        if not isinstance(value, _Lazy):
+            return value
+        if not self.attr:
+            raise ImportError(f"{registry.kind} {name!r}: importing {self.module} did not "
+                              "register it")
         try:
-            return getattr(module, attr)
+            return getattr(sys.modules[self.module], self.attr)
         except AttributeError:
-            raise ImportError(f"{kind} {name!r}: {module_name} has no {attr!r}") from None
+            raise ImportError(f"{registry.kind} {name!r}: {self.module} has no "
+                              f"{self.attr!r}") from None
 
 
 def import_plugins(modules: Iterable[str], on_error: Callable[[str, BaseException], None]):
@@ -126,3 +184,61 @@ def import_plugins(modules: Iterable[str], on_error: Callable[[str, BaseExceptio
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - reported by the caller with the module's name
             on_error(module, exc)
+
+
+def _lazy(kind: str, entries: Mapping[str, str],
+          aliases: Mapping[str, tuple[str, ...]] | None = None) -> Registry:
+    registry = Registry(kind)
+    for name, path in entries.items():
+        registry.register_lazy(name, path, aliases=(aliases or {}).get(name, ()))
+    return registry
+
+
+# ----------------------------------------------------------------------------- the registries
+# Implementations that need JAX, listed by name here so that the config schema needs none.
+
+# quant/formats.py: Format objects (register_format)
+FORMATS = Registry("weight format")
+FORMATS.register_lazy("bf16", "qerl_jax.quant.formats", is_quantized=False)
+for _name in ("nvfp4", "mxfp4", "nf4"):
+    FORMATS.register_lazy(_name, f"qerl_jax.quant.{_name}", is_quantized=True)
+# rl/losses.py: how the per-token losses are aggregated (register_loss_normalizer); the
+# papers' and TRL's names are aliases
+LOSS_NORMALIZERS = _lazy("loss type", {
+    "sequence_mean": "qerl_jax.rl.losses", "micro_batch_token_mean": "qerl_jax.rl.losses",
+    "constant_length_sum": "qerl_jax.rl.losses", "batch_token_mean": "qerl_jax.rl.losses"},
+    aliases={"sequence_mean": ("grpo",), "micro_batch_token_mean": ("bnpo",),
+             "constant_length_sum": ("dr_grpo",), "batch_token_mean": ("dapo",)})
+# rl/losses.py: the per-token policy loss (register_policy_objective)
+POLICY_OBJECTIVES = _lazy("policy objective", {"clipped_surrogate": "qerl_jax.rl.losses"})
+# rl/advantages.py: rewards -> advantages (register_advantage_estimator)
+ADVANTAGE_ESTIMATORS = _lazy("advantage estimator",
+                             {"group_normalized": "qerl_jax.rl.advantages"})
+# aqn.py: step -> noise std (register_aqn_schedule)
+AQN_SCHEDULES = _lazy("AQN schedule", {"released_code": "qerl_jax.aqn",
+                                       "paper": "qerl_jax.aqn"})
+# models/config.py: architecture presets (register_preset)
+MODEL_PRESETS = _lazy("model preset", {name: "qerl_jax.models.config" for name in (
+    "qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b",
+    "qwen2p5_72b", "llama3p1_8b", "tiny_qwen2")})
+
+# Closed choices of one implementation: name -> what the implementation reads.
+SWITCH = Registry.of("switch", {"auto": None, "on": True, "off": False})   # None: per device
+# sampling.py: the rollouts' KV cache (None: the compute dtype)
+KV_CACHE_DTYPES = Registry.of("KV-cache dtype", {"auto": None, "int8": "int8",
+                                                  "float8_e4m3fn": "float8_e4m3fn"})
+# quant/kernel_options.py: the Mosaic decode launches' schedule
+MOSAIC_SCHEDULES = Registry.of("Mosaic schedule", {"auto": "auto", "split_k": "split_k",
+                                                   "warp_specialized": "warp_specialized"})
+# quant/kernel_options.py: the decode matmul's left operand (None: per format)
+WEIGHT_AS_LHS = Registry.of("left dot operand", {"auto": None, "weights": True,
+                                                 "activations": False})
+# pallas_kernels' FormatSpec.decoders: the in-kernel 4-bit decoders
+KERNEL_DECODERS = Registry.of("4-bit decoder", {name: name for name in (
+    "fp8", "ptx_scaled", "ptx_paired_scales", "lut", "lut16", "select")})
+# infra/device_offload.py: where the frozen weights wait while a program compiles
+OFFLOAD_METHODS = Registry.of("offload method", {"auto": "numpy", "numpy": "numpy",
+                                                 "pinned_host": "pinned_host"})
+# lora.py: the projections that can get an adapter
+LORA_PROJECTIONS = Registry.of("LoRA projection", {name: name for name in (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")})

@@ -1,6 +1,6 @@
-"""The config schema and validate_config: every field has a default and a description, the
-choices equal their JAX-side sources, and each bad value, unknown field or ignored input is
-refused with one line naming the full field path."""
+"""The config schema and validate_config: every field has a default and a description, every
+name field reads its registry (plug-ins' names included), and each bad value, unknown field or
+ignored input is refused with one line naming the full field path."""
 
 import dataclasses
 import json
@@ -11,10 +11,14 @@ import sys
 import ml_collections
 import pytest
 
-from qerl_jax import experiment_config
+from qerl_jax import experiment_config, registry
+from qerl_jax.data.prompts import PROMPT_STYLES
 from qerl_jax.experiment_config import (FIELDS, base_config, field_descriptions,
-                                      validate_config)
+                                        validate_config)
 from qerl_jax.infra.errors import ConfigError
+from qerl_jax.registry import Registry
+from qerl_jax.rewards.registry import REWARDS
+from qerl_jax.tasks import TASKS
 from qerl_jax.released_configs import released_script_config
 from tests.conftest import config_from_file
 
@@ -51,40 +55,94 @@ def _gsm8k(tmp_path, **fields):
     return _with(config, **fields)
 
 
-def test_constants_equal_their_jax_side_sources():
-    from qerl_jax import aqn, lora, sampling
-    from qerl_jax.infra import device_offload
-    from qerl_jax.data import sources
-    from qerl_jax.data.prompts import build_prompt_text
-    from qerl_jax.models.config import ModelConfig, PRESETS
-    from qerl_jax.quant.formats import known_formats
-    from qerl_jax.rewards import REWARD_FUNCTIONS
-    from qerl_jax.rl.losses import LOSS_TYPE_ALIASES, LOSS_TYPES
+# field -> the registry its names come from
+REGISTRY_FIELDS = {
+    "quant.format": registry.FORMATS,
+    "loss.loss_type": registry.LOSS_NORMALIZERS,
+    "loss.policy_objective": registry.POLICY_OBJECTIVES,
+    "loss.advantage_estimator": registry.ADVANTAGE_ESTIMATORS,
+    "aqn.schedule": registry.AQN_SCHEDULES,
+    "model.preset": registry.MODEL_PRESETS,
+    "rollout.kv_cache_dtype": registry.KV_CACHE_DTYPES,
+    "rollout.offload_method": registry.OFFLOAD_METHODS,
+    "rollout.offload_weights_for_compile": registry.SWITCH,
+    "quant.kernels.mosaic_nvfp4": registry.SWITCH,
+    "quant.kernels.compact_after_repack": registry.SWITCH,
+    "distributed.initialize": registry.SWITCH,
+    "quant.kernels.mosaic_schedule": registry.MOSAIC_SCHEDULES,
+    "quant.kernels.decode_matmul.weight_as_lhs": registry.WEIGHT_AS_LHS,
+    "quant.kernels.decode_matmul.decoder": registry.KERNEL_DECODERS,
+    "data.prompt_style": PROMPT_STYLES,
+    "data.task": TASKS,
+    "lora.target_modules": registry.LORA_PROJECTIONS,
+    "rewards.names": REWARDS,
+}
 
-    assert set(experiment_config.FORMATS) == set(known_formats())
-    assert experiment_config.SCHEDULES == aqn.SCHEDULES
-    assert experiment_config.TASKS == sources.TASKS
-    assert experiment_config.OFFLOAD_METHODS == device_offload.METHODS
-    assert experiment_config.KV_CACHE_DTYPES == sampling.KV_CACHE_DTYPES
-    assert experiment_config.ALL_PROJECTIONS == lora.ALL_PROJECTIONS
-    assert set(experiment_config.PRESET_NAMES) == set(PRESETS)
-    assert set(experiment_config.REWARD_NAMES) == set(REWARD_FUNCTIONS)
-    assert experiment_config.LOSS_TYPES == LOSS_TYPES
-    assert experiment_config.LOSS_TYPE_ALIASES == LOSS_TYPE_ALIASES
-    from qerl_jax.rewards.arithmetic import PHRASINGS
 
-    assert experiment_config.ARITHMETIC_PHRASINGS == PHRASINGS
-    from pallas_kernels import mxfp4_matmul, nf4_matmul, nvfp4_matmul
+@pytest.mark.parametrize("path", sorted(REGISTRY_FIELDS))
+def test_choices_are_read_from_the_registries(path):
+    """Each name field accepts every registered name and alias, and a name registered after
+    the schema was built; an unregistered name gets the registry's one-line refusal."""
+    names, check = REGISTRY_FIELDS[path], FIELDS[path].check
+    as_value = (lambda name: (name,)) if isinstance(FIELDS[path].default, tuple) else str
+    for name in names.names(with_aliases=True):
+        assert check(as_value(name)) is None, (path, name)
+    assert check(as_value("probe_name")) == names.unknown_message("probe_name")
+    names.register("probe_name", object())
+    try:
+        assert check(as_value("probe_name")) is None
+    finally:
+        names.unregister("probe_name")
+    assert check(as_value("probe_name")) == names.unknown_message("probe_name")
 
-    decoders = {d for spec in (nvfp4_matmul.NVFP4, mxfp4_matmul.MXFP4, nf4_matmul.NF4)
-                for d in spec.decoders}
-    assert set(experiment_config.KERNEL_DECODERS) == decoders
+
+def test_the_schema_keeps_no_copy_of_a_registry():
+    for name in ("FORMATS", "SCHEDULES", "TASKS", "LOSS_TYPES", "LOSS_TYPE_ALIASES",
+                 "REWARD_NAMES", "PRESET_NAMES", "KV_CACHE_DTYPES", "MOSAIC_SCHEDULES",
+                 "KERNEL_DECODERS", "ON_OFF_AUTO", "WEIGHT_AS_LHS", "OFFLOAD_METHODS",
+                 "ALL_PROJECTIONS", "PROMPT_STYLES"):
+        value = getattr(experiment_config, name, None)
+        assert value is None or isinstance(value, Registry), name
+    assert FIELDS["lora.target_modules"].default == registry.LORA_PROJECTIONS.names()
+
+
+def test_model_config_fields_equal_the_dataclass():
+    """model.overrides keys are ModelConfig's fields (the dataclass imports JAX)."""
+    from qerl_jax.models.config import ModelConfig
+
     assert experiment_config.MODEL_CONFIG_FIELDS == tuple(
         field.name for field in dataclasses.fields(ModelConfig))
-    for style in experiment_config.PROMPT_STYLES:
-        build_prompt_text(None, "q", style=style, use_chat_template=False)
-    with pytest.raises(ValueError, match="prompt style"):
-        build_prompt_text(None, "q", style="chat", use_chat_template=False)
+
+
+def test_aqn_needs_a_quantized_format_by_the_registry_fact():
+    for name in registry.FORMATS.names():
+        config = _with(_tiny(), quant__format=name)
+        if registry.FORMATS.fact(name, "is_quantized"):
+            validate_config(config)
+        else:
+            with pytest.raises(ConfigError, match=r"^config.aqn.enabled: AQN is defined"):
+                validate_config(config)
+
+
+def test_imports_are_imported_before_validation(tmp_path, monkeypatch):
+    (tmp_path / "schema_probe_plugin.py").write_text(
+        "from qerl_jax.registry import LOSS_NORMALIZERS\n"
+        "LOSS_NORMALIZERS.register('schema_probe_sum', object())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = _with(_tiny(), loss__loss_type="schema_probe_sum")
+    with pytest.raises(ConfigError, match=r"^config.loss.loss_type: unknown loss type "
+                                          r"'schema_probe_sum'; known: "):
+        validate_config(config)
+    try:
+        validate_config(_with(config, imports=("schema_probe_plugin",)))
+    finally:
+        registry.LOSS_NORMALIZERS.unregister("schema_probe_sum")
+    with pytest.raises(ConfigError) as error:
+        validate_config(_with(_tiny(), imports=("no_such_plugin_module",)))
+    assert str(error.value) == ("config.imports: cannot import 'no_such_plugin_module': "
+                                "ModuleNotFoundError: No module named 'no_such_plugin_module'")
+    with pytest.raises(ConfigError, match=r"^config.imports: must be a tuple of names"):
+        validate_config(_with(_tiny(), imports="schema_probe_plugin"))
 
 
 def test_config_module_imports_without_jax():
@@ -144,28 +202,34 @@ BAD_VALUES = [
     ("rollout.num_generations", 1, "must be >= 2, got 1"),
     ("rollout.max_new_tokens", 0, "must be > 0, got 0"),
     ("rollout.prompt_bucket", 0, "must be > 0, got 0"),
-    ("rollout.offload_weights_for_compile", "yes", "'yes' not in ('auto', 'on', 'off')"),
-    ("rollout.offload_method", "disk", "'disk' not in ('auto', 'numpy', 'pinned_host')"),
+    ("rollout.offload_weights_for_compile", "yes", "unknown switch 'yes'; known: auto, on, off"),
+    ("rollout.offload_method", "disk", "unknown offload method 'disk'; known: auto, numpy, "
+                                       "pinned_host"),
     ("aqn.sigma_start", -0.01, "must be > 0, got -0.01"),
     ("aqn.sigma_end", -1e-4, "must be > 0, got -0.0001"),
     ("aqn.stages", 2, "must be >= 3, got 2"),
-    ("aqn.schedule", "linear", "'linear' not in ('released_code', 'paper')"),
+    ("aqn.schedule", "linear", "unknown AQN schedule 'linear'; known: released_code, paper"),
     ("lora.alpha", 0.0, "must be > 0, got 0.0"),
     ("lora.rank", 0, "must be > 0, got 0"),
-    ("lora.target_modules", ("qkv_proj",), "unknown ['qkv_proj']"),
+    ("lora.target_modules", ("qkv_proj",), "unknown LoRA projection 'qkv_proj'; known: "
+                                           "q_proj, k_proj"),
     ("loss.epsilon_low", -0.1, "must be in [0, 1), got -0.1"),
     ("loss.epsilon_low", 1.0, "must be in [0, 1), got 1.0"),
     ("loss.epsilon_high", -0.1, "must be >= 0, got -0.1"),
     ("loss.beta", -0.04, "must be >= 0, got -0.04"),
     ("loss.top_entropy_quantile", 0.0, "must be in (0, 1], got 0.0"),
     ("loss.top_entropy_quantile", 1.2, "must be in (0, 1], got 1.2"),
-    ("loss.loss_type", "ppo", "'ppo' not in ('sequence_mean', 'micro_batch_token_mean', "
-                              "'constant_length_sum', 'batch_token_mean', 'grpo', 'bnpo', "
-                              "'dr_grpo', 'dapo')"),
+    ("loss.loss_type", "ppo", "unknown loss type 'ppo'; known: sequence_mean, "
+                              "micro_batch_token_mean, constant_length_sum, batch_token_mean, "
+                              "grpo, bnpo, dr_grpo, dapo"),
+    ("loss.policy_objective", "ppo", "unknown policy objective 'ppo'; known: "
+                                     "clipped_surrogate"),
+    ("loss.advantage_estimator", "rloo", "unknown advantage estimator 'rloo'; known: "
+                                         "group_normalized"),
     ("data.limit", -1, "must be >= 0, got -1"),
     ("data.max_prompt_length", 0, "must be > 0, got 0"),
-    ("data.prompt_style", "chat", "'chat' not in ('paper', 'system', 'plain')"),
-    ("data.task", "gsm9k", "'gsm9k' not in ('gsm8k', 'math', 'arithmetic')"),
+    ("data.prompt_style", "chat", "unknown prompt style 'chat'; known: paper, system, plain"),
+    ("data.task", "gsm9k", "unknown task 'gsm9k'; known: gsm8k, math, arithmetic"),
     ("eval.every_steps", -1, "must be >= 0, got -1"),
     ("eval.num_examples", 0, "must be > 0, got 0"),
     ("eval.max_new_tokens", -1, "must be >= 0, got -1"),
@@ -190,10 +254,10 @@ BAD_VALUES = [
     ("model.compute_dtype", "int8", "'int8' not in ('bfloat16', 'float32', 'float16')"),
     ("model.attention_query_chunk", -8, "must be >= 0, got -8"),
     ("model.attention_implementation", "flash", "'flash' not in ('auto', 'xla', 'cudnn')"),
-    ("model.preset", "qwen3_8b", "'qwen3_8b' not in ('', 'qwen2p5_0p5b'"),
-    ("quant.format", "fp8", "'fp8' not in ('bf16', 'nf4', 'mxfp4', 'nvfp4')"),
-    ("rewards.names", (), "must name at least one of"),
-    ("rewards.names", ("format", "accuracy"), "unknown ['accuracy']"),
+    ("model.preset", "qwen3_8b", "unknown model preset 'qwen3_8b'; known: qwen2p5_0p5b, "),
+    ("quant.format", "fp8", "unknown weight format 'fp8'; known: bf16, nvfp4, mxfp4, nf4"),
+    ("rewards.names", (), "must name at least one reward; known: "),
+    ("rewards.names", ("format", "accuracy"), "unknown reward 'accuracy'; known: "),
     ("rewards.names", ("format", "format"), "names a function twice"),
     ("seed", -1, "must be >= 0, got -1"),
     # types
@@ -201,8 +265,11 @@ BAD_VALUES = [
     ("train.prompts_per_step", True, "must be an integer, got True (bool)"),
     ("rollout.temperature", "1", "must be a number, got '1' (str)"),
     ("quant.kernels.enabled", 1, "must be True or False, got 1 (int)"),
-    ("quant.kernels.mosaic_nvfp4", "yes", "'yes' not in ('auto', 'on', 'off')"),
-    ("quant.kernels.compact_after_repack", "always", "'always' not in ('auto', 'on', 'off')"),
+    ("quant.kernels.mosaic_nvfp4", "yes", "unknown switch 'yes'; known: auto, on, off"),
+    ("quant.kernels.compact_after_repack", "always", "unknown switch 'always'; known: auto, "
+                                                     "on, off"),
+    ("quant.kernels.decode_matmul.decoder", "bits", "unknown 4-bit decoder 'bits'; known: "),
+    ("imports", ("ok", 3), "must be a tuple of names, got ('ok', 3) (tuple)"),
     ("quant.kernels.mosaic_prefetch_tiles", 4, "must be in [0, 3], got 4"),
     ("quant.kernels.decode_matmul.block_n", 48, "48 not in (16, 32, 64)"),
     ("data.path", None, "must be a string, got None (None)"),

@@ -12,6 +12,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from qerl_jax.registry import MODEL_PRESETS
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 # How the full-sequence (training) attention is computed; the cached sampler paths always use
 # the XLA einsums (prefill) or the decode-attention kernel (qerl_jax.models.attention_dispatch).
@@ -46,9 +48,8 @@ class ModelConfig:
     jax.checkpoint for training (gradient checkpointing). `attention_query_chunk`: the XLA
     attention of sequences longer than this runs over blocks of this many queries (lax.map,
     each block under jax.checkpoint), so the program's [chunk, S] float32 scores replace the
-    [T, S] ones (0, the default: all T queries at once). Measured on an H100 (docs/
-    decisions.md), chunks of 256 did not lower the 7B GRPO step's peak at T = 1280
-    (10.8 against 9.6 GiB): opt-in, for longer sequences.
+    [T, S] ones (0, the default: all T queries at once); opt-in, for long sequences (docs/
+    decisions.md has the measurement).
     `attention_implementation`: how the full-sequence attention (training and the log-prob
     passes) is computed: 'xla' (default) materializes the float32 [T, S] scores per layer;
     'cudnn' calls cuDNN's fused flash attention through jax.nn.dot_product_attention, which
@@ -254,12 +255,18 @@ class ModelConfig:
 
 # ------------------------------------------------------------------------------ presets
 # From the published HF config.json files of Qwen/Qwen2.5-*-Instruct.
+def register_preset(name: str):
+    """Registers a preset: a function (**overrides) -> ModelConfig."""
+    return MODEL_PRESETS.register(name)
+
+
 def _qwen2p5(**fields) -> ModelConfig:
     return ModelConfig(model_type="qwen2", rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                        attention_bias=True, max_position_embeddings=32768,
                        bos_token_id=151643, eos_token_id=(151645, 151643), **fields)
 
 
+@register_preset("qwen2p5_0p5b")
 def qwen2p5_0p5b(**overrides) -> ModelConfig:
     """Qwen2.5-0.5B (0.49B parameters, tied embeddings)."""
     return _qwen2p5(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -267,6 +274,7 @@ def qwen2p5_0p5b(**overrides) -> ModelConfig:
                     tie_word_embeddings=True).replace(**overrides)
 
 
+@register_preset("qwen2p5_1p5b")
 def qwen2p5_1p5b(**overrides) -> ModelConfig:
     """Qwen2.5-1.5B (1.54B parameters, tied embeddings)."""
     return _qwen2p5(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
@@ -274,6 +282,7 @@ def qwen2p5_1p5b(**overrides) -> ModelConfig:
                     tie_word_embeddings=True).replace(**overrides)
 
 
+@register_preset("qwen2p5_3b")
 def qwen2p5_3b(**overrides) -> ModelConfig:
     """Qwen2.5-3B (3.09B parameters, tied embeddings)."""
     return _qwen2p5(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
@@ -281,6 +290,7 @@ def qwen2p5_3b(**overrides) -> ModelConfig:
                     tie_word_embeddings=True).replace(**overrides)
 
 
+@register_preset("qwen2p5_7b")
 def qwen2p5_7b(**overrides) -> ModelConfig:
     """Qwen2.5-7B (7.62B parameters)."""
     return _qwen2p5(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
@@ -288,6 +298,7 @@ def qwen2p5_7b(**overrides) -> ModelConfig:
                     tie_word_embeddings=False).replace(**overrides)
 
 
+@register_preset("qwen2p5_14b")
 def qwen2p5_14b(**overrides) -> ModelConfig:
     """Qwen2.5-14B (14.7B parameters)."""
     return _qwen2p5(vocab_size=152064, hidden_size=5120, intermediate_size=13824,
@@ -295,6 +306,7 @@ def qwen2p5_14b(**overrides) -> ModelConfig:
                     tie_word_embeddings=False).replace(**overrides)
 
 
+@register_preset("qwen2p5_32b")
 def qwen2p5_32b(**overrides) -> ModelConfig:
     """Qwen2.5-32B (32.5B parameters)."""
     return _qwen2p5(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
@@ -302,6 +314,7 @@ def qwen2p5_32b(**overrides) -> ModelConfig:
                     tie_word_embeddings=False).replace(**overrides)
 
 
+@register_preset("qwen2p5_72b")
 def qwen2p5_72b(**overrides) -> ModelConfig:
     """Qwen2.5-72B (72.7B parameters)."""
     return _qwen2p5(vocab_size=152064, hidden_size=8192, intermediate_size=29568,
@@ -309,6 +322,7 @@ def qwen2p5_72b(**overrides) -> ModelConfig:
                     tie_word_embeddings=False).replace(**overrides)
 
 
+@register_preset("llama3p1_8b")
 def llama3p1_8b(**overrides) -> ModelConfig:
     """Llama-3.1-8B (8.03B parameters), from its published config.json."""
     return ModelConfig(
@@ -321,6 +335,7 @@ def llama3p1_8b(**overrides) -> ModelConfig:
         eos_token_id=(128001, 128008, 128009)).replace(**overrides)
 
 
+@register_preset("tiny_qwen2")
 def tiny_qwen2(**overrides) -> ModelConfig:
     """A tiny Qwen2-architecture model for CPU tests and the end-to-end default."""
     return ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -330,21 +345,11 @@ def tiny_qwen2(**overrides) -> ModelConfig:
                        compute_dtype="float32").replace(**overrides)
 
 
-PRESETS = {
-    "qwen2p5_0p5b": qwen2p5_0p5b,
-    "qwen2p5_1p5b": qwen2p5_1p5b,
-    "qwen2p5_3b": qwen2p5_3b,
-    "qwen2p5_7b": qwen2p5_7b,
-    "qwen2p5_14b": qwen2p5_14b,
-    "qwen2p5_32b": qwen2p5_32b,
-    "qwen2p5_72b": qwen2p5_72b,
-    "llama3p1_8b": llama3p1_8b,
-    "tiny_qwen2": tiny_qwen2,
-}
+PRESETS = MODEL_PRESETS   # name -> (**overrides) -> ModelConfig
 
 
 def preset(name: str, **overrides) -> ModelConfig:
     """Looks up a preset by name; raises a ValueError listing the known names."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
-    return PRESETS[name](**overrides)
+    if name not in MODEL_PRESETS:
+        raise ValueError(MODEL_PRESETS.unknown_message(name))
+    return MODEL_PRESETS.get(name)(**overrides)

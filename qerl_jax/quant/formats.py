@@ -6,8 +6,10 @@
 
 Every quantize takes keyword arguments `name` (for error messages) and `check_finite` (see
 validate_weight); the quantized formats return a QuantizedWeight, "bf16" returns the weight
-cast to bfloat16 (same layout as given). Each quantized format registers itself at the end of
-its module (nvfp4.py, mxfp4.py, nf4.py), which the package imports.
+cast to bfloat16 (same layout as given). Each format registers itself at the end of its module
+(nvfp4.py, mxfp4.py, nf4.py) into FORMATS (qerl_jax.registry lists the built-in names, so the
+config schema knows them without JAX). A plug-in format is one module that calls
+`register_format(Format(...))`; the XLA path dequantizes it with its own `dequantize`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qerl_jax.registry import FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Format:
       quantize: (weight [N, K], *, name=..., check_finite=...) -> QuantizedWeight (or array).
       dequantize: (quantized, dtype=None) -> [N, K] array.
       description: one line for docs and error messages.
+      is_quantized: quantize returns a QuantizedWeight (False: a dense array, as bf16's).
     """
 
     name: str
@@ -43,10 +47,7 @@ class Format:
     quantize: Callable[..., Any]
     dequantize: Callable[..., jax.Array]
     description: str
-
-    @property
-    def is_quantized(self) -> bool:
-        return self.name != "bf16"
+    is_quantized: bool = True
 
 
 def _bf16_quantize(weight: jax.Array, *, name: str = "weight", check_finite: bool = True,
@@ -95,39 +96,41 @@ def validate_weight(weight, *, block_size: int, format_name: str, name: str,
                          f"value(s); refusing to quantize to {format_name}")
 
 
-_FORMATS: dict[str, Format] = {}
-
-
 def register_format(fmt: Format) -> Format:
-    """Adds a format to the registry (names are unique)."""
-    if fmt.name in _FORMATS:
-        raise ValueError(f"weight format {fmt.name!r} is already registered")
-    _FORMATS[fmt.name] = fmt
-    return fmt
+    """Adds a format to FORMATS under its name (names are unique)."""
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register_format takes a Format, got {type(fmt).__name__}")
+    return FORMATS.register(fmt.name, fmt)
 
 
-register_format(Format(
+BF16 = register_format(Format(
     name="bf16", bits=16, block_size=1, bytes_per_parameter=2.0,
     quantize=_bf16_quantize, dequantize=_bf16_dequantize,
-    description="dense bfloat16, no quantization"))
+    description="dense bfloat16, no quantization", is_quantized=False))
+
+
 def known_formats() -> tuple[str, ...]:
-    return tuple(_FORMATS)
+    """The registered format names."""
+    return FORMATS.names()
 
 
 def quantized_format_names() -> tuple[str, ...]:
-    """The registered formats that make a QuantizedWeight (all but "bf16")."""
-    return tuple(name for name, fmt in _FORMATS.items() if fmt.is_quantized)
+    """The registered formats that make a QuantizedWeight."""
+    return tuple(name for name, fmt in FORMATS.items() if fmt.is_quantized)
 
 
 def get_format(name: str | Format) -> Format:
     """The Format registered under `name` (a Format is returned as is)."""
     if isinstance(name, Format):
         return name
-    try:
-        return _FORMATS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown weight format {name!r}; known formats: "
-                         f"{', '.join(_FORMATS)}") from None
+    if name not in FORMATS:
+        raise ValueError(FORMATS.unknown_message(name))
+    return FORMATS.get(name)
+
+
+def is_quantized_format(name: str | Format) -> bool:
+    """Whether the format makes a QuantizedWeight (False for a dense one such as bf16)."""
+    return get_format(name).is_quantized
 
 
 def bytes_per_parameter(format_name: str | Format) -> float:
@@ -148,5 +151,5 @@ def quantized_nbytes(tree: Any) -> int:
     return total
 
 
-__all__ = ["Format", "bytes_per_parameter", "get_format", "known_formats", "quantized_nbytes",
-           "register_format", "validate_weight"]
+__all__ = ["FORMATS", "Format", "bytes_per_parameter", "get_format", "is_quantized_format",
+           "known_formats", "quantized_nbytes", "register_format", "validate_weight"]

@@ -1,6 +1,10 @@
-"""RL objectives: group advantages and GRPO / BNPO / Dr. GRPO / DAPO policy losses."""
+"""RL objectives: advantage estimators, policy objectives and loss normalizers (each a
+registry: qerl_jax.registry), and the policy loss."""
 
-from qerl_jax.rl.advantages import group_advantages
-from qerl_jax.rl.losses import LOSS_TYPES, LossConfig, policy_loss_terms
+from qerl_jax.rl.advantages import advantages, group_advantages, register_advantage_estimator
+from qerl_jax.rl.losses import (LossConfig, loss_types, policy_loss_terms,
+                                register_loss_normalizer, register_policy_objective)
 
-__all__ = ["group_advantages", "LOSS_TYPES", "LossConfig", "policy_loss_terms"]
+__all__ = ["advantages", "group_advantages", "register_advantage_estimator", "LossConfig",
+           "loss_types", "policy_loss_terms", "register_loss_normalizer",
+           "register_policy_objective"]

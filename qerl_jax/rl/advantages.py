@@ -1,11 +1,29 @@
-"""Group-relative advantages (GRPO; QeRL facts section 3)."""
+"""Advantage estimators by name (ADVANTAGE_ESTIMATORS): rewards [P * G] -> advantages
+[P * G]; the default is GRPO's group-normalized one (QeRL facts section 3)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from qerl_jax.registry import ADVANTAGE_ESTIMATORS
 
+
+def register_advantage_estimator(name: str):
+    """Registers an advantage estimator: (rewards [P * G] float, group_size G) -> [P * G]
+    float32, rows prompt-major (row p*G + g)."""
+    return ADVANTAGE_ESTIMATORS.register(name)
+
+
+def advantages(rewards: jax.Array, group_size: int, estimator: str = "group_normalized"
+               ) -> jax.Array:
+    """The advantages [P * G] of rewards [P * G] by the registered `estimator`."""
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(ADVANTAGE_ESTIMATORS.unknown_message(estimator))
+    return ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_size)
+
+
+@register_advantage_estimator("group_normalized")
 def group_advantages(rewards: jax.Array, group_size: int, eps: float = 1e-4) -> jax.Array:
     """A_i = (r_i - mean_g) / (std_g + eps), std unbiased (N-1), per group of G samples.
 

@@ -1,12 +1,15 @@
-"""Clipped policy-gradient losses with optional k3 KL (QeRL facts section 3).
+"""Policy losses: a registered per-token objective, optional k3 KL, and a registered
+normalizer (QeRL facts section 3).
 
-Per token (rho = exp(logp - logp_old)):
+Per token (rho = exp(logp - logp_old)), the policy objective (POLICY_OBJECTIVES) gives pg; the
+default, clipped_surrogate, is PPO's clipped ratio with DAPO's asymmetric clip range:
   pg  = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
   kl  = exp(ref - logp) - (ref - logp) - 1            (k3; only when beta != 0)
   l   = pg * entropy_mask + beta * kl
 How the per-token losses l over valid tokens m are aggregated is the loss type, a registered
-normalizer (returned as numerator and denominator, so micro-batching stays exact). Named for
-what they compute; the names of the papers and TRL are aliases that keep working:
+normalizer (LOSS_NORMALIZERS; returned as numerator and denominator, so micro-batching stays
+exact). Named for what they compute; the names of the papers and TRL are aliases
+(qerl_jax.registry lists them):
   sequence_mean           sum_i [sum_t l m / max(sum_t m, 1)] / sequences        (grpo)
   micro_batch_token_mean  sum l m / max(sum m, 1) per micro-batch, averaged      (bnpo; QeRL's
                           released "DAPO" runs)
@@ -27,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from qerl_jax.registry import LOSS_NORMALIZERS, POLICY_OBJECTIVES
+
 
 class LossNormalizer(NamedTuple):
     """(masked per-token losses [B, T], mask [B, T], sequences, global valid tokens, config)
@@ -36,25 +41,26 @@ class LossNormalizer(NamedTuple):
     global_denominator: bool
 
 
-LOSS_NORMALIZERS: dict[str, LossNormalizer] = {}
-LOSS_TYPE_ALIASES = {"grpo": "sequence_mean", "bnpo": "micro_batch_token_mean",
-                     "dr_grpo": "constant_length_sum", "dapo": "batch_token_mean"}
-
-
-def register_loss_normalizer(name: str, *, global_denominator: bool):
+def register_loss_normalizer(name: str, *, global_denominator: bool, aliases=()):
     """Registers a loss type: a new normalizer is one decorated function."""
     def decorate(function):
-        LOSS_NORMALIZERS[name] = LossNormalizer(function, global_denominator)
+        LOSS_NORMALIZERS.register(name, LossNormalizer(function, global_denominator),
+                                  aliases=aliases)
         return function
     return decorate
 
 
+def register_policy_objective(name: str):
+    """Registers a policy objective: (logprobs [B, T], old_logprobs [B, T], advantages [B, 1]
+    float32, config) -> (per-token loss [B, T], clipped [B, T] bool, for the clip metric)."""
+    return POLICY_OBJECTIVES.register(name)
+
+
 def canonical_loss_type(name: str) -> str:
     """The registered name of a loss type or of one of its aliases (grpo, bnpo, ...)."""
-    name = LOSS_TYPE_ALIASES.get(name, name)
     if name not in LOSS_NORMALIZERS:
-        raise ValueError(f"loss_type={name!r} not in {LOSS_TYPES}")
-    return name
+        raise ValueError(LOSS_NORMALIZERS.unknown_message(name))
+    return LOSS_NORMALIZERS.canonical(name)
 
 
 @register_loss_normalizer("sequence_mean", global_denominator=True)
@@ -85,15 +91,29 @@ def _batch_token_mean(masked, mask, sequences, global_valid_tokens, config):
     return masked.sum(), jnp.maximum(jnp.asarray(global_valid_tokens, jnp.float32), 1.0)
 
 
-# every accepted value of loss_type: the registered names, then their aliases
-LOSS_TYPES = tuple(LOSS_NORMALIZERS) + tuple(LOSS_TYPE_ALIASES)
+@register_policy_objective("clipped_surrogate")
+def clipped_surrogate(logprobs, old_logprobs, advantages, config):
+    """-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) per token [B, T] (PPO's clipped
+    ratio, DAPO's clip-higher); clipped: the tokens whose ratio the clip holds."""
+    ratio = jnp.exp(logprobs - old_logprobs)
+    clipped_ratio = jnp.clip(ratio, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
+    per_token = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
+    is_clipped = (((ratio < 1.0 - config.epsilon_low) & (advantages < 0))
+                  | ((ratio > 1.0 + config.epsilon_high) & (advantages > 0)))
+    return per_token, is_clipped
+
+
+def loss_types() -> tuple[str, ...]:
+    """Every accepted value of loss_type: the registered names, then their aliases."""
+    return LOSS_NORMALIZERS.names(with_aliases=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """loss_type, clip range, KL weight, entropy-quantile filter and length normalizer."""
+    """Policy objective, loss_type, clip range, KL weight, entropy-quantile filter and length
+    normalizer."""
 
-    loss_type: str = "micro_batch_token_mean"   # or an alias (LOSS_TYPE_ALIASES)
+    loss_type: str = "micro_batch_token_mean"   # a LOSS_NORMALIZERS name or alias
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
     beta: float = 0.0
@@ -102,9 +122,12 @@ class LossConfig:
     # truncated importance sampling against the rollout policy: token weight
     # min(pi_old / pi_rollout, cap) (0 = off)
     rollout_is_cap: float = 0.0
+    policy_objective: str = "clipped_surrogate"   # a POLICY_OBJECTIVES name
 
     def __post_init__(self):
         canonical_loss_type(self.loss_type)
+        if self.policy_objective not in POLICY_OBJECTIVES:
+            raise ValueError(POLICY_OBJECTIVES.unknown_message(self.policy_objective))
         if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0):
             raise ValueError(f"clip range epsilon_low={self.epsilon_low}, epsilon_high="
                              f"{self.epsilon_high} is invalid")
@@ -119,7 +142,7 @@ class LossConfig:
 
     @property
     def denominator_is_global(self) -> bool:
-        return LOSS_NORMALIZERS[canonical_loss_type(self.loss_type)].global_denominator
+        return LOSS_NORMALIZERS.get(self.loss_type).global_denominator
 
 
 @struct.dataclass
@@ -186,10 +209,9 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
       global_sequences: sequences of the whole generation batch (grpo, dr_grpo); defaults to B.
     """
     mask = mask.astype(jnp.float32)
-    ratio = jnp.exp(logprobs - old_logprobs)
     adv = advantages[:, None].astype(jnp.float32)
-    clipped_ratio = jnp.clip(ratio, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-    per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)
+    objective = POLICY_OBJECTIVES.get(config.policy_objective)
+    per_token, is_clipped = objective(logprobs, old_logprobs, adv, config)
     if config.top_entropy_quantile < 1.0:
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs per-token entropies")
@@ -210,11 +232,9 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
         per_token = per_token + config.beta * kl
     sequences = mask.shape[0] if global_sequences is None else global_sequences
     masked = per_token * mask
-    normalizer = LOSS_NORMALIZERS[canonical_loss_type(config.loss_type)]
+    normalizer = LOSS_NORMALIZERS.get(config.loss_type)
     numerator, denominator = normalizer.function(masked, mask, sequences, global_valid_tokens,
                                                  config)
-    is_clipped = (((ratio < 1.0 - config.epsilon_low) & (adv < 0))
-                  | ((ratio > 1.0 + config.epsilon_high) & (adv > 0)))
     return LossTerms(numerator=numerator, denominator=denominator, valid_tokens=mask.sum(),
                      clipped_tokens=(is_clipped * mask).sum(),
                      kl_sum=jax.lax.stop_gradient((kl * mask).sum()))
@@ -245,11 +265,9 @@ def head_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax.Array,
     back the cotangent in one elementwise pass:
         d/dz_i = g_logp (1[i = token] - p_i) - g_H p_i (log p_i + H),
     (H = -sum_i p_i log p_i; d log p_token / dz_i = 1[i = token] - p_i), divided by T, then
-    through logits_fn's own VJP (CausalLM's head rounds it to the head's dtype). In the 7B
-    training program (2 x 256 positions, 152k vocabulary) XLA's buffer assignment held four
-    float32 [..., V] values of 297 MiB with autodiff (the two head GEMM outputs, the
-    take_along_axis gradient's scatter, a broadcast) and the two GEMM outputs with this
-    backward (benchmarks/memory_breakdown.py --dump on an H100, commit 63484a7).
+    through logits_fn's own VJP (CausalLM's head rounds it to the head's dtype). Autodiff's
+    backward keeps the take_along_axis gradient's scatter and a broadcast [..., V] besides the
+    two head GEMM outputs; this one keeps the GEMM outputs only.
     """
     converted, consts = jax.closure_convert(logits_fn, hidden)
     return _head_logprobs_and_entropy(converted, float(temperature), hidden, tokens, *consts)
@@ -295,8 +313,7 @@ def chunked_token_logprobs_and_entropy(hidden: jax.Array, logits_fn, tokens: jax
 
     hidden [B, N, H], tokens [B, N] -> (log p [B, N], entropy [B, N]) float32. Each chunk goes
     through head_logprobs_and_entropy inside lax.map, so neither the forward nor the backward
-    pass holds the whole [B, N, V] float32 logits (with a 152k vocabulary, 1024 completion
-    tokens and 2 rows that is 1.2 GB per copy), and each chunk's backward holds one float32
+    pass holds the whole [B, N, V] float32 logits, and each chunk's backward holds one float32
     [B, chunk, V] array. Same values as the unchunked computation (each position's logits are
     the same dot); chunk_size <= 0 or >= N computes it in one piece.
 

@@ -12,10 +12,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from qerl_jax.rl.advantages import group_advantages
+from qerl_jax.rl.advantages import advantages as estimate_advantages
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
                                  policy_loss_terms, rollout_mismatch_sums)
-from qerl_jax.sampling import SamplingConfig, bucket_length
 
 
 class TrainPrograms(NamedTuple):
@@ -118,15 +117,20 @@ def make_train_programs(graphdef, loss_config: LossConfig,
                          apply_update_copy, scale)
 
 
-def training_batch(groups: list[dict], sampling: SamplingConfig, *, mask_truncated: bool):
+def training_batch(groups: list[dict], *, group_size: int, prompt_length: int,
+                   completion_length: int, mask_truncated: bool,
+                   advantage_estimator: str = "group_normalized"):
     """The training arrays of the rollout groups (prompt_tokens, prompt_mask, rollout, scores per
-    group): left-padded prompt + completion tokens, masks, group advantages and the rollout's
-    log-probs. Returns (batch, rewards by name, completion_mask, truncated)."""
-    group = sampling.num_generations
-    prompt_length = bucket_length(max(len(g["prompt_tokens"]) for g in groups),
-                                  sampling.prompt_bucket)
+    group; group_size completions of completion_length tokens each): prompts left-padded to
+    prompt_length (>= the longest) + completion tokens, masks, the advantages of the registered
+    `advantage_estimator` and the rollout's log-probs. Returns (batch, rewards by name,
+    completion_mask, truncated)."""
+    group = group_size
+    longest = max(len(g["prompt_tokens"]) for g in groups)
+    if prompt_length < longest:
+        raise ValueError(f"prompt_length={prompt_length} is shorter than the longest prompt "
+                         f"({longest} tokens)")
     rows = len(groups) * group
-    completion_length = sampling.max_new_tokens
     tokens = np.zeros((rows, prompt_length + completion_length), np.int32)
     attention = np.zeros_like(tokens, dtype=np.bool_)
     completion_tokens = np.zeros((rows, completion_length), np.int32)
@@ -153,7 +157,7 @@ def training_batch(groups: list[dict], sampling: SamplingConfig, *, mask_truncat
     if mask_truncated:
         loss_mask &= ~truncated[:, None]
     total = np.asarray(rewards["total"], np.float32)
-    advantages = np.asarray(group_advantages(jnp.asarray(total), group))
+    advantages = np.asarray(estimate_advantages(jnp.asarray(total), group, advantage_estimator))
     batch = {"tokens": tokens, "attention_mask": attention,
              "completion_tokens": completion_tokens, "loss_mask": loss_mask,
              "advantages": advantages, "rollout_logprobs": rollout_logprobs}

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from qerl_jax.rl.advantages import group_advantages, zero_variance_groups
-from qerl_jax.rl.losses import (LOSS_TYPE_ALIASES, LOSS_TYPES, LossConfig,
-                                chunked_token_logprobs_and_entropy, entropy_threshold_mask,
-                                policy_loss_terms, rollout_mismatch_sums,
-                                token_logprobs_and_entropy)
+from qerl_jax.registry import LOSS_NORMALIZERS
+from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
+                                entropy_threshold_mask, loss_types, policy_loss_terms,
+                                rollout_mismatch_sums, token_logprobs_and_entropy)
+
+LOSS_TYPE_ALIASES = LOSS_NORMALIZERS.aliases()
 
 
 def _batch(rng, batch=6, length=7):
@@ -58,7 +60,7 @@ def _numpy_loss_and_grad(logp, old, ref, adv, mask, entropy, cfg, global_tokens=
     return loss, grad
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", loss_types())
 @pytest.mark.parametrize("beta,quantile", [(0.0, 1.0), (0.04, 1.0), (0.04, 0.5)])
 def test_loss_and_gradient_match_float64(loss_type, beta, quantile):
     rng = np.random.default_rng()
