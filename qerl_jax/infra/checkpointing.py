@@ -3,8 +3,9 @@ and data position, written only at step boundaries.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed
 mid-save resumes from the last complete checkpoint. Restoring falls back from a damaged newest
-checkpoint to the newest one that restores (the damaged one is moved aside, never deleted), and
-a failed write (a full disk) is one error naming the path, with the earlier checkpoints intact.
+checkpoint to the newest one that restores (the damaged one is moved aside, never deleted); an
+intact one that does not fit the configured run is refused, not moved; a failed write (a full
+disk) is one error naming the path, with the earlier checkpoints intact.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from qerl_jax.infra.errors import TrainingStopped
+from qerl_jax.infra.errors import StorageError, TrainingStopped
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,29 @@ def _restore_target(leaf):
     return np.zeros(np.shape(leaf), np.asarray(leaf).dtype)
 
 
+class CheckpointMismatch(ValueError):
+    """An intact checkpoint that does not fit the configured run (other shapes, another number
+    of arrays, another seed): the config changed, the checkpoint is not damaged."""
+
+
+def _leaf_name(path) -> str:
+    """'trainable/layers/0/mlp/up_proj/lora_a' for a pytree key path."""
+    parts = []
+    for key in path:
+        for attribute in ("key", "idx", "name"):
+            if hasattr(key, attribute):
+                parts.append(str(getattr(key, attribute)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
 def check_resume_meta(meta: dict, seed: int) -> None:
-    """ValueError unless a checkpoint's metadata fits a run of `seed`: the same seed and a
-    data_position [epoch, index]."""
+    """ValueError unless a checkpoint's metadata fits a run of `seed`: the same seed
+    (CheckpointMismatch otherwise) and a data_position [epoch, index]."""
     if meta.get("seed") != seed:
-        raise ValueError(f"its seed {meta.get('seed')} != config.seed {seed}")
+        raise CheckpointMismatch(f"its seed {meta.get('seed')} != config.seed {seed}")
     position = meta.get("data_position")
     if not (isinstance(position, list) and len(position) == 2):
         raise ValueError(f"its data_position {position!r} is not [epoch, index]")
@@ -139,8 +158,8 @@ class TrainingCheckpoints:
             steps = self.all_steps()
             kept = (f"checkpoints of steps {steps} are intact" if steps
                     else "no earlier checkpoint")
-            raise TrainingStopped(f"could not write checkpoint {self.step_path(step)}: "
-                                  f"{_first_line(error)}; {kept}") from error
+            raise StorageError(f"could not write checkpoint {self.step_path(step)}: "
+                               f"{_first_line(error)}; {kept}") from error
         if self.latest_step() != step:
             raise TrainingStopped(f"checkpoint {self.step_path(step)} was not written")
 
@@ -160,12 +179,43 @@ class TrainingCheckpoints:
         with contextlib.suppress(Exception):
             self.manager.reload()
 
+    def _saved_shapes(self, step: int) -> dict[str, tuple] | None:
+        """{leaf key: shape} from checkpoint `step`'s array metadata (no array is read); None
+        when the metadata does not read (damage, found by the restore itself)."""
+        try:
+            with _quiet_orbax():
+                metadata = ocp.StandardCheckpointer().metadata(
+                    os.path.join(self.step_path(step), "arrays"))
+            tree = getattr(metadata, "item_metadata", metadata)
+            tree = getattr(tree, "tree", tree)
+            return {key: tuple(value.shape) for key, value in dict(tree).items()}
+        except Exception:   # any damage or another orbax's metadata layout
+            return None
+
+    def _check_fits(self, step: int, paths_and_leaves: list) -> None:
+        """CheckpointMismatch when checkpoint `step` holds another number of arrays or other
+        shapes than the template's leaves (the config changed)."""
+        shapes = self._saved_shapes(step)
+        if shapes is None:
+            return
+        if len(shapes) != len(paths_and_leaves):
+            raise CheckpointMismatch(f"it holds {len(shapes)} arrays, the configured run "
+                                     f"needs {len(paths_and_leaves)}")
+        for index, (path, leaf) in enumerate(paths_and_leaves):
+            saved = shapes.get(f"{index:06d}")
+            if saved is not None and saved != tuple(np.shape(leaf)):
+                raise CheckpointMismatch(
+                    f"array {index} ({_leaf_name(path)}) has shape {saved}, the configured "
+                    f"run needs {tuple(np.shape(leaf))}")
+
     def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict]:
         """(arrays shaped like `template`, meta) of checkpoint `step`; raises on any failure."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        template_leaves, treedef = jax.tree_util.tree_flatten(template)
+        paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+        template_leaves = [leaf for _, leaf in paths_and_leaves]
+        self._check_fits(step, paths_and_leaves)
         abstract = {f"{index:06d}": _restore_target(leaf)
                     for index, leaf in enumerate(template_leaves)}
         with _quiet_orbax():
@@ -173,14 +223,15 @@ class TrainingCheckpoints:
                 arrays=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         leaves = restored["arrays"]
         if len(leaves) != len(template_leaves):
-            raise ValueError(f"it holds {len(leaves)} arrays, the configured model needs "
-                             f"{len(template_leaves)}")
+            raise CheckpointMismatch(f"it holds {len(leaves)} arrays, the configured run "
+                                     f"needs {len(template_leaves)}")
         values = []
         for index, leaf in enumerate(template_leaves):
             value = leaves[f"{index:06d}"]
             if np.shape(value) != np.shape(leaf):
-                raise ValueError(f"array {index} has shape {np.shape(value)}, the configured "
-                                 f"model needs {np.shape(leaf)}")
+                raise CheckpointMismatch(
+                    f"array {index} ({_leaf_name(paths_and_leaves[index][0])}) has shape "
+                    f"{np.shape(value)}, the configured run needs {np.shape(leaf)}")
             values.append(value if _on_many_devices(leaf)
                           else jax.numpy.asarray(value, dtype=np.asarray(leaf).dtype))
         meta = restored["meta"]
@@ -193,7 +244,9 @@ class TrainingCheckpoints:
         checkpoints. A checkpoint that fails to restore (or `check(meta)` rejects with a
         ValueError) is skipped with one warning naming its path and why, and, unless read-only,
         moved aside to checkpoints_damaged/ so a later save of that step is not refused. When
-        checkpoints exist and none restores: TrainingStopped listing each."""
+        checkpoints exist and none restores: TrainingStopped listing each. An intact
+        checkpoint that does not fit the template or `check` (CheckpointMismatch: the config
+        changed) is not damage: it propagates, naming the checkpoint, and nothing is moved."""
         steps = self.all_steps()
         if not steps:
             return None
@@ -204,7 +257,10 @@ class TrainingCheckpoints:
                 if check is not None:
                     check(meta)
                 return arrays, meta, step
-            except Exception as error:   # any damage: missing files, bad JSON, wrong shapes
+            except CheckpointMismatch as error:
+                raise CheckpointMismatch(f"checkpoint {self.step_path(step)} does not fit the "
+                                         f"configured run: {error}") from None
+            except Exception as error:   # any damage: missing files, bad JSON, torn arrays
                 reason = _first_line(error)
                 failures.append(f"{self.step_path(step)} ({reason})")
                 logger.warning("skipping checkpoint %s: %s", self.step_path(step), reason)

@@ -13,9 +13,12 @@ import subprocess
 
 import jax
 
+from qerl_jax.infra.atomic_io import storage_errors, write_text_atomic
 from qerl_jax.infra.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def peak_memory_bytes() -> int:
@@ -63,7 +66,7 @@ class MetricsWriter:
         """enabled=False: start, write and close do nothing (a run's processes but the
         first: one writer per run)."""
         self.enabled = enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = os.path.join(workdir, METRICS_FILE)
         self.tensorboard_directory = os.path.join(workdir, "tensorboard")
         self.want_tensorboard = tensorboard
         self.tensorboard = None
@@ -84,7 +87,8 @@ class MetricsWriter:
     def start(self, resume_step: int) -> None:
         """Cuts metrics.jsonl back to the steps before `resume_step` (0: empties it), so a run
         never holds a step twice; a torn last line (a kill or a full disk mid-append) is
-        dropped with one warning naming the file."""
+        dropped with one warning naming the file. The cut file replaces the old one atomically:
+        a failed write (StorageError naming the file) leaves it as it was."""
         if not self.enabled:
             return
         rows: list[dict] = []
@@ -98,26 +102,27 @@ class MetricsWriter:
             missing = sorted(set(range(resume_step)) - set(steps))
             logger.warning("%s: steps %s have no metrics row (an earlier run lost them); "
                            "continuing from step %d", self.path, missing[:10], resume_step)
-        temporary = f"{self.path}.tmp-{os.getpid()}"
-        with open(temporary, "w") as handle:
-            for row in kept:
-                handle.write(json.dumps(row, sort_keys=True, allow_nan=False) + "\n")
-        os.replace(temporary, self.path)
-        self._open_tensorboard()
+        write_text_atomic(self.path, "".join(
+            json.dumps(row, sort_keys=True, allow_nan=False) + "\n" for row in kept))
+        with storage_errors(self.tensorboard_directory):
+            self._open_tensorboard()
 
     def write(self, metrics: dict) -> None:
+        """Appends one row (None and non-finite values as null); StorageError naming the file
+        when it cannot be written."""
         if not self.enabled:
             return
         row = {name: _finite_or_none(value) for name, value in metrics.items()}
         line = json.dumps(row, sort_keys=True, allow_nan=False) + "\n"
-        with open(self.path, "a") as handle:
+        with storage_errors(self.path), open(self.path, "a") as handle:
             handle.write(line)
             handle.flush()
         if self.tensorboard is not None:
-            for name, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tensorboard.add_scalar(name, value, metrics["step"])
-            self.tensorboard.flush()
+            with storage_errors(self.tensorboard_directory):
+                for name, value in metrics.items():
+                    if isinstance(value, (int, float)) and math.isfinite(value):
+                        self.tensorboard.add_scalar(name, value, metrics["step"])
+                self.tensorboard.flush()
 
     def close(self) -> None:
         if self.tensorboard is not None:
@@ -127,7 +132,42 @@ class MetricsWriter:
 
 def read_metrics(workdir: str) -> list[dict]:
     """The rows of a run's metrics.jsonl (a torn last line is left out)."""
-    return _read_lines(os.path.join(workdir, "metrics.jsonl"))[0]
+    return _read_lines(os.path.join(workdir, METRICS_FILE))[0]
+
+
+def summary_window(count: int) -> int:
+    """Steps per end window of a run's closing summary: a tenth of `count`, at least one."""
+    return max(1, count // 10)
+
+
+def _window_mean(rows: list[dict], key: str) -> float | None:
+    values = [row[key] for row in rows if isinstance(row.get(key), (int, float))
+              and not isinstance(row.get(key), bool) and math.isfinite(row[key])]
+    return sum(values) / len(values) if values else None
+
+
+def run_summary(rows: list[dict]) -> str | None:
+    """The closing line of a run: mean reward, accuracy and entropy over its first and its last
+    tenth of training steps (10 steps of 100; at least one), from its metrics rows (evaluation
+    rows, which have no reward, are left out); None without training rows."""
+    steps = sorted({row["step"]: row for row in rows if "reward" in row}.items())
+    if not steps:
+        return None
+    window = summary_window(len(steps))
+    first = [row for _, row in steps[:window]]
+    last = [row for _, row in steps[-window:]]
+
+    def span(part: list[dict]) -> str:
+        return (f"{part[0]['step']}" if len(part) == 1
+                else f"{part[0]['step']}-{part[-1]['step']}")
+
+    def change(key: str) -> str:
+        before, after = _window_mean(first, key), _window_mean(last, key)
+        text = [f"{value:.3f}" if value is not None else "n/a" for value in (before, after)]
+        return f"{key} {text[0]} -> {text[1]}"
+
+    return (f"steps {steps[0][0]}..{steps[-1][0]}: {change('reward')}, {change('accuracy')}, "
+            f"{change('entropy')} (means over steps {span(first)} and {span(last)})")
 
 
 def git_revision() -> str:

@@ -1,6 +1,6 @@
 """A run directory's record and guards: run.json keeps every start's config (a list, never
-overwritten), a resume may not silently change what is trained, and a fresh run never mixes
-its files with an earlier run's.
+overwritten), a resume may not silently change what is trained or silently start over, and a
+fresh run never mixes its files with an earlier run's (they are moved aside, never deleted).
 
 run.json: {"starts": [{"config", "seed", "start_step", "resumed", "started_at", "git_revision",
 "versions", "devices", "config_changes"}, ...]}; the last start's config is the current one.
@@ -9,15 +9,16 @@ Files of the older single-start form ({"config", "seed", ...}) read as one start
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import shutil
 import time
 from typing import Any
 
-from qerl_jax.infra.atomic_io import write_json_atomic
+from qerl_jax.infra.atomic_io import storage_errors, write_json_atomic
 from qerl_jax.infra.errors import ConfigError
-from qerl_jax.experiment_config import FIELDS, LOSS_TYPE_ALIASES
+from qerl_jax.experiment_config import FIELDS
+from qerl_jax.registry import LOSS_NORMALIZERS
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -25,6 +26,7 @@ CHECKPOINTS = "checkpoints"
 # What a run writes besides the warm-up cache (which is keyed by its own settings and reused).
 RUN_STATE = (RUN_FILE, METRICS_FILE, CHECKPOINTS, "checkpoints_damaged", "curves.png",
              "tensorboard")
+REPLACED_PREFIX = "replaced-"   # + UTC time: an earlier run's files, moved aside by a new start
 
 # Fields that change how a run executes or is recorded, not what it trains: they may change
 # on resume (and are recorded). Every other field is refused without allow_config_changes.
@@ -60,7 +62,7 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
 
 
 # Values that name the same thing: compared by what they mean, not how they are spelled.
-_SAME_MEANING = {"loss.loss_type": LOSS_TYPE_ALIASES}
+_SAME_MEANING = {"loss.loss_type": LOSS_NORMALIZERS.aliases()}
 
 
 def _json_form(value):
@@ -131,27 +133,78 @@ def earlier_run_files(workdir: str) -> list[str]:
     return present
 
 
-def prepare_workdir(workdir: str, config_dict: dict, *, resume: bool, overwrite: bool,
-                    allow_config_changes: bool) -> list[dict]:
-    """Checks `workdir` before any work: a fresh run into a directory holding an earlier run is
-    refused unless `overwrite` (then the earlier run's files are removed; the warm-up cache
-    stays); a resume whose config changes a field that changes what is trained is refused with
-    one line per field unless `allow_config_changes`. Returns the changes against the last
-    start (to record)."""
-    present = earlier_run_files(workdir)
+def checkpoint_steps(workdir: str) -> list[int]:
+    """The steps of the complete checkpoints under `workdir`/checkpoints (orbax names each
+    complete step's directory by its number)."""
+    directory = os.path.join(workdir, CHECKPOINTS)
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory)
+                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def check_workdir_path(workdir: str) -> None:
+    """ConfigError naming the path unless `workdir` is, or can be created as, a writable
+    directory (read-only: nothing is created)."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir {workdir}: exists and is not a directory")
+    existing = workdir
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--workdir {workdir}: cannot be created, {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--workdir {workdir}: {existing} is not writable")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkdirPlan:
+    """What a start does to its run directory: the config changes against the last start (to
+    record) and the earlier run's files it moves into a replaced-<UTC time>/ folder."""
+
+    config_changes: list
+    move_aside: tuple[str, ...] = ()
+
+
+def check_workdir(workdir: str, config_dict: dict, *, resume: bool, overwrite: bool,
+                  allow_config_changes: bool, restart: bool = False) -> WorkdirPlan:
+    """Checks `workdir` before any work and touches nothing (ConfigError, one line, when the
+    start is refused):
+      - a fresh run into a directory holding an earlier run is refused unless `overwrite`
+        (which moves the earlier run's files aside; the warm-up cache stays);
+      - a resume with no complete checkpoint into a directory holding metrics or moved-aside
+        checkpoints is refused unless `restart` (start over at step 0, the earlier files moved
+        aside);
+      - a resume whose config changes a field that changes what is trained is refused with
+        one line per field unless `allow_config_changes`."""
+    check_workdir_path(workdir)
+    present = tuple(earlier_run_files(workdir))
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
+    if restart and not resume:
+        raise ConfigError("--restart goes with --resume (a fresh run replaces an earlier one "
+                          "with --overwrite)")
     if not resume:
         if present and not overwrite:
             raise ConfigError(f"{workdir} holds an earlier run ({', '.join(present)}): pass "
-                              "--resume to continue it or --overwrite to replace it")
-        for name in present:
-            path = os.path.join(workdir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        return []
+                              "--resume to continue it or --overwrite to replace it (the "
+                              "earlier files are moved into replaced-<time>/)")
+        return WorkdirPlan([], present)
+    if not checkpoint_steps(workdir):
+        leftovers = [name for name in present if name != RUN_FILE]
+        if leftovers and not restart:
+            raise ConfigError(
+                f"{workdir}: --resume found no checkpoint in {os.path.join(workdir, CHECKPOINTS)}"
+                f" to continue from, but the run left {', '.join(leftovers)}: pass --restart "
+                "to start over at step 0 (the earlier files are moved into replaced-<time>/)")
+        if leftovers:
+            return WorkdirPlan([], present)
     starts = read_starts(workdir)
     if not starts:
-        return []
+        return WorkdirPlan([])
     changes = config_changes(starts[-1]["config"], config_dict)
     refused = [change for change in changes if not change["harmless"]]
     if refused and not allow_config_changes:
@@ -160,7 +213,46 @@ def prepare_workdir(workdir: str, config_dict: dict, *, resume: bool, overwrite:
         raise ConfigError("\n".join(lines) + "\nthese change what is trained: restore them, "
                           "or pass --allow_config_change to resume with them (recorded in "
                           "run.json)")
-    return changes
+    return WorkdirPlan(changes)
+
+
+def changes_note(changes: list[dict]) -> str:
+    """What a resume changed that changes what is trained, in one clause: the reason an intact
+    checkpoint does not fit."""
+    changed = [f"config.{c['field']} {c['old']!r} -> {c['new']!r}" for c in changes
+               if not c["harmless"]]
+    if not changed:
+        return "no config field changed since the run being resumed"
+    return (f"changed since the run being resumed: {', '.join(changed)} (resume with the "
+            "earlier values, or start a new run in another --workdir)")
+
+
+def move_aside(workdir: str, names: tuple[str, ...]) -> str | None:
+    """Moves the earlier run's files `names` of `workdir` into `workdir`/replaced-<UTC time>/
+    (never deleting anything) and returns that folder; None when there is nothing to move."""
+    if not names:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = os.path.join(workdir, f"{REPLACED_PREFIX}{stamp}")
+    suffix = 1
+    while os.path.exists(target):
+        suffix += 1
+        target = os.path.join(workdir, f"{REPLACED_PREFIX}{stamp}-{suffix}")
+    with storage_errors(target, "move the earlier run's files into"):
+        os.makedirs(target)
+        for name in names:
+            os.rename(os.path.join(workdir, name), os.path.join(target, name))
+    return target
+
+
+def prepare_workdir(workdir: str, config_dict: dict, *, resume: bool, overwrite: bool,
+                    allow_config_changes: bool, restart: bool = False) -> list[dict]:
+    """check_workdir, then the earlier run's files moved aside: the config changes (to
+    record)."""
+    plan = check_workdir(workdir, config_dict, resume=resume, overwrite=overwrite,
+                         allow_config_changes=allow_config_changes, restart=restart)
+    move_aside(workdir, plan.move_aside)
+    return plan.config_changes
 
 
 def record_start(workdir: str, start: dict) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from qerl_jax.infra.atomic_io import write_json_atomic
+from qerl_jax.infra.errors import ConfigError
 from qerl_jax.models.config import ModelConfig, dtype_from_name
 from qerl_jax.models.safetensors_io import SafetensorsFile, save_safetensors
 from qerl_jax.models.transformer import CausalLM, abstract_model
@@ -31,7 +32,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint directory or tensor does not match what the model expects."""
 
 
@@ -148,6 +149,43 @@ def check_tensor_names(directory: str, expected: set[str], available: set[str],
             parts.append(f"unexpected tensors ({len(unexpected)}): {unexpected[:8]}"
                          + (" ..." if len(unexpected) > 8 else ""))
         raise CheckpointError(f"{directory}: " + "; ".join(parts))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_hf_model_files(directory: str, tokenizer_directory: str | None = None) -> ModelConfig:
+    """The ModelConfig of an HF checkpoint directory whose config.json, safetensors headers,
+    tensor names and shapes all fit, and whose tokenizer directory (default: `directory`)
+    holds tokenizer files; read without loading a tensor (seconds: a run checks its model
+    files before it touches its run directory).
+
+    Raises:
+      CheckpointError: one line naming the directory, file or tensor (a missing one too).
+    """
+    tokenizer_directory = tokenizer_directory or directory
+    config = _checked_hf_config(directory)
+    if not any(os.path.isfile(os.path.join(tokenizer_directory, name))
+               for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{tokenizer_directory}: no tokenizer (none of "
+                              f"{', '.join(TOKENIZER_FILES)})")
+    return config
+
+
+def _checked_hf_config(directory: str) -> ModelConfig:
+    try:
+        config = load_hf_config(directory)
+        files = open_checkpoint_files(directory)
+    except ConfigError:
+        raise
+    except (FileNotFoundError, ValueError) as error:   # ValueError: a config.json field
+        raise CheckpointError(str(error)) from None
+    specs = tensor_specs(config)
+    check_tensor_names(directory, {spec.hf_name for spec in specs}, set(files),
+                       config.tie_word_embeddings)
+    for spec in specs:
+        check_shape(files[spec.hf_name], spec.hf_name, spec.hf_shape)
+    return config
 
 
 def check_shape(file: SafetensorsFile, name: str, expected: tuple[int, ...]) -> None:

@@ -17,6 +17,9 @@ from typing import Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
+from qerl_jax.infra.atomic_io import remove_quietly, storage_errors
+from qerl_jax.infra.errors import ConfigError
+
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -29,26 +32,60 @@ DTYPES = {
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+class SafetensorsError(ConfigError):
+    """A .safetensors file that is not one, or whose header does not describe its bytes; the
+    message names the file (and the tensor)."""
+
+
+def _check_entry(path: str, name: str, entry, data_size: int) -> None:
+    """SafetensorsError unless header entry `name` has a shape and a byte range inside the
+    file's data that its shape and (known) dtype fill exactly."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise SafetensorsError(f"{path}: tensor {name!r}: corrupt header entry {entry!r:.80}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise SafetensorsError(f"{path}: tensor {name!r}: corrupt shape {shape!r:.80}")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(n, int) for n in offsets) and 0 <= offsets[0] <= offsets[1]):
+        raise SafetensorsError(f"{path}: tensor {name!r}: corrupt data_offsets {offsets!r:.80}")
+    begin, end = offsets
+    dtype = DTYPES.get(entry["dtype"])   # an unknown one fails when that tensor is read
+    expected = int(np.prod(shape, dtype=np.int64)) * (dtype.itemsize if dtype else 0)
+    if dtype is not None and end - begin != expected:
+        raise SafetensorsError(f"{path}: tensor {name!r} holds {end - begin} bytes, its shape "
+                               f"{tuple(shape)} and dtype {entry['dtype']} need {expected}")
+    if end > data_size:
+        raise SafetensorsError(f"{path}: truncated: tensor {name!r} needs bytes {begin}..{end} "
+                               f"of the data, the file holds {data_size}")
+
+
 class SafetensorsFile:
-    """A read-only view of one .safetensors file; `file[name]` is a numpy array view."""
+    """A read-only view of one .safetensors file; `file[name]` is a numpy array view. Opening
+    checks the whole header (every tensor's dtype, shape and byte range against the file's
+    size), so a truncated or corrupt file fails here, naming the file and the tensor."""
 
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as handle:
             prefix = handle.read(8)
             if len(prefix) != 8:
-                raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+                raise SafetensorsError(f"{path}: not a safetensors file (shorter than 8 bytes)")
             (header_len,) = struct.unpack("<Q", prefix)
             file_size = os.path.getsize(path)
             if header_len > file_size - 8:
-                raise ValueError(f"{path}: corrupt safetensors header length {header_len}")
+                raise SafetensorsError(f"{path}: corrupt safetensors header length "
+                                       f"{header_len} (the file has {file_size} bytes)")
             try:
                 header = json.loads(handle.read(header_len))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: corrupt safetensors header: {error}") from None
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise SafetensorsError(f"{path}: corrupt safetensors header: {error}") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{path}: corrupt safetensors header: not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
-        self._entries = header
         self._data_start = 8 + header_len
+        for name, entry in header.items():
+            _check_entry(path, name, entry, file_size - self._data_start)
+        self._entries = header
         self._map = np.memmap(path, dtype=np.uint8, mode="r") if file_size > 0 else None
 
     def keys(self) -> list[str]:
@@ -66,7 +103,7 @@ class SafetensorsFile:
     def _dtype(self, name: str) -> np.dtype:
         code = self._entries[name]["dtype"]
         if code not in DTYPES:
-            raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {code}")
+            raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {code}")
         return DTYPES[code]
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -78,7 +115,7 @@ class SafetensorsFile:
         shape = tuple(entry["shape"])
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if end - begin != expected:
-            raise ValueError(f"{self.path}: tensor {name!r} holds {end - begin} bytes, its "
+            raise SafetensorsError(f"{self.path}: tensor {name!r} holds {end - begin} bytes, its "
                              f"shape {shape} and dtype need {expected}")
         raw = self._map[self._data_start + begin:self._data_start + end]
         return raw.view(dtype).reshape(shape)
@@ -86,7 +123,8 @@ class SafetensorsFile:
 
 def save_safetensors(path: str, tensors: Mapping[str, np.ndarray],
                      metadata: Mapping[str, str] | None = None) -> None:
-    """Writes `tensors` (numpy arrays, written one at a time) to `path` atomically."""
+    """Writes `tensors` (numpy arrays, written one at a time) to `path` atomically;
+    StorageError naming `path` when it cannot be written."""
     header: dict = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -104,14 +142,18 @@ def save_safetensors(path: str, tensors: Mapping[str, np.ndarray],
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
-        for array in arrays.values():
-            handle.write(np.ascontiguousarray(array).tobytes())
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with storage_errors(path):
+            with open(temporary, "wb") as handle:
+                handle.write(struct.pack("<Q", len(encoded)))
+                handle.write(encoded)
+                for array in arrays.values():
+                    handle.write(np.ascontiguousarray(array).tobytes())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+    finally:
+        remove_quietly(temporary)
 
 
 def iterate_tensors(files: list[SafetensorsFile]) -> Iterator[tuple[str, SafetensorsFile]]:

@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from qerl_jax.infra.checkpointing import DAMAGED_DIRECTORY, TrainingCheckpoints
+from qerl_jax.infra.checkpointing import (DAMAGED_DIRECTORY, CheckpointMismatch,
+                                          TrainingCheckpoints)
 from qerl_jax.infra.errors import TrainingStopped
 
 
@@ -53,14 +54,21 @@ def test_restore_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog, d
     assert checkpoints.restore(_state(0), 2)[1]["step"] == 2
 
 
-def test_a_shape_mismatch_is_a_damaged_checkpoint_too(tmp_path):
-    directory = _saved(tmp_path, steps=(1,))
-    checkpoints = TrainingCheckpoints(directory, read_only=True)
-    with pytest.raises(TrainingStopped, match=r"no checkpoint restores: .*1 \(ValueError: array "
-                       r"0 has shape \(4, 3\), the configured model needs \(2, 2\)\)"):
+def test_a_shape_mismatch_is_refused_and_nothing_moved(tmp_path):
+    """An intact checkpoint that does not fit the template (the config changed) is no damage:
+    one line naming the checkpoint, the array and both shapes; nothing is moved aside."""
+    directory = _saved(tmp_path, steps=(1, 2))
+    checkpoints = TrainingCheckpoints(directory)
+    with pytest.raises(CheckpointMismatch) as refused:
         checkpoints.restore_newest({"a": np.zeros((2, 2), np.float32),
                                     "b": np.zeros(5, np.int32)})
-    assert os.listdir(directory) == ["1"]                 # read-only: nothing moved
+    assert str(refused.value) == (f"checkpoint {os.path.join(directory, '2')} does not fit the "
+                                  "configured run: array 0 (a) has shape (4, 3), the configured "
+                                  "run needs (2, 2)")
+    with pytest.raises(CheckpointMismatch, match="holds 2 arrays, the configured run needs 1"):
+        checkpoints.restore_newest({"a": np.zeros((4, 3), np.float32)})
+    assert sorted(os.listdir(directory)) == ["1", "2"]
+    assert not os.path.exists(os.path.join(os.path.dirname(directory), DAMAGED_DIRECTORY))
 
 
 def test_none_restoring_is_one_line_naming_each(tmp_path):
