@@ -23,12 +23,12 @@ import time
 import jax
 import numpy as np
 
-import _common as common
+import _models as models
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_real_model_arguments(parser)
+    models.add_real_model_arguments(parser)
     parser.add_argument("--prompts", type=int, default=32, help="first N questions")
     parser.add_argument("--group", type=int, default=8, help="G completions per question")
     parser.add_argument("--batch", type=int, default=16, help="questions per generation call")
@@ -54,7 +54,7 @@ def measure(args) -> dict:
     from qerl_jax.data.prompts import build_prompt_text, encode_prompts
     from qerl_jax.sampling import SamplingConfig, generate
 
-    path, model, tokenizer, eos_ids, examples = common.load_real_model(args.gguf, args.data,
+    path, model, tokenizer, eos_ids, examples = models.load_real_model(args.gguf, args.data,
                                                                        args.prompts)
     config = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0,
                             eos_token_ids=eos_ids, num_generations=args.group)

@@ -13,9 +13,17 @@ completions run to the limit (the completion-length column shows it).
 
 The model is the trainer's own: qerl_jax.model_setup.build_model draws and quantizes one projection
 at a time (no dense bf16 copy of the model) and enables the Pallas kernels on GPU
-(--no-kernels sets config.quant.kernels.enabled=False). The benchmark wraps build_model only to time it
-and to record the kernel hook's outcome (_common._prepare_model, which also applies
---kernels-interpret on CPU).
+(--config.quant.kernels.enabled=false keeps the XLA path). The benchmark wraps build_model only
+to time it, to record which path the kernels took, and to pass --kernels-interpret on (Pallas
+interpret mode on a CPU).
+
+Every choice other than the shapes is a field of the trainer's config (qerl_jax/
+experiment_config.py; `python -m qerl_jax.train --help` lists them), set with
+--config.FIELD=VALUE and validated before any worker starts: the mesh (config.mesh.*), the
+kernels (config.quant.kernels.*), the attention (config.model.attention_implementation), the
+log-prob chunk (config.train.logits_chunk_size), the compilation cache
+(config.compilation_cache_dir), the weights' offload while the sampler compiles
+(config.rollout.offload_weights_for_compile, offload_method).
 
 The parent never touches the GPU; workers run one after the other under --budget-s; a worker
 that would not fit is skipped, one still running at the deadline is killed (finished steps are
@@ -24,20 +32,21 @@ kept). OOM or errors are recorded per case.
     python benchmarks/grpo_step.py --sizes 7b --out $OUT
     python benchmarks/grpo_step.py --sizes 32b --formats nvfp4 --steps 3 --out $OUT
     python benchmarks/grpo_step.py --sizes 7b --formats nvfp4 --trace-peaks \
-        --compilation-cache DIR --out $OUT
+        --config.compilation_cache_dir=DIR --out $OUT
     python benchmarks/grpo_step.py --smoke --out /tmp/grpo_step_smoke   # CPU, tiny model
 
 On several devices (config.mesh; qerl_jax/parallel/mesh.py), e.g. data parallel on 2 GPUs with
 one prompt per GPU, or FSDP x tensor:
 
-    python benchmarks/grpo_step.py --sizes 7b --formats nvfp4 --mesh data=2 --prompts 2 \
-        --micro-batch 4 --out $OUT
+    python benchmarks/grpo_step.py --sizes 7b --formats nvfp4 --config.mesh.data=2 \
+        --prompts 2 --micro-batch 4 --out $OUT
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/grpo_step.py --smoke \
-        --mesh data=2,fsdp=2,tensor=2 --prompts 2 --micro-batch 8 --out /tmp/grpo_mesh_smoke
+        --config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2 --prompts 2 \
+        --micro-batch 8 --out /tmp/grpo_mesh_smoke
 
 The rows record the mesh and the device count; "rollout tok/s per device" divides the rollout
 throughput by it. On a mesh of several devices the Pallas kernels run per device on its rows
-(qerl_jax/quant/backends/sharded.py); where the mesh splits the weights (fsdp or tensor > 1) the
+(qerl_jax/parallel/sharded_backend.py); where the mesh splits the weights (fsdp or tensor > 1) the
 quantized matmuls take the XLA path and only the decode attention is a kernel
 (qerl_jax/model_setup.py). Rows are split over data x fsdp only where the counts divide (P
 prompts for the prefill, P*G rollouts, --micro-batch training rows); otherwise those arrays are
@@ -53,7 +62,8 @@ import sys
 import time
 import traceback
 
-import _common as common
+import _harness as harness
+import _models as models
 
 DEFAULTS = dict(sizes="7b", formats="bf16,nvfp4,nf4", group=8, prompt=256, completion=1024,
                 micro_batch=2, steps=2, budget_s=540.0)
@@ -74,67 +84,63 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, help="train steps per case (>= 2: the first "
                                                   "compiles)")
     parser.add_argument("--budget-s", type=float, help="wall-clock budget of the command")
-    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=32,
+                        help="LoRA rank: config.lora.rank, and config.lora.alpha = rank")
     parser.add_argument("--prompts", type=int, default=1,
                         help="prompts per step (P; P * G rollouts): scale it with the data "
                              "axis for the same work per device")
-    parser.add_argument("--mesh", default="",
-                        help="config.mesh sizes, e.g. 'data=2' or 'data=1,fsdp=2,tensor=1' "
-                             "(unnamed axes 1; the product must be the device count; default: "
-                             "one device)")
-    parser.add_argument("--logits-chunk", type=int, default=None,
-                        help="config.train.logits_chunk_size (log-probs computed this many "
-                             "completion positions at a time; 0 = all at once); default: the "
-                             "config default")
-    parser.add_argument("--compilation-cache", default="",
-                        help="config.compilation_cache_dir of every case (JAX's persistent "
-                             "cache; a case whose programs are in it loads them: no compile, "
-                             "no XLA autotuner transient). The table says cold or warm.")
-    parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
-                        help="config.model.attention_implementation of the training attention "
-                             "(auto, the default: cuDNN's fused flash attention on an NVIDIA "
-                             "GPU, XLA's elsewhere); the table shows what it resolved to")
-    parser.add_argument("--offload-for-compile", default="auto", choices=("auto", "on", "off"),
-                        help="config.rollout.offload_weights_for_compile (auto, the default: on "
-                             "a GPU each sampler program compiles while the frozen weights are "
-                             "in host memory, out of the way of XLA's autotuner)")
-    parser.add_argument("--compact-after-repack", default="auto", choices=("auto", "on", "off"),
-                        help="config.quant.kernels.compact_after_repack (auto, the default: on "
-                             "a GPU the repacked 4-bit weights are copied through host memory "
-                             "once, which leaves no allocator gaps)")
-    parser.add_argument("--offload-method", default="auto",
-                        choices=("auto", "pinned_host", "numpy"),
-                        help="config.rollout.offload_method: where the weights wait meanwhile")
     parser.add_argument("--trace-peaks", action="store_true",
                         help="wait for each of the trainer's jitted calls (rollout, gradient, "
                              "accumulation, update) and record the ones that raised the "
                              "allocator's peak (the peak_trace column of the JSON): which "
                              "program sets the step's peak. Slows the step slightly.")
     parser.add_argument("--smoke", action="store_true")
-    common.add_worker_arguments(parser, "grpo_step")
-    args = parser.parse_args(argv)
+    harness.add_worker_arguments(parser, "grpo_step")
+    parser.epilog = harness.OVERRIDES_HELP
+    args = harness.parse_arguments(parser, argv)
     for name, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    try:
-        args.mesh_shape = parse_mesh(args.mesh)
-    except ValueError as error:
-        parser.error(f"--mesh {args.mesh!r}: {error}")
+    if not args.merge:
+        args.configs, args.tag = case_configs(parser, args)
+        first = next(iter(args.configs.values()))
+        args.mesh_shape = {axis: first.mesh[axis] for axis in MESH_AXES}
+        args.mesh = ("" if math.prod(args.mesh_shape.values()) == 1 else
+                     ",".join(f"{axis}={size}" for axis, size in args.mesh_shape.items()))
     return args
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """'data=2,fsdp=1' -> {'data': 2, 'fsdp': 1, 'tensor': 1} ('' = one device)."""
-    shape = {"data": 1, "fsdp": 1, "tensor": 1}
-    for part in filter(None, (part.strip() for part in text.split(","))):
-        name, _, size = part.partition("=")
-        if name not in shape or not size.isdigit() or int(size) < 1:
-            raise ValueError(f"'{part}' is not AXIS=SIZE with AXIS in {tuple(shape)} and "
-                             "SIZE >= 1")
-        shape[name] = int(size)
-    return shape
+MESH_AXES = ("data", "fsdp", "tensor")
+# the config fields the shape flags set (an override of one of them is refused)
+FLAG_FIELDS = {"model.preset": "--sizes", "quant.format": "--formats", "lora.rank": "--rank",
+               "rollout.num_generations": "--group", "train.prompts_per_step": "--prompts",
+               "data.max_prompt_length": "--prompt", "rollout.prompt_bucket": "--prompt",
+               "rollout.max_new_tokens": "--completion",
+               "train.micro_batch_size": "--micro-batch", "train.total_steps": "--steps"}
+
+
+def case_configs(parser, args) -> tuple[dict, str]:
+    """({(size, format): validated trainer config} of the cases this process runs (a worker:
+    its own), the output-name tag of the overrides)."""
+    sizes = [args.size] if args.worker else harness.split_list(args.sizes)
+    formats = [args.format] if args.worker else harness.split_list(args.formats)
+    tokenizer = models.char_tokenizer_dir(os.path.join(os.path.abspath(args.out),
+                                                       "grpo_step_raw", "tokenizer"))
+    configs, tag = {}, ""
+    for size in sizes:
+        for format_name in formats:
+            base = models.grpo_config(
+                preset=models.preset_name(size), format_name=format_name,
+                tokenizer_dir=tokenizer, rank=args.rank, group=args.group,
+                prompts=args.prompts, prompt=args.prompt, completion=args.completion,
+                micro_batch=args.micro_batch, steps=args.steps,
+                aqn=format_name in AQN_FORMATS)
+            config = models.configured(parser, base, args.overrides, FLAG_FIELDS)
+            configs[size, format_name] = config
+            tag = tag or models.config_tag(config, base)
+    return configs, tag
 
 
 # ============================================================================== worker
@@ -144,44 +150,38 @@ def worker_main(args) -> None:
     import tempfile
 
     from qerl_jax import trainer as trainer_module
-    from qerl_jax.models.char_tokenizer import build_char_tokenizer
+    from qerl_jax.infra.compilation_cache import cache_entries
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         force=True)   # JAX may have configured the root logger already
     size, format_name = args.size, args.format
-    row = {"size": size, "preset": common.preset_name(size), "format": format_name,
-           "aqn": format_name in AQN_FORMATS, "group": args.group,
+    config = args.configs[size, format_name]
+    row = {"size": size, "preset": models.preset_name(size), "format": format_name,
+           "aqn": config.aqn.enabled, "group": args.group,
            "prompt": args.prompt, "completion": args.completion,
-           "micro_batch": args.micro_batch, "lora_rank": args.rank, "steps_done": 0,
+           "micro_batch": args.micro_batch, "lora_rank": config.lora.rank, "steps_done": 0,
            "prompts": args.prompts,
            "mesh": ",".join(f"{k}={v}" for k, v in args.mesh_shape.items()),
-           "mesh_devices": args.mesh_shape["data"] * args.mesh_shape["fsdp"]
-           * args.mesh_shape["tensor"], **common.device_info()}
+           "mesh_devices": math.prod(args.mesh_shape.values()), **harness.device_info()}
 
     def emit(status):
         row["status"] = status
         row["elapsed_s"] = time.time() - args.spawned_at
-        common.append_jsonl(args.results, row)
+        harness.append_jsonl(args.results, row)
         print({k: row.get(k) for k in ("size", "format", "status", "steps_done", "step_s",
                                        "peak_GiB")}, flush=True)
 
     workdir = tempfile.mkdtemp(prefix="grpo_step_")
-    use_kernels = not args.no_kernels
     original_build_model = trainer_module.build_model
 
     def build_model_for_benchmark(config, run_dir, *, mesh=None):
         begin = time.perf_counter()
-        model, tokenizer = original_build_model(config, run_dir, mesh=mesh)
+        model, tokenizer = original_build_model(config, run_dir, mesh=mesh,
+                                                interpret=args.kernels_interpret)
         row["build_model_s"] = time.perf_counter() - begin
-        row["peak_after_build_GiB"], _ = common.peak_memory_gib()
-        # on a mesh the kernels run per device, as the trainer runs them (model_setup)
-        model, hook = common._prepare_model(model, format_name, use_kernels,
-                                            args.kernels_interpret,
-                                            decode_attention=not args.no_decode_attention,
-                                            pair_mlp=not args.no_gate_up_pairs,
-                                            mesh=mesh,
-                                            **common.kernel_settings(args))
-        row.update(hook)
+        row["peak_after_build_GiB"], _ = harness.peak_memory_gib()
+        row.update(models.kernel_report(model, config, interpret=args.kernels_interpret,
+                                        mesh=mesh))
         row["params_B"] = model.config.num_parameters() / 1e9
         row["attention"] = model.config.attention_implementation
         return model, tokenizer
@@ -189,57 +189,32 @@ def worker_main(args) -> None:
     trainer_module.build_model = build_model_for_benchmark
     trainer = None
     try:
-        tokenizer_dir = os.path.join(workdir, "tokenizer")
-        build_char_tokenizer(tokenizer_dir)
-        config = common.grpo_config(
-            preset=row["preset"], format_name=format_name, tokenizer_dir=tokenizer_dir,
-            rank=args.rank, group=args.group, prompts=args.prompts, prompt=args.prompt,
-            completion=args.completion, micro_batch=args.micro_batch, steps=args.steps,
-            aqn=row["aqn"])
-        config.quant.kernels.enabled = use_kernels
-        for axis, size in args.mesh_shape.items():
-            config.mesh[axis] = size
-        config.quant.kernels.gate_up_pairs = not args.no_gate_up_pairs
-        config.quant.kernels.mosaic_nvfp4 = args.mosaic_nvfp4
-        config.quant.kernels.mosaic_schedule = args.mosaic_schedule
-        if args.mosaic_swiglu_epilogue_max_m is not None:
-            config.quant.kernels.mosaic_swiglu_epilogue_max_m = (
-                args.mosaic_swiglu_epilogue_max_m)
-        config.quant.kernels.decode_attention = not args.no_decode_attention
-        if args.compilation_cache:
-            from qerl_jax.infra.compilation_cache import cache_entries
-            entries = cache_entries(args.compilation_cache)
+        if config.compilation_cache_dir:
+            entries = cache_entries(config.compilation_cache_dir)
             row["compilation_cache"] = f"warm ({entries} files)" if entries else "cold"
-            config.compilation_cache_dir = args.compilation_cache
-        if args.logits_chunk is not None:
-            config.train.logits_chunk_size = args.logits_chunk
         row["logits_chunk"] = config.train.logits_chunk_size
-        config.model.attention_implementation = args.attention
-        config.rollout.offload_weights_for_compile = args.offload_for_compile
-        config.quant.kernels.compact_after_repack = args.compact_after_repack
-        row["compact_after_repack"] = args.compact_after_repack
-        config.rollout.offload_method = args.offload_method
+        row["compact_after_repack"] = config.quant.kernels.compact_after_repack
         begin = time.perf_counter()
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
         row["trainer_init_s"] = time.perf_counter() - begin
-        row["offload_for_compile"] = (args.offload_method if trainer.offload_weights_for_compile
-                                      else "off")
+        row["offload_for_compile"] = (config.rollout.offload_method
+                                      if trainer.offload_weights_for_compile else "off")
         if "build_model_s" not in row:
-            raise RuntimeError("Trainer no longer calls qerl_jax.trainer.build_model: the "
-                               "benchmark's model building (and kernel hook) did not run")
-        row["weights_GiB"] = common.state_gib(trainer.frozen)
-        row["trainable_GiB"] = common.state_gib(trainer.trainable)
-        row["opt_state_GiB"] = common.state_gib(trainer.opt_state)
-        row["peak_after_init_GiB"], row["peak_source"] = common.peak_memory_gib()
-        row["memory_limit_GiB"] = common.memory_limit_gib()
+            raise RuntimeError("Trainer did not call qerl_jax.trainer.build_model: the "
+                               "benchmark's model building (and its kernel record) did not run")
+        row["weights_GiB"] = harness.state_gib(trainer.frozen)
+        row["trainable_GiB"] = harness.state_gib(trainer.trainable)
+        row["opt_state_GiB"] = harness.state_gib(trainer.opt_state)
+        row["peak_after_init_GiB"], row["peak_source"] = harness.peak_memory_gib()
+        row["memory_limit_GiB"] = harness.memory_limit_gib()
         active = row.get("kernels_active", False)
-        row["path_decode"] = common.matmul_path(format_name, args.group, active)
-        row["path_prefill"] = common.matmul_path(format_name, args.prompt, active)
-        row["path_train"] = common.matmul_path(
+        row["path_decode"] = models.matmul_path(format_name, args.group, active)
+        row["path_prefill"] = models.matmul_path(format_name, args.prompt, active)
+        row["path_train"] = models.matmul_path(
             format_name, args.micro_batch * (args.prompt + args.completion), active)
     except Exception as error:
-        row["peak_GiB"], _ = common.peak_memory_gib()
-        emit("init " + common.describe_error(error))
+        row["peak_GiB"], _ = harness.peak_memory_gib()
+        emit("init " + harness.describe_error(error))
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     # the allocator's peak cannot be reset: record it after step 0's rollout too, which splits
@@ -249,7 +224,7 @@ def worker_main(args) -> None:
     def collect_and_record_peak():
         result = collect_rollouts()
         if "peak_after_rollout0_GiB" not in row:
-            row["peak_after_rollout0_GiB"], _ = common.peak_memory_gib()
+            row["peak_after_rollout0_GiB"], _ = harness.peak_memory_gib()
         return result
 
     trainer._collect_rollouts = collect_and_record_peak
@@ -268,7 +243,7 @@ def worker_main(args) -> None:
         try:
             metrics = trainer.train_step()   # advances trainer.step
         except Exception as error:
-            status = f"step {step} " + common.describe_error(error)
+            status = f"step {step} " + harness.describe_error(error)
             traceback.print_exc()   # the worker's log keeps the whole of it
             break
         prefix = "step0" if step == 0 else "step"
@@ -285,11 +260,11 @@ def worker_main(args) -> None:
         row["completion_length"] = metrics["completion_length"]
         row["loss"] = metrics["loss"]
         row["steps_done"] = step + 1
-        row["peak_GiB"], _ = common.peak_memory_gib()
+        row["peak_GiB"], _ = harness.peak_memory_gib()
         if step == 0 and args.steps > 1:
-            common.append_jsonl(args.results, {**row, "status": "partial: step 0 only",
+            harness.append_jsonl(args.results, {**row, "status": "partial: step 0 only",
                                                "elapsed_s": time.time() - args.spawned_at})
-    row["peak_GiB"], _ = common.peak_memory_gib()
+    row["peak_GiB"], _ = harness.peak_memory_gib()
     if status == "ok" and args.steps == 1:
         status = "ok (1 step: includes compile)"
     emit(status)
@@ -307,7 +282,7 @@ def _trace_peaks(trainer, row) -> None:
     import jax
     trace = row.setdefault("peak_trace", [])
     accounts = row.setdefault("memory_trace", [])
-    last = [common.peak_memory_gib()[0]]
+    last = [harness.peak_memory_gib()[0]]
     seen = set()
 
     def account(step, name):
@@ -418,8 +393,8 @@ def targets(rows) -> list[str]:
     if case is not None:
         fits = bool(case.get("step_s")) and not case["status"].startswith(("step", "init"))
         lines.append(f"32B NVFP4 GRPO step fits on one H100 80GB: status '{case['status']}', "
-                     f"peak {common.fmt_number(case.get('peak_GiB'))} GiB of "
-                     f"{common.fmt_number(case.get('memory_limit_GiB'))} GiB usable -> "
+                     f"peak {harness.fmt_number(case.get('peak_GiB'))} GiB of "
+                     f"{harness.fmt_number(case.get('memory_limit_GiB'))} GiB usable -> "
                      f"{verdict(fits)}")
     nv, bf = _final(rows, "7b", "nvfp4"), _final(rows, "7b", "bf16")
     if nv and bf:
@@ -438,9 +413,9 @@ def targets(rows) -> list[str]:
 
 
 def parent_main(args) -> None:
-    budget = common.Budget(args.budget_s)
-    sizes = common.split_list(args.sizes)
-    formats = common.split_list(args.formats)
+    budget = harness.Budget(args.budget_s)
+    sizes = harness.split_list(args.sizes)
+    formats = harness.split_list(args.formats)
     raw_dir = os.path.join(args.out, "grpo_step_raw")
     os.makedirs(raw_dir, exist_ok=True)
     rows: list[dict] = []
@@ -463,24 +438,16 @@ def parent_main(args) -> None:
                        "--prompt", str(args.prompt), "--completion", str(args.completion),
                        "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
                        "--rank", str(args.rank), "--prompts", str(args.prompts),
-                       *(["--mesh", args.mesh] if args.mesh else []),
-                       *(["--logits-chunk", str(args.logits_chunk)]
-                         if args.logits_chunk is not None else []),
-                       *(["--compilation-cache", args.compilation_cache]
-                         if args.compilation_cache else []),
-                       "--attention", args.attention,
-                       "--offload-for-compile", args.offload_for_compile,
-                       "--compact-after-repack", args.compact_after_repack,
-                       "--offload-method", args.offload_method,
                        *(["--trace-peaks"] if args.trace_peaks else []),
+                       *(["--kernels-interpret"] if args.kernels_interpret else []),
                        "--results", results, "--deadline", str(budget.deadline),
-                       "--spawned-at", str(time.time())]
-            command += common.kernel_flags(args)
+                       "--out", os.path.abspath(args.out), "--spawned-at", str(time.time()),
+                       *args.overrides]
             print(f"[grpo_step] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
             log = os.path.join(raw_dir, f"{tag}.log")
-            code, wall = common.run_worker(command, log, left,
+            code, wall = harness.run_worker(command, log, left,
                                            devices=math.prod(args.mesh_shape.values()))
-            got = common.read_jsonl(results)
+            got = harness.read_jsonl(results)
             row = got[-1] if got else {"size": size, "format": format_name}
             if code is None:
                 row["status"] = (f"killed at the budget deadline after {wall:.0f} s"
@@ -493,9 +460,9 @@ def parent_main(args) -> None:
             if code != 0:
                 outcome = "killed" if code is None else f"rc={code}"
                 print(f"[grpo_step] {tag}: worker {outcome} after {wall:.0f} s; log tail:\n"
-                      f"{common.tail(log)}", flush=True)
+                      f"{harness.tail(log)}", flush=True)
             rows.append(row)
-    report(rows, args, common.output_name("grpo_step", sizes, args))
+    report(rows, args, harness.output_name("grpo_step", sizes, args.tag))
 
 
 def report(rows: list[dict], args, name: str) -> None:
@@ -509,7 +476,7 @@ def report(rows: list[dict], args, name: str) -> None:
         rollouts, trains = row.get("later_steps_rollout_s"), row.get("later_steps_train_s")
         if rollouts and trains:
             row["later_steps_s"] = " / ".join(f"{a + b:.2f}" for a, b in zip(rollouts, trains))
-    header = common.header_line(
+    header = harness.header_line(
         f"GRPO step (rollout + train), random weights, {args.prompts} prompt(s) x "
         f"G={args.group}, mesh {args.mesh or 'one device'}, prompt "
         f"{args.prompt}, completion {args.completion}, LoRA r{args.rank} (+ norm scales), "
@@ -518,15 +485,15 @@ def report(rows: list[dict], args, name: str) -> None:
     notes = ["", ("Peak memory: the device allocator's peak over the whole worker process "
                   "(model build included), one process per size x format."),
              "", "Targets:"] + [f"- {line}" for line in targets(rows)]
-    text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
+    text = "\n".join([header, "", harness.markdown_table(rows, COLUMNS)] + notes)
     print(text, flush=True)
-    common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
+    harness.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
                                                 "targets": targets(rows)})
 
 
 def merge_main(args) -> None:
     """One table (ratios, targets) from the rows of several runs' grpo_step_*.json files."""
-    rows = common.merged_rows(args.merge)
+    rows = harness.merged_rows(args.merge)
     first = rows[0]
     args.rank = first.get("lora_rank", args.rank)
     args.mesh = "per row"
@@ -537,7 +504,7 @@ def merge_main(args) -> None:
 
 
 def main(argv=None):
-    common.run_script(parse_args(argv), worker_main, parent_main, merge_main)
+    harness.run_script(parse_args(argv), worker_main, parent_main, merge_main)
 
 
 if __name__ == "__main__":

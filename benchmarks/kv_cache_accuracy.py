@@ -29,14 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import _common as common
+import _models as models
 
 CACHES = ("bfloat16", "int8", "float8_e4m3fn")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_real_model_arguments(parser)
+    models.add_real_model_arguments(parser)
     parser.add_argument("--format", default="nvfp4", help="weight format of the model")
     parser.add_argument("--prompts", type=int, default=64, help="first N questions")
     parser.add_argument("--batch", type=int, default=16, help="prompts per generation batch")
@@ -85,7 +85,7 @@ def measure(args) -> dict:
     from qerl_jax.data.prompts import build_prompt_text, encode_prompts
     from qerl_jax.model_quant.quantize import quantize_model
 
-    path, model, tokenizer, eos_ids, examples = common.load_real_model(args.gguf, args.data,
+    path, model, tokenizer, eos_ids, examples = models.load_real_model(args.gguf, args.data,
                                                                        args.prompts)
     if args.format != "bf16":
         quantize_model(model, args.format)

@@ -18,11 +18,15 @@ allocator's peak cannot be reset: one process per command).
     python benchmarks/memory_breakdown.py --sizes 7b --formats nvfp4,bf16 --dump --out $OUT/mem
     python benchmarks/memory_breakdown.py --sizes 7b --run --out $OUT/mem_run   # + allocator
     python benchmarks/memory_breakdown.py --smoke --out /tmp/mem     # CPU, tiny model
+
+Any other choice is a field of the trainer's config, set with --config.FIELD=VALUE (e.g.
+--config.model.attention_implementation=xla, --config.quant.kernels.gate_up_pairs=false).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import os
 import re
@@ -30,7 +34,8 @@ import shutil
 import tempfile
 import time
 
-import _common as common
+import _harness as harness
+import _models as models
 
 PROGRAM_PATTERNS = {"rollout": "_generate_program", "train": "accumulate_gradient"}  # Trainer._grad_fn
 
@@ -51,20 +56,34 @@ def parse_args(argv=None):
     parser.add_argument("--run", action="store_true",
                         help="also run each program once and record the device allocator's "
                              "in-use / peak / largest allocation after each stage")
-    parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
-                        help="config.model.attention_implementation (auto: cudnn on NVIDIA "
-                             "GPUs, xla elsewhere)")
     parser.add_argument("--kernels-interpret", action="store_true",
                         help="CPU: the Pallas kernels in interpret mode (the kernel layout, "
                              "the dispatch's paths), as grpo_step.py --kernels-interpret")
-    parser.add_argument("--no-gate-up-pairs", action="store_true",
-                        help="config.quant.kernels.gate_up_pairs=False")
     parser.add_argument("--smoke", action="store_true", help="tiny model (CPU test)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    parser.epilog = harness.OVERRIDES_HELP
+    args = harness.parse_arguments(parser, argv)
     if args.smoke:
         args.sizes, args.group, args.prompt, args.completion = "tiny", 4, 32, 8
+    tokenizer = models.char_tokenizer_dir(os.path.join(os.path.abspath(args.out), "tokenizer"))
+    args.configs = {}
+    for size in harness.split_list(args.sizes):
+        for format_name in harness.split_list(args.formats):
+            base = models.grpo_config(
+                preset=models.preset_name(size), format_name=format_name,
+                tokenizer_dir=tokenizer, rank=args.rank, group=args.group, prompts=1,
+                prompt=args.prompt, completion=args.completion, micro_batch=args.micro_batch,
+                steps=1)
+            args.configs[size, format_name] = models.configured(parser, base, args.overrides,
+                                                                FLAG_FIELDS)
     return args
+
+
+# the config fields the shape flags set (an override of one of them is refused)
+FLAG_FIELDS = {"model.preset": "--sizes", "quant.format": "--formats", "lora.rank": "--rank",
+               "rollout.num_generations": "--group", "data.max_prompt_length": "--prompt",
+               "rollout.prompt_bucket": "--prompt", "rollout.max_new_tokens": "--completion",
+               "train.micro_batch_size": "--micro-batch"}
 
 
 def largest_values(assignment_path: str, top: int) -> list[tuple[int, str]]:
@@ -119,36 +138,23 @@ def run_case(size: str, format_name: str, args, dump_dir: str | None) -> list[di
 
     from qerl_jax import sampling, trainer as trainer_module
     from qerl_jax.aqn import aqn_noisy_state
-    from qerl_jax.models.char_tokenizer import build_char_tokenizer
 
     workdir = tempfile.mkdtemp(prefix="memory_breakdown_")
-    tokenizer_dir = os.path.join(workdir, "tokenizer")
-    build_char_tokenizer(tokenizer_dir)
-    config = common.grpo_config(
-        preset=common.preset_name(size), format_name=format_name, tokenizer_dir=tokenizer_dir,
-        rank=args.rank, group=args.group, prompts=1, prompt=args.prompt,
-        completion=args.completion, micro_batch=args.micro_batch, steps=1)
-    config.model.attention_implementation = args.attention
-    config.quant.kernels.gate_up_pairs = not args.no_gate_up_pairs
+    config = args.configs[size, format_name]
     original_build_model = trainer_module.build_model
     if args.kernels_interpret:   # the trainer enables the kernels on a GPU only
-        def build_model(config, run_dir, *, mesh=None):
-            model, tokenizer = original_build_model(config, run_dir, mesh=mesh)
-            model, _ = common._prepare_model(model, format_name, True, True,
-                                             pair_mlp=not args.no_gate_up_pairs)
-            return model, tokenizer
-        trainer_module.build_model = build_model
+        trainer_module.build_model = functools.partial(original_build_model, interpret=True)
     try:
         trainer = trainer_module.Trainer(config, os.path.join(workdir, "run"))
     finally:
         trainer_module.build_model = original_build_model
     base = {"size": size, "format": format_name,
             "attention": trainer.model().config.attention_implementation,
-            "gate_up_pairs": not args.no_gate_up_pairs,
+            "gate_up_pairs": config.quant.kernels.gate_up_pairs,
             "kernels": "interpret" if args.kernels_interpret else "on a GPU only",
-            "weights_GiB": common.state_gib(trainer.frozen),
-            "trainable_GiB": common.state_gib(trainer.trainable),
-            "opt_state_GiB": common.state_gib(trainer.opt_state), **common.device_info()}
+            "weights_GiB": harness.state_gib(trainer.frozen),
+            "trainable_GiB": harness.state_gib(trainer.trainable),
+            "opt_state_GiB": harness.state_gib(trainer.opt_state), **harness.device_info()}
     rows = []
     stages = [("trainer built", allocator_stats())]
 
@@ -219,17 +225,17 @@ def main(argv=None) -> None:
         os.environ["XLA_FLAGS"] = " ".join(filter(None, [
             os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}",
             f"--xla_dump_hlo_module_re={patterns}", "--xla_dump_hlo_pass_re=^$"]))
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", common.DEFAULT_MEMORY_FRACTION)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", harness.DEFAULT_MEMORY_FRACTION)
     rows = []
-    for size in common.split_list(args.sizes):
-        for format_name in common.split_list(args.formats):
+    for size in harness.split_list(args.sizes):
+        for format_name in harness.split_list(args.formats):
             if dump_dir:
                 shutil.rmtree(dump_dir, ignore_errors=True)
             rows.extend(run_case(size, format_name, args, dump_dir))
             print({k: rows[-1].get(k) for k in ("size", "format", "temp_GiB")}, flush=True)
-    lines = [common.header_line("Memory analysis of the GRPO step's programs (compiled, not run)",
+    lines = [harness.header_line("Memory analysis of the GRPO step's programs (compiled, not run)",
                                 rows), "",
-             common.markdown_table(rows, COLUMNS)]
+             harness.markdown_table(rows, COLUMNS)]
     seen = set()
     for row in rows:
         case = (row["size"], row["format"])
@@ -237,9 +243,9 @@ def main(argv=None) -> None:
             seen.add(case)
             lines += ["", f"### {case[0]} {case[1]}: device allocator after each stage (GiB)", "",
                       "| stage | in use | peak so far | largest allocation |", "|---|---|---|---|"]
-            lines += [f"| {stage} | {common.fmt_number(stats.get('in_use_GiB'))} | "
-                      f"{common.fmt_number(stats.get('peak_GiB'))} | "
-                      f"{common.fmt_number(stats.get('largest_alloc_GiB'))} |"
+            lines += [f"| {stage} | {harness.fmt_number(stats.get('in_use_GiB'))} | "
+                      f"{harness.fmt_number(stats.get('peak_GiB'))} | "
+                      f"{harness.fmt_number(stats.get('largest_alloc_GiB'))} |"
                       for stage, stats in row["allocator_stages"]]
     for row in rows:
         if row.get("largest_values"):
@@ -248,8 +254,9 @@ def main(argv=None) -> None:
             lines += [f"- {entry}" for entry in row["largest_values"]]
     text = "\n".join(lines) + "\n"
     print(text)
-    name = f"memory_breakdown_{'_'.join(common.split_list(args.sizes))}"
-    common.write_outputs(args.out, name, text, {"rows": rows, "args": vars(args)})
+    name = f"memory_breakdown_{'_'.join(harness.split_list(args.sizes))}"
+    harness.write_outputs(args.out, name, text, {"rows": rows, "args": {
+        key: value for key, value in vars(args).items() if key != "configs"}})
     if dump_dir:
         shutil.rmtree(dump_dir, ignore_errors=True)   # the summaries above keep what matters
 

@@ -25,8 +25,8 @@ from qerl_jax.models import decode_step, init_kv_cache, init_model, prefill, pre
 
 
 def build_on_device(config, seed=0):
-    # Eager init compiles one small program per distinct tensor shape. A single jit over the
-    # whole constructor took 2m19s (0.5B) and ~6 min (7B) of XLA compile on the H100.
+    # Eager init compiles one small program per distinct tensor shape; a single jit over the
+    # whole constructor is one very large program to compile.
     return init_model(config, seed=seed)
 
 

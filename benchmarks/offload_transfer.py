@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import time
 
-import _common as common
+import _harness as harness
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-gib", default="5.5,14.2",
-                        help="total sizes (7B NVFP4 weights ~5.5 GiB, 7B bf16 ~14.2 GiB)")
+                        help="total sizes in GiB (e.g. a model's NVFP4 and bf16 weights)")
     parser.add_argument("--methods", default="pinned_host,numpy")
     parser.add_argument("--array-mib", type=float, default=128.0, help="size of each array")
     parser.add_argument("--out", default="benchmarks/results/offload_transfer")
@@ -86,15 +86,15 @@ COLUMNS = [("size_GiB", "GiB"), ("arrays", "arrays"), ("method", "method"),
 def main(argv=None) -> None:
     args = parse_args(argv)
     rows = []
-    for size in [float(s) for s in common.split_list(args.sizes_gib)]:
-        for method in common.split_list(args.methods):
-            row = {**measure(size, method, args.array_mib), **common.device_info()}
+    for size in [float(s) for s in harness.split_list(args.sizes_gib)]:
+        for method in harness.split_list(args.methods):
+            row = {**measure(size, method, args.array_mib), **harness.device_info()}
             print({key: row.get(key) for key, _ in COLUMNS}, flush=True)
             rows.append(row)
-    text = (common.header_line("Offload to host memory and back", rows) + "\n\n"
-            + common.markdown_table(rows, COLUMNS))
+    text = (harness.header_line("Offload to host memory and back", rows) + "\n\n"
+            + harness.markdown_table(rows, COLUMNS))
     print(text)
-    common.write_outputs(args.out, "offload_transfer", text, {"rows": rows})
+    harness.write_outputs(args.out, "offload_transfer", text, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 For each model size (Qwen2.5-7B/14B/32B shapes, random weights) and weight format (bf16 / nvfp4
 / nf4 / mxfp4, LoRA rank 32 attached unmerged with nonzero B), one worker subprocess builds the
 model tensor by tensor (the projections are drawn and quantized one at a time, so no dense bf16
-copy of a 32B model exists), runs the kernel hook (_common._prepare_model), and then for each
+copy of a 32B model exists) through qerl_jax.model_setup, with the kernels config.quant.kernels
+describes, and then for each
 batch in increasing order (so the process's peak memory only grows): compiles the sampler
 ahead of time (timed on its own), and times one full generation of --new-tokens tokens after a
 --prompt-token prompt, EOS disabled (every sequence runs to the limit), temperature 1.
@@ -17,6 +18,16 @@ recorded). OOM or any error in one case is recorded in the table without losing 
     python benchmarks/rollout.py --sizes 7b --out $OUT            # the full 7B table
     python benchmarks/rollout.py --sizes 32b --formats bf16,nvfp4,nf4 --batches 8 --out $OUT
     python benchmarks/rollout.py --smoke --out /tmp/rollout_smoke # CPU, tiny model, seconds
+    python benchmarks/rollout.py --sizes 7b --formats nvfp4 --batches 8 \
+        --config.quant.kernels.mosaic_schedule=split_k --config.rollout.kv_cache_dtype=int8 \
+        --out $OUT
+
+Every choice other than the shapes is a field of the trainer's config (qerl_jax/
+experiment_config.py; `python -m qerl_jax.train --help` lists them), set with
+--config.FIELD=VALUE and validated before any worker starts: the kernels
+(config.quant.kernels.*), the KV cache and the decode loop (config.rollout.*), the seed, the
+compilation cache (config.compilation_cache_dir) and XLA's autotuning file
+(config.xla_autotune_results).
 
 The GRPO-sized case with EOS on: 64 prompts x 8 generations, up to 1024 new tokens, each row
 stopping after a completion length drawn from a real model's measured distribution
@@ -36,13 +47,15 @@ import sys
 import time
 import zlib
 
-import _common as common
+import _harness as harness
+import _models as models
+import _roofline as roofline
 
 DEFAULTS = dict(sizes="7b", formats="bf16,nvfp4,nf4,mxfp4", batches="2,8,64", new_tokens=2048,
                 prompt=256, budget_s=540.0)
 SMOKE = dict(sizes="tiny", formats="bf16,nvfp4", batches="2,4", new_tokens=8, prompt=16,
              budget_s=240.0)
-# Anchors from QeRL facts section 6 (vLLM on one H100, input 256, completion 2048), tokens/s
+# QeRL's rollout tok/s (arXiv 2510.11696; vLLM on one H100, input 256, completion 2048)
 PAPER = {("7b", "bf16", 2): 115.4, ("7b", "nvfp4", 2): 151.6, ("14b", "bf16", 2): 65.4,
          ("14b", "nvfp4", 2): 95.3, ("14b", "nf4", 2): 45.1, ("32b", "bf16", 2): 34.0,
          ("32b", "nvfp4", 2): 58.0, ("32b", "nf4", 2): 25.2, ("7b", "bf16", 8): 1641,
@@ -62,8 +75,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float,
                         help=f"wall-clock budget of the whole command, default "
                              f"{DEFAULTS['budget_s']:.0f}")
-    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (alpha = rank)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=32,
+                        help="LoRA rank: config.lora.rank, and config.lora.alpha = rank")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed generations per case after its one compile (same program, "
                              "keys folded with the repeat index); 'tok/s' is the first, 'tok/s "
@@ -72,14 +85,6 @@ def parse_args(argv=None):
                         help="every repeat uses the first run's key (its tokens_crc32 must then "
                              "equal the first run's: a check that the compiled program is "
                              "deterministic)")
-    parser.add_argument("--compilation-cache", default="",
-                        help="JAX's persistent compilation cache directory "
-                             "(qerl_jax.infra.compilation_cache): a warm cache loads the sampler "
-                             "program instead of compiling it")
-    parser.add_argument("--autotune-results", default="",
-                        help="XLA's GPU autotuning results file (qerl_jax.infra.xla_autotuning: "
-                             "loaded if present, rewritten after each compile): every process "
-                             "then picks the same kernels and samples the same tokens")
     parser.add_argument("--tile-k", type=int, default=None,
                         help="K tile of every weight's kernel layout (default: "
                              "kernel_layout.default_tile_k per weight)")
@@ -87,37 +92,53 @@ def parse_args(argv=None):
                         help="also time transformers + torch.compile (static cache) generate at "
                              "the same shapes (benchmarks/transformers_peer.py), after the "
                              "size's own workers")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=("auto", "int8", "float8_e4m3fn"),
-                        help="the rollouts' KV cache (SamplingConfig.kv_cache_dtype): 'auto' = "
-                             "the compute dtype, 'int8' / 'float8_e4m3fn' = 8-bit codes + scales")
-    parser.add_argument("--dequantize-once", action="store_true",
-                        help="SamplingConfig.dequantize_once: a batch too large for the fused "
-                             "4-bit kernels dequantizes each weight once per rollout, not at "
-                             "every decode step")
-    parser.add_argument("--shrink-batch", action="store_true",
-                        help="SamplingConfig.shrink_batch: the decode loop drops finished rows, "
-                             "halving its batch whenever at most half the rows still generate")
-    parser.add_argument("--shrink-min-rows", type=common.positive_int, default=8,
-                        help="SamplingConfig.shrink_min_rows: the smallest batch it halves to")
     parser.add_argument("--lengths", default="",
-                        help="JSON of measured completion lengths (benchmarks/completion_lengths.py's "
-                             "lengths.json, or a plain list): each row of a case stops after a "
-                             "length drawn from it (seeded, clipped to --new-tokens), as with "
+                        help="JSON of measured completion lengths (benchmarks/"
+                             "completion_lengths.py's lengths.json, or a plain list): each row "
+                             "of a case stops after a length drawn from it (seeded, clipped to "
+                             "--new-tokens), as with "
                              "EOS on; tok/s counts the tokens generated, the roofline the KV "
                              "reads of the rows still generating (as the Pallas decode "
                              "attention reads them; XLA's attention reads every row)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny_qwen2, few tokens: a CPU check of the script in seconds")
-    common.add_worker_arguments(parser, "rollout")
-    args = parser.parse_args(argv)
+    harness.add_worker_arguments(parser, "rollout")
+    parser.epilog = harness.OVERRIDES_HELP
+    args = harness.parse_arguments(parser, argv)
     for name, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
-    args.length_values = common.parsed_lengths(parser, args.lengths)
+    args.length_values = harness.parsed_lengths(parser, args.lengths)
+    if not args.merge:
+        args.configs, args.tag = case_configs(parser, args)
     return args
+
+
+# the config fields the shape flags set (an override of one of them is refused)
+FLAG_FIELDS = {"model.preset": "--sizes", "quant.format": "--formats", "lora.rank": "--rank",
+               "rollout.max_new_tokens": "--new-tokens", "rollout.prompt_bucket": "--prompt"}
+
+
+def case_configs(parser, args) -> tuple[dict, str]:
+    """({(size, format): validated config} of the cases this process runs (a worker: its own),
+    the output-name tag of the overrides)."""
+    sizes = [args.size] if args.worker else harness.split_list(args.sizes)
+    formats = [args.format] if args.worker else harness.split_list(args.formats)
+    tokenizer = models.char_tokenizer_dir(os.path.join(os.path.abspath(args.out),
+                                                       "rollout_raw", "tokenizer"))
+    configs, tag = {}, ""
+    for size in sizes:
+        for format_name in formats:
+            base = models.rollout_config(
+                preset=models.preset_name(size), format_name=format_name,
+                tokenizer_dir=tokenizer, rank=args.rank, prompt=args.prompt,
+                new_tokens=args.new_tokens)
+            config = models.configured(parser, base, args.overrides, FLAG_FIELDS)
+            configs[size, format_name] = config
+            tag = tag or models.config_tag(config, base)
+    return configs, tag
 
 
 # ============================================================================== worker
@@ -137,7 +158,8 @@ def worker_main(args) -> None:
 
     from qerl_jax.infra.xla_autotuning import persist_autotuning
     # before the first JAX computation of the process: XLA reads its flags when it starts
-    persist_autotuning(args.autotune_results, field="--autotune-results")
+    config = args.configs[args.size, args.format]
+    persist_autotuning(config.xla_autotune_results)
 
     import jax
     import jax.numpy as jnp
@@ -148,35 +170,33 @@ def worker_main(args) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     size, format_name = args.size, args.format
-    batches = sorted(int(b) for b in common.split_list(args.batches))
-    base = {"size": size, "preset": common.preset_name(size), "format": format_name,
-            "prompt": args.prompt, "new_tokens": args.new_tokens, "lora_rank": args.rank,
-            **common.device_info()}
+    batches = sorted(int(b) for b in harness.split_list(args.batches))
+    base = {"size": size, "preset": models.preset_name(size), "format": format_name,
+            "prompt": args.prompt, "new_tokens": args.new_tokens, "lora_rank": config.lora.rank,
+            **harness.device_info()}
 
     def emit(row):
         row = {**base, **row, "elapsed_s": time.time() - args.spawned_at}
-        common.append_jsonl(args.results, row)
+        harness.append_jsonl(args.results, row)
         print({k: row.get(k) for k in ("size", "format", "batch", "status", "compile_s",
                                        "run_s", "tokens_per_s", "peak_GiB")}, flush=True)
 
     started = time.perf_counter()
     try:
-        architecture, graphdef, states, info = common.build_sampling_model(
-            base["preset"], format_name, rank=args.rank, seed=args.seed,
-            use_kernels=not args.no_kernels, interpret=args.kernels_interpret,
-            tile_k=args.tile_k, decode_attention=not args.no_decode_attention,
-            pair_mlp=not args.no_gate_up_pairs, **common.kernel_settings(args))
+        architecture, graphdef, states, info = models.build_sampling_model(
+            config, interpret=args.kernels_interpret, tile_k=args.tile_k)
         base.update(info)
         base["init_s"] = time.perf_counter() - started
-        base["peak_after_init_GiB"], base["peak_source"] = common.peak_memory_gib()
-        base["memory_limit_GiB"] = common.memory_limit_gib()
+        base["peak_after_init_GiB"], base["peak_source"] = harness.peak_memory_gib()
+        base["memory_limit_GiB"] = harness.memory_limit_gib()
     except Exception as error:  # recorded per case; the parent goes on with the next worker
         for batch in batches:
-            emit({"batch": batch, "status": "init " + common.describe_error(error)})
+            emit({"batch": batch, "status": "init " + harness.describe_error(error)})
         raise
 
     previous, failed_at = None, None
-    key = jax.random.key(args.seed + 3)
+    key = jax.random.key(config.seed + 3)
+    rollout_cfg = config.rollout
     for batch in batches:
         if failed_at is not None:
             emit({"batch": batch, "status": f"skipped: OOM at batch {failed_at}"})
@@ -188,18 +208,21 @@ def worker_main(args) -> None:
                                             f"{max(left, 0):.0f} s left)"})
             continue
         active = base.get("kernels_active", False)
-        row = {"batch": batch, "path_decode": common.matmul_path(format_name, batch, active),
-               "path_prefill": common.matmul_path(format_name, batch * args.prompt, active)}
+        row = {"batch": batch, "path_decode": models.matmul_path(format_name, batch, active),
+               "path_prefill": models.matmul_path(format_name, batch * args.prompt, active)}
         compiled = rollout = None
         try:
-            config = sampling.SamplingConfig(
-                max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(),
+            sampler = sampling.SamplingConfig(
+                max_new_tokens=args.new_tokens, temperature=rollout_cfg.temperature,
+                top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k, eos_token_ids=(),
                 num_generations=1, prompt_bucket=args.prompt,
-                kv_cache_dtype=args.kv_cache_dtype, dequantize_once=args.dequantize_once,
-                shrink_batch=args.shrink_batch, shrink_min_rows=args.shrink_min_rows)
-            row["dequantize_once"] = args.dequantize_once
-            sizes = sampling.shrink_schedule(batch, config)
-            if args.shrink_batch:
+                kv_cache_dtype=rollout_cfg.kv_cache_dtype,
+                dequantize_once=rollout_cfg.dequantize_once,
+                shrink_batch=rollout_cfg.shrink_batch,
+                shrink_min_rows=rollout_cfg.shrink_min_rows)
+            row["dequantize_once"] = rollout_cfg.dequantize_once
+            sizes = sampling.shrink_schedule(batch, sampler)
+            if rollout_cfg.shrink_batch:
                 row["shrink_batch"] = "/".join(str(size) for size in sizes)
             tokens = jax.random.randint(jax.random.fold_in(key, batch), (batch, args.prompt), 0,
                                         architecture.vocab_size, jnp.int32)
@@ -207,20 +230,20 @@ def worker_main(args) -> None:
             run_key = jax.random.fold_in(key, 10_000 + batch)
             stop = budgets = None
             if args.length_values is not None:
-                stop = common.draw_lengths(args.length_values, batch, args.new_tokens,
-                                           args.seed)
+                stop = harness.draw_lengths(args.length_values, batch, args.new_tokens,
+                                            config.seed)
                 budgets = jnp.asarray(stop)
                 row["mean_length"] = float(stop.mean())
             begin = time.perf_counter()
             # The same program generate_from_states runs (prompt already at its bucket length),
             # compiled ahead of time so compilation is timed apart from generation.
-            if args.compilation_cache:
-                entries = cache_entries(args.compilation_cache)
+            if config.compilation_cache_dir:
+                entries = cache_entries(config.compilation_cache_dir)
                 row["compilation_cache"] = f"warm ({entries} files)" if entries else "cold"
-                enable_compilation_cache(args.compilation_cache)
-            compiled = sampling._generate_program.lower(
-                graphdef, states, tokens, mask, run_key, budgets, config=config,
-                cache_length=args.prompt + args.new_tokens).compile()
+                enable_compilation_cache(config.compilation_cache_dir)
+            compiled = sampling.compile_generate(graphdef, states, (batch, args.prompt),
+                                                 run_key, sampler,
+                                                 stop_lengths=budgets is not None)
             row["compile_s"] = time.perf_counter() - begin
             try:
                 row["program_temp_GiB"] = compiled.memory_analysis().temp_size_in_bytes / 2**30
@@ -253,49 +276,49 @@ def worker_main(args) -> None:
                 row["tokens_per_s_median"] = statistics.median(rates)
                 generated = min(count for _, count in runs)  # the status below covers all runs
             def weight_read_bytes(rows):
-                path = common.matmul_path(format_name, rows, active)
-                dequantized = args.dequantize_once and (path == "xla" or
+                path = models.matmul_path(format_name, rows, active)
+                dequantized = rollout_cfg.dequantize_once and (path == "xla" or
                                                         path.endswith("_dequantize_xla"))
-                return common.decode_read_bytes(states, architecture, rows, args.prompt,
-                                                args.new_tokens, args.kv_cache_dtype,
+                return roofline.decode_read_bytes(states, architecture, rows, args.prompt,
+                                                args.new_tokens, rollout_cfg.kv_cache_dtype,
                                                 dequantized)[0]
 
-            _, kv_bytes = common.decode_read_bytes(states, architecture, batch, args.prompt,
-                                                   args.new_tokens, args.kv_cache_dtype)
+            _, kv_bytes = roofline.decode_read_bytes(states, architecture, batch, args.prompt,
+                                                   args.new_tokens, rollout_cfg.kv_cache_dtype)
             weight_bytes = weight_read_bytes(batch)
             steps = args.new_tokens
             if stop is not None:   # the loop runs to the longest row; finished rows read no KV
-                steps, kv_total = common.kv_read_bytes_for_lengths(
-                    architecture, args.prompt, stop, args.kv_cache_dtype)
+                steps, kv_total = roofline.kv_read_bytes_for_lengths(
+                    architecture, args.prompt, stop, rollout_cfg.kv_cache_dtype)
                 kv_bytes = kv_total / steps
                 if len(sizes) > 1:   # each loop reads the weights its batch size multiplies by
-                    phases = common.shrink_phase_steps(stop, sizes)
+                    phases = roofline.shrink_phase_steps(stop, sizes)
                     row["shrink_steps"] = "/".join(str(count) for _, count in phases)
                     weight_bytes = sum(count * weight_read_bytes(size)
                                        for size, count in phases) / steps
             row["decode_steps"] = steps
             row["tokens_per_step"] = expected / steps
             row["ms_per_token_step"] = 1e3 * row["run_s"] / steps
-            row["kv_cache"] = args.kv_cache_dtype
+            row["kv_cache"] = rollout_cfg.kv_cache_dtype
             row["decode_read_GB"] = (weight_bytes + kv_bytes) / 1e9
             row["status"] = ("ok" if generated == expected
                              else f"ok, but {generated} != {expected} tokens")
             previous = row
         except Exception as error:
-            row["status"] = common.describe_error(error)
+            row["status"] = harness.describe_error(error)
             if row["status"] == "OOM":
                 failed_at = batch
-        row["peak_GiB"], _ = common.peak_memory_gib()
+        row["peak_GiB"], _ = harness.peak_memory_gib()
         emit(row)
         del compiled, rollout
         gc.collect()
     # The roofline's bandwidth, measured in this process after its cases (so their peak memory
     # does not hold the probe's array); the parent puts it into this worker's rows.
     try:
-        common.append_jsonl(args.results, {"read_GB_per_s": common.read_bandwidth(
+        harness.append_jsonl(args.results, {"read_GB_per_s": roofline.read_bandwidth(
             (64 if args.smoke else 4096) * 2**20) / 1e9})
     except Exception as error:  # the rows stand without a roofline
-        print(f"read bandwidth not measured: {common.describe_error(error)}", flush=True)
+        print(f"read bandwidth not measured: {harness.describe_error(error)}", flush=True)
 
 
 def _with_roofline(records: list[dict]) -> list[dict]:
@@ -381,10 +404,10 @@ def targets(rows) -> list[str]:
 
 
 def parent_main(args) -> None:
-    budget = common.Budget(args.budget_s)
-    sizes = common.split_list(args.sizes)
-    formats = common.split_list(args.formats)
-    batches = sorted(int(b) for b in common.split_list(args.batches))
+    budget = harness.Budget(args.budget_s)
+    sizes = harness.split_list(args.sizes)
+    formats = harness.split_list(args.formats)
+    batches = sorted(int(b) for b in harness.split_list(args.batches))
     raw_dir = os.path.join(args.out, "rollout_raw")
     os.makedirs(raw_dir, exist_ok=True)
     rows: list[dict] = []
@@ -407,37 +430,30 @@ def parent_main(args) -> None:
             command = [sys.executable, os.path.abspath(__file__), "--worker", "--size", size,
                        "--format", format_name, "--batches", args.batches,
                        "--new-tokens", str(args.new_tokens), "--prompt", str(args.prompt),
-                       "--rank", str(args.rank), "--seed", str(args.seed),
-                       "--repeats", str(args.repeats), "--results", results, "--deadline", str(budget.deadline),
+                       "--rank", str(args.rank),
+                       "--repeats", str(args.repeats), "--results", results,
+                       "--deadline", str(budget.deadline), "--out", os.path.abspath(args.out),
                        *(["--same-key"] if args.same_key else []),
-                       *(["--autotune-results", args.autotune_results]
-                         if args.autotune_results else []),
-                       *(["--compilation-cache", args.compilation_cache]
-                         if args.compilation_cache else []),
-                       "--kv-cache-dtype", args.kv_cache_dtype,
-                       *(["--dequantize-once"] if args.dequantize_once else []),
-                       *(["--shrink-batch"] if args.shrink_batch else []),
-                       "--shrink-min-rows", str(args.shrink_min_rows),
+                       *(["--kernels-interpret"] if args.kernels_interpret else []),
                        *(["--lengths", os.path.abspath(args.lengths)] if args.lengths else []),
-                       "--spawned-at", str(time.time())]
-            command += common.kernel_flags(args)
+                       "--spawned-at", str(time.time()), *args.overrides]
             if args.tile_k:
                 command += ["--tile-k", str(args.tile_k)]
             print(f"[rollout] {tag}: starting worker ({left:.0f} s of budget left)", flush=True)
             log = os.path.join(raw_dir, f"{tag}.log")
-            code, wall = common.run_worker(command, log, left)
-            got = _with_roofline(common.read_jsonl(results))
+            code, wall = harness.run_worker(command, log, left)
+            got = _with_roofline(harness.read_jsonl(results))
             got += _missing_rows(got, size, format_name, batches, code)
             first = next((row for row in got if row.get("status", "").startswith("ok")), None)
             if first is not None:
                 worker_costs.append(first["elapsed_s"])
             if code != 0:
                 print(f"[rollout] {tag}: worker {'killed' if code is None else 'rc=' + str(code)}"
-                      f" after {wall:.0f} s; log tail:\n{common.tail(log)}", flush=True)
+                      f" after {wall:.0f} s; log tail:\n{harness.tail(log)}", flush=True)
             rows += sorted(got, key=lambda row: row["batch"])
         if args.peer:
             rows += _peer_rows(args, size, raw_dir, budget)
-    report(rows, args, common.output_name("rollout", sizes, args))
+    report(rows, args, harness.output_name("rollout", sizes, args.tag))
 
 
 def _missing_rows(got: list[dict], size: str, format_name: str, batches: list[int],
@@ -455,25 +471,32 @@ def _peer_rows(args, size: str, raw_dir: str, budget) -> list[dict]:
     results = os.path.join(raw_dir, f"{size}_transformers.jsonl")
     if os.path.exists(results):
         os.remove(results)
-    batches = sorted(int(b) for b in common.split_list(args.batches))
+    batches = sorted(int(b) for b in harness.split_list(args.batches))
     if budget.left() < 5:
         return [{"size": size, "format": "bf16 transformers", "batch": batch,
                  "status": "skipped: budget"} for batch in batches]
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformers_peer.py")
     command = [sys.executable, script, "--size", size, "--batches", args.batches,
                "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats), "--seed", str(args.seed), "--results", results,
+               "--repeats", str(args.repeats),
+               "--seed", str(next(iter(args.configs.values())).seed), "--results", results,
                *(["--lengths", os.path.abspath(args.lengths)] if args.lengths else [])]
     print(f"[rollout] {size}_transformers: starting worker ({budget.left():.0f} s of budget "
           "left)", flush=True)
     log = os.path.join(raw_dir, f"{size}_transformers.log")
-    code, _ = common.run_worker(command, log, budget.left())
-    got = common.read_jsonl(results)
+    code, _ = harness.run_worker(command, log, budget.left())
+    got = harness.read_jsonl(results)
     got += _missing_rows(got, size, "bf16 transformers", batches, code)
     if code != 0:
-        print(f"[rollout] {size}_transformers: rc={code}; log tail:\n{common.tail(log)}",
+        print(f"[rollout] {size}_transformers: rc={code}; log tail:\n{harness.tail(log)}",
               flush=True)
     return sorted(got, key=lambda row: row["batch"])
+
+
+def _temperature(args) -> str:
+    """The cases' sampling temperature (config.rollout.temperature; 1 in merged tables)."""
+    configs = getattr(args, "configs", None)
+    return f"{next(iter(configs.values())).rollout.temperature:g}" if configs else "1"
 
 
 def report(rows: list[dict], args, name: str) -> None:
@@ -486,30 +509,31 @@ def report(rows: list[dict], args, name: str) -> None:
         peer = _lookup(rows, row["size"], "bf16 transformers", row["batch"])
         if row.get("tokens_per_s") and peer and peer.get("tokens_per_s"):
             row["vs_transformers"] = _rate(row) / _rate(peer)
-    header = common.header_line(
+    header = harness.header_line(
         f"Rollout throughput ({args.prompt}-token prompt, {args.new_tokens} new tokens, "
         + (f"EOS off, each row stopping at a length drawn from {args.lengths}" if args.lengths
            else "EOS off (every row to the limit)")
-        + f", LoRA r{args.rank} unmerged, temperature 1, random weights; tok/s = all "
+        + f", LoRA r{args.rank} unmerged, temperature {_temperature(args)}, random weights; "
+        f"tok/s = all "
         f"generated tokens / one timed call incl. prefill; compile timed apart, AOT)", rows)
     notes = ["", ("Peak memory: the device allocator's peak since the worker process started "
                   "(one process per size x format, batches ascending, so each batch's peak "
-                  "includes the smaller ones'). 'paper tok/s': QeRL's vLLM numbers (facts "
-                  "section 6). Roofline: the measured read bandwidth (the sum of a 4 GiB "
+                  "includes the smaller ones'). 'paper tok/s': QeRL's vLLM numbers (arXiv "
+                  "2510.11696). Roofline: the measured read bandwidth (the sum of a 4 GiB "
                   "float32 array, best of 5, in the same process) over the bytes one decode "
                   "step reads (every weight once except an untied embedding table, plus K and "
                   "V at the mean context length), times the batch; prefill and sampling are "
                   "not counted, so it is an upper bound."),
              "", "Targets:"] + [f"- {line}" for line in targets(rows)]
-    text = "\n".join([header, "", common.markdown_table(rows, COLUMNS)] + notes)
+    text = "\n".join([header, "", harness.markdown_table(rows, COLUMNS)] + notes)
     print(text, flush=True)
-    common.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
+    harness.write_outputs(args.out, name, text, {"argv": sys.argv, "rows": rows,
                                                 "targets": targets(rows)})
 
 
 def merge_main(args) -> None:
     """One table (ratios, targets) from the rows of several runs' rollout_*.json files."""
-    rows = common.merged_rows(args.merge)
+    rows = harness.merged_rows(args.merge)
     first = rows[0]
     args.prompt, args.new_tokens, args.rank = (first["prompt"], first["new_tokens"],
                                                first["lora_rank"])
@@ -517,7 +541,7 @@ def merge_main(args) -> None:
 
 
 def main(argv=None):
-    common.run_script(parse_args(argv), worker_main, parent_main, merge_main)
+    harness.run_script(parse_args(argv), worker_main, parent_main, merge_main)
 
 
 if __name__ == "__main__":

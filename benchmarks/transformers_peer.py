@@ -26,7 +26,8 @@ import argparse
 import statistics
 import time
 
-import _common as common
+import _harness as harness
+import _models as models
 
 
 def parse_args(argv=None):
@@ -44,7 +45,7 @@ def parse_args(argv=None):
                         help="JSON of completion lengths, as rollout.py's --lengths")
     parser.add_argument("--results", required=True, help="rows appended here (jsonl)")
     args = parser.parse_args(argv)
-    args.length_values = common.parsed_lengths(parser, args.lengths)
+    args.length_values = harness.parsed_lengths(parser, args.lengths)
     return args
 
 
@@ -55,7 +56,7 @@ def hf_model(size: str, seed: int, device: str):
 
     from qerl_jax.models.config import preset
 
-    architecture = preset(common.preset_name(size), param_dtype="bfloat16",
+    architecture = preset(models.preset_name(size), param_dtype="bfloat16",
                           compute_dtype="bfloat16")
     hf = architecture.to_hf_dict()
     config = AutoConfig.for_model(**hf)
@@ -89,14 +90,14 @@ def main(argv=None) -> None:
     else:
         model.generation_config.disable_compile = True
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    for batch in sorted(int(b) for b in common.split_list(args.batches)):
+    for batch in sorted(int(b) for b in harness.split_list(args.batches)):
         row = {**base, "batch": batch}
         try:
             tokens = torch.randint(0, architecture.vocab_size, (batch, args.prompt),
                                    generator=generator, device=device)
             new_tokens, counted = args.new_tokens, batch * args.new_tokens
             if args.length_values is not None:
-                stop = common.draw_lengths(args.length_values, batch, args.new_tokens, args.seed)
+                stop = harness.draw_lengths(args.length_values, batch, args.new_tokens, args.seed)
                 new_tokens, counted = int(stop.max()), int(stop.sum())
                 row["mean_length"] = float(stop.mean())
             row["steps"] = new_tokens   # decode steps every row runs
@@ -132,8 +133,8 @@ def main(argv=None) -> None:
             if device == "cuda":
                 row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
         except Exception as error:  # recorded; the next batch still runs
-            row["status"] = common.describe_error(error)
-        common.append_jsonl(args.results, row)
+            row["status"] = harness.describe_error(error)
+        harness.append_jsonl(args.results, row)
         print({k: row.get(k) for k in ("size", "batch", "status", "compile_s", "tokens_per_s")},
               flush=True)
 

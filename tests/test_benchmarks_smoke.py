@@ -1,5 +1,6 @@
 """The benchmark scripts' --smoke modes on CPU (tiny model, few tokens), as subprocesses, so a
-change in the sampler, trainer, quantization or kernel hook that breaks them fails CI.
+change in the sampler, trainer, quantization, model set-up or config parsing that breaks them
+fails CI.
 
 Both scripts run at the same time (each one parent + one worker process) to keep the test
 short; the rollout one goes through the Pallas kernel path in interpret mode.
@@ -39,9 +40,11 @@ def test_rollout_and_grpo_step_smoke(tmp_path):
     rollout_out, step_out = tmp_path / "rollout", tmp_path / "grpo_step"
     rollout = _start("rollout.py", rollout_out, "--formats", "nvfp4", "--batches", "2,3",
                      "--kernels-interpret", "--repeats", "2", "--same-key", "--peer",
-                     "--autotune-results", str(tmp_path / "autotune" / "a.textproto"))
-    step = _start("grpo_step.py", step_out, "--formats", "nvfp4", "--compilation-cache",
-                 str(tmp_path / "xla_cache"), "--trace-peaks", "--offload-for-compile", "on")
+                     f"--config.xla_autotune_results={tmp_path / 'autotune' / 'a.textproto'}")
+    step = _start("grpo_step.py", step_out, "--formats", "nvfp4",
+                  f"--config.compilation_cache_dir={tmp_path / 'xla_cache'}", "--trace-peaks",
+                  "--config.rollout.offload_weights_for_compile=on",
+                  "--config.train.logits_chunk_size=4")
     rollout_text, step_text = _finish(rollout), _finish(step)
 
     with open(rollout_out / "rollout_tiny.json") as handle:
@@ -80,7 +83,8 @@ def test_rollout_and_grpo_step_smoke(tmp_path):
     assert row["aqn"] is True
     assert "| tiny | nvfp4 |" in step_text
     assert row["peak_after_rollout0_GiB"] > 0
-    assert row["compilation_cache"] == "cold"  # the flag reached the trainer's config
+    assert row["compilation_cache"] == "cold"  # the overrides reached the trainer's config
+    assert row["logits_chunk"] == 4
     assert row["attention"] == "xla"           # 'auto' on a CPU
     assert row["step0_sampler_compile_s"] > 0  # --offload-for-compile on: compiled ahead
     assert row["step_sampler_compile_s"] == 0  # once
@@ -114,7 +118,7 @@ def test_transformers_peer_counts_the_drawn_lengths(tmp_path):
     """benchmarks/transformers_peer.py --lengths: each row gets rollout.py's stop length (the
     same draw), generate runs to the longest, and only the drawn tokens count."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import _common as common
+    import _harness as harness
     lengths, results = tmp_path / "lengths.json", tmp_path / "peer.jsonl"
     lengths.write_text(json.dumps({"lengths": [2, 5, 7, 40]}))
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "transformers_peer.py"),
@@ -122,7 +126,7 @@ def test_transformers_peer_counts_the_drawn_lengths(tmp_path):
                     "--lengths", str(lengths), "--results", str(results)],
                    cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT_S)
     (row,) = [json.loads(line) for line in results.read_text().splitlines()]
-    stop = common.draw_lengths([2, 5, 7, 40], 3, 8, 0)   # 40 is clipped to the 8 new tokens
+    stop = harness.draw_lengths([2, 5, 7, 40], 3, 8, 0)   # 40 is clipped to the 8 new tokens
     assert row["status"] == "ok", row
     assert row["generated_tokens"] == int(stop.sum()) and row["steps"] == int(stop.max())
     assert row["mean_length"] == float(stop.mean()) and row["tokens_per_s"] > 0
@@ -252,7 +256,7 @@ def test_decode_read_bytes_counts_each_weight_once_and_the_mean_kv_cache():
     from flax import nnx
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import _common as common
+    import _roofline as roofline
     from qerl_jax.models.config import preset
     from qerl_jax.models.transformer import init_model
 
@@ -262,7 +266,7 @@ def test_decode_read_bytes_counts_each_weight_once_and_the_mean_kv_cache():
             tie_word_embeddings=tied)
         model = init_model(architecture, seed=0)
         _, state = nnx.split(model)
-        weights, kv = common.decode_read_bytes(state, architecture, batch=3, prompt=16,
+        weights, kv = roofline.decode_read_bytes(state, architecture, batch=3, prompt=16,
                                                new_tokens=8)
         params = architecture.num_parameters()
         table = architecture.vocab_size * architecture.hidden_size
@@ -279,20 +283,20 @@ def test_kv_reads_of_rows_that_stop_at_their_lengths():
     from qerl_jax.models.config import preset
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import _common as common
+    import _roofline as roofline
 
     architecture = preset("tiny_qwen2", param_dtype="bfloat16", compute_dtype="bfloat16")
     lengths = [1, 7, 3, 12]
-    steps, total = common.kv_read_bytes_for_lengths(architecture, 16, lengths)
-    per_token = common.kv_bytes_per_token(architecture)
+    steps, total = roofline.kv_read_bytes_for_lengths(architecture, 16, lengths)
+    per_token = roofline.kv_bytes_per_token(architecture)
     reference = sum(per_token * (16 + t + 1) for length in lengths for t in range(length))
     assert steps == 12 and total == int(reference)
-    weights, kv = common.decode_read_bytes({}, architecture, batch=4, prompt=16, new_tokens=12)
+    weights, kv = roofline.decode_read_bytes({}, architecture, batch=4, prompt=16, new_tokens=12)
     assert kv == int(per_token * 4 * (16 + 6))   # every row to the end: the mean context
     # a shrinking batch (sampling.shrink_schedule 4/2/1): 4 rows generate at step 0, 3 at
     # steps 1-2 (then 2: the 2-row loop from step 3), 1 from step 7 (the 1-row loop)
-    assert common.shrink_phase_steps(lengths, (4, 2, 1)) == [(4, 3), (2, 4), (1, 5)]
-    assert common.shrink_phase_steps(lengths, (4,)) == [(4, 12)]
+    assert roofline.shrink_phase_steps(lengths, (4, 2, 1)) == [(4, 3), (2, 4), (1, 5)]
+    assert roofline.shrink_phase_steps(lengths, (4,)) == [(4, 12)]
 
 
 def test_rollout_replays_measured_lengths(tmp_path):
@@ -310,7 +314,8 @@ def test_rollout_replays_measured_lengths(tmp_path):
     assert row["decode_steps"] <= 8 and 2 <= row["mean_length"] <= 8
     shrunk = tmp_path / "shrunk"   # the same rows in loops of 4, 2 and 1 rows
     text = _finish(_start("rollout.py", shrunk, "--formats", "bf16", "--batches", "4",
-                          "--lengths", str(lengths), "--shrink-batch", "--shrink-min-rows", "1"))
+                          "--lengths", str(lengths), "--config.rollout.shrink_batch=true",
+                          "--config.rollout.shrink_min_rows=1"))
     with open(shrunk / "rollout_tiny.json") as handle:
         (shrunk_row,) = json.load(handle)["rows"]
     assert shrunk_row["status"] == "ok", (shrunk_row, text[-3000:])
@@ -324,6 +329,28 @@ def test_rollout_replays_measured_lengths(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith(f"rollout.py: error: --lengths {lengths}:")
+
+
+def test_config_overrides_are_checked_before_any_worker(tmp_path):
+    """--config.FIELD=VALUE goes through the trainer's own parsing and validation in the parent:
+    an unknown field, a bad value, a bad combination, and a field a shape flag sets are each
+    the parser's one-line error (exit 2), before any worker starts."""
+    cases = [("--config.quant.kernels.mosaic_schedul=split_k",
+              "config.quant.kernels.mosaic_schedul: unknown field"),
+             ("--config.quant.kernels.mosaic_schedule=fast",
+              "config.quant.kernels.mosaic_schedule: 'fast' not in"),
+             ("--config.rollout.max_new_tokens=4", "config.rollout.max_new_tokens: set by "
+                                                    "--new-tokens"),
+             ("--config.aqn.enabled=true", "config.aqn.enabled: AQN is defined for quantized "
+                                           "bases only")]
+    for override, message in cases:
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rollout.py"),
+                                 "--smoke", "--formats", "bf16", override, "--out",
+                                 str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, (override, result.stderr[-2000:])
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"rollout.py: error: {message}"), (override, last)
+    assert not (tmp_path / "rollout_raw" / "tiny_bf16.log").exists()
 
 
 def test_completion_lengths_smoke(tmp_path):
@@ -348,13 +375,13 @@ def test_workers_on_several_devices_leave_room_for_collective_memory(monkeypatch
     """One device: 95% preallocated; several: 90% (XLA's collectives allocate outside the
     pool); a caller's setting wins; the header reports what the worker ran with."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import _common as common
+    import _harness as harness
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    assert common.worker_env()["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
-    assert common.worker_env(2)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"
+    assert harness.worker_env()["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+    assert harness.worker_env(2)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-    assert common.worker_env(4)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
-    assert "MEM_FRACTION=0.90." in common.header_line("t", [{"device": "d",
+    assert harness.worker_env(4)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    assert "MEM_FRACTION=0.90." in harness.header_line("t", [{"device": "d",
                                                              "memory_fraction": "0.90"}])
-    assert "unset (JAX's default 0.75)" in common.header_line(
+    assert "unset (JAX's default 0.75)" in harness.header_line(
         "t", [{"device": "d", "memory_fraction": None}])

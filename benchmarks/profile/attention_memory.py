@@ -30,7 +30,8 @@ import time
 
 # run as a script from benchmarks/profile/: the shared helpers live one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _common as common  # noqa: E402
+import _harness as harness  # noqa: E402
+import _models as models  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -52,7 +53,7 @@ def parse_args(argv=None):
 
 def _config(args, **fields):
     from qerl_jax.models.config import preset
-    heads = preset(common.preset_name(args.size))
+    heads = preset(models.preset_name(args.size))
     settings = dict(hidden_size=heads.num_attention_heads * heads.resolved_head_dim,
                     head_dim=heads.resolved_head_dim, intermediate_size=512,
                     num_hidden_layers=args.layers, num_attention_heads=heads.num_attention_heads,
@@ -88,7 +89,7 @@ def measure(args, implementation: str, chunk: int) -> dict:
             "temp_MiB": analysis.temp_size_in_bytes / 2 ** 20,
             "one_scores_MiB": scores / 2 ** 20 if implementation == "xla" else 0.0,
             "compile_s": time.perf_counter() - begin,
-            **common.device_info()}
+            **harness.device_info()}
 
 
 def check(args) -> dict:
@@ -143,13 +144,13 @@ def check(args) -> dict:
     ok = all(errors["cudnn"][name] <= 2 * errors["xla"][name] + 1e-3 for name in errors["xla"])
     return {"layers": layers, "batch": args.batch, "length": args.length,
             "float32_loss": exact[0], "errors": errors, "cudnn_within_2x_of_xla_bf16": ok,
-            **common.device_info()}
+            **harness.device_info()}
 
 
 def main(argv=None):
     args = parse_args(argv)
-    chunks = [int(value) for value in common.split_list(args.chunks)]
-    implementations = common.split_list(args.implementations)
+    chunks = [int(value) for value in harness.split_list(args.chunks)]
+    implementations = harness.split_list(args.implementations)
     if any(chunk < 0 for chunk in chunks) or args.length <= 0 or args.layers <= 0:
         raise SystemExit("--chunks must be >= 0, --length and --layers positive")
     unknown = sorted(set(implementations) - {"xla", "cudnn"})
@@ -165,9 +166,9 @@ def main(argv=None):
                ("length", "T"), ("heads", "heads q/kv"), ("one_scores_MiB",
                                                           "one float32 score block MiB"),
                ("temp_MiB", "XLA temporaries MiB"), ("compile_s", "compile s")]
-    text = (common.header_line(f"Training-attention memory (gradient program, compiled only), "
+    text = (harness.header_line(f"Training-attention memory (gradient program, compiled only), "
                                f"{args.size} heads", rows)
-            + "\n\n" + common.markdown_table(rows, columns))
+            + "\n\n" + harness.markdown_table(rows, columns))
     payload = {"rows": rows}
     if args.check:
         result = check(args)
@@ -184,7 +185,7 @@ def main(argv=None):
                      f"{result['cudnn_within_2x_of_xla_bf16']}")
         text += "\n".join(lines)
     print(text)
-    common.write_outputs(args.out, f"attention_memory_{args.size}", text, payload)
+    harness.write_outputs(args.out, f"attention_memory_{args.size}", text, payload)
 
 
 if __name__ == "__main__":

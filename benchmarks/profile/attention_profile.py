@@ -25,7 +25,7 @@ import time
 
 # run as a script from benchmarks/profile/: the shared helpers live one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _common as common  # noqa: E402
+import _harness as harness  # noqa: E402
 from kernel_profile import L2_DEFEAT_BYTES, traced_device_us  # noqa: E402
 
 # (kv heads, query heads per kv head, head dim) of Qwen2.5 models.
@@ -60,13 +60,13 @@ def main(argv=None):
     interpret = args.smoke
     settings = [s.strip() for s in args.settings.split(";") if s.strip()]
     parsed = {s: ({} if s == "base" else da.parse_config(s)) for s in settings}
-    lengths = [int(v) for v in common.split_list(args.lengths)]
+    lengths = [int(v) for v in harness.split_list(args.lengths)]
     if any(not 1 <= v <= args.slots for v in lengths):
         raise SystemExit(f"--lengths {lengths}: each must be in [1, --slots={args.slots}]")
     rows = []
     key = jax.random.key(0)
     started = time.perf_counter()
-    for model in common.split_list(args.models):
+    for model in harness.split_list(args.models):
         if model not in SHAPES:
             raise SystemExit(f"unknown model {model!r}; known: {sorted(SHAPES)}")
         kv_heads, groups, head_dim = SHAPES[model]
@@ -101,23 +101,23 @@ def main(argv=None):
                     row["us"][str(length)] = call_us
                 row["mean_us"] = sum(row["us"].values()) / len(row["us"])
             except Exception as e:  # a setting Triton cannot compile: record, go on
-                row["error"] = common.describe_error(e)
+                row["error"] = harness.describe_error(e)
             rows.append(row)
             print(row, flush=True)
         del caches
     elapsed = time.perf_counter() - started
     text = report(rows, lengths, args, elapsed)
     print(text, flush=True)
-    common.write_outputs(args.out, f"attention_profile_b{args.batch}", text,
+    harness.write_outputs(args.out, f"attention_profile_b{args.batch}", text,
                          {"argv": sys.argv, "rows": rows, "jax": jax.__version__,
-                          **common.device_info()})
+                          **harness.device_info()})
 
 
 def report(rows, lengths, args, elapsed) -> str:
-    header = common.header_line(
+    header = harness.header_line(
         f"Decode-attention device us per call (batch {args.batch}, {args.slots}-slot cache, "
         f"jax.profiler trace, {args.repeats} runs of R cache copies > {L2_DEFEAT_BYTES >> 20} "
-        f"MiB; {elapsed:.0f} s)", [common.device_info()])
+        f"MiB; {elapsed:.0f} s)", [harness.device_info()])
     lines = [header, "",
              "| model | setting | " + " | ".join(f"len {v}" for v in lengths)
              + " | mean | max rel err |",

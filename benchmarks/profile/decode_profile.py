@@ -1,6 +1,7 @@
 """Where a decode step's time goes: a device trace of the sampler, kernels summed by name.
 
-Builds the rollout benchmark's model (random weights, LoRA r32 unmerged, kernel hook), compiles
+Builds the rollout benchmark's model (random weights, LoRA r32 unmerged, the kernels
+config.quant.kernels describes), compiles
 the sampler program with the benchmark's cache length (prompt + 2048 slots) but only
 --steps decode steps, runs it once to warm up, times it, then runs it under jax.profiler and
 reads the trace back (jax.profiler.ProfileData): every device event is summed by name, and the
@@ -11,7 +12,9 @@ is small next to --steps decode steps, and its kernels are the ones with count 1
     python benchmarks/profile/decode_profile.py --smoke --out /tmp/decode_profile   # CPU, seconds
 
 With --short-cache the same is also run with a cache of prompt + steps slots, which shows what
-attending over the full 2304-slot cache costs.
+attending over the full cache costs. Any other choice is a field of the trainer's config, set
+with --config.FIELD=VALUE (e.g. --config.quant.kernels.mosaic_nvfp4=off,
+--config.rollout.kv_cache_dtype=int8, --config.quant.kernels.enabled=false).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import time
 
 # run as a script from benchmarks/profile/: the shared helpers live one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _common as common  # noqa: E402
+import _harness as harness  # noqa: E402
+import _models as models  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -38,31 +42,30 @@ def parse_args(argv=None):
     parser.add_argument("--cache-new-tokens", type=int, default=2048,
                         help="cache slots after the prompt (the benchmark's completion length)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps traced")
-    parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--no-kernels", action="store_true")
-    parser.add_argument("--mosaic-nvfp4", default="auto", choices=("auto", "on", "off"),
-                        help="config.quant.kernels.mosaic_nvfp4")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=("auto", "int8", "float8_e4m3fn"),
-                        help="the sampler's KV cache (SamplingConfig.kv_cache_dtype)")
-    parser.add_argument("--no-gate-up-pairs", action="store_true",
-                        help="keep each MLP's gate and up as separate weights (grouped launch "
-                             "+ XLA SwiGLU), not one interleaved pair with the SwiGLU fused")
-    parser.add_argument("--no-decode-attention", action="store_true",
-                        help="decode steps attend over the whole cache on XLA (no Pallas kernel)")
+    parser.add_argument("--rank", type=int, default=32,
+                        help="LoRA rank: config.lora.rank, and config.lora.alpha = rank")
     parser.add_argument("--short-cache", action="store_true",
                         help="also profile with a cache of prompt + steps slots")
     parser.add_argument("--top", type=int, default=45, help="rows of the kernel table")
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU, seconds")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tile-k", type=int, default=None,
                         help="K tile of every weight's kernel layout (default: per weight)")
     parser.add_argument("--hlo-out", default=None,
                         help="also write the compiled program's optimized HLO (gzip text) here")
     parser.add_argument("--out", default=".")
-    args = parser.parse_args(argv)
+    parser.epilog = harness.OVERRIDES_HELP
+    args = harness.parse_arguments(parser, argv)
     if args.smoke:
         args.size, args.batch, args.prompt, args.cache_new_tokens, args.steps = "tiny", 2, 16, 16, 4
+    base = models.rollout_config(
+        preset=models.preset_name(args.size), format_name=args.format,
+        tokenizer_dir=models.char_tokenizer_dir(os.path.join(os.path.abspath(args.out),
+                                                             "tokenizer")),
+        rank=args.rank, prompt=args.prompt, new_tokens=args.cache_new_tokens)
+    args.config = models.configured(parser, base, args.overrides, {
+        "model.preset": "--size", "quant.format": "--format", "lora.rank": "--rank",
+        "rollout.prompt_bucket": "--prompt", "rollout.max_new_tokens": "--cache-new-tokens"})
+    args.tag = models.config_tag(args.config, base)
     return args
 
 
@@ -139,11 +142,13 @@ def profile_case(graphdef, states, architecture, args, cache_length: int, label:
     import jax.numpy as jnp
 
     from qerl_jax import sampling
-    config = sampling.SamplingConfig(max_new_tokens=args.steps, temperature=1.0,
+    rollout = args.config.rollout
+    config = sampling.SamplingConfig(max_new_tokens=args.steps, temperature=rollout.temperature,
                                      eos_token_ids=(), num_generations=1,
                                      prompt_bucket=args.prompt,
-                                     kv_cache_dtype=args.kv_cache_dtype)
-    key = jax.random.key(args.seed + 3)
+                                     kv_cache_dtype=rollout.kv_cache_dtype,
+                                     dequantize_once=rollout.dequantize_once)
+    key = jax.random.key(args.config.seed + 3)
     tokens = jax.random.randint(key, (args.batch, args.prompt), 0, architecture.vocab_size,
                                 jnp.int32)
     mask = jnp.ones((args.batch, args.prompt), jnp.bool_)
@@ -198,34 +203,30 @@ def main(argv=None):
     args = parse_args(argv)
     import jax
     started = time.perf_counter()
-    architecture, graphdef, states, info = common.build_sampling_model(
-        common.preset_name(args.size), args.format, rank=args.rank, seed=args.seed,
-        use_kernels=not args.no_kernels, decode_attention=not args.no_decode_attention,
-        tile_k=args.tile_k, pair_mlp=not args.no_gate_up_pairs, mosaic_nvfp4=args.mosaic_nvfp4)
+    architecture, graphdef, states, info = models.build_sampling_model(args.config,
+                                                                       tile_k=args.tile_k)
     init_s = time.perf_counter() - started
     cases = [profile_case(graphdef, states, architecture, args,
                           args.prompt + args.cache_new_tokens, "full cache", args.out)]
     if args.short_cache:
         cases.append(profile_case(graphdef, states, architecture, args,
                                   args.prompt + args.steps, "short cache", args.out))
-    peak, _ = common.peak_memory_gib()
+    peak, _ = harness.peak_memory_gib()
     rows = [{"size": args.size, "format": args.format, "batch": args.batch, **info,
-             **common.device_info()}]
-    header = common.header_line(
+             **harness.device_info()}]
+    header = harness.header_line(
         f"Decode-step profile: {args.size} {args.format}, batch {args.batch}, prompt "
-        f"{args.prompt}, {args.steps} decode steps traced, KV cache {args.kv_cache_dtype}, "
+        f"{args.prompt}, {args.steps} decode steps traced, KV cache "
+        f"{args.config.rollout.kv_cache_dtype}, "
         f"LoRA r{args.rank} unmerged, kernel "
         f"hook: {info.get('kernel_hook')}; init {init_s:.0f} s, peak {peak:.1f} GiB", rows)
     text = "\n\n".join([header] + [report(case, args) for case in cases])
     print(text, flush=True)
-    name = f"decode_profile_{args.size}_{args.format}_b{args.batch}" + (
-        "_no-kernels" if args.no_kernels else "") + (
-        f"_mosaic-{args.mosaic_nvfp4}" if args.mosaic_nvfp4 != "auto" else "") + (
-        "_no-pairs" if args.no_gate_up_pairs else "") + (
-        "_no-decode-attention" if args.no_decode_attention else "") + (
+    kv_cache = args.config.rollout.kv_cache_dtype
+    name = f"decode_profile_{args.size}_{args.format}_b{args.batch}{args.tag}" + (
         f"_tile{args.tile_k}" if args.tile_k else "") + (
-        f"_kv-{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
-    common.write_outputs(args.out, name, text, {"argv": sys.argv, "info": info,
+        f"_kv-{kv_cache}" if kv_cache != "auto" else "")
+    harness.write_outputs(args.out, name, text, {"argv": sys.argv, "info": info,
                                                 "init_s": init_s, "peak_GiB": peak,
                                                 "cases": cases, "jax": jax.__version__})
 

@@ -30,7 +30,7 @@ import time
 
 # run as a script from benchmarks/profile/: the shared helpers live one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _common as common  # noqa: E402
+import _harness as harness  # noqa: E402
 import decode_profile  # noqa: E402
 
 # (name, N, K) per model; y[M, N] = x[M, K] @ W^T. "qkv" and "gate|up" are the concatenated
@@ -123,7 +123,7 @@ def main(argv=None):
     from pallas_kernels import blockwise_matmul as bw
 
     interpret = args.smoke
-    wanted = set(common.split_list(args.shapes))
+    wanted = set(harness.split_list(args.shapes))
     shapes = [s for s in SHAPES[args.model] if not wanted or s[0] in wanted]
     if wanted - {s[0] for s in shapes}:
         raise SystemExit(f"unknown shapes {sorted(wanted - {s[0] for s in shapes})} for "
@@ -148,9 +148,9 @@ def main(argv=None):
                          "TB_s": 2 * n * k / total_us / 1e6})
             print(rows[-1], flush=True)
             del ws, dense
-        for fmt in common.split_list(args.formats):
+        for fmt in harness.split_list(args.formats):
             spec = kernel_bench.SPECS[fmt]
-            for tile_k in (int(t) for t in common.split_list(args.tile_k)):
+            for tile_k in (int(t) for t in harness.split_list(args.tile_k)):
                 ckpt = kernel_bench.random_checkpoint(fmt, n, k, jax.random.fold_in(key, 5))
                 packed = kernel_bench.repack(fmt, ckpt, tile_k=tile_k)
                 nbytes = weight_bytes(fmt, n, k)
@@ -185,16 +185,16 @@ def main(argv=None):
                                    TB_s=nbytes / call_us / 1e6, max_rel_err=error,
                                    kernel_events=found)
                     except Exception as e:  # a tuning Triton cannot compile: record, go on
-                        row.update(error=common.describe_error(e))
+                        row.update(error=harness.describe_error(e))
                     rows.append(row)
                     print(row, flush=True)
                 del ws, packed
     elapsed = time.perf_counter() - started
     text = report(rows, args, elapsed)
     print(text, flush=True)
-    common.write_outputs(args.out, f"kernel_profile_{args.model}_m{args.m}", text,
+    harness.write_outputs(args.out, f"kernel_profile_{args.model}_m{args.m}", text,
                          {"argv": sys.argv, "rows": rows, "jax": jax.__version__,
-                          **common.device_info()})
+                          **harness.device_info()})
 
 
 def _short(config) -> str:
@@ -206,10 +206,10 @@ def _short(config) -> str:
 
 
 def report(rows, args, elapsed) -> str:
-    header = common.header_line(
+    header = harness.header_line(
         f"Fused-kernel device time at M={args.m} ({args.model} shapes, LoRA r{args.rank} "
         f"epilogue, jax.profiler trace, {args.repeats} runs of R weight copies > "
-        f"{L2_DEFEAT_BYTES >> 20} MiB; {elapsed:.0f} s)", [common.device_info()])
+        f"{L2_DEFEAT_BYTES >> 20} MiB; {elapsed:.0f} s)", [harness.device_info()])
     lines = [header, "",
              "| shape | N x K | format | tile_k | tuning | config | kernel us | call us | TB/s "
              "| vs bf16 | max rel err | max abs diff vs first tuning |",

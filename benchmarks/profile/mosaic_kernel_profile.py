@@ -30,14 +30,15 @@ import numpy as np
 
 # run as a script from benchmarks/profile/: the shared helpers live one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _common as common  # noqa: E402
+import _harness as harness  # noqa: E402
+import _models as models  # noqa: E402
 import kernel_profile  # noqa: E402
 
 def profile_shapes(size: str) -> list[tuple[str, int, int]]:
     """(name, N, K) of a model size's decode launches: q/o, down, the gate|up pair (one
     [2 I, H] weight) and q|k|v (grouped: [H + 2 kv, H])."""
     from qerl_jax.models import config as model_config
-    arch = getattr(model_config, common.preset_name(size))()
+    arch = getattr(model_config, models.preset_name(size))()
     h, i = arch.hidden_size, arch.intermediate_size
     kv = arch.num_key_value_heads * arch.resolved_head_dim
     return [("q/o", h, h), ("down", h, i), ("gate|up", 2 * i, h), ("q|k|v", h + 2 * kv, h)]
@@ -298,7 +299,7 @@ def main(argv=None):
     import jax
     key = jax.random.key(0)
     started = time.perf_counter()
-    meta = {**common.device_info(), "jax": jax.__version__}
+    meta = {**harness.device_info(), "jax": jax.__version__}
     stages = tuple(int(depth) for depth in args.stages.split(",") if depth) or (None,)
     kernel_schedules = tuple(name for name in args.schedules.split(",") if name)
     extra_splits = tuple(int(count) for count in args.splits.split(",") if count)
@@ -323,7 +324,7 @@ def main(argv=None):
             except Exception as e:
                 traceback.print_exc()
                 profiles.append({"shape": label, "n": n, "k": k,
-                                 "error": common.describe_error(e)})
+                                 "error": harness.describe_error(e)})
                 print(profiles[-1], flush=True)
     for size in args.sizes.split(","):
         try:
@@ -333,16 +334,16 @@ def main(argv=None):
         except Exception as e:
             traceback.print_exc()
             profiles.append({"shape": f"{size} gate|up SwiGLU + next LoRA", "ok": False,
-                             "error": common.describe_error(e)})
+                             "error": harness.describe_error(e)})
             print(profiles[-1], flush=True)
-    table = common.markdown_table(profiles, [
+    table = harness.markdown_table(profiles, [
         ("shape", "shape"), ("n", "N"), ("k", "K"), ("kernel", "kernel"),
         ("call_us", "us per call"), ("TB_s", "weight TB/s"), ("ok", "ok"), ("error", "error")])
-    text = (common.header_line(f"Mosaic GPU NVFP4 matmul, device time per call, M = {args.m}, "
+    text = (harness.header_line(f"Mosaic GPU NVFP4 matmul, device time per call, M = {args.m}, "
                                f"{time.perf_counter() - started:.0f} s", [meta])
             + "\n\n" + table)
     print(text, flush=True)
-    common.write_outputs(args.out, "mosaic_kernel_profile", text,
+    harness.write_outputs(args.out, "mosaic_kernel_profile", text,
                          {"argv": sys.argv, "profiles": profiles, **meta})
     if not all(r.get("ok", True) for r in profiles):
         raise SystemExit(1)

@@ -34,7 +34,7 @@ import tempfile
 
 # run as a script from benchmarks/profile/: the shared helpers live one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _common as common  # noqa: E402
+import _harness as harness  # noqa: E402
 
 # Ops counted in the final TTGIR (substring match).
 COUNTED_OPS = ("ttg.convert_layout", "ttg.local_alloc", "ttg.local_load", "ttg.local_store",
@@ -87,7 +87,7 @@ def run_worker(args) -> None:
                             lora_x_a=down, lora_b=lora_b, lora_scale=2.0 if args.rank else 0.0)
     jax.block_until_ready(y)
     print(f"config {config}", flush=True)
-    print(f"info {json.dumps(common.device_info())}", flush=True)
+    print(f"info {json.dumps(harness.device_info())}", flush=True)
 
 
 def split_passes(text: str) -> list[tuple[str, str, str]]:
@@ -172,7 +172,7 @@ def main(argv=None):
     for tuning in [t.strip() for t in args.tunings.split(";") if t.strip()]:
         name = slug(tuning)
         dump_dir = tempfile.mkdtemp(prefix=f"triton_ir_{name}_")
-        env = common.worker_env()
+        env = harness.worker_env()
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}",
                                      DUMP_FLAGS]).strip()
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", tuning,
@@ -196,7 +196,7 @@ def main(argv=None):
         rows.append(row)
         print(row, flush=True)
     counted = list(COUNTED_OPS) + list(COUNTED)
-    lines = [common.header_line(f"Triton IR and PTX of the fused {args.format} matmul, "
+    lines = [harness.header_line(f"Triton IR and PTX of the fused {args.format} matmul, "
                                 f"{args.model} {args.shape}, M={args.m} (static counts)",
                                 [r.get("info", {}) for r in rows]), "",
              "| tuning | config | " + " | ".join(counted) + " |",
