@@ -43,7 +43,7 @@ class AQNSchedule:
 
     def __post_init__(self):
         if self.kind not in AQN_SCHEDULES:
-            raise ValueError(f"aqn schedule kind: {AQN_SCHEDULES.unknown_message(self.kind)}")
+            raise ValueError(AQN_SCHEDULES.unknown_message(self.kind))
         if self.total_steps <= 0:
             raise ValueError(f"aqn total_steps={self.total_steps} must be positive")
         if self.stages < 3:

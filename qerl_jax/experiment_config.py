@@ -4,10 +4,9 @@ fields) before any model is built. The released scripts' hyperparameters build o
 qerl_jax/released_configs.py.
 
 Imports no JAX: `python -m qerl_jax.train --help` and a bad field's error need none. Every name a
-user picks is checked against its registry (qerl_jax.registry lists the JAX-side ones lazily;
-rewards, tasks and prompt styles register where they are defined), after the modules named in
-`config.imports` are imported, so a plug-in's registrations are selectable. configs/*.py start
-from `base_config()` and override fields.
+user picks is checked against its registry (qerl_jax.registry, whose entries load lazily), after
+the modules named in `config.imports` are imported, so a plug-in's registrations are selectable.
+configs/*.py start from `base_config()` and override fields.
 """
 
 from __future__ import annotations
@@ -22,12 +21,8 @@ from typing import Any, Callable, Mapping
 import ml_collections
 
 from qerl_jax import registry
-from qerl_jax.data.arithmetic import PHRASINGS as ARITHMETIC_PHRASINGS
-from qerl_jax.data.prompts import PROMPT_STYLES
 from qerl_jax.infra.errors import ConfigError
-from qerl_jax.registry import Registry
-from qerl_jax.rewards.registry import REWARDS
-from qerl_jax.tasks import TASKS
+from qerl_jax.registry import REWARDS, TASKS, Registry
 
 MODEL_CONFIG_FIELDS = (                                      # models.config.ModelConfig
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -267,10 +262,11 @@ FIELDS: dict[str, Field] = {
                                          "task's and the warm-up's).", greater_than(0)),
     "data.arithmetic_phrasing": Field("expression", "Arithmetic questions as '7+5=' "
                                       "('expression') or 'What is 7 + 5?' ('question', for "
-                                      "instruct models).", one_of(ARITHMETIC_PHRASINGS)),
+                                      "instruct models).",
+                                      registered(registry.ARITHMETIC_PHRASINGS)),
     "data.prompt_style": Field("paper", "'paper' appends QeRL's think/answer instruction, "
                                "'system' puts it in a system message, 'plain' adds nothing.",
-                               registered(PROMPT_STYLES)),
+                               registered(registry.PROMPT_STYLES)),
     "data.use_chat_template": Field(True, "Wrap each prompt in the tokenizer's chat template."),
     "data.max_prompt_length": Field(256, "Prompt tokens kept (longer prompts are "
                                     "left-truncated, with a warning).", greater_than(0)),

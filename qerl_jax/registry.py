@@ -8,10 +8,11 @@ names are known without importing JAX: the config schema and `--help` read `name
 outside the package (a plug-in module named in `config.imports`) is selectable like a built-in
 one.
 
-The registries whose implementations need JAX are defined at the end of this module, with their
-built-in names listed lazily; each implementation module registers into its registry (e.g.
-`register_format(Format(...))` in quant/nvfp4.py fills the "nvfp4" entry). Pure-Python ones
-live with their implementations (prompt styles in data/prompts.py, rewards, tasks).
+Every registry is defined at the end of this module, its built-in names listed lazily; each
+implementation module registers into its registry (e.g. `register_format(Format(...))` in
+quant/nvfp4.py fills the "nvfp4" entry). So the config schema imports this module only: the
+modules the names come from (JAX-side ones, and tasks, rewards and prompts, which import the
+run infrastructure that imports the schema) load when an entry is first asked for.
 
     @LOSS_NORMALIZERS.register("my_loss")
     def my_loss(masked, mask, sequences, global_valid_tokens, config): ...
@@ -222,7 +223,20 @@ MODEL_PRESETS = _lazy("model preset", {name: "qerl_jax.models.config" for name i
     "qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b",
     "qwen2p5_72b", "llama3p1_8b", "tiny_qwen2")})
 
+# rewards/: f(completion, gold) -> float (register_reward; the package registers the built-ins)
+REWARDS = _lazy("reward", {name: "qerl_jax.rewards" for name in (
+    "format", "gsm8k_exact", "gsm8k_numeric", "math_verify", "arithmetic",
+    "arithmetic_last_integer")})
+# tasks.py: Task objects (register_task)
+TASKS = _lazy("task", {name: "qerl_jax.tasks" for name in ("gsm8k", "math", "arithmetic")})
+# data/prompts.py: question -> (user message, system message or None)
+PROMPT_STYLES = _lazy("prompt style", {name: "qerl_jax.data.prompts" for name in (
+    "paper", "system", "plain")})
+
 # Closed choices of one implementation: name -> what the implementation reads.
+# data/arithmetic.py: 'a+b=' or 'What is a + b?'
+ARITHMETIC_PHRASINGS = Registry.of("arithmetic phrasing", {"expression": "expression",
+                                                           "question": "question"})
 SWITCH = Registry.of("switch", {"auto": None, "on": True, "off": False})   # None: per device
 # sampling.py: the rollouts' KV cache (None: the compute dtype)
 KV_CACHE_DTYPES = Registry.of("KV-cache dtype", {"auto": None, "int8": "int8",

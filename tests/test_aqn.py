@@ -89,5 +89,6 @@ def test_nothing_accumulates_across_steps():
 
 
 def test_bad_schedule():
-    with pytest.raises(ValueError, match="kind='cosine'"):
+    with pytest.raises(ValueError, match=r"^unknown AQN schedule 'cosine'; known: "
+                                         r"released_code, paper$"):
         AQNSchedule(total_steps=10, kind="cosine")

@@ -12,13 +12,10 @@ import ml_collections
 import pytest
 
 from qerl_jax import experiment_config, registry
-from qerl_jax.data.prompts import PROMPT_STYLES
 from qerl_jax.experiment_config import (FIELDS, base_config, field_descriptions,
                                         validate_config)
 from qerl_jax.infra.errors import ConfigError
-from qerl_jax.registry import Registry
-from qerl_jax.rewards.registry import REWARDS
-from qerl_jax.tasks import TASKS
+from qerl_jax.registry import PROMPT_STYLES, REWARDS, TASKS, Registry
 from qerl_jax.released_configs import released_script_config
 from tests.conftest import config_from_file
 
@@ -76,6 +73,7 @@ REGISTRY_FIELDS = {
     "data.task": TASKS,
     "lora.target_modules": registry.LORA_PROJECTIONS,
     "rewards.names": REWARDS,
+    "data.arithmetic_phrasing": registry.ARITHMETIC_PHRASINGS,
 }
 
 
