@@ -1,187 +1,79 @@
-"""NVFP4 decode matmul for Hopper: a Pallas Mosaic GPU kernel (TMA pipeline, E2M1 decode in
-registers, wgmma) for the sampler's small-M launches (GPU only, JAX >= 0.10; not interpretable:
-Mosaic GPU's interpret mode has no TMA rules, so the CPU suite checks its layout, its bit math
-and that it lowers for CUDA; tests/pallas_kernels/test_mgpu_nvfp4_gpu.py checks its numbers).
+"""NVFP4 decode matmul for Hopper, a Pallas Mosaic GPU kernel (TMA pipeline, E2M1 decode in
+registers, wgmma) for small-M launches: y [M <= 64, N] = x [M, K] @ W^T / tensor_scale
+(+ LoRA), W [N, K] NVFP4 in the permuted layout of mgpu_nvfp4_layout (decode:
+mgpu_nvfp4_decode; schedules, split counts and device facts: mgpu_nvfp4_tuning).
 
-Permuted layout (pallas_kernels/mgpu_nvfp4_layout.py: `permute_packed`, from a PackedWeight in the kernel layout of
-pallas_kernels.blockwise_matmul, NVFP4, tile_k = 256; `unpermute_tiles` undoes it, and
-pallas_kernels.permuted_dequantize dequantizes it):
-  uint8 [row tiles * K tiles * 72, 128]; the 64-row tile b, K tile t is the 9216 bytes at rows
-  (b * k_tiles + t) * 72:
-  bytes [0, 8192): per thread th of the warpgroup 16 32-bit words, word i at
-    (i // 4) * 2048 + th * 16 + (i % 4) * 4 (4 conflict-free 16-byte shared-memory loads per
-    thread). Word i holds the thread's 4 bf16 pairs of columns [16 i, 16 i + 16) in the wgmma
-    register layout (PAIR_SLOTS: rows r0 = 16 (th // 32) + (th % 32) // 4 and r0 + 8, columns
-    16 i + 2 (th % 4) + {0, 1} and + 8), its 32 bits placed (source_bit) so that pair k's bf16x2
-    pattern e2m1 * 2^-126 (code bits 0-2 at bits 6-8, the sign at 15; +16 for the second column)
-    is rotl(word, r) & 0x81C081C0, r = 0, 6, 12 for k = 0, 1, 2, and
-    (rotl(word, 2) & 0x00400040) | (rotl(word, 10) & 0x81808180) for k = 3: 9 integer
-    instructions per 8 weights, no register relayout.
-  bytes [8192, 9216): the tile's canonical scale codes [64 rows, 16 blocks] (nvfp4_matmul).
-Each pair is then scaled by one fma.rn.bf16x2 with its block's (s, s) pattern
-(code * 0x00100010 + 0x75807580, the "ptx_paired_scales" operand): exact e2m1 * scale * 2^-8 in bf16.
-
-Kernel (`matmul_unscaled`): grid (row tiles, splits); program (b, s) runs K tiles
-[s K_t / splits, (s + 1) K_t / splits) (the splits need not divide K_t: a program with one
-tile fewer skips its surplus last step) through a TMA pipeline, decodes each tile and
-accumulates acc [64, M] += W_tile [64, 256] @ x_tile^T on the tensor cores (wgmma, M the N of
-the instruction), and stores acc transposed (through shared memory, one TMA copy) as split
-s's partial of y [M, N], so the consumers of y keep their row-major layout (with y^T partials
-XLA laid the residual stream out as [N, M] and transposed it back before every norm, as an H100
-program's HLO showed). With LoRA, split 0 also adds its [64, r] tile of the LoRA operand
-(`lora_operand`: B^T scaled by lora_scale * tensor_scale * 2^-8, so one factor rescales both
-products) times (x @ A)^T into acc (one more wgmma) before storing. The partials are summed by
-elementwise adds, which XLA fuses into the consumer of y (no kernel of its own).
-
-A second schedule (`_warp_specialized_kernel`, mgpu_nvfp4_layout.launch_schedule): grid (row
-tiles / 2, splits), one program per SM of three warpgroups; two decode and multiply one row tile
-each, sharing every x tile, and the third issues the TMA copies. Same splits, same bits as the
-split-K kernel. It runs where a split-K program with its LoRA tiles would leave an SM no room
-for a second one (at M = 64 the wide operands of q|k|v and gate|up launches); elsewhere the
-split-K programs were faster per launch at M = 64 and as fast summed over a layer at M = 33-40
-(benchmarks/RESULTS.md).
-
-A stream-K schedule (every program in one wave, each an equal share of the (row tile, K tile)
-units) was correct on the H100 but no faster (docs/decisions.md; its code is at commit
-7d89713).
-
-`mgpu_nvfp4_matmul`: y = that sum * 2^8 / tensor_scale (one weight). A grouped q|k|v launch is
-one matmul_unscaled over the three weights stacked by rows (`group_permuted`) with a
-block-diagonal LoRA operand (`group_lora_operand`); the caller rescales each member's columns.
-`mgpu_nvfp4_swiglu`: a gate/up pair interleaved in blocks of 32 rows (kernel_layout.pair_gate_up) in one launch,
-its LoRA operand block diagonal (`pair_lora_operand`). With one split (the model's pairs) the
-kernel's epilogue (`SwigluEpilogue`) applies each half's tensor scale, computes silu(gate) * up
-in bf16 and each row tile's share of the next layer's LoRA x @ A, which XLA sums; otherwise
-XLA does all of that. The LoRA operands are made once per rollout where the caller can
-(KernelLayoutWeight.mosaic_lora_operand, qerl_jax.models.decode_fusion.stack_grouped_adapters), else per call.
-
-`L2Prefetch` (`l2_prefetch=`): after its K loop each program also prefetches into L2 its share
-of another launch's first K tiles (and optionally a small array, the LoRA A that XLA's x @ A
-reads before that launch): a hint that changes no result (decode_fusion.link_decode_prefetch
-chains the sampler's launches; docs/decisions.md).
+Grid (row tiles, splits): program (b, s) runs K tiles [s K_t / splits, (s + 1) K_t / splits)
+(a program with one tile fewer skips its surplus last step), accumulates acc [64, M] +=
+W_tile [64, 256] @ x_tile^T and stores acc transposed as split s's partial of y [M, N], which
+XLA sums by elementwise adds fused into y's consumer. Split 0 also adds the LoRA operand's
+[64, r] tile times (x @ A)^T. The warp-specialized schedule runs two row tiles per program (two
+compute warpgroups sharing each x tile, a third issuing the TMA copies), same splits, same bits.
+After its K loop a program may prefetch another launch's first tiles into L2 (L2Prefetch). GPU
+only: Mosaic GPU's interpret mode has no TMA rules, so the CPU tests check the layout, the bit
+math and the lowering, and tests/pallas_kernels/test_mgpu_nvfp4_gpu.py the numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from pallas_kernels.mgpu_nvfp4_layout import (CODE_BYTES, L2Prefetch, LORA_RANKS, MAX_M,
-                                              MAX_OPERAND_RANK, PAIR_ASM, PAIR_SLOTS,
-                                              SCALED_EXPONENT, SCHEDULES, SLOTS, TILE_K,
-                                              TILE_LINES, TILE_ROWS, WARP_SPECIALIZED_MIN_M,
-                                              WS_COMPUTE_WARPGROUPS, default_splits,
-                                              extra_prefetchable, group_lora_operand,
-                                              group_permuted, kernel_layout_from_permuted,
-                                              l2_prefetch_for, launch_schedule, launch_splits,
-                                              lora_operand, operand_rank_ok, padded_rows,
-                                              pair_lora_operand, permute_packed, permute_tiles,
-                                              permuted_dequantize_reference, refusal,
-                                              resident_programs, source_bit,
-                                              split_k_smem_bytes, unpermute_shifts,
-                                              unpermute_tiles, ws_smem_bytes, ws_stages)
+from pallas_kernels.mgpu_nvfp4_decode import decode_tile
+from pallas_kernels.mgpu_nvfp4_epilogue import store_transposed, swiglu_epilogue
+from pallas_kernels.mgpu_nvfp4_layout import (MAX_M, MAX_OPERAND_RANK, SCALED_EXPONENT, TILE_K,
+                                              TILE_LINES, TILE_ROWS, lora_operand,
+                                              operand_rank_ok, padded_rows,
+                                              permuted_dequantize_reference)
+from pallas_kernels.mgpu_nvfp4_tuning import (WS_COMPUTE_WARPGROUPS, L2Prefetch, TuningConfig,
+                                              launch_schedule, launch_splits, ws_stages)
 
-# The kernels and the layout's names, for the backends, the tests and the benchmarks.
-__all__ = [
-    "CODE_BYTES", "L2Prefetch", "LORA_RANKS", "MAX_M", "MAX_OPERAND_RANK", "PAIR_ASM",
-    "PAIR_SLOTS", "SCALED_EXPONENT", "SCHEDULES", "SLOTS", "SwigluEpilogue", "TILE_K",
-    "TILE_LINES", "TILE_ROWS", "WARP_SPECIALIZED_MIN_M", "WS_COMPUTE_WARPGROUPS", "available",
-    "default_splits", "extra_prefetchable", "group_lora_operand", "group_permuted",
-    "kernel_layout_from_permuted", "l2_prefetch_for", "launch_schedule", "launch_splits",
-    "lora_operand", "split_k_smem_bytes",
-    "matmul_unscaled", "mgpu_nvfp4_matmul", "mgpu_nvfp4_swiglu", "operand_rank_ok",
-    "padded_rows", "pair_lora_operand", "permute_packed", "permute_tiles",
-    "permuted_dequantize_reference", "refusal", "resident_programs", "source_bit",
-    "unpermute_shifts", "unpermute_tiles", "ws_smem_bytes", "ws_stages",
-]
+__all__ = ["SwigluEpilogue", "TuningConfig", "available", "matmul_unscaled",
+           "matmul_unscaled_reference", "mgpu_nvfp4_matmul", "mgpu_nvfp4_matmul_reference",
+           "mgpu_nvfp4_swiglu", "mgpu_nvfp4_swiglu_reference"]
 
 
-def _decode_tile(tile_ref, with_scales: bool = True, warpgroup_stride: int = 0):
-    """Inline Mosaic GPU: a permuted tile in shared memory -> the [64, 256] bf16 weights
-    (e2m1 * scale * 2^-8) in the wgmma register layout; with_scales=False (the probes' e2m1
-    variants): the exact e2m1 values, the scale codes unread. warpgroup_stride: the tile of
-    warpgroup w (thread index // 128) starts w * warpgroup_stride bytes into tile_ref."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils
-
-    i32 = ir.IntegerType.get_signless(32)
-    i8 = ir.IntegerType.get_signless(8)
-    vec4 = ir.VectorType.get((4,), i32)
-    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-
-    def const(v):
-        return arith.constant(i32, v)
-
-    tid = utils.thread_idx()
-    thread = arith.andi(tid, const(127))
-    lane = arith.andi(tid, const(31))
-    row0 = arith.addi(arith.muli(arith.andi(arith.shrui(tid, const(5)), const(3)), const(16)),
-                      arith.shrui(lane, const(2)))
-    base = utils.memref_ptr(tile_ref)
-    if warpgroup_stride:
-        base = utils.getelementptr(
-            base, [arith.muli(arith.shrui(tid, const(7)), const(warpgroup_stride))], i8)
-
-    def load16(offset):
-        return llvm.load(vec4, utils.getelementptr(base, [offset], i8), alignment=16)
-
-    words = []
-    for group in range(4):
-        vec = load16(arith.addi(const(group * 2048), arith.muli(thread, const(16))))
-        words += [llvm.extractelement(vec, const(j)) for j in range(4)]
-    scale_rows, patterns = {}, {}
-
-    def pattern(h, block):  # made at first use (short live ranges)
-        if not with_scales:
-            return const(0x7E807E80)  # 2^126: the exact e2m1 values
-        if h not in scale_rows:
-            row = arith.addi(row0, const(8 * h))
-            scale_rows[h] = load16(arith.addi(const(CODE_BYTES), arith.muli(row, const(16))))
-        if (h, block) not in patterns:
-            word = llvm.extractelement(scale_rows[h], const(block // 4))
-            code = arith.andi(arith.shrui(word, const(8 * (block % 4))), const(255))
-            patterns[(h, block)] = arith.addi(arith.muli(code, const(0x00100010)),
-                                              const(0x75807580))
-        return patterns[(h, block)]
-
-    out = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, TILE_K)), dtype=object)
-    if out.shape != (1, 32, 1, 1, 2, 1, 1, 1, 1):
-        raise NotImplementedError(f"wgmma layout registers {out.shape}")
-    for i, word in enumerate(words):
-        for k, (c_half, h) in enumerate(PAIR_SLOTS):
-            asm = ("{\n.reg .b32 t, u, z;\n" + PAIR_ASM[k]
-                   + "\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 $0, t, $2, z;\n}")
-            decoded = llvm.inline_asm(i32, [word, pattern(h, i)], asm, "=r,r,r")
-            out[0, 2 * i + c_half, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(decoded, bf16x2)
-    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+class SwigluEpilogue(NamedTuple):
+    """matmul_unscaled's fused SwiGLU epilogue over a gate/up pair interleaved in blocks of 32
+    rows (each 64-row tile: gate block b, then up block b): gate_divisor / up_divisor [1] the
+    halves' tensor scales; next_lora_a bf16 [row tiles * 32, r] (zero rows past out_n) or None."""
+    gate_divisor: jax.Array
+    up_divisor: jax.Array
+    next_lora_a: jax.Array | None = None
 
 
-def _store_transposed(acc, dst_ref, per_warpgroup: bool = False) -> None:
-    """Inline Mosaic GPU: acc [64, M] (any register layout) -> shared memory dst [M, 64]
-    transposed, one 4-byte store per element (2 KiB at M = 8), so the kernel writes y, not
-    y^T, and XLA keeps the residual stream row-major. per_warpgroup: dst is [warpgroups, M,
-    64] and warpgroup w (thread index // 128) stores into dst[w]."""
-    from jax._src.lib.mlir.dialects import memref
-    lead = _warpgroup_index() if per_warpgroup else None
-    acc.foreach(lambda value, index: memref.store(
-        value, dst_ref, ([] if lead is None else [lead]) + [index[1], index[0]]))
+class _KernelRefs(NamedTuple):
+    """A kernel body's refs by name (None where its configuration has none), in launch order:
+    inputs, outputs, scratch. M_pad = M rounded up to 8, N_pad = row tiles * 64, W = the
+    program's compute warpgroups (warp-specialized: 2, leading axis; split-K: none)."""
+    x: object = None  # bf16 [M_pad, K_tiles * 256] (GMEM)
+    packed: object = None  # uint8 permuted buffer [row tiles * K_tiles * 72, 128] (GMEM)
+    prefetch: object = None  # uint8 [lines, 128]: the L2 prefetch plan's buffer (GMEM)
+    extra: object = None  # [rows, <= 256 cols]: the plan's extra array (GMEM)
+    lora_x: object = None  # bf16 [M_pad, r]: x @ A (GMEM)
+    lora_bt: object = None  # bf16 [N_pad, r]: the LoRA operand (GMEM)
+    gate_ts: object = None  # f32 [1]: the gate half's tensor scale (GMEM)
+    up_ts: object = None  # f32 [1]: the up half's tensor scale (GMEM)
+    next_a: object = None  # bf16 [N_pad / 2, r']: the next LoRA A (GMEM)
+    part: object = None  # f32 [splits, M_pad, N_pad]: the split partials (GMEM out)
+    h: object = None  # bf16 [M_pad, N_pad / 2]: silu(gate) * up (GMEM out)
+    share: object = None  # f32 [row tiles, M_pad, r']: each tile's h @ next_a (GMEM out)
+    out_smem: object = None  # f32 [(W,) M_pad, 64]: the transposed accumulator (SMEM)
+    lx_smem: object = None  # bf16 [M_pad, r]: x @ A (SMEM, swizzled)
+    bt_smem: object = None  # bf16 [W * 64, r]: the operand's rows of the tiles (SMEM, swizzled)
+    barrier: object = None  # the two LoRA copies' barrier
+    h_smem: object = None  # bf16 [(W,) M_pad, 32]: h of the tile (SMEM)
 
-
-def _warpgroup_index():
-    """Inline Mosaic GPU: this thread's warpgroup (thread index // 128) as an index."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith
-    from jax.experimental.mosaic.gpu import utils
-    i32 = ir.IntegerType.get_signless(32)
-    return arith.index_cast(ir.IndexType.get(),
-                            arith.shrui(utils.thread_idx(), arith.constant(i32, 7)))
+    @classmethod
+    def named(cls, names, refs) -> _KernelRefs:
+        if len(names) != len(refs):
+            raise ValueError(f"mgpu_nvfp4: {len(refs)} kernel refs for {len(names)} names")
+        return cls(**dict(zip(names, refs)))
 
 
 def _swizzled(cols: int):
@@ -190,35 +82,6 @@ def _swizzled(cols: int):
     from jax.experimental.pallas import mosaic_gpu as plgpu
     swizzle = next(b for b in (128, 64, 32) if (cols * 2) % b == 0)
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-
-
-
-def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
-                      k: int, splits: int | None = None, lora_x_a: jax.Array | None = None,
-                      lora_b: jax.Array | None = None, lora_scale=None,
-                      lora_bt: jax.Array | None = None, stages: int | None = None,
-                      l2_prefetch: L2Prefetch | None = None,
-                      schedule: str = "auto") -> jax.Array:
-    """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_x_a @ lora_b).
-
-    x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
-    lora_x_a [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
-    LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
-    splits: split-K programs per row tile (launch_splits); stages, schedule: matmul_unscaled's.
-    GPU only (Mosaic GPU)."""
-    if lora_x_a is not None and lora_bt is None:
-        if lora_b is None or lora_b.shape != (lora_x_a.shape[-1], n):
-            raise ValueError(f"mgpu_nvfp4_matmul: lora_x_a {lora_x_a.shape}, B "
-                             f"{None if lora_b is None else lora_b.shape}; expected B "
-                             f"[{lora_x_a.shape[-1]}, {n}] (or lora_bt)")
-        lora_bt = lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
-                               n_pad=padded_rows(permuted, k))
-    y = matmul_unscaled(x, permuted, n=n, k=k, splits=splits, lora_x_a=lora_x_a,
-                        lora_bt=lora_bt, stages=stages, l2_prefetch=l2_prefetch,
-                        schedule=schedule)
-    return y[:, :n] * (2.0 ** -SCALED_EXPONENT
-                       / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
-
 
 
 def _issue_l2_prefetch(plan: L2Prefetch, buffer_gmem, extra_gmem, program,
@@ -261,13 +124,13 @@ def _issue_l2_prefetch(plan: L2Prefetch, buffer_gmem, extra_gmem, program,
 
 def _tile_product(tile_smem, x_smem, acc_ref, warpgroup_stride: int = 0) -> None:
     """Inside a kernel: acc [64, M] += the decoded weight tile [64, 256] @ x_tile^T (wgmma);
-    warpgroup_stride as _decode_tile's (each warpgroup its own tile of tile_smem)."""
+    warpgroup_stride as decode_tile's (each warpgroup its own tile of tile_smem)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     w = plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),),
         return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, TILE_K), jnp.bfloat16,
                                            layout=plgpu.Layout.WGMMA),
-    )(lambda ctx, tile_ref: _decode_tile(tile_ref, warpgroup_stride=warpgroup_stride))(
+    )(lambda ctx, tile_ref: decode_tile(tile_ref, warpgroup_stride=warpgroup_stride))(
         tile_smem)
     plgpu.wgmma(acc_ref, w, x_smem.transpose((1, 0)))
     plgpu.wgmma_wait(0)
@@ -287,139 +150,14 @@ def _store_partial(acc_ref, out_smem, dst) -> None:
     registers without a wait, was no faster (docs/decisions.md)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-        lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], out_smem)
+        lambda ctx, acc, out: store_transposed(acc, out))(acc_ref[...], out_smem)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, dst)
     plgpu.wait_smem_to_gmem(0)
 
 
-class SwigluEpilogue(NamedTuple):
-    """matmul_unscaled's fused SwiGLU epilogue over a gate/up pair interleaved in blocks of 32
-    rows (each 64-row tile: gate block b, then up block b): gate_divisor / up_divisor [1] the
-    halves' tensor scales; next_lora_a bf16 [row tiles * 32, r] (zero rows past out_n) or None."""
-    gate_divisor: jax.Array
-    up_divisor: jax.Array
-    next_lora_a: jax.Array | None = None
-
-
-def _swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst,
-                     per_warpgroup: bool = False) -> None:
-    """Inline Mosaic GPU, after acc [64, M] is stored transposed in out_smem [M, 64] (float32
-    sums of e2m1 * scale * 2^-8 products): h [M, 32] = bf16(silu(g) * u), g = bf16(out[:, :32] *
-    2^8 / ts_g), u = bf16(out[:, 32:] * 2^8 / ts_u) (blockwise_matmul_swiglu's epilogue), into
-    h_smem and h_dst (global); with a_src ([32, r], global: next_lora_a's rows of this tile),
-    also part_dst [M, r] float32 = h @ a_src, this tile's share of the next LoRA x @ A. Thread t
-    of the warpgroup computes elements t, t + 128, ... of each product (row-major).
-    per_warpgroup: out_smem and h_smem hold one [M, 64] / [M, 32] tile per warpgroup (leading
-    index), each warpgroup's epilogue reads and writes its own."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref
-    from jax._src.lib.mlir.dialects import math as mlir_math
-    from jax.experimental.mosaic.gpu import utils
-
-    f32, bf16, index = ir.F32Type.get(), ir.BF16Type.get(), ir.IndexType.get()
-    i32 = ir.IntegerType.get_signless(32)
-
-    def at(v):
-        return arith.constant(index, v)
-
-    tid = arith.index_cast(index, arith.andi(utils.thread_idx(), arith.constant(i32, 127)))
-    m_pad = ir.MemRefType(out_smem.type).shape[-2]
-    lead = [_warpgroup_index()] if per_warpgroup else []
-    utils.warpgroup_barrier()  # every thread's transposed store is in
-    one, full = arith.constant(f32, 1.0), arith.constant(f32, 2.0 ** -SCALED_EXPONENT)
-    scale_g = arith.divf(full, memref.load(gate_ts, [at(0)]))
-    scale_u = arith.divf(full, memref.load(up_ts, [at(0)]))
-
-    def rounded(value):
-        return arith.extf(f32, arith.truncf(bf16, value))
-
-    for e in range(m_pad * 32 // 128):
-        i = arith.addi(tid, at(128 * e))
-        row, col = arith.divui(i, at(32)), arith.remui(i, at(32))
-        gate = rounded(arith.mulf(memref.load(out_smem, lead + [row, col]), scale_g))
-        up = rounded(arith.mulf(memref.load(out_smem, lead + [row, arith.addi(col, at(32))]),
-                                scale_u))
-        silu = arith.divf(gate, arith.addf(one, mlir_math.exp(arith.negf(gate))))
-        h = arith.truncf(bf16, arith.mulf(silu, up))
-        memref.store(h, h_smem, lead + [row, col])
-        memref.store(h, h_dst, [row, col])
-    if a_src is None:
-        return
-    rank = ir.MemRefType(a_src.type).shape[1]
-    utils.warpgroup_barrier()  # all of h is in shared memory
-    for e in range(m_pad * rank // 128):
-        i = arith.addi(tid, at(128 * e))
-        row, col = arith.divui(i, at(rank)), arith.remui(i, at(rank))
-        total = arith.constant(f32, 0.0)
-        for j in range(32):
-            h = arith.extf(f32, memref.load(h_smem, lead + [row, at(j)]))
-            a = arith.extf(f32, memref.load(a_src, [at(j), col]))
-            total = arith.addf(total, arith.mulf(h, a))
-        memref.store(total, part_dst, [row, col])
-
-
-class _KernelRefs(NamedTuple):
-    """The refs a kernel body gets after x and the permuted buffer, in launch order (None
-    where its configuration has none): the L2 prefetch's buffer and extra array; the LoRA
-    operands (x @ A, the operand); the SwiGLU epilogue's divisors, next LoRA A, h and shares,
-    else the partials; the scratch: the transposed store, the LoRA tiles and their barrier, h."""
-    prefetch: object = None
-    extra: object = None
-    lora_x: object = None
-    lora_bt: object = None
-    gate_ts: object = None
-    up_ts: object = None
-    next_a: object = None
-    h: object = None
-    share: object = None
-    part: object = None
-    out_smem: object = None
-    lx_smem: object = None
-    bt_smem: object = None
-    barrier: object = None
-    h_smem: object = None
-
-    @classmethod
-    def unpack(cls, refs, *, plan, with_lora: bool, swiglu: bool, next_rank):
-        refs, got = list(refs), {}
-
-        def take(*names):
-            for name in names:
-                got[name] = refs.pop(0)
-        if plan is not None:
-            take("prefetch", *(("extra",) if plan.extra is not None else ()))
-        if with_lora:
-            take("lora_x", "lora_bt")
-        if swiglu:
-            take("gate_ts", "up_ts", *(("next_a",) if next_rank is not None else ()), "h",
-                 *(("share",) if next_rank is not None else ()))
-        else:
-            take("part")
-        take("out_smem")
-        if with_lora:
-            take("lx_smem", "bt_smem", "barrier")
-        if swiglu:
-            take("h_smem")
-        if refs:
-            raise ValueError(f"mgpu_nvfp4: {len(refs)} kernel refs left over")
-        return cls(**got)
-
-
-def _out_type(*, m_pad: int, row_tiles: int, splits: int, swiglu: bool, next_rank):
-    """A kernel's outputs: the split partials [splits, m_pad, N_pad] float32, or for the SwiGLU
-    epilogue h [m_pad, N_pad / 2] bf16 (and the next LoRA's shares [row tiles, m_pad, r])."""
-    n_pad = row_tiles * TILE_ROWS
-    if not swiglu:
-        return jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32)
-    out_type = [jax.ShapeDtypeStruct((m_pad, n_pad // 2), jnp.bfloat16)]
-    if next_rank is not None:
-        out_type.append(jax.ShapeDtypeStruct((row_tiles, m_pad, next_rank), jnp.float32))
-    return tuple(out_type)
-
-
 def _run_swiglu_epilogue(r: _KernelRefs, tile, per_warpgroup: bool = False) -> None:
-    """Inside a kernel, after the transposed store: _swiglu_epilogue of row tile `tile` (its
+    """Inside a kernel, after the transposed store: swiglu_epilogue of row tile `tile` (its
     32 output columns of h, its share of the next LoRA product)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -428,135 +166,74 @@ def _run_swiglu_epilogue(r: _KernelRefs, tile, per_warpgroup: bool = False) -> N
     if r.next_a is not None:
         refs_in += [r.next_a.at[half], r.share.at[tile]]
     plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs_in))(
-        lambda ctx, *refs: _swiglu_epilogue(*refs[:5], *(refs[5:] if len(refs) > 5
-                                                         else (None, None)),
-                                            per_warpgroup=per_warpgroup))(*refs_in)
+        lambda ctx, *refs: swiglu_epilogue(*refs[:5], *(refs[5:] if len(refs) > 5
+                                                        else (None, None)),
+                                           per_warpgroup=per_warpgroup))(*refs_in)
 
 
-def _launch(body, out_type, grid, grid_names, m_pad, rank, swiglu: bool = False):
-    """plgpu.kernel of a schedule's body: outputs `out_type`, shared memory for the transposed
-    store, (with a LoRA operand of width rank) the LoRA operands' tiles and their barrier,
-    (swiglu) h [m_pad, 32]."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    scratch = [plgpu.SMEM((m_pad, TILE_ROWS), jnp.float32)]
-    if rank is not None:
-        scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
-                    plgpu.SMEM((TILE_ROWS, rank), jnp.bfloat16, transforms=_swizzled(rank)),
-                    plgpu.Barrier(num_arrivals=2)]
-    if swiglu:
-        scratch.append(plgpu.SMEM((m_pad, TILE_ROWS // 2), jnp.bfloat16))
-    return plgpu.kernel(
-        body, out_type=out_type, grid=grid,
-        grid_names=grid_names, scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-
-
-def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
-                    splits: int | None = None, lora_x_a: jax.Array | None = None,
-                    lora_bt: jax.Array | None = None, stages: int | None = None,
-                    l2_prefetch: L2Prefetch | None = None,
-                    swiglu: SwigluEpilogue | None = None, schedule: str = "auto"):
-    """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
-    (+ lora_x_a @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
-    adds that XLA fuses into the consumer). Arguments as mgpu_nvfp4_matmul's; rows of the
-    permuted buffer past n are whatever it holds (zeros for permute_packed's padding). Grid
-    (row tiles, splits): the split-K schedule of the module docstring. l2_prefetch: another
-    launch's first tiles, prefetched into L2 by each program after its K loop.
-    swiglu (one split only): instead (h bf16 [M, N_pad / 2], the SwiGLU of a gate/up pair in
-    blocks of 32 rows, and with swiglu.next_lora_a the float32 [row tiles, M, r] shares of
-    h @ next_lora_a, or None) from the fused epilogue (_swiglu_epilogue).
-    schedule (launch_schedule): "split_k" (_split_k_kernel), "warp_specialized"
-    (_warp_specialized_kernel) or "auto" (by M); stages: pipeline depth (None: 2 for split-K,
-    ws_stages for warp-specialized)."""
-    m = x.shape[0]
-    k_tiles = -(-k // TILE_K)
-    row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
+def _out_types(*, m_pad: int, row_tiles: int, splits: int, swiglu: bool, next_rank) -> dict:
+    """A kernel's outputs by name: the split partials [splits, m_pad, N_pad] float32, or for
+    the SwiGLU epilogue h [m_pad, N_pad / 2] bf16 (and the next LoRA's shares [row tiles,
+    m_pad, r])."""
     n_pad = row_tiles * TILE_ROWS
-    if x.ndim != 2 or x.shape[1] != k or not 1 <= m <= MAX_M:
-        raise ValueError(f"mgpu_nvfp4_matmul: x {x.shape}; expected [M <= {MAX_M}, {k}]")
-    if permuted.shape != (row_tiles * k_tiles * TILE_LINES, 128) or n_pad < n:
-        raise ValueError(f"mgpu_nvfp4_matmul: permuted {permuted.shape} is not a [{n}, {k}] "
-                         "weight's permuted layout")
-    with_lora = lora_x_a is not None
-    if with_lora:
-        rank = lora_x_a.shape[1]
-        if (lora_x_a.shape != (m, rank) or not operand_rank_ok(rank) or lora_bt is None
-                or lora_bt.shape != (n_pad, rank)):
-            raise ValueError(f"mgpu_nvfp4_matmul: lora_x_a {lora_x_a.shape}, operand "
-                             f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
-                             f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    rank = lora_x_a.shape[1] if with_lora else None
-    schedule = launch_schedule(m, row_tiles, schedule, rank)
-    warp_specialized = schedule == "warp_specialized"
-    if stages is None:
-        stages = ws_stages(m, rank, swiglu is not None) if warp_specialized else 2
-    splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, stages=stages,
-                            rank=rank) if splits is None else splits)
-    if not 1 <= splits <= k_tiles:
-        raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
-    m_pad = -(-m // 8) * 8
-    next_a = None if swiglu is None else swiglu.next_lora_a
-    if swiglu is not None:
-        if splits != 1:
-            raise ValueError(f"mgpu_nvfp4_matmul: the SwiGLU epilogue needs one split, not "
-                             f"{splits}")
-        if next_a is not None and (next_a.ndim != 2 or next_a.shape[0] != row_tiles * 32
-                                   or next_a.shape[1] % 16 or next_a.shape[1] > 256):
-            raise ValueError(f"mgpu_nvfp4_matmul: next_lora_a {next_a.shape}; expected "
-                             f"[{row_tiles * 32}, r], r a multiple of 16 up to 256")
-    # K padded to whole tiles: no copy of x at all for M % 8 == 0 and K % 256 == 0 (the model's
-    # shapes). With uneven splits a program with one tile fewer than `steps` reloads its last
-    # tiles in its last step and skips that step's product.
-    x_pad, lora_x = _padded_inputs(x, lora_x_a, m_pad, k_tiles * TILE_K)
-    inputs = [x_pad, permuted]
-    plan = None  # the prefetch plan's static part (arrays as shapes): part of the kernel's key
-    if l2_prefetch is not None:  # the body takes it right after the permuted buffer
-        if l2_prefetch.buffer.ndim != 2 or l2_prefetch.buffer.shape[1] != 128:
-            raise ValueError(f"mgpu_nvfp4_matmul: l2_prefetch buffer {l2_prefetch.buffer.shape}"
-                             " is not a permuted buffer [lines, 128]")
-        inputs.append(l2_prefetch.buffer)
-        extra = l2_prefetch.extra
-        if extra is not None:
-            inputs.append(extra)
-            extra = jax.ShapeDtypeStruct(extra.shape, extra.dtype)
-        plan = l2_prefetch._replace(buffer=None, extra=extra)
-    inputs += [lora_x, lora_bt.astype(jnp.bfloat16)] if with_lora else []
-    if swiglu is not None:
-        inputs += [jnp.asarray(swiglu.gate_divisor, jnp.float32).reshape(1),
-                   jnp.asarray(swiglu.up_divisor, jnp.float32).reshape(1)]
-        inputs += [] if next_a is None else [next_a.astype(jnp.bfloat16)]
-    kernel = (_warp_specialized_kernel if warp_specialized else _split_k_kernel)(
-        m_pad=m_pad, k_tiles=k_tiles, row_tiles=row_tiles, splits=splits, stages=stages,
-        rank=lora_bt.shape[1] if with_lora else None, plan=plan, swiglu=swiglu is not None,
-        next_rank=None if next_a is None else next_a.shape[1])
-    outputs = kernel(*inputs)
-    if swiglu is not None:
-        h = outputs[0][:m]
-        return h, (outputs[1][:, :m] if next_a is not None else None)
-    partials = outputs
-    return functools.reduce(jnp.add, [partials[i, :m] for i in range(splits)])  # fusable
+    if not swiglu:
+        return {"part": jax.ShapeDtypeStruct((splits, m_pad, n_pad), jnp.float32)}
+    out = {"h": jax.ShapeDtypeStruct((m_pad, n_pad // 2), jnp.bfloat16)}
+    if next_rank is not None:
+        out["share"] = jax.ShapeDtypeStruct((row_tiles, m_pad, next_rank), jnp.float32)
+    return out
+
+
+def _scratch_types(*, m_pad: int, rank, swiglu: bool, wgs: int | None = None) -> dict:
+    """A kernel's shared memory by name: the transposed store, (with a LoRA operand of width
+    rank) the LoRA operands' tiles and their barrier, (swiglu) h; wgs: one of each per compute
+    warpgroup (warp-specialized), None: one program's (split-K)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    lead = () if wgs is None else (wgs,)
+    scratch = {"out_smem": plgpu.SMEM((*lead, m_pad, TILE_ROWS), jnp.float32)}
+    if rank is not None:
+        scratch["lx_smem"] = plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank))
+        scratch["bt_smem"] = plgpu.SMEM(((wgs or 1) * TILE_ROWS, rank), jnp.bfloat16,
+                                        transforms=_swizzled(rank))
+        scratch["barrier"] = plgpu.Barrier(num_arrivals=2)
+    if swiglu:
+        scratch["h_smem"] = plgpu.SMEM((*lead, m_pad, TILE_ROWS // 2), jnp.bfloat16)
+    return scratch
+
+
+def _kernel(body, *, input_names, out_types: dict, scratch: dict, grid, **mesh):
+    """plgpu.kernel of a schedule's body, which gets its refs by name (_KernelRefs)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    names = (*input_names, *out_types, *scratch)
+
+    def named_body(*refs):
+        body(_KernelRefs.named(names, refs))
+    named_body.__name__ = body.__name__  # the Mosaic GPU module's name
+    out_type = tuple(out_types.values())
+    return plgpu.kernel(
+        named_body, out_type=out_type if "part" not in out_types else out_type[0], grid=grid,
+        grid_names=("tiles", "splits"), scratch_types=list(scratch.values()),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **mesh)
 
 
 @functools.lru_cache(maxsize=None)
 def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, stages: int,
                     rank: int | None, plan: L2Prefetch | None, swiglu: bool,
-                    next_rank: int | None):
-    """matmul_unscaled's kernel for one static configuration, as one jitted function (cached):
-    every launch of it in a program (a model's layers) calls the same function, so JAX lowers
-    the Mosaic GPU kernel once per program, not once per launch (32 launches lowered
-    in 0.17 s instead of 4.5 s, on a CPU). rank: the LoRA operand's width (None: no LoRA); plan: the
-    L2 prefetch's static part (buffer None, extra as a shape) or None; swiglu / next_rank: the
-    fused SwiGLU epilogue and its next-LoRA width."""
+                    next_rank: int | None, input_names: tuple[str, ...]):
+    """matmul_unscaled's split-K kernel for one static configuration, as one jitted function
+    (cached): every launch of it in a program (a model's layers) calls the same function, so
+    JAX lowers the Mosaic GPU kernel once per program, not once per launch. rank: the LoRA
+    operand's width (None: no LoRA); plan: the L2 prefetch's static part (buffer None, extra
+    as a shape) or None; swiglu / next_rank: the fused SwiGLU epilogue and its next-LoRA
+    width; input_names: the launch's inputs, in order (_KernelRefs' names)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     steps = -(-k_tiles // splits)
     uneven = k_tiles % splits != 0
     with_lora = rank is not None
 
-    def body(x_gmem, packed_gmem, *refs):
-        r = _KernelRefs.unpack(refs, plan=plan, with_lora=with_lora, swiglu=swiglu,
-                               next_rank=next_rank)
+    def body(r: _KernelRefs):
         b = lax.axis_index("tiles")
         s = lax.axis_index("splits")
         first = s * k_tiles // splits
@@ -576,7 +253,7 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                 _tile_product(tile_smem, x_smem, acc_ref)
             return acc_ref
 
-        def scope(acc_ref):
+        def scope(acc_ref):  # acc_ref: f32 [64, M_pad] (wgmma accumulator)
             plgpu.emit_pipeline(
                 step, grid=(steps,),
                 in_specs=[
@@ -586,7 +263,7 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                     plgpu.BlockSpec((m_pad, TILE_K),
                                     lambda j: (0, jnp.minimum(first + j, last - 1)),
                                     transforms=_swizzled(TILE_K))],
-                max_concurrent_steps=stages, init_carry=acc_ref)(packed_gmem, x_gmem)
+                max_concurrent_steps=stages, init_carry=acc_ref)(r.packed, r.x)
             if plan is not None:
                 _issue_l2_prefetch(plan, r.prefetch, r.extra, b * splits + s,
                                    row_tiles * splits)
@@ -597,21 +274,24 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                 _store_partial(acc_ref, r.out_smem, r.part.at[s, :, rows])
                 return
             plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-                lambda ctx, acc, out: _store_transposed(acc, out))(acc_ref[...], r.out_smem)
+                lambda ctx, acc, out: store_transposed(acc, out))(acc_ref[...], r.out_smem)
             _run_swiglu_epilogue(r, b)
 
         pl.run_scoped(scope, plgpu.ACC((TILE_ROWS, m_pad), jnp.float32))
 
-    out_type = _out_type(m_pad=m_pad, row_tiles=row_tiles, splits=splits, swiglu=swiglu,
-                         next_rank=next_rank)
-    return jax.jit(_launch(body, out_type, (row_tiles, splits), ("tiles", "splits"), m_pad,
-                           rank, swiglu=swiglu))
+    kernel = _kernel(
+        body, input_names=input_names, grid=(row_tiles, splits),
+        out_types=_out_types(m_pad=m_pad, row_tiles=row_tiles, splits=splits, swiglu=swiglu,
+                             next_rank=next_rank),
+        scratch=_scratch_types(m_pad=m_pad, rank=rank, swiglu=swiglu))
+    return jax.jit(kernel)
 
 
 @functools.lru_cache(maxsize=None)
 def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int,
                              stages: int, rank: int | None, plan: L2Prefetch | None,
-                             swiglu: bool, next_rank: int | None):
+                             swiglu: bool, next_rank: int | None,
+                             input_names: tuple[str, ...]):
     """matmul_unscaled's warp-specialized kernel for one static configuration (cached, as
     _split_k_kernel's): grid (row tiles / 2, splits), one program per SM, three warpgroups.
     Warpgroups 0 and 1 each decode one row tile (2c and 2c + 1) and multiply it by the x tile
@@ -630,9 +310,7 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
     with_lora = rank is not None
     programs = row_tiles // wgs * splits
 
-    def body(x_gmem, packed_gmem, *refs):
-        r = _KernelRefs.unpack(refs, plan=plan, with_lora=with_lora, swiglu=swiglu,
-                               next_rank=next_rank)
+    def body(r: _KernelRefs):  # r.packed: uint8 [row tiles / 2, 2, K_tiles * 72, 128] here
         c = lax.axis_index("tiles")
         s = lax.axis_index("splits")
         first = s * k_tiles // splits
@@ -659,7 +337,7 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
                         r.lora_bt.at[pl.ds(c * wgs * TILE_ROWS, wgs * TILE_ROWS)],
                         r.bt_smem, r.barrier)
 
-            def scoped(acc_ref):
+            def scoped(acc_ref):  # acc_ref: f32 [64, M_pad], this warpgroup's row tile
                 run_pipeline(acc_ref)
                 if plan is not None:
                     _issue_l2_prefetch(plan, r.prefetch, r.extra,
@@ -669,7 +347,7 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
                         acc_ref, r.bt_smem.at[pl.ds(wg * TILE_ROWS, TILE_ROWS)], r.lx_smem,
                         r.barrier))
                 plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-                    lambda ctx, acc, out: _store_transposed(acc, out, per_warpgroup=True))(
+                    lambda ctx, acc, out: store_transposed(acc, out, per_warpgroup=True))(
                         acc_ref[...], r.out_smem)
                 if not swiglu:
                     plgpu.commit_smem()
@@ -691,24 +369,14 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
                                 transforms=_swizzled(TILE_K))],
             wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
             compute_context=compute_context)
-        pipeline(packed_gmem, x_gmem)
+        pipeline(r.packed, r.x)
 
-    out_type = _out_type(m_pad=m_pad, row_tiles=row_tiles, splits=splits, swiglu=swiglu,
-                         next_rank=next_rank)
-    scratch = [plgpu.SMEM((wgs, m_pad, TILE_ROWS), jnp.float32)]
-    if with_lora:
-        scratch += [plgpu.SMEM((m_pad, rank), jnp.bfloat16, transforms=_swizzled(rank)),
-                    plgpu.SMEM((wgs * TILE_ROWS, rank), jnp.bfloat16,
-                               transforms=_swizzled(rank)),
-                    plgpu.Barrier(num_arrivals=2)]
-    if swiglu:
-        scratch.append(plgpu.SMEM((wgs, m_pad, TILE_ROWS // 2), jnp.bfloat16))
-    kernel = plgpu.kernel(
-        body, out_type=out_type, grid=(row_tiles // wgs, splits),
-        grid_names=("tiles", "splits"), scratch_types=scratch,
-        num_threads=wgs + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    kernel = _kernel(
+        body, input_names=input_names, grid=(row_tiles // wgs, splits),
+        out_types=_out_types(m_pad=m_pad, row_tiles=row_tiles, splits=splits, swiglu=swiglu,
+                             next_rank=next_rank),
+        scratch=_scratch_types(m_pad=m_pad, rank=rank, swiglu=swiglu, wgs=wgs),
+        num_threads=wgs + 1, thread_name="wg")
 
     def launch(x, permuted, *rest):  # the weight tiles of a row pair: one 3-D TMA box
         return kernel(x, permuted.reshape(row_tiles, k_tiles * TILE_LINES, 128), *rest)
@@ -730,45 +398,145 @@ def _padded_inputs(x, lora_x_a, m_pad, k_pad):
     return x_pad, lora_x
 
 
-
-def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale: jax.Array,
-                      up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
-                      lora_x_a: jax.Array | None = None, lora_bt: jax.Array | None = None,
-                      next_lora_a: jax.Array | None = None, splits: int | None = None,
-                      l2_prefetch: L2Prefetch | None = None, fused: bool = True,
-                      schedule: str = "auto"):
-    """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
-    half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
-    each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue). lora_bt:
-    pair_lora_operand's, with lora_x_a = x @ [A_gate | A_up]. next_lora_a [out_n, r]: then
-    also returns the float32 product of the bf16 output with it, as blockwise_matmul_swiglu's
-    next_lora_a. With `fused` (and blocks of 32 rows, one split, r a multiple of 16) the
-    kernel's epilogue computes the SwiGLU and each row tile's share of that product
-    (SwigluEpilogue; XLA sums the shares); else the kernel gives the pair's product and XLA
-    the rest. schedule: matmul_unscaled's."""
+def _check_launch(x, permuted, lora_x_a, lora_bt, swiglu, *, n: int, k: int):
+    """One line naming the operand whose shape a launch does not take."""
     m = x.shape[0]
-    n_pad2 = padded_rows(permuted_pair, k)
-    if n_pad2 % (2 * half_block) or out_n > n_pad2 // 2:
-        raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
-                         f"[{out_n}, {k}] halves in blocks of {half_block}")
-    row_tiles = n_pad2 // TILE_ROWS
-    resolved = (launch_splits(row_tiles, -(-k // TILE_K), m=m, schedule=schedule,
-                              rank=None if lora_x_a is None else lora_x_a.shape[1])
-                if splits is None else splits)
-    if (fused and half_block == TILE_ROWS // 2 and resolved == 1
-            and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):
-        next_a = next_lora_a  # matmul_unscaled takes it in bf16
-        if next_a is not None and next_a.shape[0] != n_pad2 // 2:
-            next_a = jnp.pad(next_a, ((0, n_pad2 // 2 - next_a.shape[0]), (0, 0)))
-        h, shares = matmul_unscaled(
-            x, permuted_pair, n=n_pad2, k=k, splits=1, lora_x_a=lora_x_a, lora_bt=lora_bt,
-            l2_prefetch=l2_prefetch, schedule=schedule,
-            swiglu=SwigluEpilogue(gate_tensor_scale, up_tensor_scale, next_a))
-        out = h[:, :out_n]
-        return out if next_lora_a is None else (out, shares.sum(axis=0))
-    y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, splits=splits, lora_x_a=lora_x_a,
-                        lora_bt=lora_bt, l2_prefetch=l2_prefetch, schedule=schedule)
-    y = y.reshape(m, n_pad2 // (2 * half_block), 2, half_block)
+    k_tiles = -(-k // TILE_K)
+    row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
+    n_pad = row_tiles * TILE_ROWS
+    if x.ndim != 2 or x.shape[1] != k or not 1 <= m <= MAX_M:
+        raise ValueError(f"mgpu_nvfp4_matmul: x {x.shape}; expected [M <= {MAX_M}, {k}]")
+    if permuted.shape != (row_tiles * k_tiles * TILE_LINES, 128) or n_pad < n:
+        raise ValueError(f"mgpu_nvfp4_matmul: permuted {permuted.shape} is not a [{n}, {k}] "
+                         "weight's permuted layout")
+    if lora_x_a is not None:
+        rank = lora_x_a.shape[1]
+        if (lora_x_a.shape != (m, rank) or not operand_rank_ok(rank) or lora_bt is None
+                or lora_bt.shape != (n_pad, rank)):
+            raise ValueError(f"mgpu_nvfp4_matmul: lora_x_a {lora_x_a.shape}, operand "
+                             f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
+                             f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
+    next_a = None if swiglu is None else swiglu.next_lora_a
+    if next_a is not None and (next_a.ndim != 2 or next_a.shape[0] != row_tiles * 32
+                               or next_a.shape[1] % 16 or next_a.shape[1] > 256):
+        raise ValueError(f"mgpu_nvfp4_matmul: next_lora_a {next_a.shape}; expected "
+                         f"[{row_tiles * 32}, r], r a multiple of 16 up to 256")
+
+
+@functools.partial(jax.jit, static_argnames=("n", "k", "config"), inline=True)
+def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
+                    lora_x_a: jax.Array | None = None, lora_bt: jax.Array | None = None,
+                    l2_prefetch: L2Prefetch | None = None,
+                    swiglu: SwigluEpilogue | None = None,
+                    config: TuningConfig = TuningConfig()):
+    """The kernel: [M, N_pad] float32 sums x @ (e2m1 * block scale * 2^-8)^T
+    (+ lora_x_a @ lora_bt^T), i.e. y * tensor_scale * 2^-8 (partials summed by elementwise
+    adds that XLA fuses into the consumer). x bf16 [M <= 64, k]; permuted: permute_packed's
+    buffer of W [n, k] (rows past n: whatever it holds, zeros for permute_packed's padding);
+    lora_x_a [M, r] with lora_bt [N_pad, r] (lora_operand, group_lora_operand or
+    pair_lora_operand; r a multiple of 16 up to MAX_OPERAND_RANK). l2_prefetch: another
+    launch's first tiles, prefetched into L2 by each program after its K loop. swiglu (one
+    split only): instead (h bf16 [M, N_pad / 2], the SwiGLU of a gate/up pair in blocks of 32
+    rows, and with swiglu.next_lora_a the float32 [row tiles, M, r] shares of
+    h @ next_lora_a, or None) from the fused epilogue. config: the schedule, splits and
+    stages (mgpu_nvfp4_tuning). GPU only (Mosaic GPU)."""
+    _check_launch(x, permuted, lora_x_a, lora_bt, swiglu, n=n, k=k)
+    m = x.shape[0]
+    k_tiles = -(-k // TILE_K)
+    row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
+    with_lora = lora_x_a is not None
+    rank = lora_x_a.shape[1] if with_lora else None
+    schedule = launch_schedule(m, row_tiles, rank=rank, config=config)
+    warp_specialized = schedule == "warp_specialized"
+    stages = config.stages
+    if stages is None:
+        stages = (ws_stages(m, config.facts(), rank, swiglu is not None) if warp_specialized
+                  else 2)
+    splits = config.splits
+    if splits is None:
+        splits = launch_splits(row_tiles, k_tiles, m=m, rank=rank, stages=stages,
+                               config=TuningConfig(schedule=schedule, device=config.device))
+    if not 1 <= splits <= k_tiles:
+        raise ValueError(f"mgpu_nvfp4_matmul: splits={splits} for {k_tiles} K tiles")
+    if swiglu is not None and splits != 1:
+        raise ValueError(f"mgpu_nvfp4_matmul: the SwiGLU epilogue needs one split, not "
+                         f"{splits}")
+    m_pad = -(-m // 8) * 8
+    next_a = None if swiglu is None else swiglu.next_lora_a
+    # K padded to whole tiles: no copy of x at all for M % 8 == 0 and K % 256 == 0 (the model's
+    # shapes). With uneven splits a program with one tile fewer than `steps` reloads its last
+    # tiles in its last step and skips that step's product.
+    x_pad, lora_x = _padded_inputs(x, lora_x_a, m_pad, k_tiles * TILE_K)
+    inputs = {"x": x_pad, "packed": permuted}  # in launch order (_KernelRefs' names)
+    plan = None  # the prefetch plan's static part (arrays as shapes): part of the kernel's key
+    if l2_prefetch is not None:
+        if l2_prefetch.buffer.ndim != 2 or l2_prefetch.buffer.shape[1] != 128:
+            raise ValueError(f"mgpu_nvfp4_matmul: l2_prefetch buffer {l2_prefetch.buffer.shape}"
+                             " is not a permuted buffer [lines, 128]")
+        inputs["prefetch"] = l2_prefetch.buffer
+        extra = l2_prefetch.extra
+        if extra is not None:
+            inputs["extra"] = extra
+            extra = jax.ShapeDtypeStruct(extra.shape, extra.dtype)
+        plan = dataclasses.replace(l2_prefetch, buffer=None, extra=extra)
+    if with_lora:
+        inputs.update(lora_x=lora_x, lora_bt=lora_bt.astype(jnp.bfloat16))
+    if swiglu is not None:
+        inputs.update(gate_ts=jnp.asarray(swiglu.gate_divisor, jnp.float32).reshape(1),
+                      up_ts=jnp.asarray(swiglu.up_divisor, jnp.float32).reshape(1))
+        if next_a is not None:
+            inputs["next_a"] = next_a.astype(jnp.bfloat16)
+    kernel = (_warp_specialized_kernel if warp_specialized else _split_k_kernel)(
+        m_pad=m_pad, k_tiles=k_tiles, row_tiles=row_tiles, splits=splits, stages=stages,
+        rank=rank, plan=plan, swiglu=swiglu is not None,
+        next_rank=None if next_a is None else next_a.shape[1], input_names=tuple(inputs))
+    outputs = kernel(*inputs.values())
+    if swiglu is not None:
+        h = outputs[0][:m]
+        return h, (outputs[1][:, :m] if next_a is not None else None)
+    partials = outputs
+    return functools.reduce(jnp.add, [partials[i, :m] for i in range(splits)])  # fusable
+
+
+def _lora_bt_of(lora_x_a, lora_b, lora_scale, lora_bt, tensor_scale, *, n: int, n_pad: int):
+    """The LoRA operand of a single-weight launch: lora_bt if made ahead, else from lora_b."""
+    if lora_x_a is None or lora_bt is not None:
+        return lora_bt
+    if lora_b is None or lora_b.shape != (lora_x_a.shape[-1], n):
+        raise ValueError(f"mgpu_nvfp4_matmul: lora_x_a {lora_x_a.shape}, B "
+                         f"{None if lora_b is None else lora_b.shape}; expected B "
+                         f"[{lora_x_a.shape[-1]}, {n}] (or lora_bt)")
+    return lora_operand(lora_b, tensor_scale, 1.0 if lora_scale is None else lora_scale,
+                        n_pad=n_pad)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "k", "config"), inline=True)
+def mgpu_nvfp4_matmul(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
+                      k: int, lora_x_a: jax.Array | None = None,
+                      lora_b: jax.Array | None = None, lora_scale=None,
+                      lora_bt: jax.Array | None = None, l2_prefetch: L2Prefetch | None = None,
+                      config: TuningConfig = TuningConfig()) -> jax.Array:
+    """y [M, n] float32 = x [M, k] @ W^T / tensor_scale (+ lora_scale * lora_x_a @ lora_b).
+
+    x bf16 [M <= 64, k]; permuted: permute_packed's buffer of W [n, k]; tensor_scale [1];
+    lora_x_a [M, r] (x @ A), with either lora_b [r, n] and lora_scale, or lora_bt, the
+    LoRA operand lora_operand(lora_b, tensor_scale, lora_scale) made ahead; r in LORA_RANKS.
+    l2_prefetch, config: matmul_unscaled's. GPU only (Mosaic GPU)."""
+    lora_bt = _lora_bt_of(lora_x_a, lora_b, lora_scale, lora_bt, tensor_scale, n=n,
+                          n_pad=padded_rows(permuted, k))
+    y = matmul_unscaled(x, permuted, n=n, k=k, lora_x_a=lora_x_a, lora_bt=lora_bt,
+                        l2_prefetch=l2_prefetch, config=config)
+    return y[:, :n] * (2.0 ** -SCALED_EXPONENT
+                       / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
+
+
+def _swiglu_of_sums(y, gate_tensor_scale, up_tensor_scale, next_lora_a, *, out_n: int,
+                    half_block: int):
+    """silu(g) * u bf16 [M, out_n] (and its float32 product with next_lora_a) from a gate/up
+    pair's unscaled sums y [M, N_pad] (rows interleaved in blocks of half_block): g and u
+    rescaled by 2^8 / their tensor scales and rounded to bf16 before the SwiGLU."""
+    m = y.shape[0]
+    y = y.reshape(m, y.shape[1] // (2 * half_block), 2, half_block)
     halves = []
     for half, ts in enumerate((gate_tensor_scale, up_tensor_scale)):
         scale = 2.0 ** -SCALED_EXPONENT / jnp.asarray(ts, jnp.float32).reshape(())
@@ -780,6 +548,96 @@ def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale:
         return out
     return out, jnp.dot(out, next_lora_a.astype(jnp.bfloat16),
                         preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("out_n", "k", "half_block", "config"),
+                   inline=True)
+def mgpu_nvfp4_swiglu(x: jax.Array, permuted_pair: jax.Array, gate_tensor_scale: jax.Array,
+                      up_tensor_scale: jax.Array, *, out_n: int, k: int, half_block: int,
+                      lora_x_a: jax.Array | None = None, lora_bt: jax.Array | None = None,
+                      next_lora_a: jax.Array | None = None,
+                      l2_prefetch: L2Prefetch | None = None,
+                      config: TuningConfig = TuningConfig()):
+    """silu(g) * u bf16 [M, out_n] for a gate/up pair (rows interleaved in blocks of
+    half_block, permute_packed of the whole pair) with g = x @ Wg^T / ts_g (+ LoRA), u likewise,
+    each rounded to bf16 before the SwiGLU (as blockwise_matmul_swiglu's epilogue). lora_bt:
+    pair_lora_operand's, with lora_x_a = x @ [A_gate | A_up]. next_lora_a [out_n, r]: then
+    also returns the float32 product of the bf16 output with it, as blockwise_matmul_swiglu's
+    next_lora_a. Up to config.swiglu_epilogue_max_m rows (with blocks of 32 rows, one split, r
+    a multiple of 16) the kernel's epilogue computes the SwiGLU and each row tile's share of
+    that product (SwigluEpilogue; XLA sums the shares); else the kernel gives the pair's
+    product and XLA the rest."""
+    m = x.shape[0]
+    n_pad2 = padded_rows(permuted_pair, k)
+    if n_pad2 % (2 * half_block) or out_n > n_pad2 // 2:
+        raise ValueError(f"mgpu_nvfp4_swiglu: a pair of {n_pad2} rows does not hold two "
+                         f"[{out_n}, {k}] halves in blocks of {half_block}")
+    row_tiles = n_pad2 // TILE_ROWS
+    resolved = (launch_splits(row_tiles, -(-k // TILE_K), m=m,
+                              rank=None if lora_x_a is None else lora_x_a.shape[1],
+                              stages=config.stages or 2, config=config)
+                if config.splits is None else config.splits)
+    if (m <= config.swiglu_epilogue_max_m and half_block == TILE_ROWS // 2 and resolved == 1
+            and (next_lora_a is None or next_lora_a.shape[1] % 16 == 0)):
+        next_a = next_lora_a  # matmul_unscaled takes it in bf16
+        if next_a is not None and next_a.shape[0] != n_pad2 // 2:
+            next_a = jnp.pad(next_a, ((0, n_pad2 // 2 - next_a.shape[0]), (0, 0)))
+        h, shares = matmul_unscaled(
+            x, permuted_pair, n=n_pad2, k=k, lora_x_a=lora_x_a, lora_bt=lora_bt,
+            l2_prefetch=l2_prefetch, config=dataclasses.replace(config, splits=1),
+            swiglu=SwigluEpilogue(gate_tensor_scale, up_tensor_scale, next_a))
+        out = h[:, :out_n]
+        return out if next_lora_a is None else (out, shares.sum(axis=0))
+    y = matmul_unscaled(x, permuted_pair, n=n_pad2, k=k, lora_x_a=lora_x_a, lora_bt=lora_bt,
+                        l2_prefetch=l2_prefetch, config=config)
+    return _swiglu_of_sums(y, gate_tensor_scale, up_tensor_scale, next_lora_a, out_n=out_n,
+                           half_block=half_block)
+
+
+def matmul_unscaled_reference(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
+                              lora_x_a: jax.Array | None = None,
+                              lora_bt: jax.Array | None = None) -> jax.Array:
+    """matmul_unscaled in plain jnp: [M, N_pad] float32 = bf16(x) @ (e2m1 * scale * 2^-8)^T
+    (+ bf16(lora_x_a) @ bf16(lora_bt)^T), the weights dequantized first (exact in float32),
+    products summed in float32: the kernel equals it up to the order of those sums."""
+    del n  # the kernel computes every row of the buffer
+    n_pad = padded_rows(permuted, k)
+    w = permuted_dequantize_reference(permuted, jnp.float32(2.0 ** -SCALED_EXPONENT),
+                                      n=n_pad, k=k)
+
+    def dot(a, b):
+        return jnp.dot(a.astype(jnp.bfloat16).astype(jnp.float32),
+                       b.astype(jnp.bfloat16).astype(jnp.float32).T,
+                       precision=lax.Precision.HIGHEST)
+    y = dot(x, w)
+    return y if lora_x_a is None else y + dot(lora_x_a, lora_bt)
+
+
+def mgpu_nvfp4_matmul_reference(x: jax.Array, permuted: jax.Array, tensor_scale: jax.Array, *,
+                                n: int, k: int, lora_x_a: jax.Array | None = None,
+                                lora_b: jax.Array | None = None, lora_scale=None,
+                                lora_bt: jax.Array | None = None) -> jax.Array:
+    """mgpu_nvfp4_matmul in plain jnp (matmul_unscaled_reference rescaled by
+    2^8 / tensor_scale; the LoRA operand rounded to bf16 as the kernel's): [M, n] float32."""
+    lora_bt = _lora_bt_of(lora_x_a, lora_b, lora_scale, lora_bt, tensor_scale, n=n,
+                          n_pad=padded_rows(permuted, k))
+    y = matmul_unscaled_reference(x, permuted, n=n, k=k, lora_x_a=lora_x_a, lora_bt=lora_bt)
+    return y[:, :n] * (2.0 ** -SCALED_EXPONENT
+                       / jnp.asarray(tensor_scale, jnp.float32).reshape(()))
+
+
+def mgpu_nvfp4_swiglu_reference(x: jax.Array, permuted_pair: jax.Array,
+                                gate_tensor_scale: jax.Array, up_tensor_scale: jax.Array, *,
+                                out_n: int, k: int, half_block: int,
+                                lora_x_a: jax.Array | None = None,
+                                lora_bt: jax.Array | None = None,
+                                next_lora_a: jax.Array | None = None):
+    """mgpu_nvfp4_swiglu in plain jnp: the SwiGLU of matmul_unscaled_reference's sums (g and
+    u rounded to bf16, the output bf16, its product with next_lora_a float32)."""
+    y = matmul_unscaled_reference(x, permuted_pair, n=padded_rows(permuted_pair, k), k=k,
+                                  lora_x_a=lora_x_a, lora_bt=lora_bt)
+    return _swiglu_of_sums(y, gate_tensor_scale, up_tensor_scale, next_lora_a, out_n=out_n,
+                           half_block=half_block)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,11 +1,24 @@
 """The operands of the Mosaic GPU NVFP4 decode matmul (pallas_kernels/mgpu_nvfp4.py): its
-permuted weight layout (described there) and its inverse, the reference dequantization, the
-split count, the LoRA operands and the L2 prefetch plans. Host-side and jnp only: no kernel.
+permuted weight layout and its inverse, the reference dequantization and the LoRA operands.
+Host-side and jnp only: no kernel.
+
+Permuted layout (`permute_packed`, from a PackedWeight in the kernel layout of
+pallas_kernels.blockwise_matmul, NVFP4, tile_k = 256; `unpermute_tiles` undoes it, and
+pallas_kernels.permuted_dequantize dequantizes it): uint8 [row tiles * K tiles * 72, 128]; the
+64-row tile b, K tile t is the 9216 bytes at rows (b * k_tiles + t) * 72:
+  bytes [0, 8192): per thread th of the warpgroup 16 32-bit words, word i at
+    (i // 4) * 2048 + th * 16 + (i % 4) * 4 (4 conflict-free 16-byte shared-memory loads per
+    thread). Word i holds the thread's 4 bf16 pairs of columns [16 i, 16 i + 16) in the wgmma
+    register layout (PAIR_SLOTS: rows r0 = 16 (th // 32) + (th % 32) // 4 and r0 + 8, columns
+    16 i + 2 (th % 4) + {0, 1} and + 8), its 32 bits placed (source_bit) so that pair k's bf16x2
+    pattern e2m1 * 2^-126 (code bits 0-2 at bits 6-8, the sign at 15; +16 for the second column)
+    is rotl(word, r) & 0x81C081C0, r = 0, 6, 12 for k = 0, 1, 2, and
+    (rotl(word, 2) & 0x00400040) | (rotl(word, 10) & 0x81808180) for k = 3 (PAIR_ASM): 9
+    integer instructions per 8 weights, no register relayout.
+  bytes [8192, 9216): the tile's canonical scale codes [64 rows, 16 blocks] (nvfp4_matmul).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +35,6 @@ SCALED_EXPONENT = -8  # the decoded weights are e2m1 * scale * 2^-8
 MAX_M = 64
 LORA_RANKS = (16, 32, 64)  # one adapter's rank
 MAX_OPERAND_RANK = 192  # the LoRA operand's width: 3 x 64 (a grouped q|k|v launch)
-SLOTS = 528  # programs resident at once: 132 SMs x 4 (118-124 registers per thread)
-SMS = 132  # streaming multiprocessors of an H100 / H200 SXM
-SMEM_PER_SM = 227 * 1024  # shared memory one SM gives the programs resident on it
-SCHEDULES = ("auto", "split_k", "warp_specialized")
-# the smallest M the "auto" schedule may run warp-specialized (two compute warpgroups sharing
-# each x tile, a third issuing the TMA copies): from it, where a split-K program's shared memory
-# (with its LoRA tiles) leaves room for only one per SM
-WARP_SPECIALIZED_MIN_M = 33
-WS_COMPUTE_WARPGROUPS = 2  # row tiles per warp-specialized program (one per compute warpgroup)
-
 # (column half, row half) of pair k of a word: columns 16 i + 8 c + 2 (lane % 4) + {0, 1},
 # row r0 + 8 h.
 PAIR_SLOTS = ((0, 0), (1, 0), (0, 1), (1, 1))
@@ -176,97 +179,6 @@ def permuted_dequantize_reference(permuted: jax.Array, tensor_scale: jax.Array, 
     return w / jnp.asarray(tensor_scale, jnp.float32).reshape(())
 
 
-
-
-def resident_programs(m: int, stages: int = 2) -> int:
-    """A model of the programs one SM holds at once at M = m (padded to m_pad, a multiple of
-    8, as the kernel pads x), for sizing the split count: 4 by registers, fewer where their
-    shared memory (stages x (x tile [m_pad, 256] bf16 + weight
-    tile) + the transposed store's [m_pad, 64] float32) does not fit 4 times: at 2 stages 4 up
-    to M = 24, 3 at M = 32-40, 2 at M = 48-64. It leaves out the LoRA tiles, which a grouped
-    rank-96 launch adds (24 KiB at M = 64: 1 program by this count, whose 1 split was not the
-    fastest); it was fitted to the 7B launches measured in benchmarks/RESULTS.md."""
-    m_pad = -(-m // 8) * 8
-    smem = stages * (m_pad * TILE_K * 2 + TILE_LINES * 128) + m_pad * TILE_ROWS * 4
-    return max(1, min(SLOTS // SMS, SMEM_PER_SM // smem))
-
-
-def default_splits(row_tiles: int, k_tiles: int, slots: int | None = None, *,
-                   m: int = 8, stages: int = 2) -> int:
-    """Split-K count: the fewest pipeline steps per program (ceil(k_tiles / splits)) with at
-    most `slots` programs (row tiles x splits; default SMS x resident_programs(m, stages)),
-    and the fewest splits giving that many steps (fewer partials to sum), at least 1. Splits need
-    not divide the K tiles: a program with one tile fewer skips its last step (7B's down
-    projection has 74 K tiles = 2 x 37, whose dividing counts are 1, 2, 37, 74). At M = 64 the
-    model gives 2 programs per SM, not 4; sizing the splits for 4 there was 9-25% slower per
-    7B launch (benchmarks/RESULTS.md, "Split-K at M = 64")."""
-    if slots is None:
-        slots = SMS * resident_programs(m, stages)
-    most = max(1, min(k_tiles, slots // row_tiles))
-    steps = -(-k_tiles // most)
-    return -(-k_tiles // steps)
-
-
-def split_k_smem_bytes(m: int, rank: int | None = None, stages: int = 2) -> int:
-    """Shared memory of a split-K program: resident_programs' count plus the LoRA tiles of
-    split 0 (x @ A [m_pad, r] and the operand's [64, r])."""
-    m_pad = -(-m // 8) * 8
-    smem = stages * (m_pad * TILE_K * 2 + TILE_LINES * 128) + m_pad * TILE_ROWS * 4
-    return smem + (0 if rank is None else (m_pad + TILE_ROWS) * rank * 2)
-
-
-def launch_schedule(m: int, row_tiles: int, schedule: str = "auto",
-                    rank: int | None = None) -> str:
-    """The schedule a launch at M = m over `row_tiles` row tiles (LoRA operand width `rank`,
-    None without) runs: "split_k" (one warpgroup per program, several programs per SM) or
-    "warp_specialized" (one program per SM: WS_COMPUTE_WARPGROUPS compute warpgroups, each a
-    row tile, sharing each x tile, and a warpgroup issuing the TMA copies), the latter only
-    where the row tiles pair up (else split-K). "auto": warp-specialized from
-    WARP_SPECIALIZED_MIN_M rows where one split-K program per SM fits in shared memory
-    (split_k_smem_bytes: at M = 64 the operands of a grouped q|k|v launch (r 96) and of a
-    gate|up pair (r 64)). With two or more split-K programs per SM, split-K was faster on every
-    7B launch at M = 64 and, summed over a layer, within 1% at M = 33-40 (where o, down and
-    q|k|v were faster warp-specialized and gate|up slower; benchmarks/RESULTS.md)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"mgpu_nvfp4: schedule {schedule!r}; one of {SCHEDULES}")
-    if row_tiles % WS_COMPUTE_WARPGROUPS or schedule == "split_k":
-        return "split_k"
-    if schedule == "auto" and (m < WARP_SPECIALIZED_MIN_M
-                               or SMEM_PER_SM // split_k_smem_bytes(m, rank) >= 2):
-        return "split_k"
-    return "warp_specialized"
-
-
-def launch_splits(row_tiles: int, k_tiles: int, *, m: int, schedule: str = "auto",
-                  stages: int = 2, rank: int | None = None) -> int:
-    """The split-K count of a launch (default_splits): for the warp-specialized schedule one
-    program per SM, each over WS_COMPUTE_WARPGROUPS row tiles."""
-    if launch_schedule(m, row_tiles, schedule, rank) == "warp_specialized":
-        return default_splits(row_tiles // WS_COMPUTE_WARPGROUPS, k_tiles, SMS)
-    return default_splits(row_tiles, k_tiles, m=m, stages=stages)
-
-
-def ws_smem_bytes(m: int, stages: int, rank: int | None = None, swiglu: bool = False) -> int:
-    """Shared memory of a warp-specialized program: its pipeline (stages x (the row tiles'
-    weight tiles + the x tile)), the transposed stores, the LoRA tiles (x @ A shared, the
-    operand's rows of both row tiles) and the SwiGLU's h tiles."""
-    m_pad = -(-m // 8) * 8
-    wgs = WS_COMPUTE_WARPGROUPS
-    total = stages * (wgs * TILE_LINES * 128 + m_pad * TILE_K * 2) + wgs * m_pad * TILE_ROWS * 4
-    if rank is not None:
-        total += (m_pad + wgs * TILE_ROWS) * rank * 2
-    if swiglu:
-        total += wgs * m_pad * TILE_ROWS // 2 * 2
-    return total
-
-
-def ws_stages(m: int, rank: int | None = None, swiglu: bool = False) -> int:
-    """Pipeline depth of a warp-specialized program: 3 where its shared memory fits (3 was
-    faster than 2 at M = 64 on every 7B launch, no LoRA: benchmarks/results/
-    mosaic_kernel_probes_h100_7b.json), else 2."""
-    return 3 if ws_smem_bytes(m, 3, rank, swiglu) <= SMEM_PER_SM - 2048 else 2
-
-
 def operand_rank_ok(rank: int) -> bool:
     """LoRA operand widths the kernel takes: a multiple of 16 (wgmma's K step) up to
     MAX_OPERAND_RANK (the LORA_RANKS of one adapter, 2r of a gate/up pair, 3r of a grouped
@@ -322,64 +234,9 @@ def group_permuted(buffers, ks) -> jax.Array:
     return jnp.concatenate(list(buffers), axis=0)
 
 
-
-
 def padded_rows(permuted: jax.Array, k: int) -> int:
     """N_pad of a permuted buffer of a weight with k columns."""
     return permuted.shape[0] // (TILE_LINES * -(-k // TILE_K)) * TILE_ROWS
-
-
-class L2Prefetch(NamedTuple):
-    """Another launch's weights for a kernel to prefetch into L2 once its own K loop is done
-    (`cp.async.bulk.prefetch.tensor`, a hint: results do not change), so that launch's first
-    loads hit L2 while the small XLA kernels between the two run.
-
-    buffer: that launch's permuted buffer; row_tiles, k_tiles, splits: its grid (its programs
-    (b, s) start at K tile s * k_tiles // splits); ahead: tiles prefetched from each of its
-    programs' first (1-3; at most its fewest steps, k_tiles // splits); contiguous_lines: if
-    > 0, instead the buffer's first contiguous_lines lines (72 per tile) in boxes of 216.
-    extra: another 2-D array to prefetch whole (the next launch's LoRA A, read by XLA's x @ A
-    before that launch), in boxes of up to 256 rows, or None."""
-    buffer: jax.Array
-    row_tiles: int
-    k_tiles: int
-    splits: int
-    ahead: int = 2
-    contiguous_lines: int = 0
-    extra: jax.Array | None = None
-
-
-def l2_prefetch_for(permuted: jax.Array, *, k: int, splits: int | None = None, ahead: int = 2,
-                    contiguous_lines: int = 0, extra: jax.Array | None = None,
-                    m: int = 8, schedule: str = "auto",
-                    rank: int | None = None) -> L2Prefetch:
-    """The L2Prefetch plan of a launch of matmul_unscaled over `permuted` (a [N, k] weight's
-    buffer) at M = m, LoRA operand width `rank`, with `splits` (launch_splits of its schedule
-    when None), and `extra` ([rows, cols], a row of a multiple of 16 bytes and at most 256
-    columns: a TMA box) if given."""
-    k_tiles = -(-k // TILE_K)
-    row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
-    splits = (launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, rank=rank)
-              if splits is None else splits)
-    if not 1 <= ahead <= 3:
-        raise ValueError(f"l2_prefetch_for: ahead={ahead} (1-3 tiles: a TMA box has at most "
-                         f"256 lines)")
-    if contiguous_lines < 0 or contiguous_lines > permuted.shape[0]:
-        raise ValueError(f"l2_prefetch_for: contiguous_lines={contiguous_lines} for a buffer "
-                         f"of {permuted.shape[0]} lines")
-    if extra is not None and not extra_prefetchable(extra):
-        raise ValueError(f"l2_prefetch_for: extra {extra.shape} {extra.dtype} (a 2-D array with "
-                         "rows of a multiple of 16 bytes and at most 256 columns)")
-    return L2Prefetch(permuted, row_tiles, k_tiles, splits, min(ahead, k_tiles // splits),
-                      contiguous_lines, extra)
-
-
-def extra_prefetchable(array) -> bool:
-    """Whether L2Prefetch.extra can take this array (whole rows in TMA boxes)."""
-    return (array.ndim == 2 and array.shape[1] <= 256
-            and array.shape[1] * jnp.dtype(array.dtype).itemsize % 16 == 0)
-
-
 
 
 def pair_lora_operand(gate_b: jax.Array, up_b: jax.Array, gate_tensor_scale: jax.Array,

@@ -52,12 +52,15 @@ import pytest
 
 from pallas_kernels import blockwise_matmul as bw
 from pallas_kernels import mgpu_nvfp4 as mg
+from pallas_kernels import mgpu_nvfp4_layout as layout
+from pallas_kernels import mgpu_nvfp4_tuning as tuning
 from pallas_kernels import nvfp4_matmul
 
 pytestmark = pytest.mark.gpu
 
 HALF_BLOCK = 32  # rows of each gate / up block in an interleaved pair
 BOUND = 1e-5  # of |x| @ |W|^T (+ the LoRA term's absolute product), per element
+WS = mg.TuningConfig(schedule="warp_specialized")
 MATMUL_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared)
     (256, 1024, 8, 0, None, False), (256, 1024, 5, 32, 3, False), (200, 608, 1, 16, 1, True),
     (1024, 5120, 16, 32, None, False), (640, 2304, 64, 64, 2, True),
@@ -117,7 +120,7 @@ def _float64_check(y, ckpt, x, down, operand, packed, n, rank):
     if rank:
         lx = _float64(down.astype(jnp.bfloat16))
         bt = _float64(operand)[:n]
-        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(packed.tensor_scale).reshape(()))
+        rescale = 2.0 ** -layout.SCALED_EXPONENT / float(np.asarray(packed.tensor_scale).reshape(()))
         reference = reference + (lx @ bt.T) * rescale
         bound = bound + (np.abs(lx) @ np.abs(bt).T) * rescale
     return float((np.abs(y - reference) / (BOUND * bound + 1e-30)).max())
@@ -127,14 +130,14 @@ def _float64_check(y, ckpt, x, down, operand, packed, n, rank):
 def test_matmul_matches_float64(n, k, m, rank, splits, prepared):
     ckpt, x, down, lora_b = _inputs(jax.random.key(n * 7 + k), n, k, m, rank)
     packed = nvfp4_matmul.repack_nvfp4(*ckpt)
-    permuted = mg.permute_packed(packed)
+    permuted = layout.permute_packed(packed)
     operand, kwargs = None, {}
     if rank:
-        operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
+        operand = layout.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
         kwargs = (dict(lora_x_a=down, lora_bt=operand) if prepared
                   else dict(lora_x_a=down, lora_b=lora_b, lora_scale=2.0))
-    fn = jax.jit(lambda x, p, ts, kw: mg.mgpu_nvfp4_matmul(x, p, ts, n=n, k=k, splits=splits,
-                                                          **kw))
+    fn = jax.jit(lambda x, p, ts, kw: mg.mgpu_nvfp4_matmul(
+        x, p, ts, n=n, k=k, config=mg.TuningConfig(splits=splits), **kw))
     y = np.asarray(fn(x, permuted, packed.tensor_scale, kwargs), np.float64)
     assert np.isfinite(y).all()
     excess = _float64_check(y, ckpt, x, down, operand, packed, n, rank)
@@ -149,9 +152,9 @@ def _group_inputs(ns, k: int, m: int, rank: int, seed: int):
     x = members[0][1]
     down = jnp.concatenate([member[2] for member in members], axis=1)
     packed = [nvfp4_matmul.repack_nvfp4(*member[0]) for member in members]
-    tiles = mg.group_permuted([mg.permute_packed(p) for p in packed], [k] * len(ns))
+    tiles = layout.group_permuted([layout.permute_packed(p) for p in packed], [k] * len(ns))
     n_pads = [p.codes.shape[0] for p in packed]
-    operand = mg.group_lora_operand([member[3] for member in members],
+    operand = layout.group_lora_operand([member[3] for member in members],
                                     [p.tensor_scale for p in packed], [2.0] * len(ns), n_pads)
     return members, x, down, packed, tiles, n_pads, operand
 
@@ -159,14 +162,14 @@ def _group_inputs(ns, k: int, m: int, rank: int, seed: int):
 @pytest.mark.parametrize("ns,k,m,rank,splits", GROUP_CASES)
 def test_grouped_launch_matches_float64(ns, k, m, rank, splits):
     members, x, down, packed, tiles, n_pads, operand = _group_inputs(ns, k, m, rank, 1000)
-    fn = jax.jit(lambda x, t, d, o: mg.matmul_unscaled(x, t, n=sum(n_pads), k=k,
-                                                       splits=splits, lora_x_a=d, lora_bt=o))
+    fn = jax.jit(lambda x, t, d, o: mg.matmul_unscaled(
+        x, t, n=sum(n_pads), k=k, lora_x_a=d, lora_bt=o, config=mg.TuningConfig(splits=splits)))
     y = np.asarray(fn(x, tiles, down, operand), np.float64)
     assert np.isfinite(y).all()
     x64, lx, bt_all = _float64(x), _float64(down), _float64(operand)
     offset = 0
     for index, (n, member, p, n_pad) in enumerate(zip(ns, members, packed, n_pads)):
-        rescale = 2.0 ** -mg.SCALED_EXPONENT / float(np.asarray(p.tensor_scale).reshape(()))
+        rescale = 2.0 ** -layout.SCALED_EXPONENT / float(np.asarray(p.tensor_scale).reshape(()))
         got = y[:, offset:offset + n] * rescale
         w = np.asarray(nvfp4_matmul.nvfp4_dequantize_reference(*member[0]), np.float64)
         bt = bt_all[offset:offset + n]
@@ -197,7 +200,7 @@ def _gate_up_pair(n: int, k: int, m: int, rank: int, seed: int) -> _GateUpPair:
     from qerl_jax.quant.nvfp4 import nvfp4_quantize
     keys = jax.random.split(jax.random.key(seed), 8)
     gate, up = (nvfp4_matmul.repack_nvfp4(*_checkpoint_arrays(nvfp4_quantize(
-        jax.random.normal(keys[i], (n, k)) * 0.02)), tile_k=mg.TILE_K) for i in (0, 1))
+        jax.random.normal(keys[i], (n, k)) * 0.02)), tile_k=layout.TILE_K) for i in (0, 1))
     pair = bw.interleave_gate_up(gate, up, HALF_BLOCK)
     n_pad = gate.codes.shape[0]
     gate_b, up_b = ((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
@@ -209,7 +212,7 @@ def _gate_up_pair(n: int, k: int, m: int, rank: int, seed: int) -> _GateUpPair:
         gate_b=gate_b, up_b=up_b,
         next_a=(jax.random.normal(keys[6], (n, rank)) * 0.01).astype(jnp.bfloat16),
         scales=scales, n_pad=n_pad,
-        operand=mg.pair_lora_operand(gate_b, up_b, *scales, 1.0, n_pad=n_pad,
+        operand=layout.pair_lora_operand(gate_b, up_b, *scales, 1.0, n_pad=n_pad,
                                      half_block=HALF_BLOCK))
 
 
@@ -233,8 +236,9 @@ def test_swiglu_launch_matches_the_triton_launch(fused):
         lora_b=bw.interleave_lora_b(g.gate_b, g.up_b, g.n_pad, HALF_BLOCK),
         lora_scale=1.0, tensor_scales=g.scales, next_lora_a=g.next_a))(g.x, g.down)
     got, got_next = jax.jit(lambda x, d: mg.mgpu_nvfp4_swiglu(
-        x, mg.permute_packed(g.pair), *g.scales, out_n=n, k=k, half_block=HALF_BLOCK,
-        lora_x_a=d, lora_bt=g.operand, next_lora_a=g.next_a, fused=fused))(g.x, g.down)
+        x, layout.permute_packed(g.pair), *g.scales, out_n=n, k=k, half_block=HALF_BLOCK,
+        lora_x_a=d, lora_bt=g.operand, next_lora_a=g.next_a,
+        config=mg.TuningConfig(swiglu_epilogue_max_m=64 if fused else 0)))(g.x, g.down)
     for name, value, reference in (("output", got, want), ("next LoRA", got_next, want_next)):
         _within_bf16_of(value, reference, name)
 
@@ -250,20 +254,21 @@ def test_warp_specialized_schedule_matches_split_k_and_float64(n, k, m, rank, sp
                                                                prepared):
     ckpt, x, down, lora_b = _inputs(jax.random.key(n * 3 + k + m), n, k, m, rank)
     packed = nvfp4_matmul.repack_nvfp4(*ckpt)
-    permuted = mg.permute_packed(packed)
-    row_tiles, k_tiles = -(-n // mg.TILE_ROWS), -(-k // mg.TILE_K)
-    assert mg.launch_schedule(m, row_tiles, "warp_specialized") == "warp_specialized"
+    permuted = layout.permute_packed(packed)
+    row_tiles, k_tiles = -(-n // layout.TILE_ROWS), -(-k // layout.TILE_K)
+    assert tuning.launch_schedule(m, row_tiles, config=WS) == "warp_specialized"
     if splits is None:
-        splits = mg.launch_splits(row_tiles, k_tiles, m=m, schedule="warp_specialized")
+        splits = tuning.launch_splits(row_tiles, k_tiles, m=m, config=WS)
     operand, kwargs = None, {}
     if rank:
-        operand = mg.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
+        operand = layout.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
         kwargs = (dict(lora_x_a=down, lora_bt=operand) if prepared
                   else dict(lora_x_a=down, lora_b=lora_b, lora_scale=2.0))
     outputs = {}
     for schedule in ("warp_specialized", "split_k"):
         fn = jax.jit(lambda x, p, ts, kw, schedule=schedule: mg.mgpu_nvfp4_matmul(
-            x, p, ts, n=n, k=k, splits=splits, schedule=schedule, **kw))
+            x, p, ts, n=n, k=k, config=mg.TuningConfig(schedule=schedule, splits=splits),
+            **kw))
         outputs[schedule] = np.asarray(fn(x, permuted, packed.tensor_scale, kwargs), np.float64)
     y = outputs["warp_specialized"]
     assert np.isfinite(y).all()
@@ -278,9 +283,10 @@ def test_warp_specialized_grouped_launch_matches_split_k(ns, k, m):
     """A q|k|v grouped launch (LoRA r32 each) of 7B at M = 48 and of 14B and 32B (the same
     shape) at M = 64: both schedules, same splits, bit for bit."""
     _, x, down, _, tiles, n_pads, operand = _group_inputs(ns, k, m, 32, 2000)
-    splits = mg.launch_splits(sum(n_pads) // mg.TILE_ROWS, k // mg.TILE_K, m=m)
+    splits = tuning.launch_splits(sum(n_pads) // layout.TILE_ROWS, k // layout.TILE_K, m=m)
     outputs = [np.asarray(jax.jit(lambda x, t, d, o, schedule=schedule: mg.matmul_unscaled(
-        x, t, n=sum(n_pads), k=k, splits=splits, lora_x_a=d, lora_bt=o, schedule=schedule))(
+        x, t, n=sum(n_pads), k=k, lora_x_a=d, lora_bt=o,
+        config=mg.TuningConfig(schedule=schedule, splits=splits)))(
             x, tiles, down, operand)) for schedule in ("warp_specialized", "split_k")]
     assert np.isfinite(outputs[0]).all()
     np.testing.assert_array_equal(*outputs)
@@ -293,14 +299,16 @@ def test_warp_specialized_swiglu_launch_matches_split_k(n, k):
     warp-specialized launch equals the split-K one bit for bit; that one is within 2^-7 of
     the largest |output| of the same products with the SwiGLU in XLA."""
     g = _gate_up_pair(n, k, 64, 32, 11)
-    pair = mg.permute_packed(g.pair)
+    pair = layout.permute_packed(g.pair)
     results = {}
     for schedule, fused in (("warp_specialized", True), ("split_k", True), ("split_k", False)):
         results[schedule, fused] = jax.device_get(jax.jit(
             lambda x, d, schedule=schedule, fused=fused: mg.mgpu_nvfp4_swiglu(
                 x, pair, *g.scales, out_n=n, k=k, half_block=HALF_BLOCK, lora_x_a=d,
-                lora_bt=g.operand, next_lora_a=g.next_a, splits=1, fused=fused,
-                schedule=schedule))(g.x, g.down))
+                lora_bt=g.operand, next_lora_a=g.next_a,
+                config=mg.TuningConfig(schedule=schedule, splits=1,
+                                       swiglu_epilogue_max_m=64 if fused else 0)))(
+                                           g.x, g.down))
     for got, want in zip(results["warp_specialized", True], results["split_k", True]):
         assert np.isfinite(_float64(got)).all()
         np.testing.assert_array_equal(_float64(got), _float64(want))
@@ -322,9 +330,9 @@ def _model(path: str, schedule: str = "auto"):
     from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
     from qerl_jax.models.config import preset
     from qerl_jax.models.layers import Linear
-    from qerl_jax.model_quant import kernels as model_kernels
+    from qerl_jax.model_quant import kernel_setup as model_kernels
     from qerl_jax.model_quant.random_model import random_quantized_model
-    from qerl_jax.quant import kernels
+    from qerl_jax.quant import kernel_registry
     from qerl_jax.quant.kernel_options import KernelOptions
 
     architecture = preset("qwen2p5_1p5b", param_dtype="bfloat16", compute_dtype="bfloat16",
@@ -337,7 +345,7 @@ def _model(path: str, schedule: str = "auto"):
         value = layer.lora_b.get_value()
         layer.lora_b.set_value(1e-3 * jax.random.normal(
             jax.random.fold_in(jax.random.key(2), index), value.shape, value.dtype))
-    kernels.unregister_kernels("gpu")
+    kernel_registry.unregister_kernels("gpu")
     model_kernels.disable_decode_attention("gpu")
     if path != "xla":
         options = KernelOptions(mosaic_nvfp4="on" if path == "mosaic" else "off",
@@ -372,8 +380,8 @@ def _largest_gap(a, b) -> float:
 
 
 def test_sampler_on_the_mosaic_path_agrees_within_the_noise_floor(monkeypatch):
-    from qerl_jax.model_quant.kernels import disable_decode_attention
-    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.model_quant.kernel_setup import disable_decode_attention
+    from qerl_jax.quant.kernel_registry import unregister_kernels
     try:
         rollouts = {path: _rollout(path, monkeypatch) for path in ("xla", "triton", "mosaic")}
     finally:
@@ -393,11 +401,12 @@ def test_sampler_schedules_give_the_same_rollout():
     shapes both schedules choose the same splits, and each row
     tile's products are summed in the same order, so the three rollouts (one process, the same
     XLA programs around the kernels) are equal token for token and log-prob for log-prob."""
-    from qerl_jax.model_quant.kernels import disable_decode_attention
-    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.model_quant.kernel_setup import disable_decode_attention
+    from qerl_jax.quant.kernel_registry import unregister_kernels
     for n, k in ((1536, 1536), (1536, 8960), (2048, 1536), (17920, 1536)):
-        row_tiles, k_tiles = n // mg.TILE_ROWS, k // mg.TILE_K
-        assert len({mg.launch_splits(row_tiles, k_tiles, m=64, schedule=s)
+        row_tiles, k_tiles = n // layout.TILE_ROWS, k // layout.TILE_K
+        assert len({tuning.launch_splits(row_tiles, k_tiles, m=64,
+                                              config=mg.TuningConfig(schedule=s))
                     for s in ("split_k", "warp_specialized")}) == 1
     def warp_specialized_traced():
         info = mg._warp_specialized_kernel.cache_info()
@@ -432,11 +441,11 @@ def test_dequantize_once_agrees_with_the_per_step_dequantize():
     same 72 rows move when run at batch 96 (other GEMM tilings, the same math)."""
     from flax import nnx
 
-    from qerl_jax.model_quant.kernels import disable_decode_attention
+    from qerl_jax.model_quant.kernel_setup import disable_decode_attention
     from qerl_jax.models.decode_fusion import dequantize_for_rollout
     from qerl_jax.models.kv_cache import init_kv_cache
     from qerl_jax.models.transformer import decode_step, prefill
-    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.quant.kernel_registry import unregister_kernels
 
     try:
         architecture, graphdef, states = _model("mosaic")
@@ -479,8 +488,8 @@ def test_a_shrinking_batch_agrees_with_the_full_batch():
     the gap between those 72 rows run alone and as the first 72 of 96 rows (other GEMM
     tilings, the same math; rows keep their keys). Budgets kept, nothing after a row's end."""
     from qerl_jax import sampling
-    from qerl_jax.model_quant.kernels import disable_decode_attention
-    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.model_quant.kernel_setup import disable_decode_attention
+    from qerl_jax.quant.kernel_registry import unregister_kernels
 
     try:
         architecture, graphdef, states = _model("mosaic")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels import mgpu_nvfp4 as mg
+from pallas_kernels import mgpu_nvfp4_layout as layout
 from pallas_kernels import nvfp4_matmul
 from pallas_kernels.permuted_dequantize import permuted_dequantize
 from tests.pallas_kernels import kernel_checks as kc
@@ -23,7 +23,7 @@ def _bits(w) -> np.ndarray:
 @pytest.mark.parametrize("n,k", [(200, 608), (64, 256), (96, 320)])
 def test_matches_the_kernel_layout_dequantize_bit_for_bit(n, k):
     q, packed = kc.nvfp4_packed(n, k, n + k, zero_rows=n // 3)
-    permuted = mg.permute_packed(packed)
+    permuted = layout.permute_packed(packed)
     got = permuted_dequantize(permuted, packed.tensor_scale, n=n, k=k, interpret=True)
     want = bw.blockwise_dequantize(packed, spec=nvfp4_matmul.NVFP4, interpret=True)
     assert got.shape == (n, k) and got.dtype == jnp.bfloat16
@@ -43,8 +43,8 @@ def test_pair_views_read_their_half_of_each_block():
     own weight, as the kernel-layout dequantize of the view does."""
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
-    from qerl_jax.model_quant.kernels import enable_kernels
-    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.model_quant.kernel_setup import enable_kernels
+    from qerl_jax.quant.kernel_registry import unregister_kernels
     from qerl_jax.model_quant.quantize import quantize_model
     model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
     quantize_model(model, "nvfp4")
@@ -54,7 +54,7 @@ def test_pair_views_read_their_half_of_each_block():
         for proj in (mlp.gate_proj, mlp.up_proj):
             view = proj.weight.get_value()
             assert view.pair_view is not None
-            buffer = mg.permute_packed(view.whole_pair())
+            buffer = layout.permute_packed(view.whole_pair())
             got = permuted_dequantize(buffer, view.kernel_tensor_scale(), n=view.shape[0],
                                       k=view.shape[1], pair_view=view.pair_view,
                                       interpret=True)
@@ -66,7 +66,7 @@ def test_pair_views_read_their_half_of_each_block():
 
 def test_bad_input_names_the_argument():
     _, packed = kc.nvfp4_packed(64, 256, 1)
-    permuted = mg.permute_packed(packed)
+    permuted = layout.permute_packed(packed)
     with pytest.raises(ValueError, match="uint8"):
         permuted_dequantize(permuted.astype(jnp.int32), packed.tensor_scale, n=64, k=256)
     with pytest.raises(ValueError, match="lines"):
@@ -79,7 +79,7 @@ def test_lowers_for_cuda():
     """Lowered for CUDA on this CPU machine: one Triton custom call (compiled and checked
     against the kernel-layout dequantize on the GPU: test_permuted_dequantize_gpu.py)."""
     _, packed = kc.nvfp4_packed(128, 512, 2)
-    permuted = mg.permute_packed(packed)
+    permuted = layout.permute_packed(packed)
     lowered = jax.jit(lambda p, s: permuted_dequantize(p, s, n=128, k=512)).trace(
         permuted, packed.tensor_scale).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels import mgpu_nvfp4 as mg
+from pallas_kernels import mgpu_nvfp4_layout as layout
 from pallas_kernels import nvfp4_matmul
 from pallas_kernels.permuted_dequantize import permuted_dequantize
 from tests.pallas_kernels import kernel_checks as kc
@@ -32,13 +32,13 @@ def _kernel_layout_dequantize(packed):
                          ids=["7b_q", "7b_down", "14b_qkv"])
 def test_matches_the_kernel_layout_dequantize_bit_for_bit(n, k):
     _, packed = kc.nvfp4_packed(n, k, seed=n + k, zero_rows=n // 3)
-    permuted = mg.permute_packed(packed)
+    permuted = layout.permute_packed(packed)
     got = permuted_dequantize(permuted, packed.tensor_scale, n=n, k=k)
     want = _kernel_layout_dequantize(packed)
     assert got.shape == (n, k) and got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(_bits(got), _bits(want))
     # the second member of a two-weight group buffer, read at its line
-    stacked = jnp.concatenate([mg.permute_packed(kc.nvfp4_packed(n, k, seed=1)[1]), permuted])
+    stacked = jnp.concatenate([layout.permute_packed(kc.nvfp4_packed(n, k, seed=1)[1]), permuted])
     again = permuted_dequantize(stacked, packed.tensor_scale, n=n, k=k, line=permuted.shape[0])
     np.testing.assert_array_equal(_bits(again), _bits(want))
 
@@ -49,7 +49,7 @@ def test_gate_up_pair_views():
     n, k, half_block = 27648, 5120, 32
     gate, up = (kc.nvfp4_packed(n, k, seed=seed)[1] for seed in (3, 4))
     pair = bw.interleave_gate_up(gate, up, half_block)
-    buffer = mg.permute_packed(pair)
+    buffer = layout.permute_packed(pair)
     for half, weight in enumerate((gate, up)):
         view = bw.pair_view_of(pair, half, n=n, tensor_scale=weight.tensor_scale,
                                half_block=half_block)
