@@ -33,7 +33,7 @@ _EXPORTS = {
     "load_hf_model": "qerl_jax.models.hf_io",
     "save_hf_model": "qerl_jax.models.hf_io",
     "quantize_model": "qerl_jax.model_quant.quantize",
-    "enable_kernels": "qerl_jax.model_quant.kernels",
+    "enable_kernels": "qerl_jax.model_quant.kernel_setup",
     "KernelOptions": "qerl_jax.quant.kernel_options",
     "get_format": "qerl_jax.quant.formats",
     "register_format": "qerl_jax.quant.formats",

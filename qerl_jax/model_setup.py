@@ -153,7 +153,7 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict, mesh=None, *
     weights (fsdp or tensor > 1) the quantized matmuls keep the XLA path, whose sharded dots
     move far less than gathering each weight for a kernel launch, and only the decode
     attention runs as a kernel. `interpret` and `tile_k` as in build_model."""
-    from qerl_jax.model_quant.kernels import enable_decode_attention, enable_kernels
+    from qerl_jax.model_quant.kernel_setup import enable_decode_attention, enable_kernels
     from qerl_jax.quant.kernel_options import KernelOptions
 
     options = KernelOptions.from_config(config.quant.kernels)

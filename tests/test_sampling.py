@@ -305,11 +305,10 @@ def test_dequantize_once_gives_the_per_step_rollout():
 
     from flax import nnx
 
-    from qerl_jax.model_quant.kernels import disable_decode_attention, enable_kernels
+    from qerl_jax.model_quant.kernel_setup import disable_decode_attention, enable_kernels
     from qerl_jax.models.decode_fusion import dequantize_for_rollout
     from qerl_jax.quant import KernelOptions, QuantizedWeight
-    from qerl_jax.quant.backends.triton import _dense
-    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.quant.kernel_registry import unregister_kernels
 
     unregister_kernels("cpu")   # the XLA path: nothing another test registered for the CPU
     disable_decode_attention("cpu")
@@ -360,7 +359,7 @@ def test_dequantize_once_gives_the_per_step_rollout():
         for path, weight in weights.items():
             np.testing.assert_array_equal(
                 np.asarray(nodes[path].weight.get_value(), np.float32),
-                np.asarray(_dense(weight, True).T, np.float32))
+                np.asarray(weight.kernel_dense(True).T, np.float32))
     finally:
         unregister_kernels("cpu")
         disable_decode_attention("cpu")
@@ -457,10 +456,10 @@ def test_a_shrinking_batch_dequantizes_once_only_for_the_loops_that_would_dequan
     schedule's without dequantize_once, log-probs within 1e-5 (the same bf16 values)."""
     import copy
 
-    from qerl_jax.model_quant.kernels import disable_decode_attention, enable_kernels
+    from qerl_jax.model_quant.kernel_setup import disable_decode_attention, enable_kernels
     from qerl_jax.models.decode_fusion import dequantizes_at
     from qerl_jax.quant import KernelOptions
-    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.quant.kernel_registry import unregister_kernels
     from qerl_jax.sampling import generate_from_states
 
     unregister_kernels("cpu")

@@ -192,7 +192,7 @@ def test_kernels_are_enabled_only_where_they_can_run(monkeypatch):
     come (lora.rank: a rank the Mosaic GPU kernel cannot take keeps the Triton kernels), then
     compacts the repacked weights where quant.kernels.compact_after_repack says."""
     from qerl_jax import model_setup
-    from qerl_jax.model_quant import kernels
+    from qerl_jax.model_quant import kernel_setup as kernels
     from qerl_jax.quant.kernel_options import KernelOptions
     calls = []
 

@@ -2,7 +2,7 @@
 
 By default Attention runs its XLA path (einsums over the whole static cache, masked). A kernel
 registered here for a platform (pallas_kernels.decode_attention, registered by
-qerl_jax.model_quant.kernels.enable_kernels / enable_decode_attention on the GPU, or
+qerl_jax.model_quant.kernel_setup.enable_kernels / enable_decode_attention on the GPU, or
 interpreted in CPU tests) replaces it for decode steps (T = 1 with a cache) whose shapes it
 supports; prefill and training keep the XLA path.
 

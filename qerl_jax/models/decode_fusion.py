@@ -12,14 +12,17 @@ order the decode launches follow each other.
               kernels take) can dequantize each weight once, after the prefill, instead of
               at every decode step (dequantize_for_rollout).
 
-How a launch runs is qerl_jax.quant's business (qerl_jax.quant.kernels); this module only names
-the layers. Everything here works in place on a Module and leaves weights the kernels would not
-read as they are.
+How a launch runs is qerl_jax.quant's business: the layouts come from the functions passed in
+(qerl_jax.model_quant.kernel_setup passes the kernel backends'), the per-rollout operands from
+the weights' own `with_*` methods (QuantizedWeight: none; a kernel backend's weight type makes
+its own). This module only names the layers. Everything here works in place on a Module and
+leaves weights the kernels would not read as they are.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +30,6 @@ from flax import nnx
 
 from qerl_jax.models.layers import Linear
 from qerl_jax.models.transformer import MLP, Attention
-from qerl_jax.quant import kernels
 from qerl_jax.quant.linear_op import dense_weight
 from qerl_jax.quant.linear_swiglu import prepare_swiglu_lora_b
 from qerl_jax.quant.qarray import QuantizedWeight
@@ -49,9 +51,10 @@ def gate_up_pairs(model: nnx.Module):
             yield module.gate_proj, module.up_proj
 
 
-def pair_gate_up_weights(model: nnx.Module) -> int:
+def pair_gate_up_weights(model: nnx.Module, pair: Callable) -> int:
     """In place: each MLP's gate and up weights become two views of one interleaved copy
-    (qerl_jax.quant.kernels.pair_weights); returns how many MLPs were paired. MLPs whose
+    (`pair(gate, up)` -> ((gate view, up view), None) or (None, why not):
+    qerl_jax.quant.kernel_registry.pair_weights); returns how many MLPs were paired. MLPs whose
     weights cannot pair (another format, the checkpoint layout, ...) keep separate weights,
     with the reason logged once per reason."""
     count, reasons = 0, set()
@@ -59,7 +62,7 @@ def pair_gate_up_weights(model: nnx.Module) -> int:
         gate, up = gate_layer.weight.get_value(), up_layer.weight.get_value()
         if getattr(gate, "pair_view", None) is not None:
             continue
-        views, refusal = kernels.pair_weights(gate, up)
+        views, refusal = pair(gate, up)
         if views is None:
             if refusal not in reasons and isinstance(gate, QuantizedWeight):
                 reasons.add(refusal)
@@ -71,10 +74,12 @@ def pair_gate_up_weights(model: nnx.Module) -> int:
     return count
 
 
-def add_decode_layouts(model: nnx.Module) -> tuple[int, int, int]:
-    """In place: every quantized weight whose decode launch the Mosaic GPU kernel can run is
-    stored in its permuted layout, as its only copy: each q|k|v group in one buffer, each
-    gate/up pair in one, every other weight alone (qerl_jax.quant.kernels.decode_layout).
+def add_decode_layouts(model: nnx.Module, repack: Callable) -> tuple[int, int, int]:
+    """In place: every quantized weight whose decode launch a kernel with its own layout can
+    run (the Mosaic GPU kernel) is stored in that layout, as its only copy: each q|k|v group in
+    one buffer, each gate/up pair in one, every other weight alone. `repack(weights)` gives one
+    launch's weights in that layout, or None where it makes none
+    (qerl_jax.quant.kernel_registry.repack_launch; MosaicBackend.repack).
     Each weight (group, pair) is converted as soon as its buffer exists, so its kernel-layout
     arrays are freed then (once nothing else references them) and the conversion needs one
     weight's (group's) memory more, not a model's. Returns (weights, pairs, groups) converted.
@@ -83,7 +88,7 @@ def add_decode_layouts(model: nnx.Module) -> tuple[int, int, int]:
     for layers in qkv_groups(model):
         variables = [layer.weight for layer in layers]
         done.update(id(variable) for variable in variables)
-        stored = kernels.grouped_decode_layout([v.get_value() for v in variables])
+        stored = repack([v.get_value() for v in variables])
         if stored is None:
             continue
         for variable, value in zip(variables, stored):
@@ -95,8 +100,8 @@ def add_decode_layouts(model: nnx.Module) -> tuple[int, int, int]:
         if getattr(values[0], "pair_view", None) is None:
             continue
         done.update(id(variable) for variable in variables)
-        stored = kernels.decode_layout(values)
-        if stored[0] is not values[0]:
+        stored = repack(values)
+        if stored is not None:
             for variable, value in zip(variables, stored):
                 variable.set_value(value)
             pairs += 1
@@ -107,9 +112,9 @@ def add_decode_layouts(model: nnx.Module) -> tuple[int, int, int]:
         value = node.get_value()
         if not isinstance(value, QuantizedWeight) or getattr(value, "pair_view", None):
             continue
-        stored = kernels.decode_layout([value])[0]
-        if stored is not value:
-            node.set_value(stored)
+        stored = repack([value])
+        if stored is not None:
+            node.set_value(stored[0])
             weights += 1
     return weights, pairs, groups
 
@@ -127,15 +132,16 @@ def stack_grouped_adapters(model: nnx.Module) -> int:
 
     An MLP whose gate/up weights are pair views also gets `pair_lora_b`, its fused SwiGLU
     launch's LoRA B (linear_swiglu.prepare_swiglu_lora_b, 4.6 MiB per 7B layer at rank 32), and
-    every launch that takes one its LoRA operand (qerl_jax.quant.kernels.with_lora_operand:
-    B^T with the scales folded in, for the Mosaic GPU kernel), which the launch would otherwise
-    rebuild at every token.
+    every launch that takes one its LoRA operand (the weight's with_lora_operand /
+    with_group_lora_operand / with_pair_lora_operand: for the Mosaic GPU kernel B^T with the
+    scales folded in), which the launch would otherwise rebuild at every token.
     """
     for _, layer in nnx.iter_graph(model):
         if isinstance(layer, Linear) and layer.lora_a is not None:
             weight = layer.weight.get_value()
-            prepared = kernels.with_lora_operand(weight, layer.lora_b.get_value(),
-                                                 layer.lora_scale)
+            if not isinstance(weight, QuantizedWeight):
+                continue
+            prepared = weight.with_lora_operand(layer.lora_b.get_value(), layer.lora_scale)
             if prepared is not weight:
                 layer.weight.set_value(prepared)
     count = 0
@@ -150,15 +156,17 @@ def stack_grouped_adapters(model: nnx.Module) -> int:
         module.grouped_lora_a = jnp.concatenate(
             [layer.lora_a.get_value().astype(dtype) for layer in projections], axis=1)
         weights, _, loras = zip(*(layer.operands() for layer in projections))
+        quantized = isinstance(weights[0], QuantizedWeight)
         if isinstance(module, Attention):
-            prepared = kernels.with_group_lora_operand(weights, [lora.b for lora in loras],
-                                                       [lora.scale for lora in loras])
+            prepared = weights[0].with_group_lora_operand(
+                weights, [lora.b for lora in loras],
+                [lora.scale for lora in loras]) if quantized else weights[0]
             if prepared is not weights[0]:
                 module.q_proj.weight.set_value(prepared)
         else:
             module.pair_lora_b = prepare_swiglu_lora_b(weights, loras, compute_dtype=dtype)
-            prepared = kernels.with_pair_lora_operand(*weights, loras[0].b, loras[1].b,
-                                                      loras[0].scale)
+            prepared = weights[0].with_pair_lora_operand(
+                weights[1], loras[0].b, loras[1].b, loras[0].scale) if quantized else weights[0]
             if prepared is not weights[0]:
                 module.gate_proj.weight.set_value(prepared)
         count += 1
@@ -185,13 +193,15 @@ def link_decode_prefetch(model) -> int:
     """In decode order, each weight whose launch prefetches gets the next launch's weight and
     the LoRA A of the x @ A that runs before that launch (o's A, read by the attention's
     combine; the MLP's and the next attention's stacked A from stack_grouped_adapters; down's
-    A), if any (qerl_jax.quant.kernels.with_prefetch). In place, on the sampler's merged copy
-    (after stack_grouped_adapters); returns the links made."""
+    A), if any (the weight's with_prefetch). In place, on the sampler's merged copy (after
+    stack_grouped_adapters); returns the links made."""
     chain = _decode_chain(model)
     count = 0
     for (node, _), (following, following_a) in zip(chain, chain[1:]):
         value = node.get_value()
-        linked = kernels.with_prefetch(value, following.get_value(), following_a)
+        if not isinstance(value, QuantizedWeight):
+            continue
+        linked = value.with_prefetch(following.get_value(), following_a)
         if linked is not value:
             node.set_value(linked)
             count += 1

@@ -9,83 +9,26 @@ returns a gradient for x only (zero cotangents for the weight's arrays), and the
 dequantizes W again instead of keeping a dense copy from the forward pass: the only residual
 is the QuantizedWeight itself (x is not needed for dx = dy @ W).
 
-Dispatch: `select_matmul_path(format, m, platform)` picks the backend for an M-row product.
-Backends (qerl_jax/quant/backends/: the Triton and Mosaic GPU kernels, registered by
-qerl_jax.quant.kernels.register_kernels) register with `register_backend` for a (format,
-platform) and a range of M; a backend's `refusal(weight, compute_dtype)` may still decline a
-weight (e.g. one not in the kernel layout). Without a match the XLA reference backend runs
-(dequantize to the compute dtype, then one dot with float32 accumulation). The chosen path and
-the reason are logged once per (format, platform, path, reason).
+Dispatch (qerl_jax.quant.dispatch): the backends registered for the weight's (format,
+platform) are asked in order; the first whose M range covers the launch and that does not
+refuse the weight runs it, else the XLA reference backend (dequantize to the compute dtype,
+then one dot with float32 accumulation). The path and every refusal are logged once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qerl_jax.quant import dispatch
 from qerl_jax.quant.backends.base import MatmulBackend
 from qerl_jax.quant.backends.xla import XLA
 from qerl_jax.quant.qarray import QuantizedWeight
-
-logger = logging.getLogger(__name__)
-
-
-_BACKENDS: dict[tuple[str, str], list[MatmulBackend]] = {}
-_LOGGED: set[tuple[str, str, str, str]] = set()
-
-
-def register_backend(format_name: str, platform: str, backend: MatmulBackend) -> MatmulBackend:
-    """Registers a backend for (format, platform) ("gpu", "cpu", "tpu") over its M range.
-
-    Backends registered first win when ranges overlap. Returns the backend.
-    """
-    if backend.max_m is not None and backend.max_m < backend.min_m:
-        raise ValueError(f"backend {backend.name}: max_m={backend.max_m} < min_m="
-                         f"{backend.min_m}")
-    entries = _BACKENDS.setdefault((format_name, platform), [])
-    if any(entry.name == backend.name for entry in entries):
-        raise ValueError(f"a {format_name}/{platform} backend named {backend.name!r} is "
-                         "already registered")
-    entries.append(backend)
-    return backend
-
-
-def unregister_backend(format_name: str, platform: str, name: str) -> None:
-    """Removes a registered backend (tests, benchmarks comparing paths)."""
-    entries = _BACKENDS.get((format_name, platform), [])
-    _BACKENDS[(format_name, platform)] = [entry for entry in entries if entry.name != name]
-
-
-def _select(format_name: str, m: int, platform: str) -> tuple[MatmulBackend | None, str]:
-    entries = _BACKENDS.get((format_name, platform), [])
-    if not entries:
-        return None, f"no kernel registered for {format_name} on {platform}"
-    for kernel in entries:
-        if kernel.accepts(m):
-            return kernel, f"kernel {kernel.name} covers M={m} (M in {kernel.m_range()})"
-    ranges = ", ".join(f"{k.name}: {k.m_range()}" for k in entries)
-    return None, f"M={m} is outside every registered kernel's range ({ranges})"
-
-
-def select_matmul_path(format_name: str, m: int, platform: str) -> str:
-    """Name of the forward path for an M-row matmul with a `format_name` weight on `platform`:
-    a registered backend's name, or "xla"."""
-    kernel, _ = _select(format_name, m, platform)
-    return XLA.name if kernel is None else kernel.name
-
-
-def _log_path_once(format_name: str, platform: str, path: str, reason: str) -> None:
-    key = (format_name, platform, path, reason)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info("quantized linear (%s on %s): %s path, because %s", format_name, platform,
-                    path, reason)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -238,15 +181,17 @@ def quantized_matmul(x: jax.Array, weight: QuantizedWeight, *, compute_dtype=jnp
     return _quantized_product(x, weight, compute_dtype, platform, None)[0]
 
 
-def _forward_backend(weight: QuantizedWeight, m: int, compute_dtype,
-                     platform: str) -> tuple[MatmulBackend, str]:
-    """The backend an M-row forward of `weight` runs on (XLA where no kernel takes it), and why."""
-    kernel, reason = _select(weight.format, m, platform)
-    if kernel is not None:
-        refusal = kernel.refusal(weight, jnp.dtype(compute_dtype))
-        if refusal is not None:
-            kernel, reason = None, f"kernel {kernel.name} cannot take it: {refusal}"
-    return kernel or XLA, reason
+def _forward_backend(weight: QuantizedWeight, m: int, compute_dtype, platform: str,
+                     lora_rank: int | None = None) -> tuple[MatmulBackend, list[str]]:
+    """The backend an M-row forward of `weight` (with an unmerged LoRA of rank lora_rank, or
+    None) runs on (XLA where no registered backend takes it), and the refusals before it."""
+    dtype = jnp.dtype(compute_dtype)
+
+    def refusal(backend):
+        return backend.refusal(weight, dtype) or backend.launch_refusal(weight, lora_rank)
+
+    kernel, refusals = dispatch.first_taker(weight.format, m, platform, refusal)
+    return kernel or XLA, refusals
 
 
 def dense_weight(weight: QuantizedWeight, m: int, *, compute_dtype=jnp.bfloat16,
@@ -274,8 +219,11 @@ def _quantized_product(x: jax.Array, weight: QuantizedWeight, compute_dtype,
     leading = x.shape[:-1]
     x2d = x.reshape(-1, in_features).astype(compute_dtype)
     platform = platform or jax.default_backend()
-    kernel, reason = _forward_backend(weight, x2d.shape[0], compute_dtype, platform)
-    _log_path_once(weight.format, platform, kernel.name, reason)
+    m = x2d.shape[0]
+    kernel, refusals = _forward_backend(weight, m, compute_dtype, platform,
+                                        None if lora is None else lora.a.shape[1])
+    dispatch.log_path_once("matmul", weight.format, platform, m, kernel.name,
+                           kernel.description, refusals)
     forward, backward = kernel.apply, kernel.apply_backward
     if lora is not None and kernel.lora_epilogue:
         lora_x_a = (_lora_x_a(x2d, lora, compute_dtype, out_dtype=compute_dtype)
@@ -375,41 +323,40 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None, *,
     return y
 
 
-def _shared_launch_kernel(x2d, weights, loras, compute_dtype,
-                          platform: str) -> tuple[MatmulBackend | None, str]:
-    """The kernel selected for x2d's M that takes every one of `weights` (all quantized, one
-    format, LoRA on all or none), or (None, why not): what a launch over several weights
-    needs before its own checks."""
+def _shared_launch_kernel(x2d, weights, loras, compute_dtype, platform: str,
+                          launch_refusal: Callable) -> tuple[MatmulBackend | None, list[str]]:
+    """The first registered backend for x2d's M that takes every one of `weights` (all
+    quantized, one format, LoRA on all or none) and for which `launch_refusal(backend,
+    lora_ranks)` is None, or (None, why not): what a launch over several weights needs."""
     formats = {w.format for w in weights}
     if len(formats) != 1:
-        return None, f"mixed formats {sorted(formats)}"
+        return None, [f"mixed formats {sorted(formats)}"]
     if len({lora is None for lora in loras}) != 1:
-        return None, "LoRA on some weights only"
-    kernel, reason = _select(weights[0].format, x2d.shape[0], platform)
-    if kernel is None:
-        return None, reason
-    for weight in weights:
-        refusal = kernel.refusal(weight, jnp.dtype(compute_dtype))
-        if refusal is not None:
-            return None, f"kernel {kernel.name} cannot take it: {refusal}"
-    return kernel, reason
+        return None, ["LoRA on some weights only"]
+    dtype = jnp.dtype(compute_dtype)
+    lora_ranks = None if loras[0] is None else tuple(lora.a.shape[1] for lora in loras)
+
+    def refusal(backend):
+        for weight in weights:
+            reason = backend.refusal(weight, dtype)
+            if reason is not None:
+                return reason
+        if lora_ranks is not None and not backend.lora_epilogue:
+            return "it has no LoRA epilogue"
+        return launch_refusal(backend, lora_ranks)
+
+    return dispatch.first_taker(weights[0].format, x2d.shape[0], platform, refusal)
 
 
 def _group_kernel(x2d: jax.Array, weights, loras, compute_dtype,
-                  platform: str) -> tuple[MatmulBackend | None, str]:
+                  platform: str) -> tuple[MatmulBackend | None, list[str]]:
     """The kernel that runs `weights` (all quantized) in one launch for x2d, or (None, why
     not)."""
     if len(weights) < 2:
-        return None, "fewer than two weights"
-    kernel, reason = _shared_launch_kernel(x2d, weights, loras, compute_dtype, platform)
-    if kernel is None:
-        return None, reason
-    if loras[0] is not None and not kernel.lora_epilogue:
-        return None, f"kernel {kernel.name} has no LoRA epilogue"
-    refusal = kernel.group_refusal(weights)
-    if refusal is not None:
-        return None, f"kernel {kernel.name} cannot group them: {refusal}"
-    return kernel, f"kernel {kernel.name} groups {len(weights)} weights at M={x2d.shape[0]}"
+        return None, ["fewer than two weights"]
+    return _shared_launch_kernel(
+        x2d, weights, loras, compute_dtype, platform,
+        lambda backend, lora_ranks: backend.group_refusal(weights, lora_ranks))
 
 
 def _check_shared_input_shapes(op_name: str, weights, loras, in_features: int) -> None:
@@ -433,9 +380,11 @@ def _select_shared_launch(op_name: str, x: jax.Array, weights, loras, compute_dt
     _check_shared_input_shapes(op_name, weights, loras, in_features)
     x2d = x.reshape(-1, in_features).astype(compute_dtype)
     platform = jax.default_backend()
-    kernel, reason = select(x2d, weights, loras, compute_dtype, platform)
-    _log_path_once(weights[0].format, platform,
-                   labels[0] if kernel is None else f"{kernel.name} {labels[1]}", reason)
+    kernel, refusals = select(x2d, weights, loras, compute_dtype, platform)
+    dispatch.log_path_once(
+        f"{op_name} of {len(weights)} weights", weights[0].format, platform, x2d.shape[0],
+        labels[0] if kernel is None else f"{kernel.name} {labels[1]}",
+        "one launch per weight" if kernel is None else kernel.description, refusals)
     if kernel is None:
         return x2d, None, None
     return x2d, kernel, kernel.apply_backward

@@ -116,16 +116,13 @@ _fused_swiglu_matmul_next.defvjp(_fused_swiglu_matmul_next_fwd, _fused_swiglu_ma
 
 
 def _swiglu_kernel(x2d, weights, loras, compute_dtype, platform
-                   ) -> tuple[MatmulBackend | None, str]:
+                   ) -> tuple[MatmulBackend | None, list[str]]:
     """The kernel whose fused SwiGLU launch takes (gate, up) for x2d, or (None, why not)."""
-    kernel, reason = _shared_launch_kernel(x2d, weights, loras, compute_dtype, platform)
-    if kernel is None:
-        return None, reason
     scales = None if loras[0] is None else tuple(float(lora.scale) for lora in loras)
-    refusal = kernel.swiglu_refusal(x2d.shape[0], tuple(weights), scales)
-    if refusal is not None:
-        return None, f"kernel {kernel.name}: no fused SwiGLU: {refusal}"
-    return kernel, f"kernel {kernel.name} fuses the SwiGLU at M={x2d.shape[0]}"
+    return _shared_launch_kernel(
+        x2d, weights, loras, compute_dtype, platform,
+        lambda backend, lora_ranks: backend.swiglu_refusal(x2d.shape[0], tuple(weights),
+                                                           lora_ranks, scales))
 
 
 def linear_swiglu(x: jax.Array, weights, biases, *, activation: Callable,

@@ -19,9 +19,11 @@ along K (the reduction dimension). Layouts, per format (see docs/formats.md):
 Array fields are pytree children (None fields are empty subtrees); format, shape and dtype are
 static (they are part of the treedef, so jit specializes on them).
 
-For the Pallas GPU kernels, qerl_jax.quant.backends.kernel_layout repacks a QuantizedWeight
-once at load time into a `KernelLayoutWeight` (a subclass: the checkpoint arrays above stay
-readable from it, unpacked losslessly on access).
+For the Pallas GPU kernels, the kernel backends repack a QuantizedWeight once at load time
+into their own subclass (qerl_jax.quant.backends: `KernelLayoutWeight` for the Triton kernels,
+`MosaicWeight` for the Mosaic GPU kernel): the checkpoint arrays above stay readable from it,
+unpacked losslessly on access. Such a subclass may also make per-launch operands once per
+rollout (the `with_*` methods below, which return the weight as it is here).
 """
 
 from __future__ import annotations
@@ -92,3 +94,27 @@ class QuantizedWeight:
     def dequantize(self, dtype=None) -> jax.Array:
         """The dense weight [N, K] in `dtype` (default: self.dtype)."""
         return get_format(self.format).dequantize(self, dtype)
+
+    # Operands a kernel backend's weight type makes once before a decode loop; the checkpoint
+    # layout has none (qerl_jax.models.decode_fusion calls these on every quantized weight).
+    def with_lora_operand(self, lora_b, lora_scale: float) -> QuantizedWeight:
+        """This weight carrying its single-weight launch's LoRA operand (lora_b [r, N])."""
+        del lora_b, lora_scale
+        return self
+
+    def with_pair_lora_operand(self, up, gate_b, up_b, lora_scale: float) -> QuantizedWeight:
+        """This gate weight carrying its gate|up launch's LoRA operand."""
+        del up, gate_b, up_b, lora_scale
+        return self
+
+    def with_group_lora_operand(self, members, lora_bs, lora_scales) -> QuantizedWeight:
+        """This first weight of a grouped launch (members: the group, this one first) carrying
+        the group's LoRA operand."""
+        del members, lora_bs, lora_scales
+        return self
+
+    def with_prefetch(self, following, following_lora_a) -> QuantizedWeight:
+        """This weight, whose decode launch prefetches the following launch's weight (and the
+        LoRA A read before it) into L2."""
+        del following, following_lora_a
+        return self

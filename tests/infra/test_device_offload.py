@@ -93,11 +93,11 @@ def test_compact_module_puts_a_repacked_model_back_bit_for_bit_with_its_shared_a
     from flax import nnx
 
     from qerl_jax.infra.device_offload import compact_module
-    from qerl_jax.model_quant.kernels import disable_decode_attention, enable_kernels
+    from qerl_jax.model_quant.kernel_setup import disable_decode_attention, enable_kernels
     from qerl_jax.model_quant.quantize import quantize_model
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.transformer import init_model
-    from qerl_jax.quant.kernels import unregister_kernels
+    from qerl_jax.quant.kernel_registry import unregister_kernels
     model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
     quantize_model(model, "nvfp4")
     enable_kernels(model, platform="cpu", interpret=True, tile_k=256)

@@ -1,5 +1,5 @@
 """Runs a tiny NVFP4 + LoRA model on one device and on device meshes, and writes what each run
-computed to an .npz file for tests/parallel/test_mesh_equality.py to compare.
+computed to an .npz file for tests/parallel/test_mesh.py to compare.
 
 Started in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag must
 be set before JAX starts, so the rest of the test suite keeps one CPU device).
@@ -164,8 +164,8 @@ KERNEL_MESHES = ("data=2", "data=2,tensor=2")
 def _backend_launches(mesh) -> dict:
     """Each launch of the row-sharded fused and dequantize backends on `mesh` against the inner
     backend run on each device's rows one by one (the same program on the same rows)."""
-    from qerl_jax.model_quant.kernels import enable_kernels
-    from qerl_jax.quant.backends.sharded import RowShardedBackend, row_shards
+    from qerl_jax.model_quant.kernel_setup import enable_kernels
+    from qerl_jax.parallel.sharded_backend import RowShardedBackend, row_shards
     from qerl_jax.quant.backends.triton import TritonDecodeBackend, TritonDequantizeBackend
     from qerl_jax.quant.kernel_options import KernelOptions
 
@@ -221,7 +221,7 @@ def _first_divergence(states, single_tokens, mesh_tokens) -> np.ndarray:
     one-device model's logit gap between the two chosen tokens there, its logits' range],
     from a full forward over the prompt and the tokens both runs agree on."""
     from qerl_jax.quant.kernel_options import KernelOptions
-    from qerl_jax.quant.kernels import register_kernels
+    from qerl_jax.quant.kernel_registry import register_kernels
 
     register_kernels(jax.default_backend(), KernelOptions())   # one device's, as it ran there
     graphdef, trainable, frozen = states
@@ -244,9 +244,10 @@ def kernels(path: str) -> None:
     split, the matmul kernels registered for that mesh directly so that each launch gathers
     its tensor-split weight); plus each backend launch against its rows one device at a time,
     on those meshes and on data=8."""
-    from qerl_jax.model_quant.kernels import enable_decode_attention, enable_kernels
+    from qerl_jax.model_quant.kernel_setup import enable_decode_attention, enable_kernels
+    from qerl_jax.parallel.sharded_backend import PerDeviceRows
     from qerl_jax.quant.kernel_options import KernelOptions
-    from qerl_jax.quant.kernels import register_kernels
+    from qerl_jax.quant.kernel_registry import register_kernels
 
     paths = _KernelPaths()
     logging.getLogger("qerl_jax").addHandler(paths)
@@ -266,7 +267,7 @@ def kernels(path: str) -> None:
             model, interpret=_interpret(), mesh=mesh if replicated else None), "bfloat16")
         if not replicated:
             register_kernels(jax.default_backend(), KernelOptions(), interpret=_interpret(),
-                             mesh=mesh)
+                             wrap=PerDeviceRows(mesh))
             enable_decode_attention(jax.default_backend(), interpret=_interpret(), mesh=mesh)
         results.update({f"{name}/{k}": v for k, v in run(*states, Placement(mesh)).items()})
         if name == "single":

@@ -1,5 +1,5 @@
-"""The kernel backends of the quantized linear op (qerl_jax/quant/kernels.py, backends/), and
-the kernels on a model (qerl_jax/model_quant/kernels.py), on CPU with the Pallas kernels in
+"""The kernel backends of the quantized linear op (qerl_jax/quant/kernel_registry.py, backends/), and
+the kernels on a model (qerl_jax/model_quant/kernel_setup.py), on CPU with the Pallas kernels in
 interpret mode.
 
 Reference: the XLA path on the same QuantizedWeight in the checkpoint layout (dequantize to
@@ -26,15 +26,18 @@ import pytest
 from flax import nnx
 
 from pallas_kernels import blockwise_matmul as bw
-from qerl_jax.model_quant.kernels import (disable_decode_attention, disable_kernels,
-                                          enable_decode_attention, enable_kernels)
-from qerl_jax.quant import linear_op
+from qerl_jax.model_quant.kernel_setup import (disable_decode_attention, disable_kernels,
+                                               enable_decode_attention, enable_kernels)
+from qerl_jax.quant import dispatch
 from qerl_jax.quant.backends import kernel_layout
 from qerl_jax.quant.backends.kernel_layout import KernelLayoutWeight, to_kernel_layout
+from qerl_jax.quant.backends.mosaic import MosaicBackend
 from qerl_jax.quant.backends.triton import kernel_names
+from qerl_jax.quant.dispatch import registered_backends, select_matmul_path
 from qerl_jax.quant.formats import get_format
-from qerl_jax.quant.kernels import register_kernels, unregister_kernels
-from qerl_jax.quant.linear_op import linear, select_matmul_path
+from qerl_jax.quant.kernel_options import KernelOptions
+from qerl_jax.quant.kernel_registry import register_kernels, unregister_kernels
+from qerl_jax.quant.linear_op import linear
 from qerl_jax.quant.qarray import QuantizedWeight
 
 FORMATS = ["nvfp4", "mxfp4", "nf4"]
@@ -46,7 +49,7 @@ N, K = 200, 320
 @pytest.fixture(autouse=True)
 def fresh_path_log(monkeypatch):
     """Each test sees the once-per-reason path log messages again."""
-    monkeypatch.setattr(linear_op, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
 
 
 @pytest.fixture
@@ -115,7 +118,7 @@ def test_kernel_paths_match_xla_forward_and_dx(format_name, m, interpret_kernels
     x = jnp.asarray(rng.standard_normal((m, K)), jnp.bfloat16)
     dy = jnp.asarray(rng.standard_normal((m, N)), jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal((N,)) * 0.1, jnp.bfloat16)
-    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.dispatch"):
         y, dx = _forward_and_dx_jit(x, prepared, bias, dy)
         y_ref, dx_ref = _forward_and_dx_jit(x, quantized, bias, dy)
     fused, dequantize = kernel_names(format_name)
@@ -184,18 +187,26 @@ def test_jit_runs_no_repack_and_weight_gets_zero_cotangents(interpret_kernels, m
 
 
 def test_path_selection_by_m():
+    """Per format the backends in the order dispatch asks them: on a GPU NVFP4's Mosaic GPU
+    backend ahead of the Triton decode backend (none with mosaic_nvfp4 'off'), then the
+    dequantize + XLA backend above the fused kernels' 64 rows."""
     assert select_matmul_path("nvfp4", 8, "cpu") == "xla"  # nothing registered for cpu
-    register_kernels("gpu")
-    try:
-        for format_name in FORMATS:
-            fused, dequantize = kernel_names(format_name)
-            for m in (1, 16, 64):
-                assert select_matmul_path(format_name, m, "gpu") == fused
-            for m in (65, 256, 2048):
-                assert select_matmul_path(format_name, m, "gpu") == dequantize
-        assert select_matmul_path("nvfp4", 8, "cpu") == "xla"
-    finally:
-        unregister_kernels("gpu")
+    for options in (KernelOptions(), KernelOptions(mosaic_nvfp4="off")):
+        register_kernels("gpu", options)
+        try:
+            for format_name in FORMATS:
+                fused, dequantize = kernel_names(format_name)
+                first = (MosaicBackend.name if format_name == "nvfp4" and options.mosaic
+                         else fused)
+                assert [name for *_, name in registered_backends(format_name, "gpu")] == (
+                    [first, fused, dequantize] if first != fused else [fused, dequantize])
+                for m in (1, 16, 64):
+                    assert select_matmul_path(format_name, m, "gpu") == first
+                for m in (65, 256, 2048):
+                    assert select_matmul_path(format_name, m, "gpu") == dequantize
+            assert select_matmul_path("nvfp4", 8, "cpu") == "xla"
+        finally:
+            unregister_kernels("gpu")
     assert select_matmul_path("nvfp4", 8, "gpu") == "xla"
     with pytest.raises(ValueError, match="interpret=True"):
         register_kernels("cpu")
@@ -206,7 +217,7 @@ def test_fallbacks_take_the_xla_path_and_say_why(interpret_kernels, caplog):
     quantized = _weight("mxfp4", rng)
     prepared = to_kernel_layout(quantized)
     x = jnp.asarray(rng.standard_normal((4, K)), jnp.float32)
-    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.dispatch"):
         y32 = linear(x, prepared, compute_dtype=jnp.float32)
         linear(x, quantized, compute_dtype=jnp.bfloat16)
     assert "compute dtype float32" in caplog.text
@@ -460,7 +471,7 @@ def test_fused_swiglu_of_pair_views_matches_the_unfused_mlp(interpret_kernels, f
                                lora=LoRAProduct(ai, bi, 2.0) if with_lora else None)
                         for w, ai, bi in zip(weights, a, b)))
 
-    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.dispatch"):
         y, grads, y_ref, grads_ref = _outputs_and_grads(
             functools.partial(fused, weights=views),
             functools.partial(unfused, weights=quantized), (x, a, b), dy)
@@ -540,7 +551,7 @@ def test_fused_swiglu_needs_one_pair_and_falls_back_otherwise(interpret_kernels,
         return linear_swiglu(x, weights, (None, None), activation=swiglu,
                              compute_dtype=jnp.bfloat16, loras=loras, pair_lora_b=pair_lora_b)
 
-    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.dispatch"):
         run(plain[:2])
         run((first[0], second[1]))
         run(first, [loras[0], dataclasses.replace(loras[1], scale=1.0)])
@@ -566,7 +577,7 @@ def test_linear_group_runs_one_by_one_where_it_cannot_group(interpret_kernels, c
         np.testing.assert_array_equal(np.asarray(g), np.asarray(linear(x, w, None,
                                                                         compute_dtype=jnp.float32)))
     mixed = [to_kernel_layout(_weight("nvfp4", rng)), to_kernel_layout(_weight("nf4", rng, n=72))]
-    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+    with caplog.at_level(logging.INFO, logger="qerl_jax.quant.dispatch"):
         jax.make_jaxpr(lambda x: linear_group(x, mixed, (None, None)))(x)
         one_lora = (LoRAProduct(jnp.zeros((K, 4)), jnp.zeros((4, N)), 1.0), None)
         same = [to_kernel_layout(_weight("nvfp4", rng)), to_kernel_layout(_weight("nvfp4", rng))]

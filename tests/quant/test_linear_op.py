@@ -1,7 +1,8 @@
 """The linear op on QuantizedWeights: forward equals the dense op on the dequantized weight,
 the custom-VJP x-gradient equals jax.grad of that dense reference, the weight gets zero
 cotangents, only the QuantizedWeight is saved for the backward pass, and the kernel dispatch
-point picks paths by (format, platform, M) and logs its choice once.
+(qerl_jax/quant/dispatch.py) asks the backends of (format, platform) in order, falls through a
+refusal to the next one and logs its choice and the refusals once.
 
 Tolerances: the quantized path and the dense reference run the same dot on the same
 compute-dtype operands, differing only in float32 accumulation order (the dense reference
@@ -18,9 +19,10 @@ import numpy as np
 import pytest
 
 from qerl_jax.quant.backends.xla import XlaBackend, xla_backward, xla_forward
+from qerl_jax.quant.dispatch import (register_backend, registered_backends, select_matmul_path,
+                                     unregister_backend, unregister_backends)
 from qerl_jax.quant.formats import get_format
-from qerl_jax.quant.linear_op import (linear, quantized_matmul, register_backend,
-                                      select_matmul_path, unregister_backend)
+from qerl_jax.quant.linear_op import linear, quantized_matmul
 
 FORMATS = ["nvfp4", "mxfp4", "nf4"]
 TOLERANCE = {jnp.bfloat16: 2.0 ** -8, jnp.float32: 1e-5}
@@ -118,7 +120,9 @@ def test_backward_dequantizes_again_instead_of_keeping_a_dense_copy():
     assert lowered.as_text().count("optimization_barrier") == 2 * in_dequantize + 2
 
 
-def test_dispatch_defaults_to_xla_and_honours_registered_kernels(caplog):
+def test_dispatch_defaults_to_xla_and_honours_registered_kernels(caplog, monkeypatch):
+    from qerl_jax.quant import dispatch
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
     quantized, x, _, _ = _problem("nvfp4")
     assert select_matmul_path("nvfp4", 1, "cpu") == "xla"
     assert select_matmul_path("nf4", 4096, "gpu") == "xla"
@@ -138,19 +142,77 @@ def test_dispatch_defaults_to_xla_and_honours_registered_kernels(caplog):
         assert select_matmul_path("nvfp4", 8, "cpu") == "fake_small_m"
         assert select_matmul_path("nvfp4", 9, "cpu") == "xla"
         assert select_matmul_path("mxfp4", 8, "cpu") == "xla"
-        with caplog.at_level(logging.INFO, logger="qerl_jax.quant.linear_op"):
+        with caplog.at_level(logging.INFO, logger="qerl_jax.quant.dispatch"):
             small = linear(x[:1, :4], quantized)  # M = 4: the kernel
             linear(x[:1, :4], quantized)
             large = linear(x, quantized)  # M = 10: XLA
+            linear(x, get_format("mxfp4").quantize(jnp.ones((96, 256)), name="w"))
         assert kernel_calls == [(4, 256), (4, 256)]
         messages = [record.getMessage() for record in caplog.records]
         assert sum("fake_small_m path" in m for m in messages) == 1, messages  # logged once
-        assert any("xla path, because M=10 is outside" in m for m in messages), messages
+        assert any("at M=10: xla path (dequantize then XLA dot); no kernel takes M=10 "
+                   "(fake_small_m takes M in [1, 8])" in m for m in messages), messages
+        assert any("mxfp4 matmul on cpu at M=10: xla path (dequantize then XLA dot); no "
+                   "compiled 4-bit kernel for mxfp4 on cpu" in m for m in messages), messages
         np.testing.assert_array_equal(np.asarray(small, np.float32),
                                       np.asarray(large[:1, :4], np.float32))
     finally:
         unregister_backend("nvfp4", "cpu", "fake_small_m")
     assert select_matmul_path("nvfp4", 4, "cpu") == "xla"
+
+
+def test_dispatch_falls_through_a_refusal_to_the_next_backend(caplog, monkeypatch):
+    """The first backend that refuses the weight hands the launch to the next one registered
+    (not to XLA); the log names the path taken and the refusal in words, once; with every
+    backend refusing, XLA runs. registered_backends lists them in the order asked;
+    unregister_backends removes a format's backends."""
+    from qerl_jax.quant import dispatch
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    quantized, x, _, _ = _problem("nvfp4")
+    calls = []
+
+    class Refusing(XlaBackend):
+        name, description = "first_choice", "a kernel that wants another layout"
+
+        def refusal(self, weight, compute_dtype):
+            return "the weight is not in its layout"
+
+        def apply(self, x2d, weight, *, compute_dtype):
+            raise AssertionError("a refusing backend ran")
+
+    class Second(XlaBackend):
+        name, description, refuse = "second_choice", "a second kernel", False
+
+        def launch_refusal(self, weight, lora_rank):
+            return "it is switched off" if Second.refuse else None
+
+        def apply(self, x2d, weight, *, compute_dtype):
+            calls.append(self.name)
+            return xla_forward(x2d, weight, compute_dtype=compute_dtype)
+
+    register_backend("nvfp4", "cpu", Refusing())
+    register_backend("nvfp4", "cpu", Second())
+    try:
+        assert registered_backends("nvfp4", "cpu") == [("nvfp4", "cpu", "first_choice"),
+                                                       ("nvfp4", "cpu", "second_choice")]
+        assert select_matmul_path("nvfp4", 3, "cpu") == "first_choice"  # asked first
+        with caplog.at_level(logging.INFO, logger="qerl_jax.quant.dispatch"):
+            y = linear(x[:1, :3], quantized)
+            linear(x[:1, :3], quantized)
+            Second.refuse = True
+            y_xla = linear(x[:1, :3], quantized)
+        assert calls == ["second_choice", "second_choice"]
+        messages = [record.getMessage() for record in caplog.records]
+        assert messages.count("nvfp4 matmul on cpu at M=3: second_choice path (a second "
+                              "kernel); first_choice refused: the weight is not in its "
+                              "layout") == 1, messages
+        assert any("xla path" in m and "second_choice refused: it is switched off" in m
+                   for m in messages), messages
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_xla, np.float32))
+    finally:
+        assert sorted(unregister_backends("nvfp4", "cpu")) == ["first_choice/cpu",
+                                                              "second_choice/cpu"]
+    assert registered_backends("nvfp4", "cpu") == []
 
 
 def test_registered_backward_kernel_is_used():
@@ -255,7 +317,7 @@ def test_dense_weights_of_the_backends():
     XLA backend's is the weight's dequantize; a RowShardedBackend's is its inner backend's
     (the weights on its meshes are replicated)."""
     from qerl_jax.quant.backends.base import MatmulBackend
-    from qerl_jax.quant.backends.sharded import RowShardedBackend
+    from qerl_jax.parallel.sharded_backend import RowShardedBackend
     from qerl_jax.quant.backends.xla import XLA
     from qerl_jax.quant.nvfp4 import nvfp4_quantize
 

@@ -1,7 +1,9 @@
 """The interface every quantized-matmul backend follows (after vLLM's compressed-tensors
 schemes: a hardware gate that returns a reason, repack once after loading, apply).
 
-A backend serves the formats it was made for on one platform, for min_m <= M <= max_m. Shapes:
+A backend serves the formats it was made for on one platform, for min_m <= M <= max_m;
+qerl_jax.quant.dispatch asks the registered ones in order, and a refusal (a sentence a user
+understands) hands the launch to the next. Shapes:
 x [M, K] in the compute dtype, weights [N, K] (QuantizedWeight), outputs [M, N] float32 unless
 stated. lora_x_a is an unmerged LoRA's first product x @ A [M, r] (for several weights sharing
 x, the members' products side by side [M, sum r_i]); lora_b [r, N] its second factor.
@@ -17,6 +19,7 @@ class MatmulBackend:
     optional launch, so a backend overrides only what it runs."""
 
     name: str = "backend"
+    description: str = "a quantized-matmul backend"  # what runs, in words, for the path log
     min_m: int = 1
     max_m: int | None = None
     lora_epilogue: bool = False  # apply_lora adds the LoRA product inside the launch
@@ -32,9 +35,19 @@ class MatmulBackend:
         del weight, compute_dtype
         return None
 
-    def repack(self, weight):
-        """The weight in this backend's layout, made once after loading (identity here)."""
-        return weight
+    def launch_refusal(self, weight, lora_rank: int | None) -> str | None:
+        """Why a single-weight launch of `weight` (with an unmerged LoRA of rank lora_rank, or
+        None) cannot run here, beyond `refusal`, or None."""
+        del weight, lora_rank
+        return None
+
+    def repack(self, weights, *, tile_k: int | None = None, donate: bool = False):
+        """The weights of one launch (one weight, a gate/up pair's two views, or several
+        sharing x) in this backend's layout, made once after loading, or None where this
+        backend makes no layout for them (they stay as they are). tile_k, donate: the kernel
+        layout's K tile and whether checkpoint buffers may be consumed (kernel_layout)."""
+        del weights, tile_k, donate
+        return None
 
     def apply(self, x: jax.Array, weight, *, compute_dtype) -> jax.Array:
         """x @ W^T -> [M, N] float32."""
@@ -55,9 +68,10 @@ class MatmulBackend:
         """x @ W^T + lora_scale * lora_x_a @ lora_b in one launch (lora_epilogue True only)."""
         raise NotImplementedError(f"{self.name} has no LoRA epilogue")
 
-    def group_refusal(self, weights) -> str | None:
-        """Why these weights (sharing x) cannot share one launch, or None."""
-        del weights
+    def group_refusal(self, weights, lora_ranks) -> str | None:
+        """Why these weights (sharing x; their LoRA ranks, or None without LoRA) cannot share
+        one launch, or None."""
+        del weights, lora_ranks
         return f"kernel {self.name} has no grouped launch"
 
     def apply_grouped(self, x, weights, lora_x_a, lora_bs, lora_scales, *, compute_dtype):
@@ -65,9 +79,10 @@ class MatmulBackend:
         LoRA product when lora_x_a is given)."""
         raise NotImplementedError
 
-    def swiglu_refusal(self, m: int, weights, lora_scales) -> str | None:
-        """Why (gate, up) cannot run as one launch with the SwiGLU in its epilogue, or None."""
-        del m, weights, lora_scales
+    def swiglu_refusal(self, m: int, weights, lora_ranks, lora_scales) -> str | None:
+        """Why (gate, up) (their LoRA ranks and scales, or None) cannot run as one launch with
+        the SwiGLU in its epilogue, or None."""
+        del m, weights, lora_ranks, lora_scales
         return f"kernel {self.name} has no fused SwiGLU launch"
 
     def apply_swiglu(self, x, weights, lora_x_a, lora_bs, lora_scales, pair_lora_b,

@@ -1,4 +1,4 @@
-"""The Pallas kernels' weight layout: a QuantizedWeight repacked once (the kernel backends'
+"""The Triton kernels' weight layout: a QuantizedWeight repacked once (the Triton backends'
 `repack`, vLLM's process_weights_after_loading), and gate/up pairs of it.
 
 `KernelLayoutWeight` is the same weight in the kernels' layout (nibble planes per K tile, zero
@@ -10,9 +10,10 @@ the checkpoint layout keeps working: its `codes`, `block_scales`, `tensor_scale`
 returns the plain QuantizedWeight. NF4 with double quantization keeps its uint8 scale codes and
 run absmax next to the float32 absmax the kernels read (+1 byte per 64 weights).
 
-Each format the kernels take has one `KernelFormat` entry in KERNEL_FORMATS: its decode spec
-(pallas_kernels), nibble order, largest fused M, scale conversion and refusal. A new format adds
-its entry here and its module under qerl_jax/quant/.
+Each format the Triton kernels take has one `KernelFormat` entry in KERNEL_FORMATS (the Triton
+backend's table): its decode spec (pallas_kernels), nibble order, largest fused M, scale
+conversion and refusal. A new format adds its entry here and its module under qerl_jax/quant/.
+The Mosaic GPU backend's layout (backends/mosaic.py, `MosaicWeight`) is a subclass of this one.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class KernelFormat:
     # (weight with concrete arrays) -> why the kernels cannot decode it, or None
     refusal: Callable[[QuantizedWeight], str | None] = lambda weight: None
     tensor_scale_divides: bool = False  # the tensor scale divides the decoded weights
-    # largest M of the fused forward kernel (its tilings stop at 64 rows; kernels_results.md,
-    # "Recommended dispatch thresholds"); larger M take dequantize + XLA
+    # largest M of the fused forward kernel (its tilings stop at 64 rows; benchmarks/kernels.py
+    # --decode-sweep); larger M take dequantize + XLA
     max_fused_m: int = 64
 
 
@@ -115,37 +116,18 @@ KERNEL_FORMATS: dict[str, KernelFormat] = {
 
 
 class KernelLayoutWeight(QuantizedWeight):
-    """A QuantizedWeight stored in the Pallas kernels' layout (made by `to_kernel_layout`).
+    """A QuantizedWeight stored in the Triton kernels' layout (made by `to_kernel_layout`).
 
     Pytree children (frozen arrays):
       kernel_codes uint8 [N_pad, K_pad/2] (nibble planes), kernel_scales [N_pad, K_pad/B] (the
         format's scale dtype; NVFP4: canonical uint8 scale codes, pallas_kernels/nvfp4_matmul.py;
-        NF4: float32 absmax), both tile-major (pallas_kernels.blockwise_matmul.tile_major); or
-        both None for a weight whose only copy is the Mosaic permuted buffer (kernel_source).
+        NF4: float32 absmax), both tile-major (pallas_kernels.blockwise_matmul.tile_major); a
+        subclass may hold them elsewhere (MosaicWeight: None, unpermuted on use).
       checkpoint_tensor_scale: the QuantizedWeight's tensor_scale, or None.
       kept_block_scales / kept_double_quant_scales: checkpoint arrays the kernel scales cannot
         give back losslessly (NF4 double quantization: uint8 scale codes and run absmax), else
         None.
-      mosaic_tiles (or None): the weight in the Mosaic GPU kernel's permuted layout
-        (pallas_kernels.mgpu_nvfp4; made by qerl_jax.quant.backends.mosaic on a Hopper GPU).
-        On the q projection of a grouped q|k|v launch it is the permuted buffer of
-        [W_q; W_k; W_v] (mgpu_nvfp4.group_permuted; k and v then hold none).
-      mosaic_lora_operand (or None): bf16 [N_pad, r], the Mosaic kernel's operand for this
-        layer's LoRA B (mgpu_nvfp4.lora_operand: B^T with the LoRA and tensor scales folded in;
-        for a grouped q|k|v buffer the block-diagonal group operand), made once per rollout on
-        the sampler's merged copy, so the decode loop does not transpose B at every token.
-      mosaic_prefetch (or None): the next decode launch's permuted buffer (the same array, not a
-        copy), whose first tiles this weight's Mosaic launch prefetches into L2;
-        mosaic_prefetch_lora_a: the LoRA A that XLA's x @ A reads before that launch (also
-        prefetched), or None.
-      kernel_source (or None): the permuted buffer holding this weight's only copy (its own
-        mosaic_tiles, its pair's, or its q|k|v group's: the same array), its tiles from line
-        kernel_source_line (static) on. Prefill and training (M > 64) get W in bf16 straight
-        from it (pallas_kernels.permuted_dequantize); the other kernels' operands (packed(),
-        kernel_arrays()) and the checkpoint view are unpermuted from it where they are used
-        (mgpu_nvfp4.kernel_layout_from_permuted; inside jit a transient of one weight).
-    Static: format, shape (logical N, K), dtype, tile_k, pair_view, mosaic_prefetch_k (the
-    prefetched launch's K), kernel_source_line.
+    Static: format, shape (logical N, K), dtype, tile_k, pair_view.
 
     pair_view (half_block, half) or None: kernel_codes / kernel_scales are an MLP's gate and up
     interleaved in blocks of half_block rows ([2 N_pad, ...], `pair_gate_up`), and this weight
@@ -160,12 +142,9 @@ class KernelLayoutWeight(QuantizedWeight):
 
     # Not dataclass fields: the base class's generated __init__/__eq__/__hash__ are bypassed.
     def __init__(self, *, kernel_codes, kernel_scales, checkpoint_tensor_scale=None,
-                 kept_block_scales=None, kept_double_quant_scales=None, mosaic_tiles=None,
-                 mosaic_lora_operand=None, mosaic_prefetch=None, mosaic_prefetch_lora_a=None,
-                 kernel_source=None, format: str,
+                 kept_block_scales=None, kept_double_quant_scales=None, format: str,
                  shape: tuple[int, int], dtype: str = "bfloat16", tile_k: int,
-                 pair_view: tuple[int, int] | None = None, mosaic_prefetch_k: int = 0,
-                 kernel_source_line: int = 0):
+                 pair_view: tuple[int, int] | None = None):
         # No value checks: JAX rebuilds this object with tracers or placeholders as leaves.
         set_attr = object.__setattr__
         set_attr(self, "kernel_codes", kernel_codes)
@@ -173,13 +152,6 @@ class KernelLayoutWeight(QuantizedWeight):
         set_attr(self, "checkpoint_tensor_scale", checkpoint_tensor_scale)
         set_attr(self, "kept_block_scales", kept_block_scales)
         set_attr(self, "kept_double_quant_scales", kept_double_quant_scales)
-        set_attr(self, "mosaic_tiles", mosaic_tiles)
-        set_attr(self, "mosaic_lora_operand", mosaic_lora_operand)
-        set_attr(self, "mosaic_prefetch", mosaic_prefetch)
-        set_attr(self, "mosaic_prefetch_lora_a", mosaic_prefetch_lora_a)
-        set_attr(self, "mosaic_prefetch_k", int(mosaic_prefetch_k))
-        set_attr(self, "kernel_source", kernel_source)
-        set_attr(self, "kernel_source_line", int(kernel_source_line))
         set_attr(self, "format", format)
         set_attr(self, "shape", tuple(int(d) for d in shape))
         set_attr(self, "dtype", jnp.dtype(dtype).name)
@@ -190,18 +162,16 @@ class KernelLayoutWeight(QuantizedWeight):
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:
-        return (f"KernelLayoutWeight(format={self.format!r}, shape={self.shape}, "
+        return (f"{type(self).__name__}(format={self.format!r}, shape={self.shape}, "
                 f"dtype={self.dtype!r}, tile_k={self.tile_k}, "
                 f"kernel_rows={self.kernel_rows}"
-                + ("" if self.kernel_source is None else ", single copy in the permuted layout")
+                + (", single copy in the permuted layout" if self.single_copy else "")
                 + ("" if self.pair_view is None else f", pair_view={self.pair_view}") + ")")
 
-    # pytree protocol
+    # pytree protocol (a subclass extends both tuples and registers itself)
     _CHILDREN = ("kernel_codes", "kernel_scales", "checkpoint_tensor_scale", "kept_block_scales",
-                 "kept_double_quant_scales", "mosaic_tiles", "mosaic_lora_operand",
-                 "mosaic_prefetch", "mosaic_prefetch_lora_a", "kernel_source")
-    _STATIC = ("format", "shape", "dtype", "tile_k", "pair_view", "mosaic_prefetch_k",
-               "kernel_source_line")
+                 "kept_double_quant_scales")
+    _STATIC = ("format", "shape", "dtype", "tile_k", "pair_view")
 
     def _aux(self):
         return tuple(getattr(self, name) for name in self._STATIC)
@@ -223,9 +193,8 @@ class KernelLayoutWeight(QuantizedWeight):
         names = self._CHILDREN + self._STATIC
         unknown = sorted(set(changes) - set(names))
         if unknown:
-            raise TypeError(f"KernelLayoutWeight.replace: {unknown} are not its fields")
-        return KernelLayoutWeight(**{name: changes.get(name, getattr(self, name))
-                                     for name in names})
+            raise TypeError(f"{type(self).__name__}.replace: {unknown} are not its fields")
+        return type(self)(**{name: changes.get(name, getattr(self, name)) for name in names})
 
     # the kernels' view
     @property
@@ -253,20 +222,23 @@ class KernelLayoutWeight(QuantizedWeight):
 
     @property
     def single_copy(self) -> bool:
-        """True if the weight is stored only in the Mosaic permuted layout (kernel_source)."""
-        return self.kernel_codes is None and self.kernel_source is not None
+        """True if the kernel-layout arrays are not stored (another layout holds the only copy:
+        MosaicWeight)."""
+        return False
 
     def kernel_arrays(self) -> tuple[jax.Array, jax.Array]:
-        """(kernel_codes, kernel_scales), tile-major [kernel_rows, ...]: the arrays, or for a
-        single-copy weight their unpermuted form (computed: a transient inside jit)."""
-        if self.kernel_codes is not None:
-            return self.kernel_codes, self.kernel_scales
-        if self.kernel_source is None:
-            raise ValueError("KernelLayoutWeight: neither kernel_codes nor kernel_source")
-        from pallas_kernels import mgpu_nvfp4
-        return mgpu_nvfp4.kernel_layout_from_permuted(
-            self.kernel_source, rows=self.kernel_rows, k=self.shape[1],
-            line=self.kernel_source_line)
+        """(kernel_codes, kernel_scales), tile-major [kernel_rows, ...]."""
+        return self.kernel_codes, self.kernel_scales
+
+    def stored_arrays(self) -> tuple[jax.Array, ...]:
+        """The arrays that hold this weight's codes and scales in memory (a pair's two views
+        hold the same ones)."""
+        return self.kernel_codes, self.kernel_scales
+
+    def kernel_dense(self, interpret: bool = False) -> jax.Array:
+        """W [N, K] bf16 from a Pallas dequantize kernel (the Triton backends' large-M forward
+        and every backward)."""
+        return bw.blockwise_dequantize(self.packed(), spec=self.spec, interpret=interpret)
 
     def packed(self) -> bw.PackedWeight:
         """The pallas_kernels PackedWeight: kernel_arrays() (for a stored layout the arrays as
@@ -348,6 +320,15 @@ class KernelLayoutWeight(QuantizedWeight):
 
 
 jax.tree_util.register_pytree_with_keys_class(KernelLayoutWeight)
+
+
+def dequantize_backward(grad_output, weight, *, compute_dtype, interpret):
+    """dy [M, N] @ W (the weight's Pallas dequantize kernel, kernel_dense, + XLA dot) -> dx
+    [M, K] in compute_dtype: every kernel backend's backward."""
+    dense = weight.kernel_dense(interpret)
+    return jax.lax.dot_general(grad_output.astype(jnp.bfloat16), dense,
+                               (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(compute_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,8 +427,11 @@ def pair_refusal(gate, up, half_block: int = PAIR_HALF_BLOCK) -> str | None:
         return "they are not both in the kernel layout"
     if gate.pair_view is not None or up.pair_view is not None:
         return "they are pair views already"
-    if gate.kernel_codes is None or up.kernel_codes is None:
+    if gate.single_copy or up.single_copy:
         return "a weight is stored only in the Mosaic permuted layout (single copy)"
+    if type(gate) is not KernelLayoutWeight or type(up) is not KernelLayoutWeight:
+        return (f"{type(gate).__name__} / {type(up).__name__}: pairs are made in the Triton "
+                "kernel layout, before any other backend's")
     described = [(w.format, w.shape, w.dtype, w.tile_k, tuple(w.kernel_codes.shape),
                   tuple(w.kernel_scales.shape)) for w in (gate, up)]
     if described[0] != described[1]:
@@ -482,3 +466,45 @@ def pair_gate_up(gate: KernelLayoutWeight, up: KernelLayoutWeight, *,
         kept_double_quant_scales=weight.kept_double_quant_scales, format=weight.format,
         shape=weight.shape, dtype=weight.dtype, tile_k=weight.tile_k,
         pair_view=(half_block, half)) for half, weight in enumerate((gate, up)))
+
+
+# ----------------------------------------------------------------------------------------------
+# What a launch over several kernel-layout weights needs (every kernel backend asks)
+
+
+def group_launch_refusal(weights) -> str | None:
+    """Why these kernel-layout weights (sharing x) cannot share one launch, or None."""
+    first = weights[0]
+    if any(weight.pair_view is not None for weight in weights):
+        return ("gate/up pair views (their launch is the fused SwiGLU one, "
+                "linear_swiglu.linear_swiglu)")
+    for weight in weights[1:]:
+        if (weight.format, weight.shape[1], weight.tile_k, weight.kernel_code_columns) != (
+                first.format, first.shape[1], first.tile_k, first.kernel_code_columns):
+            return (f"{weight.format} {weight.shape} tile_k {weight.tile_k} vs "
+                    f"{first.format} {first.shape} tile_k {first.tile_k} (a launch needs "
+                    "one format, K and K tile)")
+    return None
+
+
+def pair_launch_refusal(weights, lora_scales) -> str | None:
+    """Why (gate, up) cannot run as one fused SwiGLU launch, or None: they must be the two
+    pair views of one interleaved pair, with one LoRA scale (lora_scales, or None)."""
+    gate, up = weights
+    if not (isinstance(gate, KernelLayoutWeight) and isinstance(up, KernelLayoutWeight)):
+        return "gate and up are not in the kernel layout"
+    if gate.pair_view is None or up.pair_view is None:
+        return ("gate and up are separate weights (KernelOptions.gate_up_pairs interleaves "
+                "them into one pair)")
+    if gate.pair_view[1] != 0 or up.pair_view != (gate.pair_view[0], 1):
+        return f"pair views {gate.pair_view} / {up.pair_view} are not (gate, up) of one pair"
+    if (gate.format, gate.shape, gate.kernel_rows, gate.single_copy) != (
+            up.format, up.shape, up.kernel_rows, up.single_copy):
+        return f"gate {gate!r} and up {up!r} differ"
+    stored = [w.stored_arrays() for w in (gate, up)]
+    if not isinstance(stored[0][0], jax.core.Tracer) and any(
+            a is not b for a, b in zip(*stored)):
+        return "gate and up are views of two different pairs"
+    if lora_scales is not None and lora_scales[0] != lora_scales[1]:
+        return f"gate and up have different LoRA scales {lora_scales}"
+    return None

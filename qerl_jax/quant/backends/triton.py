@@ -8,8 +8,8 @@ Paths (from the H100 measurements in benchmarks/RESULTS.md; every kernel path be
                      M <= 16 outside k/v; the naive XLA path 0.24-0.69x). A layer's unmerged
                      LoRA adds its second product (x @ A) @ B in the kernel's epilogue; layers
                      sharing their input (q|k|v) run in one launch; a gate/up pair runs in one
-                     launch with the SwiGLU in its epilogue. NVFP4 launches go to the Mosaic
-                     GPU backend (mosaic.py) where it takes them.
+                     launch with the SwiGLU in its epilogue. On Hopper the Mosaic GPU backend
+                     (mosaic.py) is asked first for NVFP4; what it refuses comes here.
   forward, M > 64    `TritonDequantizeBackend` ("<format>_dequantize_xla"): the Pallas
                      dequantize kernel writes W in bf16, then one XLA (cuBLAS) dot (0.9-1.07x of
                      bf16 at M >= 1024).
@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import blockwise_matmul as bw
-from qerl_jax.quant.backends import mosaic
 from qerl_jax.quant.backends.base import MatmulBackend
-from qerl_jax.quant.backends.kernel_layout import KERNEL_FORMATS, KernelLayoutWeight
+from qerl_jax.quant.backends.kernel_layout import (KERNEL_FORMATS, KernelLayoutWeight,
+                                                   dequantize_backward, group_launch_refusal,
+                                                   pair_launch_refusal, to_kernel_layout)
 from qerl_jax.quant.backends.xla import tie_weight_to_activations
 from qerl_jax.quant.kernel_options import KernelOptions
 
@@ -60,24 +60,17 @@ def _layout_refusal(weight, compute_dtype) -> str | None:
     return None
 
 
-def _dense(weight: KernelLayoutWeight, interpret: bool) -> jax.Array:
-    """W [N, K] bf16 from a Pallas dequantize kernel: a single-copy weight's straight from its
-    permuted buffer where that kernel reads it, else of the kernel layout."""
-    dense = mosaic.permuted_dense(weight, interpret)
-    if dense is not None:
-        return dense
-    return bw.blockwise_dequantize(weight.packed(), spec=weight.spec, interpret=interpret)
-
-
-def _dequantize_backward(grad_output, weight, *, compute_dtype, interpret):
-    """dy [M, N] @ W (Pallas dequantize kernel + XLA dot) -> dx [M, K] in compute_dtype."""
-    dense = _dense(weight, interpret)
-    return lax.dot_general(grad_output.astype(jnp.bfloat16), dense, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32).astype(compute_dtype)
+def repack_for_triton(weights, *, tile_k=None, donate=False):
+    """The weights in the kernel layout (to_kernel_layout), or None where all already are."""
+    if all(isinstance(w, KernelLayoutWeight) for w in weights):
+        return None
+    return [to_kernel_layout(w, tile_k=tile_k, donate=donate) for w in weights]
 
 
 class TritonDequantizeBackend(MatmulBackend):
     """M > max_fused_m: the Pallas dequantize kernel (bf16 W [N, K]), then one XLA dot."""
+
+    description = "Pallas dequantize kernel, then XLA dot"
 
     def __init__(self, format_name: str, *, interpret: bool = False):
         self.name = kernel_names(format_name)[1]
@@ -94,19 +87,22 @@ class TritonDequantizeBackend(MatmulBackend):
                                preferred_element_type=jnp.float32)
 
     def apply_backward(self, grad_output, weight, *, compute_dtype):
-        return _dequantize_backward(grad_output, weight, compute_dtype=compute_dtype,
-                                    interpret=self.interpret)
+        return dequantize_backward(grad_output, weight, compute_dtype=compute_dtype,
+                                   interpret=self.interpret)
 
     def dense(self, weight, *, compute_dtype):
         del compute_dtype   # the kernels compute in bfloat16 (refusal)
-        return _dense(weight, self.interpret)
+        return weight.kernel_dense(self.interpret)
+
+    def repack(self, weights, *, tile_k=None, donate=False):
+        return repack_for_triton(weights, tile_k=tile_k, donate=donate)
 
 
 class TritonDecodeBackend(MatmulBackend):
     """M <= max_fused_m: the fused decode+matmul kernel, with its LoRA epilogue, grouped launch
-    and fused SwiGLU launch; NVFP4 launches the Mosaic GPU backend takes go there
-    (options.mosaic_nvfp4, never in interpret mode)."""
+    and fused SwiGLU launch."""
 
+    description = "fused Triton decode+matmul kernel"
     lora_epilogue = True
 
     def __init__(self, format_name: str, options: KernelOptions, *, interpret: bool = False):
@@ -118,69 +114,47 @@ class TritonDecodeBackend(MatmulBackend):
     def refusal(self, weight, compute_dtype):
         return _layout_refusal(weight, compute_dtype)
 
-    def _mosaic_refusal(self, reason_fn, *args) -> str | None:
-        if self.interpret:
-            return "interpret mode"
-        if not self.options.mosaic:
-            return "mosaic_nvfp4 is off"
-        return reason_fn(*args)
+    def repack(self, weights, *, tile_k=None, donate=False):
+        return repack_for_triton(weights, tile_k=tile_k, donate=donate)
 
-    def _note_fallback(self, weights, launch: str, reason: str) -> None:
+    def _note_fallback(self, weights, launch: str) -> None:
         """Logs once that a small-M launch of single-copy weights (stored only in the permuted
         layout) takes a Triton kernel: that kernel reads the kernel layout, which is then
         unpermuted at every call (in the decode loop, at every step: a transient copy)."""
-        if any(getattr(w, "single_copy", False) for w in weights):
+        if any(w.single_copy for w in weights):
             _log_once(logging.WARNING, "the %s launch of NVFP4 weights %s, stored only in the "
-                      "Mosaic permuted layout, takes the Triton kernel (%s) and unpermutes "
-                      "them at every call", launch, [w.shape for w in weights], reason)
+                      "Mosaic permuted layout, takes the Triton kernel (the dispatch log says "
+                      "why the Mosaic GPU kernel does not) and unpermutes them at every call",
+                      launch, [w.shape for w in weights])
 
     def apply(self, x, weight, *, compute_dtype):
         return self.apply_lora(x, weight, None, None, 0.0, compute_dtype=compute_dtype)
 
     def apply_backward(self, grad_output, weight, *, compute_dtype):
-        return _dequantize_backward(grad_output, weight, compute_dtype=compute_dtype,
-                                    interpret=self.interpret)
+        return dequantize_backward(grad_output, weight, compute_dtype=compute_dtype,
+                                   interpret=self.interpret)
 
     def apply_lora(self, x, weight, lora_x_a, lora_b, lora_scale, *, compute_dtype):
         """x [M, K] bf16 @ W^T (+ lora_scale * lora_x_a [M, r] @ lora_b [r, N] in the kernel's
         epilogue, when lora_x_a is given) -> [M, N] float32 (output rounded to bf16 inside)."""
         del compute_dtype
-        refusal = self._mosaic_refusal(mosaic.refusal, x, weight, lora_x_a)
-        if refusal is None:
-            return mosaic.apply(x, weight, lora_x_a, lora_b, lora_scale,
-                                prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                schedule=self.options.mosaic_schedule)
-        self._note_fallback((weight,), "single-weight", refusal)
+        self._note_fallback((weight,), "single-weight")
         packed = weight.packed()
         config = bw.default_matmul_config(x.shape[0], packed, self.options.decode_matmul)
         return bw.blockwise_matmul(x, packed, spec=weight.spec, config=config,
                                    interpret=self.interpret, lora_x_a=lora_x_a, lora_b=lora_b,
                                    lora_scale=lora_scale).astype(jnp.float32)
 
-    def group_refusal(self, weights):
+    def group_refusal(self, weights, lora_ranks):
         """Why these kernel-layout weights cannot share one launch (None: they can)."""
-        first = weights[0]
-        if any(weight.pair_view is not None for weight in weights):
-            return ("gate/up pair views (their launch is the fused SwiGLU one, "
-                    "linear_swiglu.linear_swiglu)")
-        for weight in weights[1:]:
-            if (weight.format, weight.shape[1], weight.tile_k, weight.kernel_code_columns) != (
-                    first.format, first.shape[1], first.tile_k, first.kernel_code_columns):
-                return (f"{weight.format} {weight.shape} tile_k {weight.tile_k} vs "
-                        f"{first.format} {first.shape} tile_k {first.tile_k} (a launch needs "
-                        "one format, K and K tile)")
-        return None
+        del lora_ranks
+        return group_launch_refusal(weights)
 
     def apply_grouped(self, x, weights, lora_x_a, lora_bs, lora_scales, *, compute_dtype):
         """x [M, K] bf16 @ W_i^T (+ lora_scales[i] * (x @ A_i) @ lora_bs[i]) for weights sharing
         x, in one launch -> tuple of [M, N_i] float32."""
         del compute_dtype
-        refusal = self._mosaic_refusal(mosaic.group_refusal, x, weights, lora_x_a, lora_bs)
-        if refusal is None:
-            return mosaic.apply_grouped(x, weights, lora_x_a, lora_bs, lora_scales,
-                                        prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                        schedule=self.options.mosaic_schedule)
-        self._note_fallback(weights, "grouped", refusal)
+        self._note_fallback(weights, "grouped")
         packed = tuple(w.packed() for w in weights)
         config = bw.default_group_matmul_config(x.shape[0], packed, self.options.decode_matmul)
         ys = bw.blockwise_matmul_group(x, packed, spec=weights[0].spec, config=config,
@@ -188,29 +162,10 @@ class TritonDecodeBackend(MatmulBackend):
                                        lora_bs=lora_bs, lora_scales=lora_scales)
         return tuple(y.astype(jnp.float32) for y in ys)
 
-    def swiglu_refusal(self, m, weights, lora_scales):
-        """Why the fused SwiGLU launch cannot take this (gate, up) (None: it can): they must be
-        the two pair views of one interleaved pair, with one LoRA scale."""
-        del m
-        gate, up = weights
-        if not (isinstance(gate, KernelLayoutWeight) and isinstance(up, KernelLayoutWeight)):
-            return "gate and up are not in the kernel layout"
-        if gate.pair_view is None or up.pair_view is None:
-            return ("gate and up are separate weights (KernelOptions.gate_up_pairs interleaves "
-                    "them into one pair)")
-        if gate.pair_view[1] != 0 or up.pair_view != (gate.pair_view[0], 1):
-            return f"pair views {gate.pair_view} / {up.pair_view} are not (gate, up) of one pair"
-        if (gate.format, gate.shape, gate.kernel_rows, gate.single_copy) != (
-                up.format, up.shape, up.kernel_rows, up.single_copy):
-            return f"gate {gate!r} and up {up!r} differ"
-        stored = [(w.kernel_source,) if w.single_copy else (w.kernel_codes, w.kernel_scales)
-                  for w in (gate, up)]
-        if not isinstance(stored[0][0], jax.core.Tracer) and any(
-                a is not b for a, b in zip(*stored)):
-            return "gate and up are views of two different pairs"
-        if lora_scales is not None and lora_scales[0] != lora_scales[1]:
-            return f"gate and up have different LoRA scales {lora_scales}"
-        return None
+    def swiglu_refusal(self, m, weights, lora_ranks, lora_scales):
+        """Why the fused SwiGLU launch cannot take this (gate, up) (None: it can)."""
+        del m, lora_ranks
+        return pair_launch_refusal(weights, lora_scales)
 
     def swiglu_lora_b(self, weights, lora_bs):
         """The fused SwiGLU launch's block-diagonal LoRA B [r_g' + r_u', 2 N_pad] bf16 of a
@@ -227,28 +182,19 @@ class TritonDecodeBackend(MatmulBackend):
         (output, output @ next_lora_a [M, r] in compute dtype) from the same launch."""
         gate, up = weights
         half_block = gate.pair_view[0]
-        refusal = self._mosaic_refusal(mosaic.swiglu_refusal, x, gate, lora_x_a, lora_bs)
-        if refusal is None:
-            result = mosaic.apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales,
-                                         next_lora_a,
-                                         prefetch_tiles=self.options.mosaic_prefetch_tiles,
-                                         schedule=self.options.mosaic_schedule,
-                                         epilogue_max_m=(
-                                             self.options.mosaic_swiglu_epilogue_max_m))
-        else:
-            self._note_fallback(weights, "gate|up SwiGLU", refusal)
-            # the two tensor scales go to the kernel as they are: a [2] array of them would be
-            # built at every decode step (a concatenate kernel per layer inside the loop)
-            lora = {}
-            if lora_x_a is not None:
-                lora = dict(lora_x_a=lora_x_a, lora_ranks=tuple(b.shape[0] for b in lora_bs),
-                            lora_b=self.swiglu_lora_b(weights, lora_bs) if pair_lora_b is None
-                            else pair_lora_b, lora_scale=lora_scales[0])
-            result = bw.blockwise_matmul_swiglu(
-                x, gate.whole_pair(), spec=gate.spec, out_n=gate.shape[0],
-                half_block=half_block, interpret=self.interpret,
-                tensor_scales=(gate.kernel_tensor_scale(), up.kernel_tensor_scale()),
-                next_lora_a=next_lora_a, tuning=self.options.decode_matmul, **lora)
+        self._note_fallback(weights, "gate|up SwiGLU")
+        # the two tensor scales go to the kernel as they are: a [2] array of them would be
+        # built at every decode step (a concatenate kernel per layer inside the loop)
+        lora = {}
+        if lora_x_a is not None:
+            lora = dict(lora_x_a=lora_x_a, lora_ranks=tuple(b.shape[0] for b in lora_bs),
+                        lora_b=self.swiglu_lora_b(weights, lora_bs) if pair_lora_b is None
+                        else pair_lora_b, lora_scale=lora_scales[0])
+        result = bw.blockwise_matmul_swiglu(
+            x, gate.whole_pair(), spec=gate.spec, out_n=gate.shape[0],
+            half_block=half_block, interpret=self.interpret,
+            tensor_scales=(gate.kernel_tensor_scale(), up.kernel_tensor_scale()),
+            next_lora_a=next_lora_a, tuning=self.options.decode_matmul, **lora)
         if next_lora_a is None:
             return result
         y, next_x_a = result

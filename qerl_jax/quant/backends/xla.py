@@ -42,6 +42,7 @@ class XlaBackend(MatmulBackend):
     """Dequantize + dot for every format and M (the path taken when no kernel is selected)."""
 
     name = "xla"
+    description = "dequantize then XLA dot"
 
     def apply(self, x, weight, *, compute_dtype):
         return xla_forward(x, weight, compute_dtype=compute_dtype)

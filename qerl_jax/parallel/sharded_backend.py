@@ -4,11 +4,12 @@ A pallas_call is a per-device program; under GSPMD, XLA cannot split it and woul
 (every row) on every device. RowShardedBackend wraps another backend so that each of its
 launches runs under jax.shard_map: the activation-like operands (x, the LoRA product x @ A, the
 output cotangent) are split by rows over the mesh's batch axes as
-qerl_jax.parallel.mesh.batch_spec splits any row-major array (the sampler's and the trainer's
+batch_spec (mesh.py) splits any row-major array (the sampler's and the trainer's
 rows already are), and the weights and LoRA B factors enter whole. It is made for meshes whose
 weights are replicated (fsdp = tensor = 1: data parallelism); on other meshes the weight
 operands would be all-gathered at every launch (correct, but the XLA path's sharded dot moves
-far less), so qerl_jax.model_setup keeps the XLA path there.
+far less), so qerl_jax.model_setup keeps the XLA path there. qerl_jax.model_quant.kernel_setup
+wraps every registered kernel backend with it (PerDeviceRows) when the model runs on a mesh.
 
 Kernel selection sees the rows one device holds: a decode step of 64 sequences on data=4 runs
 the M <= 64 fused kernel at M = 16 per device.
@@ -16,8 +17,9 @@ the M <= 64 fused kernel at M = 16 per device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
@@ -66,6 +68,7 @@ class RowShardedBackend(MatmulBackend):
         self.inner = inner
         self.mesh = mesh
         self.name = inner.name
+        self.description = f"{inner.description}, per device on its rows"
         self.min_m = inner.min_m
         self.max_m = inner.max_m
         self.lora_epilogue = inner.lora_epilogue
@@ -79,14 +82,18 @@ class RowShardedBackend(MatmulBackend):
     def refusal(self, weight, compute_dtype):
         return self.inner.refusal(weight, compute_dtype)
 
-    def repack(self, weight):
-        return self.inner.repack(weight)
+    def launch_refusal(self, weight, lora_rank):
+        return self.inner.launch_refusal(weight, lora_rank)
 
-    def group_refusal(self, weights):
-        return self.inner.group_refusal(weights)
+    def repack(self, weights, *, tile_k=None, donate=False):
+        return self.inner.repack(weights, tile_k=tile_k, donate=donate)
 
-    def swiglu_refusal(self, m, weights, lora_scales):
-        return self.inner.swiglu_refusal(m // row_shards(self.mesh, m), weights, lora_scales)
+    def group_refusal(self, weights, lora_ranks):
+        return self.inner.group_refusal(weights, lora_ranks)
+
+    def swiglu_refusal(self, m, weights, lora_ranks, lora_scales):
+        return self.inner.swiglu_refusal(m // row_shards(self.mesh, m), weights, lora_ranks,
+                                         lora_scales)
 
     def swiglu_lora_b(self, weights, lora_bs):
         return self.inner.swiglu_lora_b(weights, lora_bs)
@@ -131,3 +138,25 @@ class RowShardedBackend(MatmulBackend):
                 self.inner.apply_swiglu(x, weights, lora_x_a, lora_bs, lora_scales,
                                         pair_lora_b, next_lora_a, compute_dtype=compute_dtype),
             (x, lora_x_a), (tuple(weights), lora_bs, pair_lora_b, next_lora_a))
+
+
+def on_mesh(backend: MatmulBackend, mesh) -> MatmulBackend:
+    """`backend` as it runs on `mesh`: per device on its rows (RowShardedBackend) where the
+    mesh has more than one device, else as it is."""
+    if mesh is None or mesh.size == 1:
+        return backend
+    return RowShardedBackend(backend, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerDeviceRows:
+    """The `wrap` of qerl_jax.quant.kernel_registry.register_kernels for a model on `mesh`:
+    each backend's launches run per device on its rows (on_mesh); equal for equal meshes."""
+
+    mesh: Any
+
+    def __call__(self, backend: MatmulBackend) -> MatmulBackend:
+        return on_mesh(backend, self.mesh)
+
+    def __str__(self) -> str:
+        return "one device" if self.mesh is None else f"per device on mesh {dict(self.mesh.shape)}"

@@ -23,9 +23,10 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import decode_attention as decode_attention_kernels
 from qerl_jax.models import attention_dispatch, decode_fusion
 from qerl_jax.parallel.mesh import batch_spec
-from qerl_jax.quant import kernels
+from qerl_jax.parallel.sharded_backend import PerDeviceRows
+from qerl_jax.quant import kernel_registry
 from qerl_jax.quant.backends.kernel_layout import (KernelLayoutWeight, prepare_for_kernels,
-                                                   restore_checkpoint_layout, to_kernel_layout)
+                                                   restore_checkpoint_layout)
 from qerl_jax.quant.kernel_options import KernelOptions
 from qerl_jax.quant.qarray import QuantizedWeight
 
@@ -101,7 +102,7 @@ def enable_decode_attention(platform: str | None = None,
     devices it runs per device on its rows and heads. Returns whether it was registered (not
     on a platform without compiled kernels unless interpret=True)."""
     platform = platform or jax.default_backend()
-    if platform not in kernels.KERNEL_PLATFORMS and not interpret:
+    if platform not in kernel_registry.KERNEL_PLATFORMS and not interpret:
         return False
     tiling = options.decode_attention_tiling
 
@@ -141,12 +142,14 @@ def enable_kernels(model_or_state, options: KernelOptions = KernelOptions(), *,
                    lora_rank: int | None = None, mesh=None):
     """Makes the quantized linear layers run the Pallas kernels on `platform`.
 
-    Registers the kernels (qerl_jax.quant.kernels.register_kernels) and repacks every
-    QuantizedWeight once (kernel layout). An nnx Module is changed in place (and returned):
-    with options.gate_up_pairs each MLP's gate and up weights become one interleaved pair
-    (decode_fusion.pair_gate_up_weights: no extra memory), and on a Hopper GPU the weights
-    whose decode launches the Mosaic GPU kernel runs are stored only in its permuted layout
-    (decode_fusion.add_decode_layouts) unless options.mosaic_nvfp4 is 'off'. Any other pytree
+    Registers the kernels (qerl_jax.quant.kernel_registry.register_kernels; on a mesh each
+    backend runs per device, qerl_jax.parallel.sharded_backend) and repacks every
+    QuantizedWeight once (the registered backends' repack: the kernel layout). An nnx Module
+    is changed in place (and returned): with options.gate_up_pairs each MLP's gate and up
+    weights become one interleaved pair (decode_fusion.pair_gate_up_weights: no extra
+    memory), and on a Hopper GPU the weights whose decode launches the Mosaic GPU kernel runs
+    are stored only in its permuted layout (decode_fusion.add_decode_layouts with the Mosaic
+    backend's repack) unless options.mosaic_nvfp4 is 'off'. Any other pytree
     (an nnx.State, params) is returned converted, its inputs untouched, without pairs. Where
     there are no compiled kernels (platform other than "gpu") and interpret is False, or
     options.enabled is False, nothing changes and the XLA path runs.
@@ -157,9 +160,10 @@ def enable_kernels(model_or_state, options: KernelOptions = KernelOptions(), *,
       interpret: Pallas interpret mode (CPU tests; slow).
       tile_k: K tile of the kernel layout (default: kernel_layout.default_tile_k).
       donate: (Module only) hand each checkpoint-layout weight's buffers to its kernel layout
-        (to_kernel_layout(donate=True)): no second copy of the scales and codes is allocated,
-        but arrays taken from the Module before the call are deleted. For a model nothing
-        else references (the trainer's, just built); the default keeps them valid.
+        (kernel_layout.to_kernel_layout(donate=True)): no second copy of the scales and
+        codes is allocated, but arrays taken from the Module before the call are deleted.
+        For a model nothing else references (the trainer's, just built); the default keeps
+        them valid.
       lora_rank: (Module only) the rank of the LoRA adapters the model will be given (the
         trainer's config.lora.rank), if not yet added. The Mosaic GPU kernel takes LoRA ranks
         in pallas_kernels.mgpu_nvfp4.LORA_RANKS only: with another rank (this one, or an
@@ -168,7 +172,7 @@ def enable_kernels(model_or_state, options: KernelOptions = KernelOptions(), *,
         replicated (fsdp = tensor = 1). Every launch then runs per device on its rows.
     """
     platform = platform or jax.default_backend()
-    if not options.enabled or (platform not in kernels.KERNEL_PLATFORMS and not interpret):
+    if not options.enabled or (platform not in kernel_registry.KERNEL_PLATFORMS and not interpret):
         logger.info("enable_kernels: no Pallas kernels (platform %r, enabled=%s); the quantized "
                     "layers keep the XLA path (dequantize + dot)", platform, options.enabled)
         return model_or_state
@@ -176,7 +180,8 @@ def enable_kernels(model_or_state, options: KernelOptions = KernelOptions(), *,
         raise ValueError(f"enable_kernels: mesh {dict(mesh.shape)} splits the weights; the "
                          "matmul kernels run per device on replicated weights (fsdp = tensor "
                          "= 1) only")
-    kernels.register_kernels(platform, options, interpret=interpret, mesh=mesh)
+    kernel_registry.register_kernels(platform, options, interpret=interpret,
+                                     wrap=None if mesh is None else PerDeviceRows(mesh))
     if options.decode_attention:
         enable_decode_attention(platform, options, interpret=interpret, mesh=mesh)
     else:
@@ -189,12 +194,17 @@ def enable_kernels(model_or_state, options: KernelOptions = KernelOptions(), *,
             continue
         value = node.get_value()
         if isinstance(value, QuantizedWeight) and not isinstance(value, KernelLayoutWeight):
-            node.set_value(to_kernel_layout(value, tile_k=tile_k, donate=donate))
+            stored = kernel_registry.repack_launch([value], platform, tile_k=tile_k,
+                                                   donate=donate)
+            if stored is not None:
+                node.set_value(stored[0])
             count += 1
-    pairs = decode_fusion.pair_gate_up_weights(model_or_state) if options.gate_up_pairs else 0
-    if kernels.mosaic_refusal(options, interpret=interpret,
-                              lora_ranks=_lora_ranks(model_or_state, lora_rank)) is None:
-        weights, mosaic_pairs, groups = decode_fusion.add_decode_layouts(model_or_state)
+    pairs = (decode_fusion.pair_gate_up_weights(model_or_state, kernel_registry.pair_weights)
+             if options.gate_up_pairs else 0)
+    if kernel_registry.mosaic_refusal(options, interpret=interpret,
+                                      lora_ranks=_lora_ranks(model_or_state, lora_rank)) is None:
+        weights, mosaic_pairs, groups = decode_fusion.add_decode_layouts(
+            model_or_state, lambda launch: kernel_registry.repack_launch(launch, platform))
         logger.info("enable_kernels: %d NVFP4 weights (%d gate/up pairs) and %d q|k|v groups "
                     "stored only in the Mosaic GPU permuted layout", weights, mosaic_pairs,
                     groups)
