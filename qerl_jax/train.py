@@ -1,12 +1,17 @@
 """CLI: python -m qerl_jax.train --config configs/X.py[:ARG] [--config.FIELD=VALUE ...]
---workdir DIR [--resume] [--overwrite] [--allow_config_change] [--debug]
+--workdir DIR [--resume [--restart]] [--overwrite] [--allow_config_change] [--debug]
 
 Thin: reads the config file and its overrides, validates the whole config and the data (no
 JAX is imported for that, so a bad field fails in about a second), then hands them to the
 Trainer. `--help` lists every config field with its default and description.
 
-Exit status: 0 done; 2 a bad input (config field, override, config file, data file or row, run
-directory), printed as one line `error: ...` (the traceback only with --debug); a stopped run's
+Nothing an earlier run wrote is lost on a refused or failed start: every input (config, data,
+model files, run directory) is checked before the run directory changes, and --overwrite moves
+the earlier run's files into WORKDIR/replaced-<UTC time>/.
+
+Exit status: 0 done; 2 a bad input (config field, override, config file, data file or row,
+model file, run directory) or a file that cannot be written (a full disk), printed as one line
+`error: ...` naming it (the traceback only with --debug); a stopped run's
 TrainingStopped.exit_code; 130 interrupted.
 """
 
@@ -24,14 +29,13 @@ from ml_collections import config_flags
 
 from qerl_jax.experiment_config import (FIELDS, MAPPING_FIELDS, base_config, config_leaves,
                                       suggest_field, validate_config)
-from qerl_jax.data.sources import load_eval_examples, load_training_examples
-from qerl_jax.infra.errors import ConfigError, TrainingStopped
+from qerl_jax.tasks import load_eval_examples, load_training_examples
+from qerl_jax.infra.errors import EXIT_BAD_INPUT, ConfigError, TrainingStopped
 
-EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 USAGE = ("usage: python -m qerl_jax.train --config FILE[:ARG] --workdir DIR "
-         "[--config.FIELD=VALUE ...] [--resume] [--overwrite] [--allow_config_change] "
-         "[--debug]")
+         "[--config.FIELD=VALUE ...] [--resume [--restart]] [--overwrite] "
+         "[--allow_config_change] [--debug]")
 # name -> (kind, help); the config flag is defined by ml_collections.config_flags
 CLI_FLAGS = {
     "config": ("file", "Experiment config file (configs/*.py) defining get_config(); ':ARG' is "
@@ -39,9 +43,15 @@ CLI_FLAGS = {
     "config.FIELD": ("value", "Overrides one config field (listed below), parsed as the "
                               "field's type (e.g. --config.train.learning_rate=1e-3)."),
     "workdir": ("string", "Run directory: metrics.jsonl, checkpoints, run.json, plots."),
-    "resume": ("bool", "Continue from the last checkpoint in --workdir."),
-    "overwrite": ("bool", "A fresh run into a --workdir holding an earlier run's files "
-                          "replaces them."),
+    "resume": ("bool", "Continue from the last checkpoint in --workdir (an intact checkpoint "
+                       "that does not fit the config is refused, never moved)."),
+    "restart": ("bool", "With --resume: when --workdir holds no checkpoint but an earlier "
+                        "run's metrics or moved-aside checkpoints, start over at step 0, those "
+                        "files moved into WORKDIR/replaced-<UTC time>/ (without it such a "
+                        "resume is refused)."),
+    "overwrite": ("bool", "A fresh run into a --workdir holding an earlier run's files moves "
+                          "them into WORKDIR/replaced-<UTC time>/ (the warm-up cache stays), "
+                          "once every input is checked."),
     "allow_config_change": ("bool", "With --resume: accept a config whose training-relevant "
                                     "fields differ from the earlier run's."),
     "debug": ("bool", "Show the traceback of a bad-input error."),
@@ -259,25 +269,36 @@ def main(argv: list[str] | None = None) -> int:
         from qerl_jax.trainer import Trainer   # imports JAX: after every input is checked
         trainer = Trainer(config, os.path.abspath(flag_values.workdir),
                           resume=flag_values.resume, overwrite=flag_values.overwrite,
-                          allow_config_changes=flag_values.allow_config_change)
-        history = trainer.train()
+                          allow_config_changes=flag_values.allow_config_change,
+                          restart=flag_values.restart)
+        trainer.train()
+        from qerl_jax.infra.metrics import METRICS_FILE, read_metrics, run_summary
+        metrics_path = os.path.join(flag_values.workdir, METRICS_FILE)
+        summary = (run_summary(read_metrics(flag_values.workdir))
+                   if os.path.isfile(metrics_path) else None)
     except ConfigError as error:
         _report_error(str(error), debug)
         return EXIT_BAD_INPUT
-    except TrainingStopped as error:
+    except TrainingStopped as error:   # StorageError (exit 2) included
         if debug:
             traceback.print_exc()
-        print(str(error).replace("\n", " "), file=sys.stderr)
+        prefix = "error: " if error.exit_code == EXIT_BAD_INPUT else ""
+        print(prefix + str(error).replace("\n", " "), file=sys.stderr)
         return error.exit_code
+    except OSError as error:   # a file's failure: one line naming it
+        if isinstance(error, FileNotFoundError) and error.filename is None:
+            _report_error(str(error), debug)   # the loaders' message names the path
+            return EXIT_BAD_INPUT
+        if error.filename is None:   # not a file's: the platform's, with its traceback
+            raise
+        reason = error.strerror or str(error)
+        _report_error(f"{error.filename}: {reason[:1].lower() + reason[1:]}", debug)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    if history:
-        first, last = history[0], history[-1]
-        metrics_path = os.path.join(flag_values.workdir, "metrics.jsonl")
-        print(f"steps {first['step']}..{last['step']}: reward {first['reward']:.3f} -> "
-              f"{last['reward']:.3f}, accuracy {first['accuracy']:.3f} -> "
-              f"{last['accuracy']:.3f}; metrics in {metrics_path}")
+    if summary:   # the whole run's, a resumed one's too
+        print(f"{summary}; metrics in {metrics_path}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The QeRL training loop: rollout -> rewards -> advantages -> jitted train step(s).
 
-One step (QeRL facts sections 2-3):
+One step (arXiv 2510.11696: AQN section 3.3, the GRPO / DAPO objective):
   1. P prompts from the seeded iterator; the rollout policy (AQN noise on its decoder norms,
      a pure function of (key, step, schedule)) samples G completions each from one prefill.
   2. Rewards (summed over reward functions) -> group advantages; optional DAPO dynamic
@@ -8,10 +8,14 @@ One step (QeRL facts sections 2-3):
   3. num_iterations passes of micro-batched gradient accumulation of the clipped policy loss
      (+ k3 KL against the LoRA-disabled model) on the noise-free model, then AdamW.
 With config.eval.every_steps, the noise-free policy's greedy pass@1 on a fixed held-out subset
-(evaluate.pass_at_1) joins the metrics row of step 0, of every N-th step and, in a row of its
+(evaluation.pass_at_1) joins the metrics row of step 0, of every N-th step and, in a row of its
 own, of the step count after the last step (row k: the policy after k updates).
 The model is split once: graphdef (static) / trainable (LoRA [+ norm scales]) / frozen (the
 quantized base); jitted functions take the states as inputs and merge inside.
+A step with no valid completion token records its per-token means (loss, entropy, KL, clip
+fraction) as missing (null), not 0. The CLI's closing line gives the mean reward, accuracy and
+entropy over the first and the last tenth of the run's steps (steps 0-9 and 90-99 of 100; at
+least one step each; infra.metrics.run_summary).
 """
 
 from __future__ import annotations
@@ -29,16 +33,18 @@ import numpy as np
 from flax import nnx
 
 from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
-from qerl_jax.infra.checkpointing import TrainingCheckpoints, check_resume_meta
+from qerl_jax.infra.checkpointing import (CheckpointMismatch, TrainingCheckpoints,
+                                          check_resume_meta)
 from qerl_jax.infra.compilation_cache import enable_compilation_cache
 from qerl_jax.experiment_config import validate_config
 from qerl_jax.data import PromptIterator, encode_prompts
-from qerl_jax.data.sources import load_eval_examples, load_training_examples
+from qerl_jax.tasks import get_task, load_eval_examples, load_training_examples
 from qerl_jax.data.prompts import build_prompt_text
 from qerl_jax.infra.device_offload import commit_to_devices, offload_to_host, restore_to_device
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
-from qerl_jax.infra.errors import TrainingStopped
-from qerl_jax.evaluate import pass_at_1
+from qerl_jax.infra.atomic_io import storage_errors
+from qerl_jax.infra.errors import ConfigError, TrainingStopped
+from qerl_jax.evaluation import pass_at_1
 from qerl_jax.infra.interrupts import Interrupted, StopSignals, logging_above_progress_bar
 from qerl_jax.infra.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run_metadata
 from qerl_jax.model_setup import build_model
@@ -50,9 +56,10 @@ from qerl_jax.rewards import get_reward_functions, score_completions
 from qerl_jax.plots import write_run_curves
 from qerl_jax.rl.optimizer import make_optimizer
 from qerl_jax.rl.train_step import make_train_programs, training_batch
-from qerl_jax.infra.run_record import prepare_workdir, record_start
+from qerl_jax.infra.run_record import changes_note, check_workdir, move_aside, record_start
+from qerl_jax.models.hf_io import check_hf_model_files
 from qerl_jax.rl.losses import (LossConfig)
-from qerl_jax.sampling import (SamplingConfig, compile_generate,
+from qerl_jax.sampling import (SamplingConfig, bucket_length, compile_generate,
                                generate_from_states, padded_prompt_shape)
 from qerl_jax.infra.xla_autotuning import persist_autotuning
 
@@ -68,16 +75,24 @@ class Trainer:
     """Holds the split model, optimizer, data iterator and checkpoints of one run."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
-                 overwrite: bool = False, allow_config_changes: bool = False):
-        """Validates the config, the data and the run directory before any model work, then
-        builds the model, the optimizer and the data iterator.
+                 overwrite: bool = False, allow_config_changes: bool = False,
+                 restart: bool = False):
+        """Validates the config, the data, the run directory and the model files, builds the
+        model, and only then changes the run directory; then the optimizer and the data
+        iterator.
 
         Args:
           resume: continue the run in `workdir` from its newest checkpoint that restores (a
-            fresh start when it has none); its config may change only harmless fields
-            (run_record.HARMLESS_FIELDS) unless `allow_config_changes`.
-          overwrite: a fresh run into a `workdir` holding an earlier run removes that run's
-            files (the warm-up cache stays); without it such a start is refused.
+            fresh start in a directory without an earlier run's metrics); its config may change
+            only harmless fields (run_record.HARMLESS_FIELDS) unless `allow_config_changes`.
+            An intact checkpoint that does not fit the config is refused (ConfigError naming
+            the changed fields and the shapes), nothing moved.
+          overwrite: a fresh run into a `workdir` holding an earlier run moves that run's files
+            into `workdir`/replaced-<UTC time>/ (the warm-up cache stays); without it such a
+            start is refused.
+          restart: with `resume`, a `workdir` with no checkpoint but an earlier run's metrics
+            or moved-aside checkpoints starts over at step 0 (those files moved aside as with
+            `overwrite`); without it such a resume is refused.
         """
         validate_config(config)
         self.config = config
@@ -90,17 +105,26 @@ class Trainer:
         examples = load_training_examples(config)   # the data checked before any model work
         self.eval_examples = load_eval_examples(config, examples)
         self._config_dict = json.loads(config.to_json())
-        os.makedirs(workdir, exist_ok=True)
-        self.resume = resume
-        self._config_changes = prepare_workdir(
-            workdir, self._config_dict, resume=resume, overwrite=overwrite,
-            allow_config_changes=allow_config_changes) if is_primary() else []
+        # nothing in `workdir` changes before the start is checked and the model is built
+        plan = check_workdir(workdir, self._config_dict, resume=resume, overwrite=overwrite,
+                             allow_config_changes=allow_config_changes, restart=restart)
+        self.resume = resume and not plan.move_aside
+        self._config_changes = plan.config_changes if is_primary() else []
+        if config.model.hf_path:   # headers and shapes: seconds, before any weight is read
+            check_hf_model_files(config.model.hf_path,
+                                 config.model.tokenizer_path or config.model.hf_path)
+        with storage_errors(workdir, "create the run directory"):
+            os.makedirs(workdir, exist_ok=True)
         base_key = jax.random.key(config.seed)
         self.lora_key = jax.random.fold_in(base_key, 1)
         self.rollout_key = jax.random.fold_in(base_key, 2)
         self.aqn_key = jax.random.fold_in(base_key, 3)
 
         model, self.tokenizer = build_model(config, workdir, mesh=self.placement.mesh)
+        replaced = move_aside(workdir, plan.move_aside) if is_primary() else None
+        if replaced:
+            logger.info("moved the earlier run's files (%s) to %s", ", ".join(plan.move_aside),
+                        replaced)
         self.lora_config = LoRAConfig(rank=config.lora.rank, alpha=config.lora.alpha,
                                       target_modules=tuple(config.lora.target_modules),
                                       train_norms=config.lora.train_norms)
@@ -121,8 +145,13 @@ class Trainer:
 
         self.iterator = PromptIterator(examples, config.train.prompts_per_step, config.seed)
         self.reward_functions = get_reward_functions(list(config.rewards.names))
-        self.correctness_name = next((name for name in config.rewards.names
-                                      if name != "format"), None)
+        # the task's correctness reward decides `accuracy` and pass@1; scored on its own (not
+        # summed into the reward) when the run does not train with it
+        task = get_task(config.data.task)
+        self.correctness_name = task.correctness_reward(config.data)
+        self.correctness_function = task.correctness_function(config.data)
+        self.correctness_key = (self.correctness_name if self.correctness_name
+                                in self.reward_functions else f"correct:{self.correctness_name}")
         rollout = config.rollout
         self.sampling = SamplingConfig(
             max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
@@ -136,7 +165,8 @@ class Trainer:
             epsilon_high=config.loss.epsilon_high, beta=config.loss.beta,
             top_entropy_quantile=config.loss.top_entropy_quantile,
             max_completion_length=rollout.max_new_tokens,
-            rollout_is_cap=config.loss.rollout_is_cap)
+            rollout_is_cap=config.loss.rollout_is_cap,
+            policy_objective=config.loss.policy_objective)
         self.eval_sampling = SamplingConfig(
             max_new_tokens=config.eval.max_new_tokens or rollout.max_new_tokens, greedy=True,
             num_generations=1, prompt_bucket=rollout.prompt_bucket,
@@ -161,7 +191,7 @@ class Trainer:
         self.metrics = MetricsWriter(workdir, config.logging.tensorboard, enabled=is_primary())
         self._compile_functions()
         self.start_step = 0
-        if resume and not self.restore_newest():
+        if self.resume and not self.restore_newest():
             logger.info("no checkpoint in %s: the run starts at step 0",
                         self.checkpoints.directory)
 
@@ -249,6 +279,10 @@ class Trainer:
         # each completion's scoring is bounded: one that takes longer scores 0 and is counted
         scores = score_completions(completions, golds, self.reward_functions,
                                    time_limit_seconds=self.config.rewards.time_limit_seconds)
+        if self.correctness_key not in scores:
+            scores[self.correctness_key] = score_completions(
+                completions, golds, {self.correctness_name: self.correctness_function},
+                time_limit_seconds=self.config.rewards.time_limit_seconds)[self.correctness_name]
         return prompts, rollout, scores
 
     def _group_entries(self, prompts, rollout, scores) -> list[dict]:
@@ -288,8 +322,13 @@ class Trainer:
         return self._training_arrays(groups), generated_tokens, rollout_seconds, len(dropped)
 
     def _training_arrays(self, groups: list[dict]):
-        return training_batch(groups, self.sampling,
-                              mask_truncated=self.config.loss.mask_truncated_completions)
+        longest = max(len(group["prompt_tokens"]) for group in groups)
+        return training_batch(
+            groups, group_size=self.sampling.num_generations,
+            prompt_length=bucket_length(longest, self.sampling.prompt_bucket),
+            completion_length=self.sampling.max_new_tokens,
+            mask_truncated=self.config.loss.mask_truncated_completions,
+            advantage_estimator=self.config.loss.advantage_estimator)
 
     # -------------------------------------------------------------- held-out evaluation
     def _evaluation_due(self) -> bool:
@@ -300,7 +339,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Greedy pass@1 of the current noise-free policy (the quantized base + LoRA, no AQN
-        noise) on the fixed held-out subset, scored as qerl_jax.evaluate scores it. Uses its own
+        noise) on the fixed held-out subset, scored as qerl_jax.evaluation scores it. Uses its own
         key (greedy decoding draws nothing) and changes no training state.
 
         Returns:
@@ -320,12 +359,12 @@ class Trainer:
                                                 mesh=self.placement.mesh))
 
         data = self.config.data
-        result = pass_at_1(sample, self.tokenizer, self.eval_examples, task=data.task,
+        result = pass_at_1(sample, self.tokenizer, self.eval_examples,
+                           correctness=self.correctness_function,
                            samples_per_problem=1, max_prompt_length=data.max_prompt_length,
                            batch_size=self.config.eval.batch_size,
                            prompt_style=data.prompt_style,
-                           use_chat_template=data.use_chat_template, seed=self.config.seed,
-                           arithmetic_phrasing=data.arithmetic_phrasing)
+                           use_chat_template=data.use_chat_template, seed=self.config.seed)
         seconds = time.perf_counter() - started
         logger.info("step %d: held-out pass@1 %.4f on %d examples (greedy, %.1f s)", self.step,
                     result["pass@1"], result["problems"], seconds)
@@ -422,22 +461,24 @@ class Trainer:
                                "row)", self.step, self.consecutive_nonfinite)
             train_seconds = time.perf_counter() - started
             valid = max(stats["valid_tokens"], 1.0)
+
+            def per_token(total):   # no valid token (every completion masked): no mean
+                return total / valid if stats["valid_tokens"] > 0 else None
             metrics = {
                 "step": self.step,
                 "reward": float(np.mean(rewards["total"])),
                 **{f"reward/{name}": float(np.mean(values)) for name, values in rewards.items()
-                   if name not in ("total", "timeouts")},
+                   if name in self.reward_functions},
                 "reward/timeouts": int(np.sum(rewards.get("timeouts", [0.0]))),
-                "accuracy": (float(np.mean(np.asarray(rewards[self.correctness_name]) > 0))
-                             if self.correctness_name else float("nan")),
-                "entropy": stats["entropy_sum"] / valid,
-                "kl": stats["kl_sum"] / valid,
-                "clip_fraction": stats["clipped_tokens"] / valid,
+                "accuracy": float(np.mean(np.asarray(rewards[self.correctness_key]) > 0)),
+                "entropy": per_token(stats["entropy_sum"]),
+                "kl": per_token(stats["kl_sum"]),
+                "clip_fraction": per_token(stats["clipped_tokens"]),
                 # the sampling policy (AQN noise, kernels) against the trained one, on the
                 # sampled tokens: k3 KL(rollout || train) and the share of ratios off [1/2, 2]
-                "rollout/kl": stats["rollout_kl_sum"] / valid,
-                "rollout/ratio_outside_2x": stats["rollout_outside_sum"] / valid,
-                "loss": stats["loss"],
+                "rollout/kl": per_token(stats["rollout_kl_sum"]),
+                "rollout/ratio_outside_2x": per_token(stats["rollout_outside_sum"]),
+                "loss": stats["loss"] if stats["valid_tokens"] > 0 else None,
                 "completion_length": float(completion_mask.sum(axis=1).mean()),
                 "truncated_fraction": float(truncated.mean()),
                 "aqn_sigma": (float(aqn_sigma(self.step, self.aqn_schedule))
@@ -453,20 +494,13 @@ class Trainer:
                 "peak_memory_bytes": peak_memory_bytes(),
                 **evaluation,
             }
-            self._write_metrics(metrics)
+            self.metrics.write(metrics)
             self.step += 1
             self._state_at_boundary = True
         if self.consecutive_nonfinite >= config.train.max_consecutive_nonfinite:
             raise NonFiniteError(f"{self.consecutive_nonfinite} consecutive non-finite steps "
                                  f"(last at step {self.step - 1})")
         return metrics
-
-    def _write_metrics(self, metrics: dict) -> None:
-        try:
-            self.metrics.write(metrics)
-        except OSError as error:
-            raise TrainingStopped(f"could not write {self.metrics.path}: "
-                                  f"{error.strerror or error}") from error
 
     # -------------------------------------------------------------- checkpoints
     def _state_arrays(self):
@@ -484,8 +518,12 @@ class Trainer:
     def restore_newest(self) -> bool:
         """Restores the newest checkpoint that restores (skipping damaged ones, each named in
         one warning); False when there is none."""
-        restored = self.checkpoints.restore_newest(
-            self._state_arrays(), check=lambda meta: check_resume_meta(meta, self.config.seed))
+        try:
+            restored = self.checkpoints.restore_newest(
+                self._state_arrays(),
+                check=lambda meta: check_resume_meta(meta, self.config.seed))
+        except CheckpointMismatch as error:   # the config changed: not damage, nothing moved
+            raise ConfigError(f"{error}; {changes_note(self._config_changes)}") from None
         if restored is None:
             return False
         arrays, meta, step = restored
@@ -533,13 +571,14 @@ class Trainer:
                         progress.update(1)
                         progress.set_postfix(reward=f"{metrics['reward']:.3f}",
                                              acc=f"{metrics['accuracy']:.2f}",
-                                             entropy=f"{metrics['entropy']:.3f}",
+                                             entropy=("n/a" if metrics["entropy"] is None
+                                                      else f"{metrics['entropy']:.3f}"),
                                              refresh=False)
                     if self.step % self.config.checkpoint.every_steps == 0:
                         with self._signals.deferred():
                             self.save_checkpoint()
                 if self.step == total and self._evaluation_due():   # the final policy
-                    self._write_metrics({"step": self.step, **self.evaluate()})
+                    self.metrics.write({"step": self.step, **self.evaluate()})
         except BaseException as error:
             if progress is not None:
                 progress.close()

@@ -197,3 +197,15 @@ def test_current_config_reads_both_run_json_forms():
     assert current_config(json.loads(json.dumps(starts))) == {"seed": 2}
     with pytest.raises(ValueError, match="neither"):
         current_config({"seed": 1})
+
+
+def test_a_step_without_an_entropy_is_not_drawn():
+    """A step whose completions had no valid token logs entropy and loss as null: the raw line
+    of a short run skips that step instead of drawing it at 0."""
+    metrics = synthetic_metrics(6)
+    metrics[2]["entropy"] = metrics[2]["loss"] = None
+    axes = _axes_by_ylabel(training_curves_figure(metrics, title="run"))
+    [line] = axes["entropy (nats / token)"].get_lines()
+    assert list(line.get_xdata()) == [0, 1, 3, 4, 5]
+    np.testing.assert_array_equal(line.get_ydata(),
+                                  [metrics[step]["entropy"] for step in (0, 1, 3, 4, 5)])

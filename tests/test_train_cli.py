@@ -2,6 +2,7 @@
 line on stderr and exit status 2 before any model work (the traceback only with --debug); the
 Trainer gets the run flags; a stopped or interrupted run exits with its status."""
 
+import errno
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from qerl_jax import train
 from qerl_jax.experiment_config import FIELDS
-from qerl_jax.infra.errors import ConfigError, TrainingStopped
+from qerl_jax.infra.errors import ConfigError, StorageError, TrainingStopped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join("configs", "tiny.py")
@@ -43,7 +44,8 @@ def test_help_lists_every_field_fast():
     assert lines[index + 1].strip() == FIELDS["rollout.temperature"].description
     for path in FIELDS:
         assert any(line.startswith(f"  config.{path}=") for line in lines), path
-    for flag in ("--workdir", "--resume", "--overwrite", "--allow_config_change", "--debug"):
+    for flag in ("--workdir", "--resume", "--restart", "--overwrite", "--allow_config_change",
+                 "--debug"):
         assert f"  {flag}" in result.stdout
     # with --config, the file's values
     result = _cli("--config", TINY, "--help")
@@ -123,11 +125,15 @@ class _FakeTrainer:
 
     def __init__(self, config, workdir, **flags):
         _FakeTrainer.calls.append((config, workdir, flags))
+        self.workdir = workdir
 
     def train(self):
         if _FakeTrainer.outcome is not None:
             raise _FakeTrainer.outcome
-        return [{"step": 0, "reward": 0.5, "accuracy": 0.25}]
+        row = {"step": 0, "reward": 0.5, "accuracy": 0.25, "entropy": 0.75}
+        with open(os.path.join(self.workdir, "metrics.jsonl"), "w") as handle:
+            handle.write(json.dumps(row) + "\n")
+        return [row]
 
 
 @pytest.fixture
@@ -146,11 +152,17 @@ def test_trainer_gets_the_run_flags(fake_trainer, tmp_path, capsys):
     assert train.main(argv) == 0
     (config, workdir, flags), = fake_trainer.calls
     assert config.train.total_steps == 7 and workdir == str(tmp_path)
-    assert flags == {"resume": True, "overwrite": False, "allow_config_changes": True}
-    assert "steps 0..0: reward 0.500 -> 0.500" in capsys.readouterr().out
+    assert flags == {"resume": True, "overwrite": False, "allow_config_changes": True,
+                     "restart": False}
+    assert capsys.readouterr().out.strip() == (
+        "steps 0..0: reward 0.500 -> 0.500, accuracy 0.250 -> 0.250, entropy 0.750 -> 0.750 "
+        f"(means over steps 0 and 0); metrics in {tmp_path}/metrics.jsonl")
     assert train.main(argv[:4] + ["--overwrite"]) == 0
     assert fake_trainer.calls[-1][2] == {"resume": False, "overwrite": True,
-                                         "allow_config_changes": False}
+                                         "allow_config_changes": False, "restart": False}
+    assert train.main(argv[:4] + ["--resume", "--restart"]) == 0
+    assert fake_trainer.calls[-1][2] == {"resume": True, "overwrite": False,
+                                         "allow_config_changes": False, "restart": True}
 
 
 @pytest.mark.parametrize("outcome,status,message", [
@@ -159,6 +171,12 @@ def test_trainer_gets_the_run_flags(fake_trainer, tmp_path, capsys):
     (KeyboardInterrupt(), 130, "interrupted"),
     (ConfigError("runs/x: holds an earlier run; pass --overwrite or --resume"), 2,
      "error: runs/x: holds an earlier run; pass --overwrite or --resume"),
+    (StorageError("could not write runs/x/metrics.jsonl: no space left on device"), 2,
+     "error: could not write runs/x/metrics.jsonl: no space left on device"),
+    (OSError(errno.EROFS, "Read-only file system", "runs/x/curves.png"), 2,
+     "error: runs/x/curves.png: read-only file system"),
+    (FileNotFoundError("tokenizer directory 'tok' does not exist"), 2,
+     "error: tokenizer directory 'tok' does not exist"),
 ])
 def test_stopped_and_refused_runs_exit_with_their_status(fake_trainer, tmp_path, capsys,
                                                          outcome, status, message):
@@ -201,4 +219,5 @@ def test_console_is_clean_and_an_interrupt_is_one_line(tmp_path):
     assert [line for line in records if line not in notices] == [last], records
     resumed = _cli(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert "steps " in resumed.stdout and "..39:" in resumed.stdout
+    assert resumed.stdout.startswith("steps 0..39: reward ")
+    assert "(means over steps 0-3 and 36-39)" in resumed.stdout

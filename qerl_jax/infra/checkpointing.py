@@ -32,27 +32,36 @@ DAMAGED_DIRECTORY = "checkpoints_damaged"   # next to the checkpoints directory
 @contextlib.contextmanager
 def _quiet_orbax():
     """Orbax logs a failed write or read as tens to hundreds of absl ERROR lines with tracebacks
-    before it raises; the caller reports the failure itself, in one line."""
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.CRITICAL + 1)
+    (and asyncio its abandoned tasks) before it raises; the caller reports the failure itself,
+    in one line. Closed-event-loop reports of its leftover threads are dropped from then on."""
+    _drop_closed_event_loop_reports()
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [logger_.level for logger_ in loggers]
+    for logger_ in loggers:
+        logger_.setLevel(logging.CRITICAL + 1)
     try:
         yield
     finally:
-        absl_logger.setLevel(level)
+        for logger_, level in zip(loggers, levels):
+            logger_.setLevel(level)
 
 
-def _ignore_closed_event_loop(unraisable) -> None:
-    """After a failed write, tensorstore's pending operations complete on threads whose asyncio
-    loop orbax already closed: each reports 'Event loop is closed' (hundreds on a full disk),
-    burying the one line that says what failed. Those, and only those, are dropped."""
-    value = unraisable.exc_value
-    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+def _drop_closed_event_loop_reports() -> None:
+    """After a failed write or read, tensorstore's pending operations complete on threads whose
+    asyncio loop orbax already closed: each reports 'Event loop is closed' (hundreds on a full
+    disk), burying the one line that says what failed. Those, and only those, are dropped; the
+    hook in place handles every other report."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_event_loop", False):
         return
-    _PREVIOUS_UNRAISABLE_HOOK(unraisable)
 
-
-_PREVIOUS_UNRAISABLE_HOOK = sys.unraisablehook
+    def hook(unraisable) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+    hook.drops_closed_event_loop = True
+    sys.unraisablehook = hook
 
 
 def _first_line(error: BaseException) -> str:
@@ -153,7 +162,6 @@ class TrainingCheckpoints:
                     force=True)
                 self.manager.wait_until_finished()
         except Exception as error:   # orbax/tensorstore raise ValueError for an OS failure
-            sys.unraisablehook = _ignore_closed_event_loop
             self._remove_partial(step)
             steps = self.all_steps()
             kept = (f"checkpoints of steps {steps} are intact" if steps
