@@ -83,6 +83,30 @@ def test_lazily_listed_builtins_resolve_and_keep_their_facts():
     assert not registry.FORMATS.get("bf16").is_quantized
 
 
+_LIST_BEFORE_AND_AFTER_IMPORTS = """
+import importlib, json
+from qerl_jax import registry
+kinds = {key: value for key, value in vars(registry).items()
+         if isinstance(value, registry.Registry)}
+before = {key: value.names(with_aliases=True) for key, value in kinds.items()}
+for module in ("qerl_jax.quant", "qerl_jax.rl", "qerl_jax.aqn", "qerl_jax.models",
+               "qerl_jax.rewards", "qerl_jax.tasks", "qerl_jax.data.prompts",
+               "qerl_jax.sampling", "qerl_jax.lora", "qerl_jax.trainer"):
+    importlib.import_module(module)
+after = {key: value.names(with_aliases=True) for key, value in kinds.items()}
+print(json.dumps([before, after]))
+"""
+
+
+def test_every_builtin_name_is_listed_before_its_module_loads():
+    """The names the package registers are the ones qerl_jax.registry lists without importing
+    it (so the schema and --help know every built-in without JAX)."""
+    result = subprocess.run([sys.executable, "-c", _LIST_BEFORE_AND_AFTER_IMPORTS], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, check=True)
+    before, after = json.loads(result.stdout.strip().splitlines()[-1])
+    assert before == after
+
+
 def test_a_lazy_entry_is_filled_by_its_module_and_refuses_others(tmp_path, monkeypatch):
     names = Registry("probe")
     names.register_lazy("listed", "probe_lazy_module", answer=42)
