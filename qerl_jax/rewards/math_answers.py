@@ -1,27 +1,29 @@
-"""MATH-style rewards via math-verify (QeRL facts section 4: BigMath format 0.2 + accuracy 1.0).
+"""MATH-style rewards via math-verify (QeRL's BigMath reward: format 0.2 + accuracy 1.0).
 
 The answer is read from the <answer> block, or the last \\boxed{...} of the completion; the gold
 is parsed by math-verify (boxed first). An unparsable gold or a verifier error gives 0.
 
-Bounded time: math-verify's own timeouts are on (signal alarms, so only in a main thread; off it
-they are off and the caller bounds the time, as the scoring worker of `scoring.py` does), and
-answers that would make sympy work for seconds score 0 before they reach it: answers longer
-than MAX_ANSWER_CHARS, bracket nesting deeper than MAX_NESTING_DEPTH, and numbers whose
-evaluation would exceed MAX_NUMBER_DIGITS digits (exponent towers, huge factorials).
+Bounded time: answers that would make sympy work for seconds score 0 before they reach it
+(answers longer than MAX_ANSWER_CHARS, bracket nesting deeper than MAX_NESTING_DEPTH, numbers
+whose evaluation would exceed MAX_NUMBER_DIGITS digits: exponent towers, huge factorials); the
+rest is bounded by the caller, as the scoring worker of `scoring.py` bounds each completion's CPU
+time. math-verify's own timeouts stay off: they are wall-clock alarms, which a busy host trips
+on correct answers, and a limit hit inside them would score 0 without being counted.
+The parse of each gold is cached (GOLD_CACHE_SIZE golds): a group's completions share one.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import re
-import threading
 
 from qerl_jax.rewards.answer_format import extract_answer
 from qerl_jax.rewards.registry import register_reward
 
 ACCURACY_REWARD = 1.0
-PARSE_TIMEOUT_SECONDS = 1    # per math-verify parse (its alarm takes whole seconds)
-VERIFY_TIMEOUT_SECONDS = 1   # per pair of parsed expressions compared
+GOLD_CACHE_SIZE = 4096       # parsed golds kept per process (MATH-500 has 500)
 MAX_ANSWER_CHARS = 1000      # MATH-500's longest gold answer has 53 characters
 MAX_NESTING_DEPTH = 8        # MATH-500 golds nest at most 2 deep; parsing time grows with depth
 MAX_NUMBER_DIGITS = 100_000  # 2^{65536} (19,729 digits) verifies in ~0.2 s; 2^{2^{65536}} never
@@ -96,37 +98,45 @@ def _small_enough(expr) -> bool:
         return False
 
 
-def _timeouts() -> tuple[int | None, int | None]:
-    """math-verify's (parse, verify) timeouts: on in a main thread, off elsewhere.
+class _WithoutTimeoutNotice(logging.Filter):
+    """Drops math-verify's notice that its timeouts are off: the caller's limit replaces them."""
 
-    Its alarms use signals, which Python allows only in the main thread; elsewhere math-verify
-    raises ValueError on every call, which would score every answer 0.
-    """
-    if threading.current_thread() is threading.main_thread():
-        return PARSE_TIMEOUT_SECONDS, VERIFY_TIMEOUT_SECONDS
-    return None, None
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
 
 
-def _parse_bounded(text: str, parsing_timeout: int | None) -> list:
+@functools.cache
+def _math_verify():
+    """The math_verify module, imported on first use (sympy and ANTLR are heavy)."""
+    import math_verify
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_WithoutTimeoutNotice())
+    return math_verify
+
+
+def _parse_bounded(text: str) -> list:
     """math-verify's parse of `text` ($-delimited when not already), dropping what is too large
     to evaluate; [] for text longer or nested deeper than the limits."""
-    from math_verify import parse  # optional heavy import, only when used
     if len(text) > MAX_ANSWER_CHARS or _nesting_depth(text) > MAX_NESTING_DEPTH:
         return []
-    parsed = parse(text if _is_delimited(text) else f"${text}$", parsing_timeout=parsing_timeout)
+    delimited = text if _is_delimited(text) else f"${text}$"
+    parsed = _math_verify().parse(delimited, parsing_timeout=None)
     return [item for item in parsed if _small_enough(item)]
 
 
+@functools.lru_cache(maxsize=GOLD_CACHE_SIZE)
+def _parsed_gold(gold: str) -> tuple:
+    return tuple(_parse_bounded(gold))
+
+
 def _verify(gold: str, answer: str) -> bool:
-    from math_verify import verify
-    parsing_timeout, verify_timeout = _timeouts()
-    gold_parsed = _parse_bounded(gold, parsing_timeout)
+    gold_parsed = list(_parsed_gold(gold))
     if not gold_parsed:
         return False
-    answer_parsed = _parse_bounded(answer, parsing_timeout)
+    answer_parsed = _parse_bounded(answer)
     if not answer_parsed:
         return False
-    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=verify_timeout))
+    return bool(_math_verify().verify(gold_parsed, answer_parsed, timeout_seconds=None))
 
 
 def _answer_text(completion: str) -> str:

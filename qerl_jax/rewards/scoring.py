@@ -1,10 +1,13 @@
 """Scoring completions with reward functions, in bounded time per completion.
 
 `score_completions(completions, golds, functions, time_limit_seconds=5.0)` scores each completion
-with every function in a worker process (one at a time) and waits at most `time_limit_seconds`
-for it. A completion that takes longer (or kills the worker) scores 0 for every function and
-counts as a timeout; the worker is killed and a fresh one scores the rest. Only a process can be
-stopped inside C code (a huge int power, the `re` engine), where in-process alarms never fire.
+with every function in a worker process (one at a time), which may spend `time_limit_seconds`
+of CPU time on it: CPU time, so that a busy host (other processes on the cores) slows a correct
+answer down without failing it. A worker that holds a completion for WALL_CLOCK_FACTOR times
+the limit in wall time (blocked, stopped, or starved of CPU) is killed. A completion that hits
+either limit (or kills the worker) scores 0 for every function and counts as a timeout; a killed
+worker is replaced by a fresh one for the rest. Only a process can be stopped inside C code (a
+huge int power, the `re` engine), where signal handlers never run.
 
 The worker is `python -m qerl_jax.rewards.scoring_worker`, started on first use and kept across
 batches by a `RewardScorer` (the module-level default one serves `score_completions`); it stops
@@ -22,6 +25,7 @@ import math
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -30,13 +34,18 @@ import time
 import weakref
 from typing import BinaryIO, Callable, Mapping, Sequence
 
-DEFAULT_TIME_LIMIT_SECONDS = 5.0
+DEFAULT_TIME_LIMIT_SECONDS = 5.0     # of the worker's CPU time, per completion
+WALL_CLOCK_FACTOR = 4.0              # wall-time limit per completion, in CPU-time limits
 WORKER_START_TIMEOUT_SECONDS = 60.0   # start, load the functions, import what they import
 RESERVED_NAMES = ("total", "timeouts")
 WARM_UP_PAIR = ("<think>1</think> <answer>1</answer>", "1")   # each function runs once on it
 
 RewardFunction = Callable[[str, str], float]
 logger = logging.getLogger(__name__)
+# the limits a completion can hit: the worker's CPU time (its SIGPROF timer, or RLIMIT_CPU
+# ending it), the parent's wall-clock wait, or the worker's death from the reward itself
+LIMITS = ("cpu", "wall", "crash")
+_SIGXCPU = getattr(signal, "SIGXCPU", 24)
 _HEADER = struct.Struct(">Q")   # payload length in bytes, then the pickled message
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -118,6 +127,13 @@ class _Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.loaded: tuple[tuple[str, bytes], ...] | None = None
 
+    def exit_status(self, wait_seconds: float = 1.0) -> int | None:
+        """The worker's exit status once it has exited (None if it has not within the wait)."""
+        try:
+            return self.process.wait(timeout=wait_seconds)
+        except subprocess.TimeoutExpired:
+            return None
+
     def alive(self) -> bool:
         return self.owner_pid == os.getpid() and self.process.poll() is None
 
@@ -182,15 +198,18 @@ class RewardScorer:
 
     The worker starts on the first `score_completions` with a limit, is kept across batches and
     restarted after a timeout; `close()` (or leaving a `with` block, or exit) stops it.
+    `wall_clock_factor`: the wall-time limit per completion, in CPU-time limits.
 
     Attributes:
       worker_starts: workers started so far (1 + restarts after timeouts or crashes).
-      timeouts: completions that hit the limit so far.
+      timeouts: completions that hit a limit so far.
       last_start_seconds: wall time of the latest worker's start, load and warm-up.
     """
 
-    def __init__(self, start_timeout_seconds: float = WORKER_START_TIMEOUT_SECONDS):
+    def __init__(self, start_timeout_seconds: float = WORKER_START_TIMEOUT_SECONDS,
+                 wall_clock_factor: float = WALL_CLOCK_FACTOR):
         self.start_timeout_seconds = start_timeout_seconds
+        self.wall_clock_factor = wall_clock_factor
         self.worker_starts = 0
         self.timeouts = 0
         self.last_start_seconds = math.nan
@@ -207,40 +226,53 @@ class RewardScorer:
         Args:
           completions, golds: [N] texts, paired by position.
           functions: name -> f(completion, gold) -> float; 'total' and 'timeouts' are reserved.
-          time_limit_seconds: the most one completion (all functions) may take; None or 0
-            scores in this process, unbounded.
+          time_limit_seconds: the most CPU time one completion (all functions) may take in the
+            worker (and wall_clock_factor times it in wall time); None or 0 scores in this
+            process, unbounded.
 
         Returns:
           {name: [N] rewards, 'total': [N] sums over the functions, 'timeouts': [N] 1.0 where
-          the completion hit the limit (then it scores 0 everywhere), else 0.0}.
+          the completion hit a limit (then it scores 0 everywhere), else 0.0}.
         """
         _check_arguments(completions, golds, functions, time_limit_seconds)
         if not time_limit_seconds:
             return _score_in_process(completions, golds, functions)
         payloads = _pickled_functions(functions)
         with self._lock:
-            rows, timeouts = [], []
+            rows, timeouts, hits = [], [], {}
             for completion, gold in zip(completions, golds):
-                values = self._score_in_worker(payloads, completion, gold, time_limit_seconds)
-                timeouts.append(0.0 if values is not None else 1.0)
-                rows.append(values if values is not None else [0.0] * len(payloads))
-        if any(timeouts):
+                values, limit = self._score_in_worker(payloads, completion, gold,
+                                                      time_limit_seconds)
+                timeouts.append(0.0 if limit is None else 1.0)
+                rows.append([0.0] * len(payloads) if limit is not None else values)
+                if limit is not None:
+                    hits.setdefault(limit, []).append(completion)
+        if hits:
             self.timeouts += int(sum(timeouts))
-            logger.warning("reward scoring: %d of %d completions took over %.1f s (scored 0)",
-                           int(sum(timeouts)), len(timeouts), time_limit_seconds)
+            logger.warning("reward scoring: %d of %d completions scored 0 at a limit (%s)",
+                           int(sum(timeouts)), len(timeouts), _describe_hits(
+                               hits, time_limit_seconds, self.wall_clock_factor))
         return _scores_by_name(list(functions), rows, timeouts)
 
     def _score_in_worker(self, payloads, completion, gold, time_limit_seconds):
-        """The completion's rewards from the worker, or None when it took too long or died."""
+        """(the completion's rewards, None), or (None, the limit it hit: one of LIMITS)."""
         worker = self._ready_worker(payloads)
         try:
-            return worker.request(("score", completion, gold), time_limit_seconds)
-        except (TimeoutError, EOFError, OSError):
+            reply = worker.request(("score", completion, gold, time_limit_seconds),
+                                   time_limit_seconds * self.wall_clock_factor)
+        except TimeoutError:
             self._slot.stop(kill=True)   # the next completion starts a fresh worker
-            return None
+            return None, "wall"
+        except (EOFError, OSError):
+            returncode = worker.exit_status()
+            self._slot.stop(kill=True)
+            return None, "cpu" if returncode == -_SIGXCPU else "crash"
         except BaseException:
             self._slot.stop(kill=True)   # e.g. KeyboardInterrupt: a reply may still come
             raise
+        if reply[0] == "cpu_limit":
+            return None, "cpu"
+        return reply[1], None
 
     def _ready_worker(self, payloads) -> _Worker:
         worker = self._slot.worker
@@ -273,6 +305,17 @@ class RewardScorer:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _describe_hits(hits: dict[str, list[str]], time_limit_seconds: float,
+                   wall_clock_factor: float) -> str:
+    """How many completions hit each limit, and the start of the first one."""
+    what = {"cpu": f"over {time_limit_seconds:g} s of CPU",
+            "wall": f"over {time_limit_seconds * wall_clock_factor:g} s of wall time",
+            "crash": "the worker died"}
+    return "; ".join(f"{len(completions)} {what[limit]}, the first starting "
+                     f"{str(completions[0])[:80]!r}"
+                     for limit, completions in hits.items())
 
 
 def _check_arguments(completions, golds, functions, time_limit_seconds) -> None:

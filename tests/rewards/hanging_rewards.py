@@ -3,6 +3,8 @@ reference; each misbehaves only on completions that ask for it."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import sys
 import time
@@ -21,6 +23,14 @@ def int_power_reward(completion: str, gold: str) -> float:
     if "power" in completion:
         base = 10
         return float(base ** base ** base > 0)
+    return 1.0
+
+
+def c_loop_reward(completion: str, gold: str) -> float:
+    """Runs a C loop that never checks for signals (about four minutes) on a completion
+    containing 'c_loop'; else 1.0."""
+    if "c_loop" in completion:
+        collections.deque(itertools.repeat(0, 10**11), maxlen=0)
     return 1.0
 
 

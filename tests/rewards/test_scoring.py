@@ -1,19 +1,23 @@
 """Bounded-time scoring (qerl_jax/rewards/scoring.py): adversarial completions score fast with
-every registered reward; a hanging or crashing reward costs its completion (0, one timeout) and
-a worker restart, never the batch; the full GSM8K test set scores full marks."""
+every registered reward; a hanging or crashing reward costs its completion (0, one timeout, and a
+worker restart unless a signal handler could stop it), never the batch; the limit counts CPU
+time, so a worker the host does not run for longer than the limit still scores; the full GSM8K
+test set scores full marks."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from qerl_jax.rewards import (DEFAULT_TIME_LIMIT_SECONDS, REWARD_FUNCTIONS, RewardScorer,
-                              get_reward_functions, score_completions)
-from qerl_jax.rewards.gsm8k import gsm8k_gold_answer
+from qerl_jax.rewards import (DEFAULT_TIME_LIMIT_SECONDS, RewardScorer, get_reward_functions,
+                              reward_names, score_completions)
+from qerl_jax.rewards.scoring import WALL_CLOCK_FACTOR
+from qerl_jax.data.gold_answers import gsm8k_gold_answer
 from tests.rewards import hanging_rewards
 
 
@@ -21,6 +25,7 @@ def _wrap(answer, reasoning="..."):
     return f"<think>{reasoning}</think> <answer>{answer}</answer>"
 
 
+REWARD_FUNCTIONS = get_reward_functions(reward_names())
 _HUGE_DIGITS = "7" * 100_000
 # (id, completion, gold): each must score with every registered reward in under a second
 ADVERSARIAL = [
@@ -92,29 +97,75 @@ def test_adversarial_batch_keeps_one_worker(scorer):
             assert total >= expected[name], name
 
 
-def test_hangs_and_crashes_cost_their_completion_only(scorer):
+def test_hangs_and_crashes_cost_their_completion_only(scorer, caplog):
     functions = {"sleeping": hanging_rewards.sleeping_reward,
                  "int_power": hanging_rewards.int_power_reward,
+                 "c_loop": hanging_rewards.c_loop_reward,
                  "exiting": hanging_rewards.exiting_reward,
                  "process_id": hanging_rewards.process_id_reward}
-    completions = ["fine", "sleep", "fine", "power", "fine", "exit", "fine"]
+    completions = ["fine", "sleep", "fine", "power", "fine", "c_loop", "fine", "exit", "fine"]
+    limit = 1.0
     starts = scorer.worker_starts
     started = time.perf_counter()
-    scores = scorer.score_completions(completions, ["1"] * len(completions), functions,
-                                      time_limit_seconds=1.0)
+    with caplog.at_level("WARNING", logger="qerl_jax.rewards.scoring"):
+        scores = scorer.score_completions(completions, ["1"] * len(completions), functions,
+                                          time_limit_seconds=limit)
     elapsed = time.perf_counter() - started
-    assert scores["timeouts"] == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert scores["timeouts"] == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     for index, timed_out in enumerate(scores["timeouts"]):
         if timed_out:
             assert all(scores[name][index] == 0.0 for name in functions)
             assert scores["total"][index] == 0.0
         else:
             assert scores["sleeping"][index] == scores["int_power"][index] == 1.0
-    # a fresh worker after each of the three failures
-    process_ids = {scores["process_id"][index] for index in (0, 2, 4, 6)}
-    assert len(process_ids) == 4
-    assert scorer.worker_starts - starts == 3
-    assert elapsed < 3 * 1.0 + 3 * 5.0, f"{elapsed:.1f} s"
+    # the sleep and the exit end their worker (the CPU-limited two may, on a loaded host)
+    process_ids = [scores["process_id"][index] for index in (0, 2, 4, 6, 8)]
+    assert len(set(process_ids)) >= 3
+    assert 2 <= scorer.worker_starts - starts <= 4
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1 and "4 of 9 completions" in lines[0], lines   # one line per batch
+    assert "the worker died, the first starting 'exit'" in lines[0]
+    # at most the wall limit for each hang, plus a restart (under 5 s: test_worker_starts_fast)
+    assert elapsed < 3 * WALL_CLOCK_FACTOR * limit + 4 * 5.0, f"{elapsed:.1f} s"
+
+
+def test_the_cpu_limit_stops_python_and_c_code(caplog):
+    """The int power returns to the interpreter, where the CPU timer stops it and the worker
+    stays; the C loop never does, and RLIMIT_CPU ends its worker. (A wall limit of 60x leaves
+    the CPU limits to act first, however loaded the host.)"""
+    functions = {"int_power": hanging_rewards.int_power_reward,
+                 "c_loop": hanging_rewards.c_loop_reward,
+                 "process_id": hanging_rewards.process_id_reward}
+    with RewardScorer(wall_clock_factor=60.0) as own:
+        with caplog.at_level("WARNING", logger="qerl_jax.rewards.scoring"):
+            scores = own.score_completions(["fine", "power", "fine", "c_loop", "fine"],
+                                           ["1"] * 5, functions, time_limit_seconds=1.0)
+        assert scores["timeouts"] == [0.0, 1.0, 0.0, 1.0, 0.0]
+        process_ids = [scores["process_id"][index] for index in (0, 2, 4)]
+        assert process_ids[0] == process_ids[1] != process_ids[2]
+        assert own.worker_starts == 2
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1 and "2 over 1 s of CPU, the first starting 'power'" in lines[0], lines
+
+
+def test_a_worker_the_host_does_not_run_still_scores(scorer):
+    """The worker is stopped (SIGSTOP) for twice the limit while it scores, as on a host too
+    busy to run it: the limit counts CPU time, so the completion scores."""
+    functions = {"process_id": hanging_rewards.process_id_reward,
+                 "format": REWARD_FUNCTIONS["format"]}
+    worker_pid = int(scorer.score_completions(["warm"], ["1"], functions)["process_id"][0])
+    limit = 1.0
+    os.kill(worker_pid, signal.SIGSTOP)
+    resume = threading.Timer(2 * limit, os.kill, (worker_pid, signal.SIGCONT))
+    resume.start()
+    try:
+        scores = scorer.score_completions([_wrap("1")], ["1"], functions,
+                                          time_limit_seconds=limit)
+    finally:
+        resume.join()
+    assert scores["timeouts"] == [0.0]
+    assert scores["format"] == [0.2]
+    assert scores["process_id"] == [float(worker_pid)]
 
 
 def test_failing_rewards_score_zero(scorer):
