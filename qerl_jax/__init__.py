@@ -51,7 +51,13 @@ _EXPORTS = {
     "policy_loss_terms": "qerl_jax.rl.losses",
     "register_loss_normalizer": "qerl_jax.rl.losses",
     "score_completions": "qerl_jax.rewards",
-    "REWARD_FUNCTIONS": "qerl_jax.rewards",
+    "REWARDS": "qerl_jax.rewards",
+    "register_reward": "qerl_jax.rewards",
+    # tasks and evaluation
+    "Task": "qerl_jax.tasks",
+    "register_task": "qerl_jax.tasks",
+    "get_task": "qerl_jax.tasks",
+    "pass_at_1": "qerl_jax.evaluation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,11 +1,13 @@
-"""The evaluation CLI: PEFT adapters load back exactly; pass@1 runs end to end on GSM8K jsonl and
-scores every completion; a training run is evaluated as it was trained (its format, prompt
-style, checkpoint) without writing anything into its directory; bad inputs are one line and
-exit status 2."""
+"""Evaluation (qerl_jax.evaluation) and its CLI: PEFT adapters load back exactly; pass@1 runs end
+to end on GSM8K jsonl and scores every completion by the task's correctness reward; a training
+run is evaluated as it was trained (its format, prompt style, checkpoint) without writing
+anything into its directory; bad inputs are one line and exit status 2; `--help` loads no JAX."""
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -13,7 +15,8 @@ import pytest
 from flax import nnx
 
 from qerl_jax.infra.errors import ConfigError
-from qerl_jax.evaluate import load_peft_adapter, main, model_from_run, read_run_config
+from qerl_jax.evaluate import main
+from qerl_jax.evaluation import load_peft_adapter, model_from_run, read_run_config
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora, export_peft_adapter
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.hf_io import load_hf_model
@@ -56,26 +59,15 @@ def test_peft_round_trip_and_cli(tmp_path):
 def test_completions_keep_special_think_and_answer_tokens(tmp_path):
     """The char tokenizer registers <think>/<answer> as special tokens: evaluation must decode
     them (as the trainer does), or '<think>6*12</think><answer>72</answer>' reads as '6*1272'."""
-    from qerl_jax.evaluate import correctness
     from qerl_jax.models.tokenizer import decode_completion, load_tokenizer
+    from qerl_jax.tasks import get_task
     build_char_tokenizer(str(tmp_path / "tok"))
     tokenizer = load_tokenizer(str(tmp_path / "tok"))
     ids = tokenizer("<think>6*12</think><answer>72</answer>" + tokenizer.eos_token,
                     add_special_tokens=False)["input_ids"]
     text = decode_completion(tokenizer, ids)
     assert text == "<think>6*12</think><answer>72</answer>"
-    assert correctness("gsm8k", text, "72") == 1.0
-
-
-def test_arithmetic_correctness_reads_the_integer_the_phrasing_asks_for():
-    """'7+5=' problems are scored on the first integer (the trainer's 'arithmetic' reward),
-    'What is 7 + 5?' problems on the last ('arithmetic_last_integer'): an instruct model
-    restates the operands first."""
-    from qerl_jax.evaluate import correctness
-    assert correctness("arithmetic", "12", "12") == 1.0
-    assert correctness("arithmetic", "7 + 5 = 12", "12") == 0.0
-    assert correctness("arithmetic", "7 + 5 = 12", "12", arithmetic_phrasing="question") == 1.0
-    assert correctness("arithmetic", "12, not 13", "12", arithmetic_phrasing="question") == 0.0
+    assert get_task("gsm8k").correctness_function()(text, "72") > 0
 
 
 def test_pass_at_1_scores_and_averages_every_completion(tmp_path):
@@ -84,7 +76,8 @@ def test_pass_at_1_scores_and_averages_every_completion(tmp_path):
     pass@1 is the mean over all, mean_length the mean of the generated lengths, and each batch
     gets its own key."""
     from qerl_jax.data.sources import Example
-    from qerl_jax.evaluate import pass_at_1
+    from qerl_jax.evaluation import pass_at_1
+    from qerl_jax.rewards.arithmetic import arithmetic_reward
     from qerl_jax.models.tokenizer import load_tokenizer
     from qerl_jax.sampling import Rollout
     build_char_tokenizer(str(tmp_path / "tok"))
@@ -106,9 +99,9 @@ def test_pass_at_1_scores_and_averages_every_completion(tmp_path):
         return Rollout(tokens=padded, logprobs=np.zeros(padded.shape, np.float32), mask=mask,
                        lengths=lengths, truncated=np.zeros(len(ids), bool))
 
-    result = pass_at_1(sample, tokenizer, examples, task="arithmetic", samples_per_problem=2,
-                       max_prompt_length=16, batch_size=2, prompt_style="plain",
-                       use_chat_template=False)
+    result = pass_at_1(sample, tokenizer, examples, correctness=arithmetic_reward,
+                       samples_per_problem=2, max_prompt_length=16, batch_size=2,
+                       prompt_style="plain", use_chat_template=False)
     assert calls == [2, 2, 1]
     assert result["pass@1"] == 0.5 and result["problems"] == 5
     assert result["samples_per_problem"] == 2
@@ -117,6 +110,33 @@ def test_pass_at_1_scores_and_averages_every_completion(tmp_path):
                                for p in range(5) for g in range(2)])
     assert result["mean_length"] == pytest.approx(expected_length)
     assert len({key.tobytes() for key in keys}) == 3
+
+    # correct means a correctness reward above 0 (GSM8K's is worth 2.0); a raise is wrong
+    def rerun(correctness):
+        calls.clear()
+        return pass_at_1(sample, tokenizer, examples, correctness=correctness,
+                         samples_per_problem=2, max_prompt_length=16, batch_size=2,
+                         prompt_style="plain", use_chat_template=False)["pass@1"]
+
+    def raising(completion, gold):
+        raise RuntimeError("a broken reward")
+    assert rerun(lambda completion, gold: 2.0 * arithmetic_reward(completion, gold)) == 0.5
+    assert rerun(raising) == 0.0
+
+
+def test_help_loads_no_jax_and_names_the_module():
+    code = ("import sys\n"
+            "from qerl_jax import evaluate\n"
+            "try:\n"
+            "    evaluate.main(['--help'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print(sorted(m for m in ('jax', 'flax', 'transformers', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.startswith("usage: python -m qerl_jax.evaluate ")
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert "--task {gsm8k,math}" in " ".join(result.stdout.split()) and not result.stderr
 
 
 # ---------------------------------------------------------------------- a training run
