@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mgpu_nvfp4_decode import decode_tile
-from pallas_kernels.mgpu_nvfp4_epilogue import store_transposed, swiglu_epilogue
+from pallas_kernels.mgpu_nvfp4_epilogue import (issue_l2_prefetch, store_partial,
+                                                store_transposed, swiglu_epilogue)
 from pallas_kernels.mgpu_nvfp4_layout import (MAX_M, MAX_OPERAND_RANK, SCALED_EXPONENT, TILE_K,
                                               TILE_LINES, TILE_ROWS, lora_operand,
                                               operand_rank_ok, padded_rows,
@@ -84,44 +85,6 @@ def _swizzled(cols: int):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def _issue_l2_prefetch(plan: L2Prefetch, buffer_gmem, extra_gmem, program,
-                       programs: int) -> None:
-    """Inside a kernel: program `program` of `programs` issues its share of the plan's
-    prefetches (one TMA box each; the extra array's boxes by the first programs)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    if plan.extra is not None:
-        rows = plan.extra.shape[0]
-        extra_box = min(256, rows)
-        extra_boxes = -(-rows // extra_box)
-        for j in range(-(-extra_boxes // programs)):
-            q = program + j * programs
-
-            @pl.when(q < extra_boxes)
-            def _():
-                start = jnp.minimum(q * extra_box, rows - extra_box)  # the last box: clamped
-                plgpu.async_prefetch(extra_gmem.at[pl.ds(start, extra_box)])
-    if plan.contiguous_lines:
-        box = min(3 * TILE_LINES, plan.contiguous_lines)
-        boxes = -(-plan.contiguous_lines // box)
-
-        def line_of(q):
-            return jnp.minimum(q * box, plan.contiguous_lines - box)
-    else:
-        box = plan.ahead * TILE_LINES
-        boxes = plan.row_tiles * plan.splits
-
-        def line_of(q):
-            b, s = q // plan.splits, q % plan.splits
-            return (b * plan.k_tiles + s * plan.k_tiles // plan.splits) * TILE_LINES
-    for j in range(-(-boxes // programs)):
-        q = program + j * programs
-
-        @pl.when(q < boxes)
-        def _():
-            plgpu.async_prefetch(buffer_gmem.at[pl.ds(line_of(q), box)])
-
-
 def _tile_product(tile_smem, x_smem, acc_ref, warpgroup_stride: int = 0) -> None:
     """Inside a kernel: acc [64, M] += the decoded weight tile [64, 256] @ x_tile^T (wgmma);
     warpgroup_stride as decode_tile's (each warpgroup its own tile of tile_smem)."""
@@ -142,18 +105,6 @@ def _lora_product(acc_ref, bt_smem, lx_smem, barrier) -> None:
     plgpu.barrier_wait(barrier)
     plgpu.wgmma(acc_ref, bt_smem, lx_smem.transpose((1, 0)))
     plgpu.wgmma_wait(0)
-
-
-def _store_partial(acc_ref, out_smem, dst) -> None:
-    """Inside a kernel: acc [64, M] stored transposed into dst [M, 64] of a partial (through
-    shared memory, one TMA copy). Waiting for the shared-memory read only, or storing from the
-    registers without a wait, was no faster (docs/decisions.md)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-        lambda ctx, acc, out: store_transposed(acc, out))(acc_ref[...], out_smem)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, dst)
-    plgpu.wait_smem_to_gmem(0)
 
 
 def _run_swiglu_epilogue(r: _KernelRefs, tile, per_warpgroup: bool = False) -> None:
@@ -265,13 +216,13 @@ def _split_k_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits: int, st
                                     transforms=_swizzled(TILE_K))],
                 max_concurrent_steps=stages, init_carry=acc_ref)(r.packed, r.x)
             if plan is not None:
-                _issue_l2_prefetch(plan, r.prefetch, r.extra, b * splits + s,
+                issue_l2_prefetch(plan, r.prefetch, r.extra, b * splits + s,
                                    row_tiles * splits)
             if with_lora:
                 pl.when(s == 0)(lambda: _lora_product(acc_ref, r.bt_smem, r.lx_smem,
                                                       r.barrier))
             if not swiglu:
-                _store_partial(acc_ref, r.out_smem, r.part.at[s, :, rows])
+                store_partial(acc_ref, r.out_smem, r.part.at[s, :, rows])
                 return
             plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
                 lambda ctx, acc, out: store_transposed(acc, out))(acc_ref[...], r.out_smem)
@@ -340,7 +291,7 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
             def scoped(acc_ref):  # acc_ref: f32 [64, M_pad], this warpgroup's row tile
                 run_pipeline(acc_ref)
                 if plan is not None:
-                    _issue_l2_prefetch(plan, r.prefetch, r.extra,
+                    issue_l2_prefetch(plan, r.prefetch, r.extra,
                                        (c * splits + s) * wgs + wg, programs * wgs)
                 if with_lora:
                     pl.when(s == 0)(lambda: _lora_product(

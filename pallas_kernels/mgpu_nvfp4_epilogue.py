@@ -1,10 +1,13 @@
-"""The register-level epilogues of the Mosaic GPU NVFP4 kernel (pallas_kernels/mgpu_nvfp4.py),
-inline Mosaic GPU: the transposed store of the accumulator (so the kernel writes y [M, N], not
-y^T) and the fused SwiGLU of a gate/up pair with its share of the next LoRA x @ A."""
+"""What a program of the Mosaic GPU NVFP4 kernel (pallas_kernels/mgpu_nvfp4.py) does after its K
+loop: the transposed store of the accumulator (so the kernel writes y [M, N], not y^T), the
+fused SwiGLU of a gate/up pair with its share of the next LoRA x @ A (inline Mosaic GPU), and
+its share of another launch's L2 prefetch."""
 
 from __future__ import annotations
 
-from pallas_kernels.mgpu_nvfp4_layout import SCALED_EXPONENT
+import jax.numpy as jnp
+
+from pallas_kernels.mgpu_nvfp4_layout import SCALED_EXPONENT, TILE_LINES
 
 
 def store_transposed(acc, dst_ref, per_warpgroup: bool = False) -> None:
@@ -83,3 +86,52 @@ def swiglu_epilogue(out_smem, h_smem, gate_ts, up_ts, h_dst, a_src, part_dst,
             a = arith.extf(f32, memref.load(a_src, [at(j), col]))
             total = arith.addf(total, arith.mulf(h, a))
         memref.store(total, part_dst, [row, col])
+
+
+def store_partial(acc_ref, out_smem, dst) -> None:
+    """Inside a kernel: acc [64, M] stored transposed into dst [M, 64] of a partial (through
+    shared memory, one TMA copy). Waiting for the shared-memory read only, or storing from the
+    registers without a wait, was no faster (docs/decisions.md)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+        lambda ctx, acc, out: store_transposed(acc, out))(acc_ref[...], out_smem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def issue_l2_prefetch(plan, buffer_gmem, extra_gmem, program, programs: int) -> None:
+    """Inside a kernel: program `program` of `programs` issues its share of the plan's
+    prefetches (one TMA box each; the extra array's boxes by the first programs)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if plan.extra is not None:
+        rows = plan.extra.shape[0]
+        extra_box = min(256, rows)
+        extra_boxes = -(-rows // extra_box)
+        for j in range(-(-extra_boxes // programs)):
+            q = program + j * programs
+
+            @pl.when(q < extra_boxes)
+            def _():
+                start = jnp.minimum(q * extra_box, rows - extra_box)  # the last box: clamped
+                plgpu.async_prefetch(extra_gmem.at[pl.ds(start, extra_box)])
+    if plan.contiguous_lines:
+        box = min(3 * TILE_LINES, plan.contiguous_lines)
+        boxes = -(-plan.contiguous_lines // box)
+
+        def line_of(q):
+            return jnp.minimum(q * box, plan.contiguous_lines - box)
+    else:
+        box = plan.ahead * TILE_LINES
+        boxes = plan.row_tiles * plan.splits
+
+        def line_of(q):
+            b, s = q // plan.splits, q % plan.splits
+            return (b * plan.k_tiles + s * plan.k_tiles // plan.splits) * TILE_LINES
+    for j in range(-(-boxes // programs)):
+        q = program + j * programs
+
+        @pl.when(q < boxes)
+        def _():
+            plgpu.async_prefetch(buffer_gmem.at[pl.ds(line_of(q), box)])

@@ -1,19 +1,19 @@
 """NVFP4 dequantize (bf16 W [N, K]) straight from the Mosaic GPU kernel's permuted layout.
 
 A weight whose only copy is the Mosaic GPU kernel's bit-permuted buffer
-(pallas_kernels.mgpu_nvfp4; qerl_jax.quant.backends.mosaic's single copy) is read by prefill
-and training through W in bf16. Unpermuting the buffer into the kernel layout with XLA first
-(mgpu_nvfp4.kernel_layout_from_permuted) and then running the kernel-layout dequantize
-(blockwise_matmul.blockwise_dequantize) took 1.4-2.8x the dequantize alone on the H100
-(docs/decisions.md). This Triton kernel decodes the permuted tiles directly.
+(pallas_kernels.mgpu_nvfp4) is read by prefill and training through W in bf16. This Triton
+kernel decodes the permuted tiles directly, instead of unpermuting the buffer into the kernel
+layout with XLA first (mgpu_nvfp4_layout.kernel_layout_from_permuted) and then running the
+kernel-layout dequantize (blockwise_matmul.blockwise_dequantize), which was slower
+(docs/decisions.md).
 
-The permuted tile (mgpu_nvfp4.permute_tiles): 64 rows x 256 columns of E2M1 codes in 2048
-uint32 words, word (i_hi, w, l, q, i_lo) (that nesting, i_hi outermost) holding the 8 codes of
-rows 16 w + 8 h + l and columns 64 i_hi + 16 i_lo + 8 c_half + 2 q + half for h, c_half,
-half in {0, 1} at the bits mgpu_nvfp4.source_bit gives; then 64 rows x 16 canonical scale
-codes. For fixed (h, c_half, half) the 2048 words map one to one onto a [32 rows, 64 columns]
-sub-grid, so each program (32 rows = half a tile, one K tile) loads its 1024 words once as
-four [16 (w, l), 16 (q, i_lo)] blocks and takes every code out with shifts.
+The permuted tile (mgpu_nvfp4_layout.permute_tiles): 64 rows x 256 columns of E2M1 codes in
+2048 uint32 words, word (i_hi, w, l, q, i_lo) (that nesting, i_hi outermost) holding the 8
+codes of rows 16 w + 8 h + l and columns 64 i_hi + 16 i_lo + 8 c_half + 2 q + half for h,
+c_half, half in {0, 1} at the bits mgpu_nvfp4_layout.source_bit gives; then 64 rows x 16
+canonical scale codes. For fixed (h, c_half, half) the 2048 words map one to one onto a
+[32 rows, 64 columns] sub-grid, so each program (32 rows = half a tile, one K tile) loads its
+1024 words once as four [16 (w, l), 16 (q, i_lo)] blocks and takes every code out with shifts.
 
     w = permuted_dequantize(permuted, tensor_scale, n=N, k=K, line=0)   # [N, K] bf16
 
@@ -22,9 +22,8 @@ rounded once to bf16: bit for bit blockwise_dequantize's W of the unpermuted wei
 decoder scales by powers of two that cancel exactly).
 
 Each block's values are regrouped in registers (reshapes, a transpose, two-way joins) so that
-every store writes 64 contiguous columns of a row. Storing each (h, c_half, half) sub-grid as
-it comes out (2-byte scattered stores) was as fast on the 14B q|k|v weight and 1.5-2.0x slower
-on the other five measured on the H100 (docs/decisions.md).
+every store writes 64 contiguous columns of a row: storing each (h, c_half, half) sub-grid as
+it comes out (2-byte scattered stores) was slower on most weights (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -38,22 +37,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels import mgpu_nvfp4_layout as mgpu_nvfp4
+from pallas_kernels import mgpu_nvfp4_layout as layout
 from pallas_kernels.nvfp4_matmul import scale_values_from_codes
 
 BLOCK_ROWS = 32  # rows per program: half a permuted tile (a gate/up pair view's block)
-_TILE_LINES = mgpu_nvfp4.TILE_LINES
+_TILE_LINES = layout.TILE_LINES
 # The kernel reads the buffer's 128-byte lines as uint32 rows of 16 words (2 per line; a
 # word block (i_hi, w) starts 32 i_hi + 8 w rows into its tile) and as uint8 rows of 16 scale
 # codes (8 per line; a tile's scale codes start CODE_BYTES / 16 rows into it, one row each).
 _WORD_ROWS_PER_LINE = 2
 _SCALE_ROWS_PER_LINE = 8
-_CODE_SCALE_ROW = mgpu_nvfp4.CODE_BYTES // 16
+_CODE_SCALE_ROW = layout.CODE_BYTES // 16
 
 
 def _shifts() -> list:
     """[c_half][h][half][bit] -> the word bit of that code bit (Python ints)."""
-    return mgpu_nvfp4.unpermute_shifts().tolist()
+    return layout.unpermute_shifts().tolist()
 
 
 def _code(words, shifts):
@@ -92,7 +91,7 @@ def _kernel(words_ref, scales_ref, ts_ref, out_ref, *, n: int, k: int, k_tiles: 
         words = words_ref[pl.ds(tile_line * _WORD_ROWS_PER_LINE + i_hi * 32 + w_base * 8, 16),
                           :]  # [16 (w', l), 16 (q, i_lo)]
         words = words.reshape(16, 4, 4).transpose(0, 2, 1)  # [16, i_lo, q]
-        cols = kt * mgpu_nvfp4.TILE_K + 64 * i_hi + lax.broadcasted_iota(jnp.int32, (1, 64), 1)
+        cols = kt * layout.TILE_K + 64 * i_hi + lax.broadcasted_iota(jnp.int32, (1, 64), 1)
         for h in (0, 1):
             rows = local_rows + 8 * h  # [16, 1]
             out_rows = n0 + rows
@@ -115,7 +114,7 @@ def permuted_dequantize(permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
                         line: int = 0, pair_view: tuple[int, int] | None = None,
                         interpret: bool = False) -> jax.Array:
     """W [n, k] bf16 of the weight whose permuted tiles start at line `line` of `permuted`
-    ([lines, 128] uint8, mgpu_nvfp4's layout; tiles ordered row tile by row tile, K tiles
+    ([lines, 128] uint8, mgpu_nvfp4_layout's permuted layout; tiles ordered row tile by row tile, K tiles
     inside). tensor_scale: the kernels' divisor ([1] or scalar float32). pair_view: (half_block,
     half) of a gate/up pair view (the buffer holds the interleaved pair; half_block a multiple
     of 32), as PackedWeight.pair_view."""
@@ -125,7 +124,7 @@ def permuted_dequantize(permuted: jax.Array, tensor_scale: jax.Array, *, n: int,
     if pair_view is not None and (pair_view[0] % BLOCK_ROWS or pair_view[1] not in (0, 1)):
         raise ValueError(f"permuted_dequantize: pair_view {pair_view} must be (a multiple of "
                          f"{BLOCK_ROWS}, 0 or 1)")
-    k_tiles = -(-k // mgpu_nvfp4.TILE_K)
+    k_tiles = -(-k // layout.TILE_K)
     source_rows = -(-n // 64) * 64 * (1 if pair_view is None else 2)
     lines = source_rows // 64 * k_tiles * _TILE_LINES
     if line < 0 or line + lines > permuted.shape[0]:

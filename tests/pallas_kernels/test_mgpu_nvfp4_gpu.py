@@ -243,6 +243,44 @@ def test_swiglu_launch_matches_the_triton_launch(fused):
         _within_bf16_of(value, reference, name)
 
 
+@pytest.mark.parametrize("schedule", ["split_k", "warp_specialized"])
+def test_kernels_equal_their_references(schedule):
+    """mgpu_nvfp4_matmul and mgpu_nvfp4_swiglu (SwiGLU in the kernel's epilogue and in XLA)
+    against the jnp references of their file (dequantize, then float32 dots), M = 64, LoRA
+    r32, on each schedule: the matmul within BOUND of the absolute product (float32 sums in
+    another order), the SwiGLU outputs within bf16 rounding of the reference's."""
+    n, k, m, rank = 1024, 2304, 64, 32
+    ckpt, x, down, lora_b = _inputs(jax.random.key(77), n, k, m, rank)
+    packed = nvfp4_matmul.repack_nvfp4(*ckpt)
+    permuted = layout.permute_packed(packed)
+    lora = dict(lora_x_a=down, lora_b=lora_b, lora_scale=2.0)
+    config = mg.TuningConfig(schedule=schedule)
+    got = _float64(mg.mgpu_nvfp4_matmul(x, permuted, packed.tensor_scale, n=n, k=k,
+                                        config=config, **lora))
+    want = _float64(mg.mgpu_nvfp4_matmul_reference(x, permuted, packed.tensor_scale, n=n,
+                                                   k=k, **lora))
+    w = np.abs(_float64(layout.permuted_dequantize_reference(permuted, packed.tensor_scale,
+                                                             n=n, k=k)))
+    operand = layout.lora_operand(lora_b, packed.tensor_scale, 2.0, n_pad=packed.codes.shape[0])
+    bound = np.abs(_float64(x)) @ w.T + (np.abs(_float64(down)) @ np.abs(_float64(operand))[:n].T
+                                          * 2.0 ** -layout.SCALED_EXPONENT
+                                          / float(np.asarray(packed.tensor_scale).reshape(())))
+    assert np.isfinite(got).all()
+    assert float((np.abs(got - want) / (BOUND * bound + 1e-30)).max()) <= 1.0
+    g = _gate_up_pair(n, k, m, rank, 78)
+    pair = layout.permute_packed(g.pair)
+    want_out, want_next = mg.mgpu_nvfp4_swiglu_reference(
+        g.x, pair, *g.scales, out_n=n, k=k, half_block=HALF_BLOCK, lora_x_a=g.down,
+        lora_bt=g.operand, next_lora_a=g.next_a)
+    for max_m in (64, 0):
+        out, out_next = mg.mgpu_nvfp4_swiglu(
+            g.x, pair, *g.scales, out_n=n, k=k, half_block=HALF_BLOCK, lora_x_a=g.down,
+            lora_bt=g.operand, next_lora_a=g.next_a,
+            config=mg.TuningConfig(schedule=schedule, splits=1, swiglu_epilogue_max_m=max_m))
+        _within_bf16_of(out, want_out, f"output, epilogue up to M = {max_m}")
+        _within_bf16_of(out_next, want_next, f"next LoRA, epilogue up to M = {max_m}")
+
+
 WS_CASES = [  # (n, k, m, rank, splits, LoRA operand prepared): warp-specialized launches
     (3584, 18944, 64, 32, None, True), (640, 2304, 40, 64, 2, True),
     (384, 1792, 57, 32, 3, False), (256, 1024, 33, 0, None, False),
