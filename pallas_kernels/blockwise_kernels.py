@@ -244,8 +244,8 @@ def swiglu_epilogue(y, ts_ref, down_ref, lora_b_ref, out_ref, *, lora_scale, dow
     each half; stored as bf16 to out [M, out_n] columns [pid_n * bn / 2, + bn / 2). With
     shares_ref: also that bf16 tile times next_a_ref's rows of those columns, float32 [bm, r'],
     to shares_ref[pid_n] (the shares sum to out @ A_next). Stored tiles last instead ([M, r',
-    tiles], a row reduction for XLA), XLA's sum took 2.1 us instead of 3.4 but the strided
-    stores made the launch 1.9 us slower (32B gate|up, H100, docs/decisions.md)."""
+    tiles], a row reduction for XLA), XLA's sum was faster but the strided stores made the
+    launch slower (32B gate|up, docs/decisions.md)."""
     if lora_scale is not None:
         rank = lora_b_ref.shape[0]
         down = _load(down_ref.at[pl.ds(r0, bm), pl.ds(down_column, rank)],

@@ -17,8 +17,8 @@ layout): codes and scales keep their [N_pad, C] shapes, but each block of TILE_R
 stores its K tiles one after another, [K tiles, 64 rows, tile columns], instead of row by row.
 A kernel's [bn <= 64, tile_k/2] code tile is then one contiguous 8 KB piece of memory (and its
 scales one 1 KB piece), and one program's consecutive K tiles are adjacent, where row-major
-storage makes a tile of bn 128-byte pieces K/2 bytes apart: the fused kernel ran 4-9% faster
-on the 7B and 32B decode shapes (H100, docs/decisions.md).
+storage makes a tile of bn 128-byte pieces K/2 bytes apart: the fused kernel ran faster on
+the 7B and 32B decode shapes (docs/decisions.md).
 The kernels view an array as [N_pad * K tiles, tile columns] (a free reshape) and read tile kt of
 rows [w0, w0 + bn) at row `tile_row(w0, kt, k_tiles)`. Every 64-row block holds only its own rows,
 so gate/up pairs (interleave_rows, 32-row blocks) go through `row_major` and back.

@@ -55,7 +55,7 @@ class DecodeAttentionConfig:
     splits: int | None = None
     balanced: int = 1
     num_warps: int = 4
-    num_stages: int = 3  # vs 2: 0.15-0.5 us less per call, 7B / 32B (RESULTS.md)
+    num_stages: int = 3  # faster per call than 2 at 7B and 32B (RESULTS.md)
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):

@@ -261,7 +261,7 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
     with_lora = rank is not None
     programs = row_tiles // wgs * splits
 
-    def body(r: _KernelRefs):  # r.packed: uint8 [row tiles / 2, 2, K_tiles * 72, 128] here
+    def body(r: _KernelRefs):  # r.packed: uint8 [row tiles, K_tiles * 72, 128] here
         c = lax.axis_index("tiles")
         s = lax.axis_index("splits")
         first = s * k_tiles // splits
