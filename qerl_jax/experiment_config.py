@@ -127,6 +127,10 @@ FIELDS: dict[str, Field] = {
     "xla_autotune_results": Field(
         "", "XLA GPU autotuning results file ('' = off): loaded when present, rewritten after "
         "each compilation, so every process picks the same kernels (same tokens per seed)."),
+    "cpu_threads": Field(0, "CPUs this process may use (0 = all), set before JAX starts: "
+                         "XLA:CPU's results depend on its thread count.", at_least(0)),
+    "xla_flags": Field("", "Flags added to XLA_FLAGS before JAX starts (e.g. "
+                       "--xla_cpu_enable_platform_dependent_math=false)."),
     # model
     "model.preset": Field("", "Architecture preset of a model built from scratch "
                           "(models.config.PRESETS); set this or model.hf_path.",
@@ -188,8 +192,8 @@ FIELDS: dict[str, Field] = {
         "them from the launch's output (0 = never).", in_interval(0, 64)),
     "quant.kernels.compact_after_repack": Field(
         "auto", "After repacking the 4-bit weights for the kernels, copy them through host "
-        "memory once so the device allocator holds them without the repack's gaps (0.77 GiB at "
-        "7B); needs host memory for the weights ('auto' = on a GPU).", registered(registry.SWITCH)),
+        "memory once so the device allocator holds them without the repack's gaps; needs host "
+        "memory for the weights ('auto' = on a GPU).", registered(registry.SWITCH)),
     "quant.kernels.decode_attention": Field(True, "The Pallas decode-attention kernel for "
                                             "one-token decode steps."),
     "quant.kernels.decode_matmul.target_programs": Field(
@@ -291,7 +295,7 @@ FIELDS: dict[str, Field] = {
         False, "A rollout whose batch (prompts x generations) takes a dequantize-then-dot path "
         "(more than 64 rows with the 4-bit kernels; every batch without them) dequantizes each "
         "weight once after the prefill instead of at every decode step: faster, for the bf16 "
-        "weights' memory during the decode loop (13 GB at 7B)."),
+        "weights' memory during the decode loop."),
     "rollout.shrink_batch": Field(
         False, "The decode loop drops finished rows: whenever at most half its rows still "
         "generate it goes on with half as many (their KV cache rows gathered) while the half "
