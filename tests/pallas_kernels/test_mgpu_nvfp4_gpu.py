@@ -4,11 +4,14 @@
   whole e4m3 scale range, 1/64 of the scales zero) over M, LoRA ranks, split counts (some that
   do not divide the K tiles) and shapes, against a float64 product of the checkpoint's weights
   and of the LoRA term with the kernel's bf16 roundings (bf16(down) @ its LoRA operand,
-  mgpu_nvfp4.lora_operand, rescaled by 2^8 / tensor_scale; the operand's scale folding is
+  mgpu_nvfp4_layout.lora_operand, rescaled by 2^8 / tensor_scale; the operand's scale folding is
   checked against float64 on the CPU in test_mgpu_nvfp4.py). Bound per element: 1e-5 x
   (|x| @ |W|^T + the same product of absolute values of the LoRA term), float32 accumulation
   over K <= 27648 of exact products. "prepared" cases pass the operand made ahead (lora_bt, as
   the sampler does), the others pass B and the LoRA scale.
+- mgpu_nvfp4_matmul and mgpu_nvfp4_swiglu (both epilogues) against the jnp references of
+  their file (mgpu_nvfp4_matmul_reference, mgpu_nvfp4_swiglu_reference) on each schedule: the
+  matmul within the bound above, the SwiGLU within bf16 rounding.
 - The warp-specialized schedule (asked for, M = 33-64; two compute warpgroups and a copying
   one) against the split-K schedule at the same splits, bit for bit (each row tile's products
   are summed in the same order): single weights with and without LoRA, uneven splits, M not a
