@@ -17,6 +17,9 @@ from qerl_jax.experiment_config import base_config
 def get_config():
     config = base_config()
     config.seed = 0
+    # the reference's numbers on any x86 CPU: XLA:CPU's rounding depends on its thread count
+    config.cpu_threads = 2
+    config.xla_flags = "--xla_cpu_enable_platform_dependent_math=false"   # ISA-independent dots
     model = config.model
     model.preset = "tiny_qwen2"
     model.overrides = dict(vocab_size=104, hidden_size=128, intermediate_size=256,

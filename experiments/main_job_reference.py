@@ -6,8 +6,10 @@ code computes them, and the figures the README quotes from them.
 reads the run directory (it must be a complete, single-start run of configs/tiny.py with the
 default seed) and writes experiments/results/main_job/metrics.jsonl (every step, timing fields
 left out: they vary from machine to machine) and summary.json (means over the first and last
-10 steps). tests/test_main_job.py reruns the first steps and compares them exactly with this
-file, and checks that the README quotes summary.json.
+10 steps), with the platform it was made on: this machine's CPU (run it where the job ran)
+and the CPU pins of the run's config (cpu_threads, xla_flags) that make the numbers the same on
+other x86 CPUs. tests/test_main_job.py reruns the first steps and compares them exactly with
+this file, and checks that the README quotes summary.json.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 
 import numpy as np
@@ -57,6 +60,35 @@ def summarize(rows: list[dict]) -> dict:
             **{f"{key}_last": mean(last, key) for key in ("reward", "accuracy", "entropy")}}
 
 
+# the instruction-set extensions that select XLA's and its libraries' CPU kernels
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16",
+             "avx_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_description(cpuinfo: str) -> dict:
+    """Vendor, model name, family/model and the ISA_FLAGS present, from /proc/cpuinfo text."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    present = set(fields.get("flags", "").split())
+    return {"vendor": fields.get("vendor_id", "unknown"),
+            "model_name": fields.get("model name", "unknown"),
+            "family_model": f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}",
+            "isa": [flag for flag in ISA_FLAGS if flag in present]}
+
+
+def platform_record(config: dict) -> dict:
+    """The CPU this process runs on, its CPU count, and the run's CPU pins."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = cpu_description(handle.read())
+    except OSError:
+        cpu = {"model_name": platform.processor() or "unknown"}
+    return {"cpu": cpu, "machine": platform.machine(), "cpus_available": os.cpu_count(),
+            "cpu_threads": config.get("cpu_threads", 0), "xla_flags": config.get("xla_flags", "")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, help="the main job's run directory")
@@ -81,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     summary["git_revision"] = starts[0].get("git_revision", "unknown")
     summary["versions"] = starts[0].get("versions", {})
+    summary["platform"] = platform_record(starts[0]["config"])
     write_json_atomic(SUMMARY_FILE, summary, indent=1, sort_keys=True)
     print(json.dumps(summary, indent=1, sort_keys=True))
     return 0

@@ -61,6 +61,7 @@ from qerl_jax.models.hf_io import check_hf_model_files
 from qerl_jax.rl.losses import (LossConfig)
 from qerl_jax.sampling import (SamplingConfig, bucket_length, compile_generate,
                                generate_from_states, padded_prompt_shape)
+from qerl_jax.infra.cpu_pinning import pin_cpu_numerics
 from qerl_jax.infra.xla_autotuning import persist_autotuning
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Trainer:
         self.workdir = workdir
         # before the first JAX computation: XLA reads its flags when the backend starts
         persist_autotuning(config.get("xla_autotune_results", ""))
+        pin_cpu_numerics(config.get("cpu_threads", 0), config.get("xla_flags", ""))
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
         initialize_distributed(config)   # config.distributed (or SLURM's / Open MPI's launch)
         self.placement = Placement.from_config(config)   # config.mesh against the devices

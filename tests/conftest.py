@@ -42,15 +42,32 @@ def pytest_collection_modifyitems(config, items):
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
-def config_from_file(name: str, *args):
-    """The ConfigDict of configs/<name>.py: its get_config(*args)."""
+def config_from_file(name: str, *args, pinned: bool = False):
+    """The ConfigDict of configs/<name>.py: its get_config(*args); without `pinned`, its
+    cpu_threads and xla_flags cleared (they act only in a process whose JAX has not started,
+    and the test process's has)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         f"configs_{name}", os.path.join(REPO_ROOT, "configs", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config(*args)
+    config = module.get_config(*args)
+    if not pinned:
+        config.cpu_threads, config.xla_flags = 0, ""
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_warmup(tmp_path_factory) -> str:
+    """The warm-up cache of small_trainer_config's model, trained once per test run; copy it
+    into a workdir (shutil.copytree(tiny_warmup, workdir/warmup)) before a Trainer starts there
+    (it is deterministic in the seed)."""
+    from qerl_jax.trainer import Trainer
+
+    workdir = str(tmp_path_factory.mktemp("tiny_warmup"))
+    Trainer(small_trainer_config(total_steps=1), workdir)
+    return os.path.join(workdir, "warmup")
 
 
 def small_trainer_config(total_steps: int):

@@ -149,10 +149,11 @@ def _run_config():
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
+def trained_run(tmp_path_factory, tiny_warmup):
     """(run directory, the trainer's final trainable leaves): a 2-step run with a leftover
     temporary directory of a save killed midway, which evaluate must neither read nor clean."""
     workdir = str(tmp_path_factory.mktemp("run"))
+    shutil.copytree(tiny_warmup, os.path.join(workdir, "warmup"))
     trainer = Trainer(_run_config(), workdir)
     trainer.train()
     os.makedirs(os.path.join(workdir, "checkpoints", "3.orbax-checkpoint-tmp-1234", "arrays"))

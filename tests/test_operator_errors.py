@@ -23,7 +23,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ("--config", os.path.join(REPO, "configs", "tiny.py"), "--config.warmup.steps=5",
          "--config.model.overrides.num_hidden_layers=2",
          "--config.model.overrides.hidden_size=64",
-         "--config.model.overrides.intermediate_size=128")
+         "--config.model.overrides.intermediate_size=128",
+         # the CPU pins act only before JAX starts, and _main trains in this process
+         "--config.cpu_threads=0", "--config.xla_flags=")
 RUN = ("--config.train.total_steps=4", "--config.train.prompts_per_step=2",
        "--config.rollout.num_generations=2", "--config.rollout.max_new_tokens=4",
        "--config.train.micro_batch_size=4", "--config.checkpoint.every_steps=2",
@@ -40,6 +42,7 @@ def get_config(hf_path):
     config = module.get_config()
     config.model.preset, config.model.overrides, config.model.hf_path = "", {{}}, hf_path
     config.warmup.steps = 0
+    config.cpu_threads, config.xla_flags = 0, ""   # trained in the test's process
     return config
 """
 

@@ -35,11 +35,9 @@ def _config(**train_overrides):
 
 
 @pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-    """One warm-up shared by every run of this module (it is deterministic in the seed)."""
-    workdir = str(tmp_path_factory.mktemp("warm"))
-    Trainer(_config(), workdir)
-    return os.path.join(workdir, "warmup")
+def warm_cache(tiny_warmup):
+    """The test run's one warm-up (tests/conftest.py): _config's warm-up settings are its."""
+    return tiny_warmup
 
 
 def _workdir(tmp_path, name, warm_cache):
