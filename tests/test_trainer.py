@@ -1,6 +1,7 @@
 """The trainer end to end on a tiny CPU config: exact resume, a crash mid-save, non-finite
 updates skipped and counted, config validation, held-out evaluation during training."""
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ from qerl_jax.infra.checkpointing import TrainingCheckpoints
 from qerl_jax.experiment_config import validate_config
 from qerl_jax.infra.metrics import read_metrics
 from qerl_jax.infra.errors import ConfigError, TrainingStopped
-from qerl_jax.infra.run_record import read_starts
+from qerl_jax.infra.run_record import REPLACED_PREFIX, read_starts
 from qerl_jax.trainer import NonFiniteError, Trainer
 from tests.conftest import small_trainer_config
 
@@ -501,15 +502,19 @@ def test_interrupt_inside_a_step_resumes_exactly(tmp_path, warm_cache, straight_
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, warm_cache,
-                                                                   straight_run, caplog):
+                                                                   straight_run, caplog, capfd):
     """The newest checkpoint (step 6) loses its arrays: resume skips it with one warning naming
-    its path, moves it aside (nothing deleted), resumes from step 3 and ends equal."""
+    its path (no orbax traceback), moves it aside (nothing deleted), resumes from step 3 and
+    ends equal."""
     workdir = _workdir(tmp_path, "damaged", warm_cache)
     Trainer(_config(), workdir).train()
     newest = os.path.join(workdir, "checkpoints", "6")
     shutil.rmtree(os.path.join(newest, "arrays"))
+    capfd.readouterr()
     with caplog.at_level("WARNING"):
         trainer = Trainer(_config(), workdir, resume=True)
+    console = "".join(capfd.readouterr())
+    assert "Traceback" not in console and "Event loop is closed" not in console, console
     skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
     assert len(skipped) == 1 and newest in skipped[0]
     assert trainer.step == 3
@@ -529,6 +534,9 @@ def test_fresh_run_into_a_used_workdir_is_refused_before_any_model_work(tmp_path
         assert handle.read() == before
     trainer = Trainer(_config(), workdir, overwrite=True)
     assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    replaced, = [name for name in os.listdir(workdir) if name.startswith(REPLACED_PREFIX)]
+    with open(os.path.join(workdir, replaced, "metrics.jsonl")) as handle:
+        assert handle.read() == before   # moved aside, not deleted
     assert os.path.isdir(os.path.join(workdir, "warmup"))   # the cache stays
     trainer.train(stop_after=1)
     assert [row["step"] for row in read_metrics(workdir)] == [0]
@@ -620,6 +628,27 @@ def test_disk_full_stops_with_one_line_and_resumes_exactly(tmp_path, warm_cache,
         subprocess.run(["umount", "-l", mount_point], capture_output=True)
 
 
+def test_a_step_without_a_valid_token_records_its_means_as_missing(tmp_path, warm_cache):
+    """Every completion truncated and masked (no end token can end one): the step's loss and
+    per-token means are null in metrics.jsonl (not 0), the gradient norm a real 0, the curves
+    drawn without them."""
+    config = _config()
+    config.loss.mask_truncated_completions = True
+    workdir = _workdir(tmp_path, "truncated", warm_cache)
+    trainer = Trainer(config, workdir)
+    trainer.sampling = dataclasses.replace(trainer.sampling, eos_token_ids=())
+    history = trainer.train(stop_after=2)
+    rows = read_metrics(workdir)
+    for row, metrics in zip(rows, history, strict=True):
+        assert row["truncated_fraction"] == 1.0
+        for key in ("loss", "entropy", "kl", "clip_fraction", "rollout/kl",
+                    "rollout/ratio_outside_2x"):
+            assert row[key] is None and metrics[key] is None, key
+        assert row["grad_norm"] == 0.0 and np.isfinite(row["reward"])
+    with open(os.path.join(workdir, "metrics.jsonl")) as handle:
+        assert "NaN" not in handle.read()
+
+
 def test_rollout_mismatch_is_logged_and_truncated_importance_sampling_runs(tmp_path,
                                                                            warm_cache):
     """rollout/kl and rollout/ratio_outside_2x compare the sampler's log-probs with the
@@ -699,24 +728,44 @@ def _assert_same_run_rows(rows, trainer, straight_run):
 
 def test_eval_pass_at_1_equals_evaluate_on_the_same_params(tmp_path, warm_cache, eval_run):
     """The row of the base model (step 0) and of the final policy (step 6) hold what
-    qerl_jax.evaluate.evaluate computes on the same model: jitted program, not the offloaded
-    compile, same examples, greedy."""
-    from qerl_jax.evaluate import evaluate
+    qerl_jax.evaluation.evaluate_model computes on the same model: jitted program, not the
+    offloaded compile, same examples, greedy."""
+    from qerl_jax.evaluation import evaluate_model
     workdir, trained = eval_run
     rows = read_metrics(workdir)
     base = Trainer(_eval_config(), _workdir(tmp_path, "base", warm_cache))
     config = base.config
     for trainer, row in ((base, rows[0]), (trained, rows[6])):
-        result = evaluate(trainer.model(), trainer.tokenizer, trainer.eval_examples,
-                          task=config.data.task, sampling=trainer.eval_sampling,
-                          max_prompt_length=config.data.max_prompt_length,
-                          batch_size=config.eval.batch_size,
-                          prompt_style=config.data.prompt_style,
-                          use_chat_template=config.data.use_chat_template)
+        result = evaluate_model(trainer.model(), trainer.tokenizer, trainer.eval_examples,
+                                task=config.data.task, sampling=trainer.eval_sampling,
+                                max_prompt_length=config.data.max_prompt_length,
+                                batch_size=config.eval.batch_size,
+                                prompt_style=config.data.prompt_style,
+                                use_chat_template=config.data.use_chat_template,
+                                data=config.data)
         assert result["problems"] == row["eval/num_examples"] == 8
         assert (result["pass@1"], result["mean_length"]) == (row["eval/pass@1"],
                                                              row["eval/mean_length"])
     assert trainer.eval_sampling.greedy and trainer.eval_sampling.max_new_tokens == 12
+
+
+def test_accuracy_is_the_tasks_correctness_reward_even_untrained_with(tmp_path, warm_cache):
+    """`accuracy` is the task's correctness reward (arithmetic: 'arithmetic') > 0: a run
+    rewarded by format alone still measures it, without summing it into the reward; its
+    first rollout (drawn before any update) scores as a run trained with that reward."""
+    rows = {}
+    for names in (("arithmetic", "format"), ("format",)):
+        config = _config(total_steps=1, dynamic_sampling=False)
+        config.rewards.names = names
+        workdir = _workdir(tmp_path, "_".join(names), warm_cache)
+        Trainer(config, workdir).train()
+        rows[names] = read_metrics(workdir)[0]
+    trained_with, format_only = rows[("arithmetic", "format")], rows[("format",)]
+    assert format_only["accuracy"] == trained_with["accuracy"]
+    # the arithmetic reward is 0 or 1 per completion: its mean is the fraction correct
+    assert trained_with["accuracy"] == trained_with["reward/arithmetic"]
+    assert "reward/arithmetic" not in format_only
+    assert format_only["reward"] == format_only["reward/format"] == trained_with["reward/format"]
 
 
 def test_resume_with_eval_is_exact(tmp_path, warm_cache, eval_run):
