@@ -4,8 +4,10 @@ The `gguf` package reads the file (GGUFReader) and dequantizes each tensor (gguf
 float32; the dequantized values are the model. llama.cpp stores q/k projection rows permuted
 for its rotary layout (convert_hf_to_gguf.py's `permute`); that is undone here, so every tensor
 reaches hf_io's checked loader in HF layout under its HF name (gguf's own TensorNameMap gives
-the names). Only the llama architecture is read. The tokenizer and chat template come from
-transformers' GGUF tokenizer support. Errors are one line naming the file and the tensor or key.
+the names). Only the llama architecture is read. The tokenizer is built from the file's
+vocabulary, merges and special-token metadata with `tokenizers` (as transformers' GGUF support
+builds it, without the torch its GGUF reader imports), with the file's chat template. Errors are
+one line naming the file and the tensor or key.
 """
 
 from __future__ import annotations
@@ -236,19 +238,116 @@ def load_gguf_model(path: str, *, param_dtype: str = "bfloat16",
                               linear_weight_fn)
 
 
-def load_gguf_tokenizer(path: str):
-    """The file's tokenizer and chat template as a transformers tokenizer (transformers' GGUF
-    tokenizer support); GGUFError when the file has no chat template."""
-    from transformers import AutoTokenizer
+# ------------------------------------------------------------------------------ tokenizer
+# llama.cpp's token types (gguf.TokenType): control tokens are special, user-defined ones are
+# added tokens matched whole (like <think>), both outside the byte-level merges
+_CONTROL, _USER_DEFINED = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+# tokenizer.ggml.pre -> the split regex its merges were learned with (transformers' and
+# llama.cpp's); names not listed split as GPT-2 does (ByteLevel's own regex), as transformers does
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {name: _LLAMA3_SPLIT for name in
+                        ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")}
+# tokenizer.ggml.model values this loader builds: byte-level BPE
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-    directory, name = os.path.split(os.path.abspath(path))
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
-    if not getattr(tokenizer, "chat_template", None):
-        raise GGUFError(f"{path}: metadata key {gguf.Keys.Tokenizer.CHAT_TEMPLATE!r} is "
-                        "missing: the tokenizer has no chat template")
-    return tokenizer
+
+def _strings(reader: gguf.GGUFReader, key: str) -> list[str]:
+    """A string-array metadata value; GGUFError naming the file and key when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        raise GGUFError(f"{reader.data.filename}: metadata key {key!r} is missing")
+    return [bytes(field.parts[index]).decode("utf-8") for index in field.data]
+
+
+def _ints(reader: gguf.GGUFReader, key: str) -> list[int]:
+    field = reader.fields.get(key)
+    return [] if field is None else [int(field.parts[index][0]) for index in field.data]
+
+
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, in which byte-level vocabularies are spelled."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{byte: chr(byte) for byte in printable},
+            **{byte: chr(256 + index) for index, byte in enumerate(others)}}
+
+
+def gguf_tokenizer_backend(reader: gguf.GGUFReader):
+    """The `tokenizers.Tokenizer` the file's tokenizer.ggml.* metadata describes (byte-level
+    BPE: vocabulary, merges, the pre-tokenizer's split, control tokens special and user-defined
+    ones added, the BOS/EOS the add_*_token flags ask for)."""
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers,
+                            processors)
+
+    path, keys = reader.data.filename, gguf.Keys.Tokenizer
+    kind = _field(reader, keys.MODEL)
+    if kind not in SUPPORTED_TOKENIZER_MODELS:
+        raise GGUFError(f"{path}: {keys.MODEL}={kind!r} is not supported (supported: "
+                        f"{', '.join(SUPPORTED_TOKENIZER_MODELS)})")
+    tokens = _strings(reader, keys.LIST)
+    types = _ints(reader, keys.TOKEN_TYPE) or [int(gguf.TokenType.NORMAL)] * len(tokens)
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+
+    def spelled(token: str) -> str:   # a token written in plain text, re-spelled in bytes
+        return token if set(token) <= alphabet else "".join(
+            spelling[byte] for byte in token.encode("utf-8"))
+
+    vocab = {spelled(token): index for index, token in enumerate(tokens)}
+    merges = [tuple(merge.split(" ")) for merge in _strings(reader, keys.MERGES)]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    split = PRE_TOKENIZER_SPLITS.get(_field(reader, keys.PRE, "default"))
+    backend.pre_tokenizer = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                          use_regex=False)]))
+    backend.decoder = decoders.ByteLevel()
+    # a control token spelled outside the byte alphabet is a mislabelled plain token
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                for token, kind_ in zip(tokens, types)
+                                if kind_ == _CONTROL and set(token) <= alphabet])
+    backend.add_tokens([AddedToken(token, special=False, normalized=False)
+                        for token, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED])
+    def added(id_key: str, flag_key: str) -> list[tuple[str, int]]:
+        index = _field(reader, id_key, None)
+        return [(tokens[index], index)] if index is not None and _field(
+            reader, flag_key, False) else []
+
+    first, last = added(keys.BOS_ID, keys.ADD_BOS), added(keys.EOS_ID, keys.ADD_EOS)
+    if first or last:
+        backend.post_processor = processors.TemplateProcessing(
+            single=" ".join([*(f"{token}:0" for token, _ in first), "$A:0",
+                             *(f"{token}:0" for token, _ in last)]),
+            special_tokens=list(dict.fromkeys(first + last)))
+    return backend
+
+
+def load_gguf_tokenizer(path: str):
+    """The file's tokenizer and chat template as a transformers PreTrainedTokenizerFast, built
+    from its metadata (gguf_tokenizer_backend); GGUFError when the file has no chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    reader = open_gguf(path)
+    keys = gguf.Keys.Tokenizer
+    template = _field(reader, keys.CHAT_TEMPLATE, None)
+    if not template:
+        raise GGUFError(f"{path}: metadata key {keys.CHAT_TEMPLATE!r} is missing: the "
+                        "tokenizer has no chat template")
+    tokens = _strings(reader, keys.LIST)
+    named = {}
+    for name, key in (("bos_token", keys.BOS_ID), ("eos_token", keys.EOS_ID),
+                      ("unk_token", keys.UNK_ID), ("pad_token", keys.PAD_ID)):
+        index = _field(reader, key, None)
+        if index is not None:
+            if not 0 <= index < len(tokens):
+                raise GGUFError(f"{path}: metadata key {key!r}={index} is outside the "
+                                f"vocabulary of {len(tokens)} tokens")
+            named[name] = tokens[index]
+    return PreTrainedTokenizerFast(tokenizer_object=gguf_tokenizer_backend(reader),
+                                   chat_template=template, **named)
 
 
 def export_gguf_to_hf(gguf_path: str, out_dir: str, *, dtype: str = "float32") -> str:
