@@ -341,9 +341,10 @@ def _shared_launch_kernel(x2d, weights, loras, compute_dtype, platform: str,
             reason = backend.refusal(weight, dtype)
             if reason is not None:
                 return reason
-        if lora_ranks is not None and not backend.lora_epilogue:
+        reason = launch_refusal(backend, lora_ranks)
+        if reason is None and lora_ranks is not None and not backend.lora_epilogue:
             return "it has no LoRA epilogue"
-        return launch_refusal(backend, lora_ranks)
+        return reason
 
     return dispatch.first_taker(weights[0].format, x2d.shape[0], platform, refusal)
 
