@@ -441,3 +441,64 @@ def test_mosaic_option_and_lora_ranks(caplog, monkeypatch, rank, ok):
         assert any(r.levelno == logging.WARNING for r in caplog.records)
 
 
+
+
+def test_dispatch_asks_mosaic_first_and_falls_through_to_triton(monkeypatch, device_facts, caplog):
+    """The backends as register_kernels orders them on a Hopper GPU (Mosaic GPU, then Triton's
+    decode and dequantize backends), here on the CPU with the kernel replaced by its jnp
+    reference: a weight with its own permuted buffer runs on the Mosaic backend (its output
+    within bf16 rounding of the interpreted Triton launch, 2^-7 of the largest |output|); a
+    kernel-layout weight, a LoRA rank the kernel does not take and M > 64 fall through to the
+    Triton backends, and the log names each refusal once."""
+    import logging
+
+    from qerl_jax.quant import dispatch
+    from qerl_jax.quant.backends.triton import TritonDequantizeBackend
+    from qerl_jax.quant.linear_op import LoRAProduct, linear
+
+    monkeypatch.setattr(mg, "available", lambda: None)
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    calls = []
+
+    def stand_in(x, permuted, tensor_scale, *, n, k, l2_prefetch=None, config=None, **lora):
+        calls.append((x.shape[0], n))
+        return mg.mgpu_nvfp4_matmul_reference(x, permuted, tensor_scale, n=n, k=k, **lora)
+
+    monkeypatch.setattr(mg, "mgpu_nvfp4_matmul", stand_in)
+    n, k = 192, 512
+    plain = kl.to_kernel_layout(nvfp4_quantize(jax.random.normal(jax.random.key(2), (n, k))),
+                                tile_k=256)
+    own = mosaic.MosaicBackend().repack([plain])[0]
+    assert isinstance(own, mosaic.MosaicWeight) and own.single_copy
+    options = KernelOptions()
+    backends = [mosaic.MosaicBackend(options), TritonDecodeBackend("nvfp4", options,
+                                                                   interpret=True),
+                TritonDequantizeBackend("nvfp4", interpret=True)]
+    for backend in backends:
+        dispatch.register_backend("nvfp4", "cpu", backend)
+    x = jax.random.normal(jax.random.key(3), (8, k)).astype(jnp.bfloat16)
+    try:
+        with caplog.at_level(logging.INFO, logger=dispatch.logger.name):
+            got = linear(x, own)
+            assert calls == [(8, n)]
+            expected = linear(x, plain)  # the Triton decode kernel, interpreted
+            assert calls == [(8, n)]
+            lora = LoRAProduct(a=jnp.zeros((k, 12)), b=jnp.zeros((12, n)), scale=1.0)
+            linear(x, own, lora=lora)  # rank 12: the Triton kernel (on the unpermuted layout)
+            linear(jnp.ones((65, k), jnp.bfloat16), own)  # the dequantize backend
+        assert calls == [(8, n)]
+        top = float(jnp.abs(expected.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(got, np.float32),
+                                   np.asarray(expected, np.float32), rtol=0,
+                                   atol=2.0 ** -7 * top)
+        messages = [r.getMessage() for r in caplog.records if r.name == dispatch.logger.name]
+        assert messages[0] == ("nvfp4 matmul on cpu at M=8: nvfp4_mosaic path (Mosaic GPU "
+                               "4-bit kernel (Hopper))"), messages
+        assert any("nvfp4_fused path" in m and "nvfp4_mosaic refused: the weight has no copy "
+                   "in the Mosaic permuted layout" in m for m in messages), messages
+        assert any("nvfp4_fused path" in m and "nvfp4_mosaic refused: LoRA rank 12" in m
+                   for m in messages), messages
+        assert any(m.startswith("nvfp4 matmul on cpu at M=65: nvfp4_dequantize_xla path")
+                   for m in messages), messages
+    finally:
+        dispatch.unregister_backends("nvfp4", "cpu")
