@@ -24,6 +24,7 @@ from qerl_jax.quant.backends.mosaic import MosaicBackend, rank_refusal
 from qerl_jax.quant.backends.triton import (TritonDecodeBackend, TritonDequantizeBackend,
                                             kernel_names)
 from qerl_jax.quant.kernel_options import KernelOptions
+from qerl_jax.quant.qarray import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,9 @@ def repack_launch(weights, platform: str = "gpu", *, tile_k: int | None = None,
                   donate: bool = False) -> list | None:
     """The weights of one launch (one weight, a gate/up pair's views, or several sharing x) in
     the layout of the first registered backend that makes one for them (its `repack`), or
-    None where none does (they stay as they are)."""
+    None where none does (they stay as they are: dense weights among them, too)."""
+    if not all(isinstance(weight, QuantizedWeight) for weight in weights):
+        return None
     for backend in dispatch.backends_for(weights[0].format, platform):
         stored = backend.repack(weights, tile_k=tile_k, donate=donate)
         if stored is not None:
