@@ -1,5 +1,5 @@
 """Advantages, losses and their gradients against float64 numpy computations of the formulas
-(QeRL facts section 3) on fresh random batches. JAX runs in float32: rtol 1e-5, atol 1e-6."""
+(GRPO / DAPO as QeRL trains) on fresh random batches. JAX runs in float32: rtol 1e-5, atol 1e-6."""
 
 import jax
 import jax.numpy as jnp
@@ -226,8 +226,12 @@ def test_entropy_mask_uses_valid_tokens_only():
 
 
 def test_bad_loss_config():
-    with pytest.raises(ValueError, match="loss_type='ppo'"):
+    with pytest.raises(ValueError, match=r"^unknown loss type 'ppo'; known: sequence_mean, "
+                                         r"micro_batch_token_mean, .*, dapo$"):
         LossConfig(loss_type="ppo")
+    with pytest.raises(ValueError, match=r"^unknown policy objective 'ppo'; known: "
+                                         r"clipped_surrogate$"):
+        LossConfig(policy_objective="ppo")
 
 
 def test_chunked_logprobs_name_mismatched_shapes():
