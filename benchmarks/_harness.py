@@ -20,6 +20,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(1, REPO_ROOT)
 
+# when this process started (the scripts import this module first): a command's budget counts
+# from here, so the configs built and checked before any worker count against it too
+STARTED = time.time()
 DEFAULT_MEMORY_FRACTION = "0.95"
 # on a mesh of several GPUs XLA also allocates collective memory outside its preallocated pool
 # (cuda_device_allocator): with the single-device fraction a gradient all-reduce can fail to
@@ -100,9 +103,9 @@ def run_worker(command: list[str], log_path: str, timeout_s: float,
 class Budget:
     """Wall-clock budget of one benchmark command (the machine's time limit minus slack)."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, started: float = STARTED):
         self.seconds = seconds
-        self.deadline = time.time() + seconds
+        self.deadline = started + seconds
 
     def left(self) -> float:
         return self.deadline - time.time()

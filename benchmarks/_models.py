@@ -188,6 +188,7 @@ def kernel_report(model, config, *, interpret: bool = False, tile_k: int | None 
     from flax import nnx
 
     from qerl_jax.quant.backends.kernel_layout import KernelLayoutWeight
+    from qerl_jax.quant.backends.mosaic import MosaicWeight
     from qerl_jax.quant.qarray import QuantizedWeight
 
     kernels = config.quant.kernels
@@ -204,10 +205,7 @@ def kernel_report(model, config, *, interpret: bool = False, tile_k: int | None 
         nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedWeight))
         if isinstance(leaf, QuantizedWeight)]
     in_kernel_layout = sum(isinstance(leaf, KernelLayoutWeight) for leaf in quantized)
-    # the Mosaic GPU NVFP4 path: weights holding its permuted buffer, or reading their group's
-    # or pair's (k and v of a grouped q|k|v launch)
-    on_mosaic = sum(getattr(leaf, "mosaic_tiles", None) is not None
-                    or getattr(leaf, "kernel_source", None) is not None for leaf in quantized)
+    on_mosaic = sum(isinstance(leaf, MosaicWeight) for leaf in quantized)
     return {"kernel_hook": hook,
             "kernel_layout_weights": f"{in_kernel_layout} of {len(quantized)}",
             "mosaic_weights": f"{on_mosaic} of {len(quantized)}",

@@ -5,7 +5,7 @@ nvfp4), one worker subprocess (so the peak memory is the case's own) builds the 
 (char-level tokenizer, arithmetic prompts left-padded to --prompt tokens, --completion new
 tokens, G = --group samples of each of --prompts prompts (default 1), LoRA rank --rank on all
 projections + norm scales, remat on, micro-batch --micro-batch, AQN on for nvfp4/mxfp4 as in
-QeRL) on the --mesh device mesh (default one device) and runs --steps
+QeRL) on the config.mesh device mesh (default one device) and runs --steps
 train_step calls. Step 0 includes the compiles (reported separately as compile + run); the last
 step is the measurement, and every step after step 0 is listed (later_steps_rollout_s /
 later_steps_train_s in the jsonl) for the spread. A random model almost never samples EOS, so

@@ -86,7 +86,7 @@ def test_rollout_and_grpo_step_smoke(tmp_path):
     assert row["compilation_cache"] == "cold"  # the overrides reached the trainer's config
     assert row["logits_chunk"] == 4
     assert row["attention"] == "xla"           # 'auto' on a CPU
-    assert row["step0_sampler_compile_s"] > 0  # --offload-for-compile on: compiled ahead
+    assert row["step0_sampler_compile_s"] > 0  # offload_weights_for_compile on: compiled ahead
     assert row["step_sampler_compile_s"] == 0  # once
     assert row["offload_for_compile"] == "auto"
     # --trace-peaks ran: the CPU allocator reports no peak (an empty trace); the live arrays
