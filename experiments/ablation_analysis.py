@@ -26,7 +26,7 @@ The last three only where the runs logged them (config.eval.every_steps; the tra
 rollout/trainer mismatch metrics).
 Over seeds: mean and sample std (ddof=1; NaN with one seed).
 
-Claims (QeRL facts sections 6-7, paper Fig. 5), tested on per-seed paired differences A - B
+Claims (arXiv 2510.11696 Fig. 5; TIS as in TRL / verl), tested on per-seed paired differences A - B
 (the formats of one seed share its data order, problems and warm-up, so pairing by seed removes
 the seed-to-seed spread): mean difference d and the t-interval d +- t_{0.975, n-1} s / sqrt(n)
 over the n seeds both formats have (s: sample std of the differences). Verdict 'holds' when the

@@ -71,7 +71,7 @@ class DecodeTuning:
       waves of an H100's 132 SMs; 640 against 320 measured on an H100, RESULTS.md: NVFP4
       rollouts at batch 8 7B +1.6%, 14B +0.2%, 32B +1.0%, 7B batch 2 +2.5%);
       min_tiles_per_split: the fewest K tiles a split-K program keeps (from the decode-shape
-      sweep: RESULTS.md, "Fused-kernel tiling at rollout M"). no_split_programs: N tiles
+      sweep: benchmarks/kernels.py --decode-sweep). no_split_programs: N tiles
       alone at or above this many programs: no split.
     block_n (a power of two from 16 to TILE_ROWS = 64: a row tile lies in one block of the
       tile-major layout), num_warps, num_stages, weight_as_lhs (None: per format, see

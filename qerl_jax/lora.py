@@ -19,8 +19,9 @@ from qerl_jax.infra.atomic_io import write_json_atomic
 from qerl_jax.models.layers import Linear, LoRAParam, RMSNorm
 from qerl_jax.models.safetensors_io import save_safetensors
 from qerl_jax.models.transformer import CausalLM
+from qerl_jax.registry import LORA_PROJECTIONS
 
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_PROJECTIONS = LORA_PROJECTIONS.names()
 _DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 

@@ -1,4 +1,4 @@
-"""The released QeRL scripts' hyperparameters as configs (QeRL facts section 5): the variants
+"""The released QeRL scripts' hyperparameters as configs (NVlabs/QeRL): the variants
 qerl / nvfp4 / mxfp4 / qlora / lora on Qwen2.5-{3,7,14,32}B-Instruct with GSM8K or BigMath.
 configs/{qerl,lora,qlora,mxfp4}.py call `released_script_config`.
 """
@@ -13,7 +13,7 @@ from qerl_jax.experiment_config import base_config
 RELEASED_SIZES = {"3b": "qwen2p5_3b", "7b": "qwen2p5_7b", "14b": "qwen2p5_14b",
                   "32b": "qwen2p5_32b"}
 RELEASED_VARIANTS = {
-    # variant: (weight format, learning rate, AQN) -- QeRL facts section 5
+    # variant: (weight format, learning rate, AQN) -- the released scripts
     "qerl": ("nvfp4", 1e-5, True),
     "nvfp4": ("nvfp4", 1e-5, False),
     "mxfp4": ("mxfp4", 1e-5, False),

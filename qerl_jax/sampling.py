@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from qerl_jax import registry
 from qerl_jax.lora import cast_adapters_for_compute
 from qerl_jax.models.decode_fusion import (dequantize_for_rollout, dequantizes_at,
                                            prepare_decode)
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 # "auto" = the compute dtype
-KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")
+KV_CACHE_DTYPES = registry.KV_CACHE_DTYPES.names()
 
 
 @dataclasses.dataclass(frozen=True)

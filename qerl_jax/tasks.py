@@ -25,12 +25,11 @@ from qerl_jax.data.gold_answers import (gsm8k_example, gsm8k_gold_answer, math_e
 from qerl_jax.data.sources import (Example, RowToExample, is_local_source, read_rows,
                                    rows_to_examples)
 from qerl_jax.infra.errors import ConfigError
-from qerl_jax.registry import Registry
+from qerl_jax.registry import TASKS
 from qerl_jax.rewards.registry import RewardFunction, get_reward_functions
 
 Options = Mapping[str, Any]   # config.data field -> value, for the fields in Task.options
 
-TASKS = Registry("task")
 
 
 @dataclasses.dataclass(frozen=True)

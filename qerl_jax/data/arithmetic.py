@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from qerl_jax.data.sources import Example
 from qerl_jax.infra.errors import ConfigError
+from qerl_jax.registry import ARITHMETIC_PHRASINGS
 
 OPERATIONS = ("+", "-", "*")
-PHRASINGS = ("expression", "question")
+PHRASINGS = ARITHMETIC_PHRASINGS.names()
 
 
 def arithmetic_problems(count: int, seed: int, max_operand: int = 20,

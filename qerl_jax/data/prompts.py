@@ -8,6 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
+from qerl_jax.registry import PROMPT_STYLES
+
 logger = logging.getLogger(__name__)
 
 # QeRL paper, appendix E: appended to each question.
@@ -32,18 +34,19 @@ class PromptBatch:
     truncated: int
 
 
+# prompt style -> question -> (user message, system message or None)
+PROMPT_STYLES.register("paper", lambda question: (question + QERL_THINK_ANSWER_SUFFIX, None))
+PROMPT_STYLES.register("system", lambda question: (question, THINK_ANSWER_SYSTEM_PROMPT))
+PROMPT_STYLES.register("plain", lambda question: (question, None))
+
+
 def build_prompt_text(tokenizer, question: str, *, style: str = "paper",
                       use_chat_template: bool = True) -> str:
     """The prompt for one question. style 'paper' appends the paper's think/answer instruction
     to the question; 'system' puts it in a system message; 'plain' uses the question as is."""
-    if style == "paper":
-        user, system = question + QERL_THINK_ANSWER_SUFFIX, None
-    elif style == "system":
-        user, system = question, THINK_ANSWER_SYSTEM_PROMPT
-    elif style == "plain":
-        user, system = question, None
-    else:
-        raise ValueError(f"prompt style {style!r} not in ('paper', 'system', 'plain')")
+    if style not in PROMPT_STYLES:
+        raise ValueError(PROMPT_STYLES.unknown_message(style))
+    user, system = PROMPT_STYLES.get(style)(question)
     if not use_chat_template:
         return user if system is None else f"{system}\n{user}"
     from qerl_jax.models.tokenizer import chat_prompt

@@ -29,7 +29,9 @@ from typing import Any
 
 import jax
 
-METHODS = ("auto", "numpy", "pinned_host")
+from qerl_jax.registry import OFFLOAD_METHODS
+
+METHODS = OFFLOAD_METHODS.names()
 
 
 @dataclasses.dataclass

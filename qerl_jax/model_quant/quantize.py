@@ -85,7 +85,7 @@ def quantize_weight(weight_in_out: jax.Array, format_name: str, name: str = "wei
     fmt = get_format(format_name)
     if not bool(jnp.isfinite(weight_in_out).all()):
         raise ValueError(f"layer {name}: weight holds NaN or Inf; refusing to quantize")
-    if format_name == "bf16":
+    if not fmt.is_quantized:
         value = weight_in_out.astype(jnp.bfloat16)
         reference = weight_in_out.astype(jnp.float32)
         error = jnp.linalg.norm(value.astype(jnp.float32) - reference) / jnp.maximum(
@@ -130,7 +130,8 @@ def quantize_model(model: CausalLM, format_name: str, *,
             raise ValueError(f"layer {name} is already quantized ({dense.format})")
         value, error = quantize_weight(dense, format_name, name=name)
         _record(report, name, value, error, dense.shape)
-        layer.weight = nnx.Param(value) if format_name == "bf16" else QuantizedParam(value)
+        layer.weight = (QuantizedParam(value) if get_format(format_name).is_quantized
+                        else nnx.Param(value))
         del dense
     logger.info("quantize_model: %s", report.summary())
     return report

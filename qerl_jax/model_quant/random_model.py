@@ -59,7 +59,7 @@ def random_quantized_model(architecture, format_name: str, seed: int = 0, place=
         key = jax.random.fold_in(base, index)
         variable = variable_at(model, spec.path)
         shape = tuple(variable.get_value().shape)
-        if spec.is_linear and format_name != "bf16":
+        if spec.is_linear and get_format(format_name).is_quantized:
             # model layout [in, out]; the quantized weight is [out, in] = the HF layout
             value = _random_program("quantized", tuple(spec.hf_shape), "bfloat16",
                                     format_name)(key)

@@ -10,10 +10,11 @@ from typing import Any, Mapping
 
 from pallas_kernels.blockwise_configs import DecodeTuning
 from pallas_kernels.decode_attention import DecodeAttentionConfig
+from qerl_jax import registry
 
-MOSAIC_CHOICES = ("auto", "on", "off")
-MOSAIC_SCHEDULES = ("auto", "split_k", "warp_specialized")  # pallas_kernels.mgpu_nvfp4.SCHEDULES
-WEIGHT_AS_LHS = {"auto": None, "weights": True, "activations": False}
+MOSAIC_CHOICES = registry.SWITCH.names()
+MOSAIC_SCHEDULES = registry.MOSAIC_SCHEDULES.names()  # pallas_kernels.mgpu_nvfp4.SCHEDULES
+WEIGHT_AS_LHS = dict(registry.WEIGHT_AS_LHS.items())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""GSM8K rewards (QeRL facts section 4): format 0.2 + correctness 2.0.
+"""GSM8K rewards (as QeRL's released code scores them): format 0.2 + correctness 2.0.
 
 `gsm8k_exact_reward` is QeRL's: the extracted answer string equals the gold string (the text
 after the solution's last '####', stripped). `gsm8k_numeric_reward` also accepts numerically

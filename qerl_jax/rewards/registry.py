@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from qerl_jax.registry import Registry
+from qerl_jax.registry import REWARDS
 
 RewardFunction = Callable[[str, str], float]
-
-REWARDS = Registry("reward")
-
 
 def register_reward(name: str, *, aliases: Iterable[str] = ()):
     """Decorator registering a module-level f(completion, gold) -> float under `name`."""

@@ -1,5 +1,5 @@
 """Advantage estimators by name (ADVANTAGE_ESTIMATORS): rewards [P * G] -> advantages
-[P * G]; the default is GRPO's group-normalized one (QeRL facts section 3)."""
+[P * G]; the default is GRPO's group-normalized one (arXiv 2402.03300, as QeRL uses it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Policy losses: a registered per-token objective, optional k3 KL, and a registered
-normalizer (QeRL facts section 3).
+normalizer (GRPO / DAPO as QeRL trains with them; DAPO: arXiv 2503.14476).
 
 Per token (rho = exp(logp - logp_old)), the policy objective (POLICY_OBJECTIVES) gives pg; the
 default, clipped_surrogate, is PPO's clipped ratio with DAPO's asymmetric clip range:

@@ -11,8 +11,8 @@ import optax
 
 def make_optimizer(train: ml_collections.ConfigDict):
     """(optimizer, lr schedule): AdamW (betas 0.9/0.99), weight decay masked off norms (only
-    LoRA matrices decay), linear warmup then cosine decay to 0, clip by global norm (QeRL facts
-    section 5)."""
+    LoRA matrices decay), linear warmup then cosine decay to 0, clip by global norm (the released
+    QeRL scripts)."""
     warmup_steps = max(1, int(math.ceil(train.warmup_ratio * train.total_steps)))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, train.learning_rate, warmup_steps, max(train.total_steps, warmup_steps + 1),

@@ -18,13 +18,14 @@ def test_config_choices_equal_their_sources():
     from pallas_kernels.mxfp4_matmul import MXFP4
     from pallas_kernels.nf4_matmul import NF4
     from pallas_kernels.nvfp4_matmul import NVFP4
-    assert experiment_config.ON_OFF_AUTO == kernel_options.MOSAIC_CHOICES
-    assert experiment_config.MOSAIC_SCHEDULES == kernel_options.MOSAIC_SCHEDULES
-    from pallas_kernels.mgpu_nvfp4_layout import SCHEDULES
+    from qerl_jax import registry
+    assert registry.SWITCH.names() == kernel_options.MOSAIC_CHOICES
+    assert registry.MOSAIC_SCHEDULES.names() == kernel_options.MOSAIC_SCHEDULES
+    from pallas_kernels.mgpu_nvfp4_tuning import SCHEDULES
     assert kernel_options.MOSAIC_SCHEDULES == SCHEDULES
-    assert experiment_config.WEIGHT_AS_LHS == tuple(kernel_options.WEIGHT_AS_LHS)
+    assert registry.WEIGHT_AS_LHS.names() == tuple(kernel_options.WEIGHT_AS_LHS)
     decoders = set(NVFP4.decoders) | set(MXFP4.decoders) | set(NF4.decoders)
-    assert set(experiment_config.KERNEL_DECODERS) == decoders
+    assert set(registry.KERNEL_DECODERS.names()) == decoders
 
 
 def test_every_option_reaches_the_dataclass():
@@ -54,11 +55,11 @@ def test_every_option_reaches_the_dataclass():
 
 
 @pytest.mark.parametrize("path,value,message", [
-    ("quant.kernels.mosaic_nvfp4", "1", "'1' not in ('auto', 'on', 'off')"),
+    ("quant.kernels.mosaic_nvfp4", "1", "unknown switch '1'; known: auto, on, off"),
     ("quant.kernels.mosaic_prefetch_tiles", -1, "must be in [0, 3], got -1"),
-    ("quant.kernels.mosaic_schedule", "stream_k", "'stream_k' not in"),
+    ("quant.kernels.mosaic_schedule", "stream_k", "unknown Mosaic schedule 'stream_k'"),
     ("quant.kernels.mosaic_swiglu_epilogue_max_m", 65, "must be in [0, 64], got 65"),
-    ("quant.kernels.decode_matmul.weight_as_lhs", "x", "'x' not in"),
+    ("quant.kernels.decode_matmul.weight_as_lhs", "x", "unknown left dot operand 'x'"),
     ("quant.kernels.decode_attention_tiling.block_s", 48, "48 not in"),
     ("quant.kernels.gate_up_pairs", "yes", "must be True or False"),
 ])
