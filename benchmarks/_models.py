@@ -7,6 +7,7 @@ parent processes build and check configs only.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import _harness as harness
@@ -106,7 +107,7 @@ def configured(parser, config, overrides: list[str], flag_fields: dict[str, str]
         if path in flag_fields:
             parser.error(f"config.{path}: set by {flag_fields[path]}")
     try:
-        config = apply_overrides(config, overrides, parser.prog)
+        config = apply_overrides(copy.deepcopy(config), overrides, parser.prog)
         validate_config(config)
     except (ConfigError, UsageError) as error:
         parser.error(str(error))

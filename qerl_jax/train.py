@@ -189,17 +189,20 @@ def parse_command_line(argv: list[str]):
 
 
 def apply_overrides(config, overrides: list[str], source: str):
-    """`config` with the `overrides` (--config.FIELD=VALUE arguments) applied, each checked and
-    parsed as the command line's (the field's type); `source` names the config in messages.
+    """`config` with the `overrides` (--config.FIELD=VALUE arguments) applied in place (and
+    returned), each checked and parsed as the command line's (the field's type); `source` names
+    the config in messages.
 
     Raises:
       UsageError, ConfigError: one line naming the flag or field.
     """
     _check_override_paths(["", *overrides], config, source)
     flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_dict("config", config, flag_values=flag_values, lock_config=True)
+    argv = ["", *overrides]
+    config_flags.DEFINE_config_dict("config", config, flag_values=flag_values, lock_config=True,
+                                    sys_argv=argv)
     try:
-        flag_values(["", *overrides])
+        flag_values(argv)
     except flags.Error as error:
         raise UsageError(str(error).strip().splitlines()[0]) from error
     return flag_values.config

@@ -353,6 +353,25 @@ def test_config_overrides_are_checked_before_any_worker(tmp_path):
     assert not (tmp_path / "rollout_raw" / "tiny_bf16.log").exists()
 
 
+def test_overrides_leave_the_base_config_and_name_the_outputs(tmp_path):
+    """configured() applies the overrides to a copy (the base stays the benchmark's defaults),
+    and the output name says which kernel choices differ from them."""
+    import argparse
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import _models as models
+    base = models.rollout_config(preset="tiny_qwen2", format_name="nvfp4",
+                                 tokenizer_dir=str(tmp_path))
+    config = models.configured(argparse.ArgumentParser(prog="t"), base,
+                               ["--config.quant.kernels.enabled=false",
+                                "--config.quant.kernels.mosaic_schedule=split_k"], {})
+    assert (config.quant.kernels.enabled, config.quant.kernels.mosaic_schedule) == (
+        False, "split_k")
+    assert (base.quant.kernels.enabled, base.quant.kernels.mosaic_schedule) == (True, "auto")
+    assert models.config_tag(config, base) == "_no-kernels_split_k"
+    assert models.config_tag(base, base) == ""
+
+
 def test_completion_lengths_smoke(tmp_path):
     """benchmarks/completion_lengths.py on the packaged SmolLM2-135M-Instruct: one GSM8K
     question x G = 2 at 4 tokens gives 2 lengths in [1, 4] with their no-EOS flags, and the
