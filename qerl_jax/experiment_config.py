@@ -409,6 +409,11 @@ FIELDS: dict[str, Field] = {
 MAPPING_FIELDS = ("model.overrides",)
 
 
+def field_defaults() -> dict[str, Any]:
+    """'FIELD' (dotted path) -> its default, in schema order."""
+    return {path: field.default for path, field in FIELDS.items()}
+
+
 def field_descriptions() -> dict[str, str]:
     """'config.FIELD' -> its one-line description, in schema order."""
     return {f"config.{path}": field.description for path, field in FIELDS.items()}

@@ -36,7 +36,7 @@ from qerl_jax.aqn import AQNSchedule, aqn_noisy_state, aqn_sigma
 from qerl_jax.infra.checkpointing import (CheckpointMismatch, TrainingCheckpoints,
                                           check_resume_meta)
 from qerl_jax.infra.compilation_cache import enable_compilation_cache
-from qerl_jax.experiment_config import validate_config
+from qerl_jax.experiment_config import field_defaults, validate_config
 from qerl_jax.data import PromptIterator, encode_prompts
 from qerl_jax.tasks import get_task, load_eval_examples, load_training_examples
 from qerl_jax.data.prompts import build_prompt_text
@@ -109,7 +109,8 @@ class Trainer:
         self._config_dict = json.loads(config.to_json())
         # nothing in `workdir` changes before the start is checked and the model is built
         plan = check_workdir(workdir, self._config_dict, resume=resume, overwrite=overwrite,
-                             allow_config_changes=allow_config_changes, restart=restart)
+                             allow_config_changes=allow_config_changes, restart=restart,
+                             defaults=field_defaults())
         self.resume = resume and not plan.move_aside
         self._config_changes = plan.config_changes if is_primary() else []
         if config.model.hf_path:   # headers and shapes: seconds, before any weight is read

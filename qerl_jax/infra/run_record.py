@@ -13,11 +13,10 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from qerl_jax.infra.atomic_io import storage_errors, write_json_atomic
 from qerl_jax.infra.errors import ConfigError
-from qerl_jax.experiment_config import FIELDS
 from qerl_jax.registry import LOSS_NORMALIZERS
 
 RUN_FILE = "run.json"
@@ -69,11 +68,13 @@ def _json_form(value):
     return json.loads(json.dumps(value))
 
 
-def config_changes(old: dict, new: dict) -> list[dict]:
+def config_changes(old: dict, new: dict, defaults: Mapping[str, Any] | None = None) -> list[dict]:
     """[{'field', 'old', 'new', 'harmless'}] for every leaf that differs (sorted by field);
     tuples and lists compare equal, as in a JSON round trip, and so do a loss type and its
     alias (bnpo and micro_batch_token_mean). A field the old config lacks (added to the schema
-    since) is no change when the new value is its default."""
+    since) is no change when the new value is its default in `defaults` (field path -> the
+    schema's default, experiment_config.field_defaults())."""
+    defaults = defaults or {}
     old_flat = flatten_config(json.loads(json.dumps(old)))
     new_flat = flatten_config(json.loads(json.dumps(new)))
     for field, aliases in _SAME_MEANING.items():
@@ -84,7 +85,7 @@ def config_changes(old: dict, new: dict) -> list[dict]:
     changes = []
     for field in sorted(set(old_flat) | set(new_flat)):
         before, after = old_flat.get(field, missing), new_flat.get(field, missing)
-        if before is missing and field in FIELDS and after == _json_form(FIELDS[field].default):
+        if before is missing and field in defaults and after == _json_form(defaults[field]):
             continue   # a field added since the run started, at the default it behaved as
         if before != after:
             changes.append({"field": field,
@@ -170,7 +171,8 @@ class WorkdirPlan:
 
 
 def check_workdir(workdir: str, config_dict: dict, *, resume: bool, overwrite: bool,
-                  allow_config_changes: bool, restart: bool = False) -> WorkdirPlan:
+                  allow_config_changes: bool, restart: bool = False,
+                  defaults: Mapping[str, Any] | None = None) -> WorkdirPlan:
     """Checks `workdir` before any work and touches nothing (ConfigError, one line, when the
     start is refused):
       - a fresh run into a directory holding an earlier run is refused unless `overwrite`
@@ -205,7 +207,7 @@ def check_workdir(workdir: str, config_dict: dict, *, resume: bool, overwrite: b
     starts = read_starts(workdir)
     if not starts:
         return WorkdirPlan([])
-    changes = config_changes(starts[-1]["config"], config_dict)
+    changes = config_changes(starts[-1]["config"], config_dict, defaults)
     refused = [change for change in changes if not change["harmless"]]
     if refused and not allow_config_changes:
         lines = [f"config.{c['field']}: was {c['old']!r} in the run being resumed, now "
@@ -246,11 +248,13 @@ def move_aside(workdir: str, names: tuple[str, ...]) -> str | None:
 
 
 def prepare_workdir(workdir: str, config_dict: dict, *, resume: bool, overwrite: bool,
-                    allow_config_changes: bool, restart: bool = False) -> list[dict]:
+                    allow_config_changes: bool, restart: bool = False,
+                    defaults: Mapping[str, Any] | None = None) -> list[dict]:
     """check_workdir, then the earlier run's files moved aside: the config changes (to
     record)."""
     plan = check_workdir(workdir, config_dict, resume=resume, overwrite=overwrite,
-                         allow_config_changes=allow_config_changes, restart=restart)
+                         allow_config_changes=allow_config_changes, restart=restart,
+                         defaults=defaults)
     move_aside(workdir, plan.move_aside)
     return plan.config_changes
 
