@@ -21,6 +21,7 @@ from qerl_jax.models.tokenizer import load_tokenizer
 from qerl_jax.models.transformer import (CausalLM, init_model, set_attention_implementation,
                                          set_attention_mesh, set_attention_query_chunk)
 from qerl_jax.parallel.mesh import place_parameter as place_on_mesh
+from qerl_jax.quant.formats import get_format
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +38,13 @@ def build_model(config: ml_collections.ConfigDict, workdir: str, *, mesh=None,
     from qerl_jax.warmup import cached_warmup_model
 
     model_cfg, fmt = config.model, config.quant.format
+    quantized = get_format(fmt).is_quantized
     place = _placement(mesh)
     finish = functools.partial(_finish_model, config=config, mesh=mesh, interpret=interpret,
                                tile_k=tile_k)
     if model_cfg.hf_path:
         tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.hf_path)
-        if fmt == "bf16":
+        if not quantized:
             model = load_hf_model(model_cfg.hf_path, param_dtype=model_cfg.param_dtype,
                                   compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat,
                                   place=place)
@@ -57,10 +59,10 @@ def build_model(config: ml_collections.ConfigDict, workdir: str, *, mesh=None,
         tokenizer = (load_tokenizer(model_cfg.tokenizer_path) if model_cfg.tokenizer_path
                      else load_gguf_tokenizer(model_cfg.gguf_path))
         # a 4-bit format quantizes from bf16 weights, as load_quantized_hf_model does
-        param_dtype = model_cfg.param_dtype if fmt == "bf16" else "bfloat16"
+        param_dtype = "bfloat16" if quantized else model_cfg.param_dtype
         model = load_gguf_model(model_cfg.gguf_path, param_dtype=param_dtype,
                                 compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
-        if fmt != "bf16":
+        if quantized:
             quantize_model(model, fmt)   # logs its report
         return finish(model), tokenizer
     architecture = preset_architecture(config)
@@ -168,7 +170,7 @@ def _maybe_enable_kernels(model, config: ml_collections.ConfigDict, mesh=None, *
         if config.model.compute_dtype == "bfloat16" and options.decode_attention:
             enable_decode_attention(options=options, mesh=mesh, **interpreted)
         return
-    if config.quant.format == "bf16":
+    if not get_format(config.quant.format).is_quantized:
         if config.model.compute_dtype == "bfloat16" and options.decode_attention:
             enable_decode_attention(options=options, mesh=mesh, **interpreted)
         return

@@ -52,12 +52,13 @@ def schedules(n: int, k: int, sweep: bool, stages=(None,), m: int = 8,
     split-K count, with --sweep half and twice it, and the counts of --splits; each at every
     pipeline depth in `stages` (--stages; the schedule's default, None, unlabelled). rank: the
     launch's LoRA operand width (the schedule "auto" picks depends on it)."""
-    from pallas_kernels import mgpu_nvfp4 as mg
+    from pallas_kernels import mgpu_nvfp4_tuning as tuning
     row_tiles, k_tiles = -(-n // 64), -(-k // 256)
     out = []
     for schedule in kernel_schedules:
-        resolved = mg.launch_schedule(m, row_tiles, schedule, rank)
-        splits = mg.launch_splits(row_tiles, k_tiles, m=m, schedule=schedule, rank=rank)
+        tuned = tuning.TuningConfig(schedule=schedule)
+        resolved = tuning.launch_schedule(m, row_tiles, rank=rank, config=tuned)
+        splits = tuning.launch_splits(row_tiles, k_tiles, m=m, rank=rank, config=tuned)
         prefix = f"{resolved}, " if schedule != "auto" or len(kernel_schedules) > 1 else ""
         base = {} if schedule == "auto" else {"schedule": schedule}
         out.append((f"{prefix}splits {splits}", base))
@@ -72,9 +73,9 @@ def schedules(n: int, k: int, sweep: bool, stages=(None,), m: int = 8,
 def sweep_splits(n: int, k: int, m: int = 8) -> list[int]:
     """--sweep: half and twice the default split count at M = m, where that makes one to two
     waves of programs (132-1056; uneven counts included)."""
-    from pallas_kernels import mgpu_nvfp4 as mg
+    from pallas_kernels import mgpu_nvfp4_tuning as tuning
     row_tiles, k_tiles = -(-n // 64), -(-k // 256)
-    default = mg.default_splits(row_tiles, k_tiles, m=m)
+    default = tuning.default_splits(row_tiles, k_tiles, device=tuning.device_facts(), m=m)
     return [s for s in (default // 2, 2 * default)
             if s and s != default and s <= k_tiles and 132 <= row_tiles * s <= 1056]
 
@@ -122,6 +123,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), t
     import jax.numpy as jnp
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
+    from pallas_kernels import mgpu_nvfp4_layout as layout
     from pallas_kernels import nvfp4_matmul
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernels as kernel_bench
@@ -147,17 +149,17 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), t
         print(rows[-1], flush=True)
         del weights
     n_pads = [p.codes.shape[0] for p in packed]
-    tiles = [jax.block_until_ready(mg.group_permuted([mg.permute_packed(w) for w in group],
-                                                     [k] * 3))
+    tiles = [jax.block_until_ready(layout.group_permuted(
+                 [layout.permute_packed(w) for w in group], [k] * 3))
              for group in kernel_bench.copies(list(packed), count)]
-    operand = mg.group_lora_operand(lora_bs, [p.tensor_scale for p in packed], [2.0] * 3,
-                                    n_pads)
-    scales = [2.0 ** -mg.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
+    operand = layout.group_lora_operand(lora_bs, [p.tensor_scale for p in packed],
+                                        [2.0] * 3, n_pads)
+    scales = [2.0 ** -layout.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
     for label, kwargs in schedules(sum(n_pads), k, sweep, stages, m, extra_splits,
                                    kernel_schedules, rank=32 * len(ns)):
         def launch(x, t, d, kwargs=kwargs):
             y = mg.matmul_unscaled(x, t, n=sum(n_pads), k=k, lora_x_a=d, lora_bt=operand,
-                                   **kwargs)
+                                   config=mg.TuningConfig(**kwargs))
             bounds = np.cumsum([0] + n_pads)
             return [(y[:, a:a + ni] * s).astype(jnp.bfloat16)
                     for a, ni, s in zip(bounds, ns, scales)]
@@ -176,6 +178,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
     import jax
     from pallas_kernels import blockwise_matmul as bw
     from pallas_kernels import mgpu_nvfp4 as mg
+    from pallas_kernels import mgpu_nvfp4_layout as layout
     from pallas_kernels import nvfp4_matmul
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernels as kernel_bench
@@ -197,13 +200,14 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
                      "call_us": call_us, "TB_s": nbytes / call_us / 1e6})
         print(rows[-1], flush=True)
         del weights
-    permuted = [jax.block_until_ready(mg.permute_packed(w))
+    permuted = [jax.block_until_ready(layout.permute_packed(w))
                 for w in kernel_bench.copies(packed, count)]
     ts = packed.tensor_scale
-    operand = mg.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
+    operand = layout.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
     for label, kwargs in schedules(n, k, sweep, stages, m, extra_splits, kernel_schedules):
         fn = jax.jit(lambda x, ps, d, bt, kwargs=kwargs: [mg.mgpu_nvfp4_matmul(
-            x, p, ts, n=n, k=k, lora_x_a=d, lora_bt=bt, **kwargs) for p in ps])
+            x, p, ts, n=n, k=k, lora_x_a=d, lora_bt=bt, config=mg.TuningConfig(**kwargs))
+            for p in ps])
         _, call_us, _ = kernel_profile.traced_device_us(fn, (x, permuted, down, operand),
                                                         repeats, count, None)
         rows.append({"shape": name, "n": n, "k": k,
@@ -216,7 +220,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
 def swiglu_rows(key, size: str, m: int, repeats: int, profile: bool, triton: bool = True,
                 kernel_schedules=("auto",)) -> list[dict]:
     """The fused SwiGLU launch of a model size's gate/up pair with the next layer's LoRA
-    product (TritonDecodeBackend.apply_swiglu, as the sampler calls it, LoRA operands made
+    product (the backends' apply_swiglu, as the sampler calls them, LoRA operands made
     ahead): the Mosaic GPU path at each kernel schedule, with the SwiGLU and each row tile's
     share of the next-LoRA product in the kernel's epilogue (mgpu_nvfp4.SwigluEpilogue) and
     with both in XLA, against Triton's fused kernel. Check: equal within 2^-7 of the largest
@@ -226,7 +230,8 @@ def swiglu_rows(key, size: str, m: int, repeats: int, profile: bool, triton: boo
     import jax.numpy as jnp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernels as kernel_bench
-    from pallas_kernels import mgpu_nvfp4 as mg
+    from pallas_kernels import mgpu_nvfp4_layout as layout
+    from pallas_kernels import mgpu_nvfp4_tuning as tuning
     from qerl_jax.quant.backends import kernel_layout, mosaic
     from qerl_jax.quant.backends.triton import TritonDecodeBackend
     from qerl_jax.quant.kernel_options import KernelOptions
@@ -239,30 +244,32 @@ def swiglu_rows(key, size: str, m: int, repeats: int, profile: bool, triton: boo
                                     tile_k=256) for i in (0, 1))
     views = kernel_layout.pair_gate_up(gate, up)
     del gate, up
-    tiles = mg.permute_packed(views[0].whole_pair())
-    views = tuple(v.replace(mosaic_tiles=tiles) for v in views)
+    tiles = layout.permute_packed(views[0].whole_pair())
+    views = tuple(mosaic.MosaicWeight.from_kernel_layout(v, mosaic_tiles=tiles) for v in views)
     x = jax.random.normal(keys[2], (m, k), jnp.bfloat16)
     down = (jax.random.normal(keys[3], (m, 2 * rank)) * 0.1).astype(jnp.bfloat16)
     lora_bs = tuple((jax.random.normal(keys[i], (rank, n)) * 0.01).astype(jnp.bfloat16)
                     for i in (4, 5))
     next_a = (jax.random.normal(keys[6], (n, rank)) * 0.01).astype(jnp.bfloat16)
     pair_b = TritonDecodeBackend("nvfp4", KernelOptions()).swiglu_lora_b(views, lora_bs)
-    prepared = (mosaic.with_pair_lora_operand(*views, *lora_bs, 1.0), views[1])
+    prepared = (views[0].with_pair_lora_operand(views[1], *lora_bs, 1.0), views[1])
 
     def make(**options):
-        backend = TritonDecodeBackend("nvfp4", KernelOptions(**options))
+        backend = (TritonDecodeBackend("nvfp4", KernelOptions(**options))
+                   if options["mosaic_nvfp4"] == "off" else mosaic.MosaicBackend(KernelOptions(**options)))
         fn = jax.jit(lambda x, vs, d: [backend.apply_swiglu(
             x, v, d, lora_bs, (1.0, 1.0), pair_b, next_a, compute_dtype=jnp.bfloat16)
             for v in vs])
         jax.block_until_ready(fn(x, [prepared], down))
         return fn
 
-    row_tiles = -(-pair_n // mg.TILE_ROWS)
+    row_tiles = -(-pair_n // layout.TILE_ROWS)
     launches = []
     if triton:
         launches.append(("Triton fused SwiGLU (LoRA r32, next LoRA)", make(mosaic_nvfp4="off")))
     for schedule in kernel_schedules:
-        resolved = mg.launch_schedule(m, row_tiles, schedule, 2 * rank)
+        resolved = tuning.launch_schedule(m, row_tiles, rank=2 * rank,
+                                          config=tuning.TuningConfig(schedule=schedule))
         for where, max_m in (("its epilogue", 64), ("XLA", 0)):
             launches.append((f"Mosaic GPU permuted, SwiGLU / next LoRA in {where}, "
                              f"{schedule} ({resolved})",
