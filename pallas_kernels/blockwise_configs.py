@@ -20,7 +20,8 @@ class MatmulConfig:
     applied to its f32 result (no per-weight scale multiply, no scale broadcast).
     clamp_rows: when M is not a multiple of block_m, read activation rows min(r, M-1) (a gather
     with no mask; the extra rows repeat the last one and are not stored) instead of masked
-    loads. Off by default: masked rows were as fast or faster on most H100 layer shapes.
+    loads. Off by default: masked rows were as fast or faster on most layer shapes measured
+    (docs/decisions.md).
     """
     block_m: int = 16
     block_n: int = 64
@@ -68,8 +69,7 @@ class DecodeTuning:
     from config.quant.kernels.decode_matmul, qerl_jax.quant.kernel_options).
 
     target_programs: split-K is chosen so the launch has about this many programs (about 5
-      waves of an H100's 132 SMs; 640 against 320 measured on an H100, RESULTS.md: NVFP4
-      rollouts at batch 8 7B +1.6%, 14B +0.2%, 32B +1.0%, 7B batch 2 +2.5%);
+      waves of a 132-SM Hopper GPU; the sweep behind the value is in docs/decisions.md);
       min_tiles_per_split: the fewest K tiles a split-K program keeps (from the decode-shape
       sweep: benchmarks/kernels.py --decode-sweep). no_split_programs: N tiles
       alone at or above this many programs: no split.
@@ -119,8 +119,8 @@ def parse_tuning(text: str) -> dict:
 
 def default_matmul_config(m: int, packed: PackedWeight,
                           tuning: DecodeTuning | None = None) -> MatmulConfig:
-    """Heuristic tiling for y = x @ W^T, from sweeps on an H100 (benchmarks/kernels.py --sweep)
-    and the decode-shape sweep on an H200 (kernels.py --decode-sweep).
+    """Heuristic tiling for y = x @ W^T, from the kernel sweeps (benchmarks/kernels.py --sweep
+    and --decode-sweep).
 
     M <= 64: the fused kernel, 16/32/64-row tiles, 64 output columns per program (at M <= 16
     the block_n, warps and stages of `tuning`, default DecodeTuning()). Split-K: none when the N tiles

@@ -43,13 +43,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _MASKED = -1e30  # finite: an all-masked block gives exp(0) = 1, never NaN
-_TARGET_PROGRAMS = 264  # about 2 waves of an H100/H200's 132 SMs
+_WAVES = 2  # programs per launch: about this many waves of the device's SMs
+_INTERPRET_SMS = 132  # SM count assumed off the GPU (interpret mode), a Hopper GPU's
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """block_s: cache slots per loop step; splits: sequence splits (None: enough for ~264
-    programs); balanced: 1 = split the used slots evenly at run time, 0 = fixed ranges of the
+    """block_s: cache slots per loop step; splits: sequence splits (None: enough for about 2
+    waves of the device's SMs); balanced: 1 = split the used slots evenly at run time, 0 = fixed ranges of the
     cache; Triton num_warps / num_stages."""
     block_s: int = 64
     splits: int | None = None
@@ -94,10 +95,20 @@ def _cdiv_traced(a, b: int):
     return (a + (b - 1)) // b
 
 
-def default_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
-    """Sequence splits so that batch x kv_heads x splits is about 264 programs (at most one
-    split per block of slots)."""
-    return max(1, min(_cdiv(slots, block_s), _cdiv(_TARGET_PROGRAMS, batch * kv_heads)))
+def sm_count(device=None) -> int:
+    """The streaming multiprocessors of `device` (default jax.devices()[0]) where it reports
+    them (a GPU's core_count), else a Hopper GPU's count (interpret mode on the CPU)."""
+    device = device or jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else _INTERPRET_SMS
+
+
+def default_splits(batch: int, kv_heads: int, slots: int, block_s: int,
+                   sms: int | None = None) -> int:
+    """Sequence splits so that batch x kv_heads x splits is about 2 waves of `sms` programs
+    (default: the device's SM count; at most one split per block of slots)."""
+    target = _WAVES * (sm_count() if sms is None else sms)
+    return max(1, min(_cdiv(slots, block_s), _cdiv(target, batch * kv_heads)))
 
 
 def _kernel(length_ref, q_ref, keys_ref, values_ref, mask_ref, key_scales_ref,

@@ -220,7 +220,8 @@ FIELDS: dict[str, Field] = {
         64, "Decode attention: cache slots per loop step (a power of two >= 16).",
         one_of(ATTENTION_BLOCK_S)),
     "quant.kernels.decode_attention_tiling.splits": Field(
-        0, "Decode attention: sequence splits (0 = enough for ~264 programs).", at_least(0)),
+        0, "Decode attention: sequence splits (0 = about 2 waves of the device's SMs).",
+        at_least(0)),
     "quant.kernels.decode_attention_tiling.balanced": Field(
         True, "Decode attention: split the used cache slots evenly at run time (False: fixed "
         "ranges of the cache)."),

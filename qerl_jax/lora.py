@@ -88,8 +88,8 @@ def cast_adapters_for_compute(model: CausalLM) -> int:
     layers were cast.
 
     For decoding: Linear casts A and B to the compute dtype on every call, and inside the
-    sampler's while_loop XLA re-runs those converts at every token (measured on the GPU: about
-    9 convert kernels per layer per step, ~0.5 ms of a 7B decode step). Casting once before the
+    sampler's while_loop XLA re-runs those converts at every token (about 9 convert kernels per
+    layer per step in a GPU profile). Casting once before the
     loop gives bit-identical outputs. Use it on a merged copy inside a jitted function, never on
     the trained state (the optimizer keeps the float32 adapters).
     """

@@ -139,7 +139,7 @@ class Trainer:
         self.trainable, self.frozen = commit_to_devices(self.placement.states((trainable, frozen)))
         del model, trainable, frozen
         # LoRA B = 0 and the original norm scales: the reference (LoRA-disabled) policy, kept
-        # only when the KL term needs it (a copy of every adapter: 0.3 GiB at 7B, rank 32).
+        # only when the KL term needs it (it is a copy of every adapter).
         self.reference_trainable = (jax.tree_util.tree_map(jnp.copy, self.trainable)
                                     if config.loss.beta != 0.0 else None)
         self.optimizer, self.lr_schedule = make_optimizer(config.train)

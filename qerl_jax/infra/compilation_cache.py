@@ -3,12 +3,11 @@
 A run compiles a handful of programs (the sampler per prompt bucket, the loss gradient, the
 optimizer update). With a cache directory, JAX writes each compiled program there, and a later
 run of the same shapes (the next seed or format of an ablation, a resumed run) loads it instead
-of compiling: at Qwen2.5-7B that is ~20 s per sampler program on an H100 (benchmarks/RESULTS.md).
+of compiling (benchmarks/RESULTS.md has what that saves at 7B).
 
 A loaded program also skips XLA's GPU autotuner, whose scratch buffers are the largest transient
-of a step at 7B (on an H100 the peak rose by ~3 GiB while the sampler compiled; see the 7B
-step's peak memory in benchmarks/RESULTS.md). So a run with a warm cache peaks lower than a
-cold one; the benchmarks say which they measured.
+of a cold step (the 7B step's peak memory in benchmarks/RESULTS.md). So a run with a warm cache
+peaks lower than a cold one; the benchmarks say which they measured.
 
 JAX keeps one cache per process: the directory applies to every program compiled afterwards,
 also outside the trainer. Programs that compile in under

@@ -1,8 +1,7 @@
 """Holding a pytree's device arrays in host memory for a while (e.g. while XLA compiles).
 
 XLA's GPU autotuner allocates its scratch and test buffers from the device memory the run uses
-while it compiles a program: at Qwen2.5-7B, +3.1 GiB over what is in use while the sampler
-compiles, the largest transient of a cold run (measured on an H100 at commit bbc5942). The
+while it compiles a program, the largest transient of a cold run (benchmarks/RESULTS.md). The
 frozen base weights are most of what is in use; copied to host memory for the compile, they no
 longer add to it.
 
@@ -11,10 +10,9 @@ Two ways to hold them:
     with its sharding and committed flag (jit caches its programs per committed / uncommitted
     argument).
   - "pinned_host": JAX arrays in the device's pinned host memory (jax.memory.Space.Host), copied
-    by DMA; committed arrays only (an array put back from there is committed). On the H100 its
-    transfers are ~4x faster for 14 GiB (4.8 vs 18.3 s there and back), but the 7B bf16 training
-    phase after it was 0.5 s slower (1.62-1.79 s in three runs, 1.07-1.24 s in three without
-    it; cause not found; docs/decisions.md), so it is not the default.
+    by DMA; committed arrays only (an array put back from there is committed). Its transfers
+    are faster, but the training phase after it was slower (docs/decisions.md), so it is not
+    the default.
 
 The same round trip compacts a model's weights (compact_module): the device allocator (XLA's
 best-fit allocator) hands a request the whole of a free block smaller than twice its size, so

@@ -4,8 +4,8 @@ process compiles a program into the same kernels and a run reproduces token for 
 Why it is needed: while XLA compiles a program for the GPU it times candidate kernels for its
 matrix products (tilings, split-K factors) and keeps the fastest. Timing noise can make two
 compilations of the same program pick different candidates, whose float32 sums differ in the
-last bits; a sampled rollout then diverges after a few tokens. Measured on one H100
-(benchmarks/RESULTS.md, "Reproducible GPU rollouts"): the same 7B batch-8 rollout, same seed
+last bits; a sampled rollout then diverges after a few tokens. In the GPU check of
+benchmarks/RESULTS.md ("Reproducible GPU rollouts") the same 7B batch-8 rollout, same seed
 and code, gave different tokens in two processes (NVFP4 and bf16), while a compiled program
 called twice with
 one key gave the same tokens, and two processes gave the same tokens when the second loaded

@@ -1,7 +1,7 @@
 """Random-weight models built tensor by tensor, for GPU benchmarks and shape-only runs.
 
 `random_quantized_model` draws each projection and quantizes it inside one small jitted program,
-so the dense bf16 copy of a 32B model (61 GiB) never exists: peak memory is the quantized model
+so the dense bf16 copy of a large model never exists: peak memory is the quantized model
 plus one dense projection.
 """
 

@@ -125,8 +125,8 @@ def stack_grouped_adapters(model: nnx.Module) -> int:
     were stacked (those whose projections all have adapters).
 
     For decoding: the grouped launch multiplies x by [A_q | A_k | A_v] once, and inside the
-    sampler's while_loop XLA re-ran that concatenation at every token (measured on the GPU: two
-    concatenate kernels per layer and step, ~4 us). Stacked once before the loop, the product
+    sampler's while_loop XLA re-ran that concatenation at every token (two concatenate kernels
+    per layer and step in a GPU profile). Stacked once before the loop, the product
     reads the same values. Use it on a merged copy inside a jitted function, never on the
     trained state.
 

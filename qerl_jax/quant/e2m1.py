@@ -5,7 +5,7 @@ E2M1_MAGNITUDES = [0, 0.5, 1, 1.5, 2, 3, 4, 6]; that index is exactly the E2M1 b
 (2 exponent bits, 1 mantissa bit, exponent bias 1).
 
 Encoding is computed explicitly on the codes (threshold counting on |x|), never through a
-float4 cast round trip: XLA on the H100 was observed to fold `x.astype(float4).astype(f32)`
+float4 cast round trip: XLA on the GPU was observed to fold `x.astype(float4).astype(f32)`
 away inside jit, which silently skips the rounding.
 """
 

@@ -5,9 +5,8 @@ Single-weight launches (the o and down projections), grouped q|k|v launches and 
 SwiGLU launches of gate/up pairs run here where `MosaicBackend` does not refuse them; it is
 registered ahead of the Triton decode backend (triton.py), which takes every launch this one
 refuses. The permuted buffer is a weight's only copy (MosaicWeight.kernel_source): prefill and
-training dequantize it directly (pallas_kernels.permuted_dequantize). Measured on the H100, one
-run each: 7B rollout 3.27-3.49 s against 3.47-3.68 s on the Triton kernels, 14B 5.89-6.05
-against 6.72-6.91, training within 0.06 s (benchmarks/RESULTS.md).
+training dequantize it directly (pallas_kernels.permuted_dequantize). Its speed against the
+Triton kernels is in benchmarks/RESULTS.md.
 
 `MosaicBackend.repack` makes the permuted buffers once after loading (one weight, a gate/up
 pair's two views, or a q|k|v group in one buffer); the weight type makes the per-rollout

@@ -1,20 +1,18 @@
 """The Triton backend: the Pallas kernels of pallas_kernels/blockwise_matmul.py on the kernel
 layout (kernel_layout.py), per format.
 
-Paths (from the H100 measurements in benchmarks/RESULTS.md; every kernel path beat the XLA
-"dequantize with jnp, then dot" path at every measured shape and M):
-  forward, M <= 64   `TritonDecodeBackend` ("<format>_fused"): the fused decode+matmul kernel
-                     (NVFP4 1.23-2.19x, MXFP4 1.16-2.28x, NF4 0.74-1.48x of a bf16 dot at
-                     M <= 16 outside k/v; the naive XLA path 0.24-0.69x). A layer's unmerged
+Paths (every kernel path beat the XLA "dequantize with jnp, then dot" path at every shape and M
+benchmarks/kernels.py measured; benchmarks/RESULTS.md):
+  forward, M <= 64   `TritonDecodeBackend` ("<format>_fused"): the fused decode+matmul kernel.
+                     A layer's unmerged
                      LoRA adds its second product (x @ A) @ B in the kernel's epilogue; layers
                      sharing their input (q|k|v) run in one launch; a gate/up pair runs in one
                      launch with the SwiGLU in its epilogue. On Hopper the Mosaic GPU backend
                      (mosaic.py) is asked first for NVFP4; what it refuses comes here.
   forward, M > 64    `TritonDequantizeBackend` ("<format>_dequantize_xla"): the Pallas
-                     dequantize kernel writes W in bf16, then one XLA (cuBLAS) dot (0.9-1.07x of
-                     bf16 at M >= 1024).
-  backward dx=dy@W   dequantize kernel + XLA dot at every M (at M = 4096 0.96-1.09x of a bf16
-                     dy @ W; the fused transposed kernel was 0.24-0.57x).
+                     dequantize kernel writes W in bf16, then one XLA (cuBLAS) dot.
+  backward dx=dy@W   dequantize kernel + XLA dot at every M (a fused transposed kernel was
+                     slower; docs/decisions.md).
 The kernels compute in bfloat16 (f32 accumulation): a layer whose compute dtype is not bfloat16
 takes the XLA path, as does a weight still in the checkpoint layout; the reason is logged once.
 """
