@@ -12,17 +12,18 @@ configs/*.py start from `base_config()` and override fields.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import math
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import ml_collections
 
 from qerl_jax import registry
+from qerl_jax.config_checks import (Field, at_least, auto_or, greater_than, in_interval,
+                                    names_from, one_of, registered)
 from qerl_jax.infra.errors import ConfigError
-from qerl_jax.registry import REWARDS, TASKS, Registry
+from qerl_jax.registry import REWARDS, TASKS
 
 MODEL_CONFIG_FIELDS = (                                      # models.config.ModelConfig
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -42,78 +43,6 @@ ATTENTION_OVERRIDES = ("attention_query_chunk", "attention_implementation")
 MODEL_FIELDS_NOT_OVERRIDES = ("param_dtype", "compute_dtype", "remat")
 # config.data fields read outside their task: the warm-up's problems use the largest operand
 DATA_FIELDS_READ_BY_WARMUP = ("arithmetic_max_operand",)
-
-Check = Callable[[Any], "str | None"]   # a value -> what is wrong with it, or None
-
-
-# ----------------------------------------------------------------------------- value checks
-def greater_than(bound: float) -> Check:
-    return lambda value: None if value > bound else f"must be > {bound}, got {value!r}"
-
-
-def at_least(bound: float) -> Check:
-    return lambda value: None if value >= bound else f"must be >= {bound}, got {value!r}"
-
-
-def in_interval(low: float, high: float, *, low_open: bool = False,
-                high_open: bool = False) -> Check:
-    text = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-
-    def check(value):
-        above = value > low if low_open else value >= low
-        below = value < high if high_open else value <= high
-        return None if above and below else f"must be in {text}, got {value!r}"
-    return check
-
-
-def one_of(choices: tuple) -> Check:
-    return lambda value: None if value in choices else f"{value!r} not in {choices}"
-
-
-def registered(names: Registry, *, allow_empty: bool = False) -> Check:
-    """A name registered in `names` (read when the check runs: plug-ins' names included); ''
-    too with allow_empty."""
-    def check(value):
-        if allow_empty and value == "":
-            return None
-        return None if value in names else names.unknown_message(value)
-    return check
-
-
-def names_from(names: Registry, *, allow_empty: bool) -> Check:
-    """A tuple of distinct names registered in `names`."""
-    def check(value):
-        for name in value:
-            if name not in names:
-                return names.unknown_message(name)
-        if len(set(value)) != len(value):
-            return f"names a function twice: {tuple(value)}"
-        if not value and not allow_empty:
-            return f"must name at least one {names.kind}; known: {', '.join(names.names())}"
-        return None
-    return check
-
-
-def auto_or(names: Registry) -> Check:
-    """'auto' or a name registered in `names`."""
-    check = registered(names)
-    return lambda value: None if value == "auto" else check(value)
-
-
-def anything(value) -> None:
-    del value
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    """One config field: its default (whose type is the field's type), a one-line description,
-    and the check of its value (run after the type check)."""
-
-    default: Any
-    description: str
-    check: Check = anything
-
 
 # ----------------------------------------------------------------------------- the schema
 FIELDS: dict[str, Field] = {
