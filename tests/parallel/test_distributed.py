@@ -50,7 +50,7 @@ def test_initialize_arguments_follow_the_config_then_the_environment():
     (dict(coordinator_address="h:1", num_processes=2, process_id=0, initialize="off"),
      "config.distributed.initialize: 'off' leaves"),
     (dict(process_id=-2), "config.distributed.process_id: must be >= -1"),
-    (dict(initialize="yes"), "config.distributed.initialize: 'yes' not in"),
+    (dict(initialize="yes"), "config.distributed.initialize: unknown switch 'yes'"),
 ])
 def test_bad_distributed_fields_name_the_field(fields, message):
     from tests.conftest import config_from_file

@@ -226,17 +226,19 @@ def test_a_checkpoint_saved_on_one_mesh_restores_on_another(tmp_path):
 
 
 def test_grpo_step_benchmark_runs_on_a_mesh(tmp_path):
-    """benchmarks/grpo_step.py --mesh (the GPU scaling runs' entry) as a CPU smoke on 8 forced
-    host devices: two GRPO steps of the tiny NVFP4 model on data=2 x fsdp=2 x tensor=2, the
-    sampler compiled ahead of time for the mesh-placed weights (--offload-for-compile on)."""
+    """benchmarks/grpo_step.py on a mesh (--config.mesh.*, the GPU scaling runs' entry) as a CPU
+    smoke on 8 forced host devices: two GRPO steps of the tiny NVFP4 model on data=2 x fsdp=2 x
+    tensor=2, the sampler compiled ahead of time for the mesh-placed weights
+    (rollout.offload_weights_for_compile on)."""
     import json
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmarks", "grpo_step.py"), "--smoke",
-         "--formats", "nvfp4", "--mesh", "data=2,fsdp=2,tensor=2", "--prompts", "2",
-         "--micro-batch", "8", "--offload-for-compile", "on", "--out", str(tmp_path)],
+         "--formats", "nvfp4", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+         "--config.mesh.tensor=2", "--prompts", "2", "--micro-batch", "8",
+         "--config.rollout.offload_weights_for_compile=on", "--out", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(tmp_path / "grpo_step_tiny.json") as handle:
@@ -248,18 +250,17 @@ def test_grpo_step_benchmark_runs_on_a_mesh(tmp_path):
     assert row["step0_sampler_compile_s"] > 0
 
 
-def test_grpo_step_mesh_flag_is_parsed():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        import grpo_step
-    finally:
-        sys.path.remove(os.path.join(REPO, "benchmarks"))
-    assert grpo_step.parse_mesh("") == {"data": 1, "fsdp": 1, "tensor": 1}
-    assert grpo_step.parse_mesh("data=1,fsdp=2") == {"data": 1, "fsdp": 2, "tensor": 1}
-    with pytest.raises(ValueError, match="'model=2' is not AXIS=SIZE"):
-        grpo_step.parse_mesh("model=2")
-    with pytest.raises(SystemExit):
-        grpo_step.parse_args(["--mesh", "data=0"])
+def test_grpo_step_mesh_fields_are_checked_before_any_work(tmp_path):
+    """The mesh is config.mesh.* through the trainer's validation: a bad axis size is one line
+    naming the field, exit status 2, before any worker starts."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "grpo_step.py"), "--smoke",
+         "--formats", "nvfp4", "--config.mesh.data=0", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "config.mesh.data" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
 
 
 def _free_port() -> int:
