@@ -36,6 +36,7 @@ def _worker_logs(out_dir, raw):
                      for name in sorted(os.listdir(folder)) if name.endswith(".log"))
 
 
+@pytest.mark.slow
 def test_rollout_and_grpo_step_smoke(tmp_path):
     rollout_out, step_out = tmp_path / "rollout", tmp_path / "grpo_step"
     rollout = _start("rollout.py", rollout_out, "--formats", "nvfp4", "--batches", "2,3",

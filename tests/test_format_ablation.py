@@ -415,6 +415,7 @@ def test_finished_runs_are_skipped(tmp_path, monkeypatch):
         format_ablation.run_ablation(CONFIG, ["bf16"], [0], ["train.micro_batch_size=7"], out)
 
 
+@pytest.mark.slow
 def test_short_real_ablation(tmp_path):
     """Two formats (bf16, nvfp4+aqn+tis), one seed, 2 GRPO steps of a shrunken tiny model
     with held-out eval every step: run dirs, shared warm-up, the final eval-only row, summary

@@ -186,6 +186,7 @@ def test_stopped_and_refused_runs_exit_with_their_status(fake_trainer, tmp_path,
     assert capsys.readouterr().err.strip() == message
 
 
+@pytest.mark.slow
 def test_console_is_clean_and_an_interrupt_is_one_line(tmp_path):
     """A real (shrunken) run through the CLI: each notice is logged once and on a line of its
     own above the progress bar (not inside it), the quantization report once, no transformers

@@ -117,6 +117,7 @@ def test_meshes_compute_what_one_device_computes(tmp_path):
         assert bool(results[f"{mesh}/frozen_sharded"]) == (mesh != "data=8"), mesh
 
 
+@pytest.mark.slow
 def test_pallas_kernels_run_per_device_on_a_mesh(tmp_path):
     """The Pallas kernels (interpret mode, bfloat16 compute) on meshes, per device on its rows:
     every launch of the fused and dequantize backends equals the inner backend run on each
@@ -283,6 +284,7 @@ def _trainer_run(workdir, mesh: str, devices: int, *extra, background=False):
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_the_trainer_on_a_mesh_and_over_two_processes(tmp_path, tiny_warmup):
     """tests/test_trainer.py's tiny run (2 GRPO steps, sampled rollouts, AQN, KL term, held-out
     greedy evaluation at step 0) on one
