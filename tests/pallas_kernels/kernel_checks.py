@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels import nvfp4_matmul
+from pallas_kernels import mgpu_nvfp4_layout, nvfp4_matmul
 from qerl_jax.quant.nvfp4 import nvfp4_quantize
 
 MAX_REL_ERR = 1e-2
@@ -185,3 +185,34 @@ def nvfp4_float64_weights(q) -> np.ndarray:
     nib = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)
     scales = np.asarray(q.block_scales.astype(jnp.float32), np.float64)
     return E2M1[nib] * np.repeat(scales, 16, axis=1) / float(q.tensor_scale)
+
+
+def mosaic_reference_unscaled(x, permuted, *, n, k, lora_x_a=None, lora_bt=None,
+                              l2_prefetch=None, swiglu=None, config=None):
+    """mgpu_nvfp4.matmul_unscaled's result from the permuted buffer by float32 jnp (the
+    kernel's numbers are checked on the GPU by test_mgpu_nvfp4_gpu.py; an L2 prefetch is a hint
+    that changes no result); with swiglu, the fused epilogue's (h, shares) as its docstring
+    states them. Shared by the kernel-file and the Mosaic-backend CPU tests."""
+    del l2_prefetch, config
+    n_pad = mgpu_nvfp4_layout.padded_rows(permuted, k)
+    unit = jnp.asarray([2.0 ** -mgpu_nvfp4_layout.SCALED_EXPONENT])
+    raw = mgpu_nvfp4_layout.permuted_dequantize_reference(permuted, unit, n=n_pad,
+                                                          k=k)  # e2m1 x block scale x 2^-8
+    y = x.astype(jnp.float32) @ raw.T
+    if lora_x_a is not None:
+        y = y + (lora_x_a.astype(jnp.bfloat16).astype(jnp.float32)
+                 @ lora_bt.astype(jnp.float32).T)
+    if swiglu is None:
+        return y
+    m, tiles = x.shape[0], n_pad // 64
+    y = y.reshape(m, tiles, 2, 32)
+    halves = [(y[:, :, i].reshape(m, -1) * 2.0 ** -mgpu_nvfp4_layout.SCALED_EXPONENT
+               / jnp.asarray(ts, jnp.float32).reshape(())).astype(jnp.bfloat16)
+              .astype(jnp.float32) for i, ts in enumerate((swiglu.gate_divisor,
+                                                           swiglu.up_divisor))]
+    h = (halves[0] / (1.0 + jnp.exp(-halves[0])) * halves[1]).astype(jnp.bfloat16)
+    if swiglu.next_lora_a is None:
+        return h, None
+    a = swiglu.next_lora_a.astype(jnp.float32).reshape(tiles, 32, -1)
+    shares = jnp.einsum("mtj,tjr->tmr", h.astype(jnp.float32).reshape(m, tiles, 32), a)
+    return h, shares

@@ -178,36 +178,6 @@ def test_refusals_and_bad_shapes():
                              lora_bt=jnp.zeros((192, 32), jnp.bfloat16))
 
 
-def _reference_unscaled(x, permuted, *, n, k, lora_x_a=None, lora_bt=None, l2_prefetch=None,
-                        swiglu=None, config=None):
-    """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
-    numbers are checked on the GPU by test_mgpu_nvfp4_gpu.py; an L2 prefetch is a
-    hint that changes no result); with swiglu, the fused epilogue's (h, shares) as its
-    docstring states them."""
-    del l2_prefetch, config
-    n_pad = layout.padded_rows(permuted, k)
-    raw = layout.permuted_dequantize_reference(permuted, jnp.asarray([2.0 ** -layout.SCALED_EXPONENT]),
-                                 n=n_pad, k=k)  # e2m1 x block scale x 2^-8
-    y = x.astype(jnp.float32) @ raw.T
-    if lora_x_a is not None:
-        y = y + (lora_x_a.astype(jnp.bfloat16).astype(jnp.float32)
-                 @ lora_bt.astype(jnp.float32).T)
-    if swiglu is None:
-        return y
-    m, tiles = x.shape[0], n_pad // 64
-    y = y.reshape(m, tiles, 2, 32)
-    halves = [(y[:, :, i].reshape(m, -1) * 2.0 ** -layout.SCALED_EXPONENT
-               / jnp.asarray(ts, jnp.float32).reshape(())).astype(jnp.bfloat16)
-              .astype(jnp.float32) for i, ts in enumerate((swiglu.gate_divisor,
-                                                           swiglu.up_divisor))]
-    h = (halves[0] / (1.0 + jnp.exp(-halves[0])) * halves[1]).astype(jnp.bfloat16)
-    if swiglu.next_lora_a is None:
-        return h, None
-    a = swiglu.next_lora_a.astype(jnp.float32).reshape(tiles, 32, -1)
-    shares = jnp.einsum("mtj,tjr->tmr", h.astype(jnp.float32).reshape(m, tiles, 32), a)
-    return h, shares
-
-
 def _swiglu_lowering_args(n: int, k: int, m: int):
     """Shapes of a fused SwiGLU launch over a [n, k] gate/up pair at M = m, LoRA r32 on each
     half: x, the pair's permuted buffer, the two tensor scales, x @ A, the pair operand, the
@@ -375,7 +345,7 @@ def test_fused_swiglu_epilogue_plumbing(monkeypatch, fresh_jit_caches):
 
     def stand_in(*args, **kwargs):
         calls.append(kwargs.get("swiglu"))
-        return _reference_unscaled(*args, **kwargs)
+        return kc.mosaic_reference_unscaled(*args, **kwargs)
 
     monkeypatch.setattr(mg, "matmul_unscaled", stand_in)
     common = dict(out_n=n, k=k, half_block=32, next_lora_a=next_a)

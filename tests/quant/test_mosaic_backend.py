@@ -11,7 +11,6 @@ import pytest
 from pallas_kernels import mgpu_nvfp4 as mg
 from pallas_kernels import mgpu_nvfp4_layout as layout
 from pallas_kernels import mgpu_nvfp4_tuning as tuning
-from pallas_kernels import nvfp4_matmul
 from qerl_jax.quant.backends import kernel_layout as kl
 from qerl_jax.quant.backends import mosaic
 from qerl_jax.quant.backends.triton import TritonDecodeBackend
@@ -61,36 +60,6 @@ def test_dispatch_attaches_the_lora_operand_once(monkeypatch):
     assert weight.with_lora_operand(jnp.zeros((24, n)), 0.5) is weight  # rank
 
 
-def _reference_unscaled(x, permuted, *, n, k, lora_x_a=None, lora_bt=None, l2_prefetch=None,
-                        swiglu=None, config=None):
-    """mg.matmul_unscaled's result from the permuted buffer by float32 jnp (the kernel's
-    numbers are checked on the GPU by test_mgpu_nvfp4_gpu.py; an L2 prefetch is a
-    hint that changes no result); with swiglu, the fused epilogue's (h, shares) as its
-    docstring states them."""
-    del l2_prefetch, config
-    n_pad = layout.padded_rows(permuted, k)
-    raw = layout.permuted_dequantize_reference(permuted, jnp.asarray([2.0 ** -layout.SCALED_EXPONENT]),
-                                 n=n_pad, k=k)  # e2m1 x block scale x 2^-8
-    y = x.astype(jnp.float32) @ raw.T
-    if lora_x_a is not None:
-        y = y + (lora_x_a.astype(jnp.bfloat16).astype(jnp.float32)
-                 @ lora_bt.astype(jnp.float32).T)
-    if swiglu is None:
-        return y
-    m, tiles = x.shape[0], n_pad // 64
-    y = y.reshape(m, tiles, 2, 32)
-    halves = [(y[:, :, i].reshape(m, -1) * 2.0 ** -layout.SCALED_EXPONENT
-               / jnp.asarray(ts, jnp.float32).reshape(())).astype(jnp.bfloat16)
-              .astype(jnp.float32) for i, ts in enumerate((swiglu.gate_divisor,
-                                                           swiglu.up_divisor))]
-    h = (halves[0] / (1.0 + jnp.exp(-halves[0])) * halves[1]).astype(jnp.bfloat16)
-    if swiglu.next_lora_a is None:
-        return h, None
-    a = swiglu.next_lora_a.astype(jnp.float32).reshape(tiles, 32, -1)
-    shares = jnp.einsum("mtj,tjr->tmr", h.astype(jnp.float32).reshape(m, tiles, 32), a)
-    return h, shares
-
-
 def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch, device_facts):
     """The Mosaic GPU SwiGLU launch (a gate/up pair's permuted buffer, the pair LoRA
     operand, de-interleaving, per-half tensor scales, bf16 roundings, next-layer LoRA product)
@@ -120,7 +89,7 @@ def test_mosaic_swiglu_dispatch_matches_the_triton_launch(monkeypatch, device_fa
 
     expected, expected_next = launch(views, True)  # Triton, interpreted
     monkeypatch.setattr(mg, "available", lambda: None)
-    monkeypatch.setattr(mg, "matmul_unscaled", _reference_unscaled)
+    monkeypatch.setattr(mg, "matmul_unscaled", kc.mosaic_reference_unscaled)
     backend = mosaic.MosaicBackend(KernelOptions())
     assert all(backend.refusal(v, jnp.bfloat16) is None for v in views)
     assert backend.swiglu_refusal(m, views, (rank, rank), scales) is None
@@ -313,7 +282,7 @@ def test_mosaic_group_dispatch_matches_the_triton_launch(monkeypatch):
 
     expected = launch(weights, True)  # Triton, interpreted
     monkeypatch.setattr(mg, "available", lambda: None)
-    monkeypatch.setattr(mg, "matmul_unscaled", _reference_unscaled)
+    monkeypatch.setattr(mg, "matmul_unscaled", kc.mosaic_reference_unscaled)
     tiles = layout.group_permuted([layout.permute_packed(w.packed()) for w in weights], [k] * 3)
     grouped = (mosaic.MosaicWeight.from_kernel_layout(weights[0], mosaic_tiles=tiles),
                *(mosaic.MosaicWeight.from_kernel_layout(w) for w in weights[1:]))
