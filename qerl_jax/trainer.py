@@ -163,13 +163,7 @@ class Trainer:
             dequantize_once=rollout.dequantize_once, shrink_batch=rollout.shrink_batch,
             shrink_min_rows=rollout.shrink_min_rows,
             eos_token_ids=eos_token_ids(self.tokenizer, self.model_config.eos_token_id))
-        self.loss_config = LossConfig(
-            loss_type=config.loss.loss_type, epsilon_low=config.loss.epsilon_low,
-            epsilon_high=config.loss.epsilon_high, beta=config.loss.beta,
-            top_entropy_quantile=config.loss.top_entropy_quantile,
-            max_completion_length=rollout.max_new_tokens,
-            rollout_is_cap=config.loss.rollout_is_cap,
-            policy_objective=config.loss.policy_objective)
+        self.loss_config = LossConfig.from_config(config.loss, rollout.max_new_tokens)
         self.eval_sampling = SamplingConfig(
             max_new_tokens=config.eval.max_new_tokens or rollout.max_new_tokens, greedy=True,
             num_generations=1, prompt_bucket=rollout.prompt_bucket,

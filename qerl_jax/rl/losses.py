@@ -140,6 +140,14 @@ class LossConfig:
         if self.max_completion_length <= 0:
             raise ValueError(f"max_completion_length={self.max_completion_length} must be > 0")
 
+    @classmethod
+    def from_config(cls, loss, max_completion_length: int) -> "LossConfig":
+        """The LossConfig of an experiment config's `loss` section (its other fields, such as
+        the advantage estimator, are not the loss's)."""
+        names = {field.name for field in dataclasses.fields(cls)} - {"max_completion_length"}
+        return cls(max_completion_length=max_completion_length,
+                   **{name: loss[name] for name in names if name in loss})
+
     @property
     def denominator_is_global(self) -> bool:
         return LOSS_NORMALIZERS.get(self.loss_type).global_denominator
