@@ -4,8 +4,9 @@ summary table and the curves.
 
 A run directory is any directory holding the trainer's `metrics.jsonl` and `run.json`
 (`qerl_jax.trainer.Trainer.train` writes both); its format is read from the recorded config
-(quant.format, aqn.enabled, loss.rollout_is_cap) and its seed from run.json, so GPU runs made
-by other scripts load the same way as the ones `experiments/format_ablation.py` makes. A run is
+(study_variants.format_of_config: quant.format, aqn.enabled, the policy objective, rollout
+correction and advantage estimator) and its seed from run.json, so GPU runs made by other
+scripts load the same way as the ones `experiments/format_ablation.py` makes. A run is
 complete when metrics.jsonl holds steps 0..T-1, optionally followed by the final held-out
 evaluation's row at step T (eval columns only; qerl_jax/trainer.py).
 
@@ -35,6 +36,8 @@ interval lies above 0, 'contradicted' when below, 'not resolved' when it spans 0
   b. reward growth: nvfp4 minus nf4 > 0, mxfp4 minus nf4 > 0
   c. AQN: nvfp4+aqn minus nvfp4 > 0 on reward growth and on the final held-out pass@1
   d. TIS: nvfp4+aqn+tis minus nvfp4+aqn > 0 on reward growth and on the final held-out pass@1
+  e. each objective / correction / estimator part of a format present (e.g. nvfp4+aqn+gspo)
+     minus the same format without it (nvfp4+aqn) > 0 on the same two (variant_claims)
 The point comparisons of the means (`checks`: the quantized formats' early entropy against
 bf16, nvfp4+aqn's reward AUC against nvfp4's) are kept as observed, without an interval.
 """
@@ -50,51 +53,17 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from experiments.ablation_plots import FORMAT_COLORS, PASS_AT_1, plot_format_curves
+from experiments.study_variants import AQN, format_of_config
 from qerl_jax.infra.run_record import read_starts
 
 # The study's formats in table order; FORMATS (the first five) is the script's default set.
 FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4", "nvfp4+aqn")
 KNOWN_FORMATS = FORMATS + ("nvfp4+aqn+tis",)
 QUANTIZED_FORMATS = ("nf4", "mxfp4", "nvfp4", "nvfp4+aqn", "nvfp4+aqn+tis")
-# The truncation cap of nvfp4+aqn+tis when the config sets none (TRL's and verl's default).
-TIS_CAP = 2.0
 CONFIDENCE = 0.95
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
 ROLLOUT_KL = "rollout/kl"
-
-
-def format_overrides(name: str, config_rollout_is_cap: float = 0.0) -> dict[str, object]:
-    """Config fields that select ablation format `name`.
-
-    bf16 / nf4 / mxfp4 / nvfp4: that quant.format, AQN off; nvfp4+aqn: NVFP4 with AQN (the
-    config's aqn.* schedule). These five set loss.rollout_is_cap = 0 whatever the config says.
-    nvfp4+aqn+tis: nvfp4+aqn plus truncated importance sampling against the rollout policy,
-    loss.rollout_is_cap = `config_rollout_is_cap` (the config's own cap, after --set) when it is
-    nonzero, else TIS_CAP (2.0).
-    """
-    if name not in KNOWN_FORMATS:
-        raise ValueError(f"format {name!r} not in {KNOWN_FORMATS}")
-    quant_format, *extras = name.split("+")
-    cap = (float(config_rollout_is_cap) or TIS_CAP) if "tis" in extras else 0.0
-    return {"quant.format": quant_format, "aqn.enabled": "aqn" in extras,
-            "loss.rollout_is_cap": cap}
-
-
-def format_of_config(config: dict) -> str:
-    """The ablation format name of a recorded config dict (run.json's 'config'): quant.format,
-    '+aqn' with AQN on, '+tis' with loss.rollout_is_cap > 0."""
-    name = config["quant"]["format"]
-    if config.get("aqn", {}).get("enabled"):
-        name += "+aqn"
-    if (config.get("loss", {}).get("rollout_is_cap") or 0) > 0:
-        name += "+tis"
-    return name
-
-
-def format_directory_name(name: str) -> str:
-    """File-system name of a format: 'nvfp4+aqn' -> 'nvfp4_aqn'."""
-    return name.replace("+", "_")
 
 
 # ------------------------------------------------------------------------------ loading
@@ -358,15 +327,35 @@ CLAIMS = (
     ("TIS", "nvfp4+aqn+tis", "nvfp4+aqn", "reward_growth"),
     ("TIS", "nvfp4+aqn+tis", "nvfp4+aqn", "pass_at_1_after"),
 )
+# What each objective / correction / estimator part of a study's formats is tested on (e.)
+VARIANT_CLAIM_METRICS = ("reward_growth", "pass_at_1_after")
+
+
+def variant_claims(names: Iterable[str]) -> list[tuple[str, str, str, str]]:
+    """(claim group, A, B, table metric) for each '+' part other than aqn of each format in
+    `names` against the same format without that part (A - B > 0: the part helps), on
+    VARIANT_CLAIM_METRICS; pairs CLAIMS already holds are left out."""
+    listed = {(a, b, metric) for _, a, b, metric in CLAIMS}
+    claims = []
+    for name in names:
+        weight_format, *parts = name.split("+")
+        for part in parts:
+            if part == AQN:
+                continue
+            base = "+".join([weight_format, *(other for other in parts if other != part)])
+            claims += [(part.upper().replace("_", "-"), name, base, metric)
+                       for metric in VARIANT_CLAIM_METRICS if (name, base, metric) not in listed]
+    return claims
 
 
 def claim_intervals(table: dict[str, dict[str, Aggregate]],
                     confidence: float = CONFIDENCE) -> list[dict]:
-    """Each of CLAIMS tested on the per-seed paired differences (paired_interval), with a
-    'note' saying why a claim is not resolved when it has fewer than two paired seeds."""
+    """Each of CLAIMS, then each of `variant_claims` of the table's formats, tested on the
+    per-seed paired differences (paired_interval), with a 'note' saying why a claim is not
+    resolved when it has fewer than two paired seeds."""
     rows = []
     empty = aggregate([])
-    for group, a, b, metric in CLAIMS:
+    for group, a, b, metric in (*CLAIMS, *variant_claims(table)):
         values = {name: table.get(name, {}).get(metric, empty) for name in (a, b)}
         result = paired_interval(values[a], values[b], confidence)
         missing = [name for name in (a, b) if name not in table]

@@ -11,19 +11,21 @@ reward / accuracy (and held-out pass@1) curves.
         --out experiments/results/smollm2_format_study
     python -m experiments.format_ablation --summarize-only --out DIR   # read existing runs only
 
-Each run goes into OUT/<format>/seed<k>/ (nvfp4+aqn -> nvfp4_aqn) through the trainer's CLI
+Each run goes into OUT/<format>/seed<k>/ (nvfp4+aqn -> nvfp4_aqn; the format as the analysis
+reads it back from the run's config) through the trainer's CLI
 (`python -m qerl_jax.train`), which writes run.json (config, seed, versions, git revision),
 metrics.jsonl, checkpoints and train.log. ablation_run.json records the command, the config
 fingerprint, the status and the wall time. A run whose status is 'done' with the same config
 fingerprint is skipped; one with another fingerprint stops the script (use another --out);
 an unfinished one resumes from its last checkpoint.
 
-Formats: bf16 / nf4 / mxfp4 / nvfp4 set config.quant.format with AQN off; nvfp4+aqn sets
-nvfp4 with AQN on (the config's aqn.* schedule); these five (the default set) run with
-loss.rollout_is_cap = 0 whatever the config says. nvfp4+aqn+tis (-> nvfp4_aqn_tis; chosen with
---formats) is nvfp4+aqn with truncated importance sampling against the rollout policy:
-loss.rollout_is_cap is the config's own cap (after --set) when nonzero, else 2.0. Everything
-else comes from the config and --set overrides, identical for all formats.
+Formats (experiments/study_variants.py): <weight format>[+aqn][+<objective>][+<correction>]
+[+<estimator>], each '+' part a name of the registry that holds it (policy objectives, rollout
+corrections, advantage estimators), e.g. nvfp4+aqn+gspo; `tis` is token_truncate with the cap at
+2. Every part a format does not name is set to the schema's default (AQN off, the clipped
+objective, no rollout correction, group-normalized advantages) whatever the config says, so the
+columns differ only in what they name; everything else comes from the config and --set
+overrides, identical for all formats. The default set is bf16, nf4, mxfp4, nvfp4, nvfp4+aqn.
 
 The supervised warm-up (tiny config) depends on the seed and the model / warm-up / data fields,
 not on the format: it is trained once per seed into OUT/warmup/seed<k>-<hash>/ and each run's
@@ -47,13 +49,16 @@ import time
 from collections.abc import Sequence
 
 from experiments import ablation_analysis
-from experiments.ablation_analysis import (
-    FORMATS,
-    KNOWN_FORMATS,
+from experiments.ablation_analysis import FORMATS
+from experiments.study_variants import (
+    GRAMMAR,
     format_directory_name,
+    format_of_config,
     format_overrides,
+    parse_variant,
 )
 from qerl_jax.infra.atomic_io import write_json_atomic
+from qerl_jax.infra.errors import ConfigError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join("configs", "tiny.py")
@@ -79,6 +84,16 @@ def resolve_config(config_path: str, overrides: Sequence[str]):
                                     lock_config=True, sys_argv=argv)
     flag_values(argv)
     return flag_values.config
+
+
+def check_formats(config_path: str, formats: Sequence[str], overrides: Sequence[str] = ()):
+    """Parses each study format after importing the config's plug-ins (config.imports), whose
+    registered names are parts too; ValueError (one line) for a bad one."""
+    from qerl_jax.experiment_config import import_config_plugins
+
+    import_config_plugins(resolve_config(config_path, overrides))
+    for name in formats:
+        parse_variant(name)
 
 
 def fingerprint(data: object) -> str:
@@ -114,21 +129,27 @@ def plan_runs(config_path: str, formats: Sequence[str], seeds: Sequence[int],
     specs = []
     # The progress bar writes carriage returns into train.log; the user's --set can turn it on.
     base = ["logging.progress_bar=False", *overrides]
-    config_cap = resolve_config(config_path, base).loss.rollout_is_cap   # nvfp4+aqn+tis's cap
     for seed in seeds:
+        directories = {}
         for name in formats:
             run_overrides = base + [f"{field}={value}" for field, value in
-                                    format_overrides(name, config_cap).items()] + [f"seed={seed}"]
+                                    format_overrides(name).items()] + [f"seed={seed}"]
             config = resolve_config(config_path, run_overrides)
             validate_config(config)   # a bad override stops here, before any training
             config_json = json.loads(config.to_json())
+            # the name the analysis reads back from run.json names the directory
+            recorded = format_of_config(config_json)
+            if recorded in directories:
+                raise ValueError(f"formats {directories[recorded]!r} and {name!r} select the "
+                                 f"same runs ({recorded})")
+            directories[recorded] = name
             warmup = None
             if config.warmup.steps > 0 and not config.model.hf_path:
                 key = fingerprint({section: config_json[section]
                                    for section in WARMUP_SECTIONS})
                 warmup = os.path.join(out_dir, "warmup", f"seed{seed}-{key}")
-            specs.append(RunSpec(format=name, seed=seed,
-                                 directory=os.path.join(out_dir, format_directory_name(name),
+            specs.append(RunSpec(format=recorded, seed=seed,
+                                 directory=os.path.join(out_dir, format_directory_name(recorded),
                                                         f"seed{seed}"),
                                  overrides=run_overrides, config_json=config_json,
                                  warmup_directory=warmup))
@@ -230,9 +251,8 @@ def run_ablation(config_path: str = DEFAULT_CONFIG, formats: Sequence[str] = FOR
                  out_dir: str = DEFAULT_OUT, jobs: int = 1) -> dict:
     """Runs every (format, seed) not yet done into `out_dir`; returns
     {'planned', 'skipped', 'done', 'failed'} (lists of run directories) and 'seconds'."""
-    for name in formats:
-        format_overrides(name)   # validates the names before anything starts
     config_path = os.path.abspath(config_path)
+    check_formats(config_path, formats, overrides)   # before anything starts
     out_dir = os.path.abspath(out_dir)
     specs = plan_runs(config_path, formats, seeds, overrides, out_dir)
     states = {spec.directory: run_state(spec) for spec in specs}
@@ -274,8 +294,8 @@ def _parse_args(argv: Sequence[str] | None):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="config file (configs/*.py)")
     parser.add_argument("--formats", default=",".join(FORMATS),
-                        help=f"comma-separated subset of {','.join(KNOWN_FORMATS)} (default "
-                             "the first five)")
+                        help=f"comma-separated study formats, each {GRAMMAR} (e.g. "
+                             f"nvfp4+aqn+gspo; default {','.join(FORMATS)})")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="FIELD=VALUE",
@@ -308,6 +328,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
     return_code = 0
     if not args.summarize_only:
+        try:
+            check_formats(args.config, formats, args.overrides)
+        except ConfigError as error:   # a plug-in of config.imports that does not import
+            print(error, file=sys.stderr)
+            return 2
+        except ValueError as error:
+            print(f"--formats: {error}", file=sys.stderr)
+            return 2
         report = run_ablation(args.config, formats, seeds, args.overrides, args.out, args.jobs)
         print(f"{len(report['done'])} run(s) trained, {len(report['skipped'])} skipped, "
               f"{len(report['failed'])} failed in {report['seconds']:.0f} s")

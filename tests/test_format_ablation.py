@@ -14,22 +14,27 @@ from scipy import stats
 from experiments import ablation_analysis as analysis
 from experiments import ablation_plots
 from experiments import format_ablation
+from experiments import study_variants as variants
+from qerl_jax import registry
+from qerl_jax.experiment_config import field_defaults
 from qerl_jax.infra.run_record import read_starts
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 
 
 def _write_run(directory, name, seed, total_steps, entropy, reward, accuracy, columns=None,
-               final_row=None):
+               final_row=None, loss=None):
     """A run directory as the trainer writes it (only the fields the analysis reads).
 
     columns: {step: {key: value}} joined to the training rows (e.g. eval/pass@1, rollout/kl);
-    final_row: the eval-only row written after the last step (at step total_steps).
+    final_row: the eval-only row written after the last step (at step total_steps);
+    loss: the recorded loss section (default: the rollout_is_cap of the committed studies).
     """
     os.makedirs(directory, exist_ok=True)
     fmt, *extras = name.split("+")
-    config = {"quant": {"format": fmt}, "aqn": {"enabled": "aqn" in extras},
-              "loss": {"rollout_is_cap": 2.0 if "tis" in extras else 0.0},
+    if loss is None:
+        loss = {"rollout_is_cap": 2.0 if "tis" in extras else 0.0}
+    config = {"quant": {"format": fmt}, "aqn": {"enabled": "aqn" in extras}, "loss": loss,
               "train": {"total_steps": total_steps}, "seed": seed}
     with open(os.path.join(directory, "run.json"), "w") as handle:
         json.dump({"seed": seed, "config": config, "git_revision": "x", "versions": {}}, handle)
@@ -50,7 +55,7 @@ def _synthetic(root, rng, total_steps=17, seeds=(0, 1, 2), formats=analysis.FORM
             entropy = rng.uniform(0.5, 2.0, total_steps) + (entropy_offset or {}).get(name, 0.0)
             reward = rng.uniform(0.0, 2.2, total_steps)
             accuracy = rng.uniform(0.0, 1.0, total_steps)
-            _write_run(os.path.join(root, analysis.format_directory_name(name), f"seed{seed}"),
+            _write_run(os.path.join(root, variants.format_directory_name(name), f"seed{seed}"),
                        name, seed, total_steps, entropy, reward, accuracy)
             data[name, seed] = (entropy, reward, accuracy)
     return data
@@ -255,7 +260,7 @@ def test_final_eval_row(tmp_path):
                                       "eval/num_examples": 16})
             final = {"eval/pass@1": evaluated[12], "eval/mean_length": 9.0,
                      "eval/num_examples": 16, "time/eval_s": 0.1}
-            _write_run(str(tmp_path / analysis.format_directory_name(name) / f"seed{seed}"),
+            _write_run(str(tmp_path / variants.format_directory_name(name) / f"seed{seed}"),
                        name, seed, total, *series, columns=columns, final_row=final)
             passes[name, seed], kls[name, seed], data[name, seed] = evaluated, kl, series
     runs = analysis.load_runs(str(tmp_path))
@@ -350,40 +355,186 @@ def test_seed_band_smoothing():
     np.testing.assert_array_equal(steps, np.arange(9))
 
 
+def _defaults(*fields):
+    defaults = field_defaults()
+    return {field: defaults[field] for field in fields}
+
+
+AXIS_FIELDS = ("loss.policy_objective", "loss.rollout_correction", "loss.advantage_estimator")
+
+
 def test_format_overrides():
-    assert analysis.format_overrides("nvfp4+aqn") == {"quant.format": "nvfp4",
+    """A format sets quant.format, aqn.enabled and every axis field; the parts it does not name
+    at the schema's defaults."""
+    assert variants.format_overrides("nvfp4+aqn") == {"quant.format": "nvfp4",
                                                       "aqn.enabled": True,
-                                                      "loss.rollout_is_cap": 0.0}
-    assert analysis.format_overrides("bf16") == {"quant.format": "bf16", "aqn.enabled": False,
-                                                 "loss.rollout_is_cap": 0.0}
-    with pytest.raises(ValueError, match="fp8"):
-        analysis.format_overrides("fp8")
+                                                      **_defaults(*AXIS_FIELDS)}
+    assert variants.format_overrides("bf16") == {"quant.format": "bf16", "aqn.enabled": False,
+                                                 **_defaults(*AXIS_FIELDS)}
+    assert variants.format_overrides("nvfp4+aqn+gspo+sequence_mask+rloo") == {
+        "quant.format": "nvfp4", "aqn.enabled": True, "loss.policy_objective": "gspo",
+        "loss.rollout_correction": "sequence_mask", "loss.advantage_estimator": "rloo"}
+    # tis: token_truncate with the cap at 2, whatever the schema's cap
+    assert variants.format_overrides("nvfp4+aqn+tis") == {
+        "quant.format": "nvfp4", "aqn.enabled": True, **_defaults(AXIS_FIELDS[0], AXIS_FIELDS[2]),
+        "loss.rollout_correction": "token_truncate", "loss.rollout_correction_cap": 2.0}
 
 
-def test_sixth_format_overrides(tmp_path):
-    """nvfp4+aqn+tis: NVFP4 + AQN + a truncation cap (2.0, or the config's own nonzero cap);
-    the five classic formats always run with the cap at 0, so a config's cap cannot leak."""
-    assert analysis.format_overrides("nvfp4+aqn+tis") == {
-        "quant.format": "nvfp4", "aqn.enabled": True, "loss.rollout_is_cap": 2.0}
-    assert analysis.format_overrides("nvfp4+aqn+tis", 3.5)["loss.rollout_is_cap"] == 3.5
-    for name in analysis.FORMATS:
-        assert analysis.format_overrides(name, 3.5)["loss.rollout_is_cap"] == 0.0
-    assert "nvfp4+aqn+tis" not in analysis.FORMATS   # the script's default set: the five
-    assert analysis.format_directory_name("nvfp4+aqn+tis") == "nvfp4_aqn_tis"
-    assert analysis.format_of_config({"quant": {"format": "nvfp4"}, "aqn": {"enabled": True},
-                                      "loss": {"rollout_is_cap": 2.0}}) == "nvfp4+aqn+tis"
-    assert "nvfp4+aqn+tis" in analysis.FORMAT_COLORS
+@pytest.mark.parametrize("axis", variants.AXES, ids=lambda axis: axis.kind)
+def test_each_registered_name_is_a_part(axis):
+    """Every name (aliases too) of each axis's registry, a plug-in's included, is a '+' part
+    setting that axis's field to the registered name, the other axes at their defaults."""
+    names = getattr(registry, axis.registry)
+    plugin = f"toy_{axis.kind}"
+    names.register(plugin, object())
+    try:
+        for name in names.names(with_aliases=True):
+            variant = variants.parse_variant(f"nvfp4+aqn+{name}")
+            assert variant.parts == ((axis.kind, name),) and variant.aqn
+            overrides = variants.format_overrides(f"nvfp4+aqn+{name}")
+            assert overrides[axis.field] == names.canonical(name)
+            others = [field for field in AXIS_FIELDS if field != axis.field]
+            assert {field: overrides[field] for field in others} == _defaults(*others)
+        assert plugin in names.names()
+    finally:
+        names.unregister(plugin)
+
+
+def test_bad_parts_are_refused(tmp_path, capsys):
+    """Unknown, misplaced or repeated parts: one line naming the part and the known names."""
+    with pytest.raises(ValueError, match="unknown weight format 'fp8'; known: bf16"):
+        variants.parse_variant("fp8+aqn")
+    with pytest.raises(ValueError, match=r"unknown part 'nosuch'; known: aqn, tis; policy "
+                                         r"objective: clipped_surrogate, .*rollout correction: "
+                                         r"none, .*advantage estimator: group_normalized"):
+        variants.parse_variant("nvfp4+aqn+nosuch")
+    with pytest.raises(ValueError, match="'aqn' repeats a kind or is out of order"):
+        variants.parse_variant("nvfp4+gspo+aqn")
+    with pytest.raises(ValueError, match="'cispo' repeats a kind"):
+        variants.parse_variant("nvfp4+gspo+cispo")
+    with pytest.raises(ValueError, match="'tis' repeats a kind"):
+        variants.parse_variant("nvfp4+token_mask+tis")
+    assert format_ablation.main(["--formats", "nvfp4,nvfp4+aqn+nosuch", "--out",
+                                 str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("--formats: format 'nvfp4+aqn+nosuch': unknown part 'nosuch'")
+    assert "\n" not in error and not os.listdir(tmp_path)
+
+
+def test_plugin_names_are_parts():
+    """A weight format registered by a module of config.imports is a study format."""
+    if "toy_int8" not in registry.FORMATS:   # another test of the session may have imported it
+        with pytest.raises(ValueError, match="unknown weight format 'toy_int8'"):
+            format_ablation.check_formats(CONFIG, ["toy_int8+aqn"])
+    format_ablation.check_formats(CONFIG, ["toy_int8+aqn"], ["imports=('tests.plugin_toy',)"])
+    assert variants.format_overrides("toy_int8+aqn")["quant.format"] == "toy_int8"
+
+
+def test_read_back_from_run_json():
+    """The format of a recorded config: the parts at a value other than the schema's default,
+    in grammar order; token_truncate at cap 2 (and a run.json's older rollout_is_cap > 0) is
+    tis; a field the run did not record is at its default."""
+    def config(aqn=True, **loss):
+        return {"quant": {"format": "nvfp4"}, "aqn": {"enabled": aqn}, "loss": loss}
+
+    defaults = {"policy_objective": "clipped_surrogate", "rollout_correction": "none",
+                "rollout_correction_cap": 3.0, "advantage_estimator": "group_normalized"}
+    assert variants.format_of_config(config(**defaults)) == "nvfp4+aqn"
+    assert variants.format_of_config(config(aqn=False)) == "nvfp4"
+    assert variants.format_of_config(config(**{**defaults, "policy_objective": "cispo"})) \
+        == "nvfp4+aqn+cispo"
+    assert variants.format_of_config(config(
+        advantage_estimator="rloo", rollout_correction="sequence_mask",
+        policy_objective="gspo_token")) == "nvfp4+aqn+gspo_token+sequence_mask+rloo"
+    assert variants.format_of_config(config(rollout_correction="token_truncate",
+                                            rollout_correction_cap=2.0)) == "nvfp4+aqn+tis"
+    assert variants.format_of_config(config(rollout_correction="token_truncate",
+                                            rollout_correction_cap=3.0)) \
+        == "nvfp4+aqn+token_truncate"
+    assert variants.format_of_config(config(rollout_is_cap=2.0)) == "nvfp4+aqn+tis"
+    assert variants.format_of_config(config(rollout_is_cap=0.0)) == "nvfp4+aqn"
+    variant = variants.variant_of_config(config(policy_objective="gspo"))
+    assert variant == variants.Variant("nvfp4", True, (("objective", "gspo"),))
+
+
+def test_plan_forces_unnamed_parts_to_defaults(tmp_path):
+    """The config's own objective / correction / estimator reach only the columns that name
+    them; each column's directory is its format as read back from its config."""
     out = str(tmp_path)
-    for overrides, cap in (([], 2.0), (["loss.rollout_is_cap=3.0"], 3.0)):
-        specs = format_ablation.plan_runs(os.path.abspath(CONFIG),
-                                          ["nvfp4", "nvfp4+aqn", "nvfp4+aqn+tis"], [0],
-                                          ["train.total_steps=3", *overrides], out)
-        assert [spec.config_json["loss"]["rollout_is_cap"] for spec in specs] == [0.0, 0.0, cap]
-        assert [analysis.format_of_config(spec.config_json) for spec in specs] == [
-            "nvfp4", "nvfp4+aqn", "nvfp4+aqn+tis"]
-        assert specs[2].directory == os.path.join(out, "nvfp4_aqn_tis", "seed0")
-        assert len({spec.warmup_directory for spec in specs}) == 1   # the loss is not warm-up
+    formats = ["nvfp4+aqn", "nvfp4+aqn+gspo", "nvfp4+aqn+tis", "nvfp4+aqn+sequence_mask+rloo"]
+    specs = format_ablation.plan_runs(
+        os.path.abspath(CONFIG), formats, [0],
+        ["train.total_steps=3", "loss.policy_objective=cispo", "loss.advantage_estimator=rloo",
+         "loss.rollout_correction=token_mask", "loss.rollout_correction_cap=3.5"], out)
+    losses = [spec.config_json["loss"] for spec in specs]
+    assert [loss["policy_objective"] for loss in losses] == [
+        "clipped_surrogate", "gspo", "clipped_surrogate", "clipped_surrogate"]
+    assert [loss["rollout_correction"] for loss in losses] == [
+        "none", "none", "token_truncate", "sequence_mask"]
+    assert [loss["rollout_correction_cap"] for loss in losses] == [3.5, 3.5, 2.0, 3.5]
+    assert [loss["advantage_estimator"] for loss in losses] == [
+        "group_normalized", "group_normalized", "group_normalized", "rloo"]
+    assert [spec.format for spec in specs] == formats
+    assert [variants.format_of_config(spec.config_json) for spec in specs] == formats
+    assert [os.path.relpath(spec.directory, out) for spec in specs] == [
+        os.path.join(name, "seed0") for name in ("nvfp4_aqn", "nvfp4_aqn_gspo", "nvfp4_aqn_tis",
+                                                 "nvfp4_aqn_sequence_mask_rloo")]
+    assert len({spec.warmup_directory for spec in specs}) == 1   # the loss is not warm-up
+    # a named default is the same column
+    with pytest.raises(ValueError, match="'nvfp4' and 'nvfp4\\+clipped_surrogate' select the same"):
+        format_ablation.plan_runs(os.path.abspath(CONFIG), ["nvfp4", "nvfp4+clipped_surrogate"],
+                                  [0], ["train.total_steps=3"], out)
+    assert "nvfp4+aqn+tis" not in analysis.FORMATS   # the script's default set: the five
     assert format_ablation._parse_args([]).formats == ",".join(analysis.FORMATS)
+    assert "nvfp4+aqn+tis" in analysis.FORMAT_COLORS
+
+
+def test_claims_generated_for_variant_parts(tmp_path):
+    """Each objective / correction / estimator part of a format present is tested against the
+    same format without it (reward growth, final pass@1), from the raw rows; a pair already in
+    CLAIMS (tis) is listed once; a missing base says so."""
+    rng = np.random.default_rng()
+    total, seeds = 10, (0, 1, 2)
+    losses = {"nvfp4+aqn": {}, "nvfp4+aqn+gspo": {"policy_objective": "gspo"},
+              "nvfp4+aqn+cispo": {"policy_objective": "cispo"},
+              "nvfp4+aqn+tis": {"rollout_correction": "token_truncate",
+                                "rollout_correction_cap": 2.0},
+              "nvfp4+aqn+gspo+rloo": {"policy_objective": "gspo",
+                                      "advantage_estimator": "rloo"}}
+    growth, after = {}, {}
+    for name, loss in losses.items():
+        for seed in seeds:
+            series = [rng.uniform(size=total) for _ in range(3)]
+            final = {"eval/pass@1": rng.uniform()}
+            _write_run(str(tmp_path / variants.format_directory_name(name) / f"seed{seed}"),
+                       name, seed, total, *series, final_row=final, loss=loss)
+            growth[name, seed] = series[1][-2:].mean() - series[1][:1].mean()
+            after[name, seed] = final["eval/pass@1"]
+    summary = analysis.summarize_runs(analysis.load_runs(str(tmp_path)))
+    assert set(summary["table"]) == set(losses)
+    claims = [(claim["group"], claim["a"], claim["b"], claim["metric"])
+              for claim in summary["claims"]]
+    generated = claims[len(analysis.CLAIMS):]
+    assert sorted(generated) == sorted(
+        (group, a, b, metric) for group, a, b in (
+            ("GSPO", "nvfp4+aqn+gspo", "nvfp4+aqn"), ("CISPO", "nvfp4+aqn+cispo", "nvfp4+aqn"),
+            ("GSPO", "nvfp4+aqn+gspo+rloo", "nvfp4+aqn+rloo"),
+            ("RLOO", "nvfp4+aqn+gspo+rloo", "nvfp4+aqn+gspo"))
+        for metric in ("reward_growth", "pass_at_1_after"))
+    assert claims.count(("TIS", "nvfp4+aqn+tis", "nvfp4+aqn", "reward_growth")) == 1
+    by_key = {(claim["a"], claim["b"], claim["metric"]): claim for claim in summary["claims"]}
+    for a, b in (("nvfp4+aqn+gspo", "nvfp4+aqn"), ("nvfp4+aqn+cispo", "nvfp4+aqn"),
+                 ("nvfp4+aqn+gspo+rloo", "nvfp4+aqn+gspo")):
+        for metric, values in (("reward_growth", growth), ("pass_at_1_after", after)):
+            claim = by_key[a, b, metric]
+            np.testing.assert_allclose(
+                [claim["mean_difference"], claim["ci_low"], claim["ci_high"]],
+                _t_interval([values[a, s] - values[b, s] for s in seeds]), rtol=1e-12)
+    missing = by_key["nvfp4+aqn+gspo+rloo", "nvfp4+aqn+rloo", "reward_growth"]
+    assert missing["n"] == 0 and missing["note"] == "no complete nvfp4+aqn+rloo runs"
+    text = analysis.summary_markdown(summary)
+    assert "| GSPO | nvfp4+aqn+gspo - nvfp4+aqn: reward growth | 3 |" in text
+    assert "| CISPO | nvfp4+aqn+cispo - nvfp4+aqn: final pass@1 | 3 |" in text
 
 
 def test_finished_runs_are_skipped(tmp_path, monkeypatch):
@@ -435,9 +586,10 @@ def test_short_real_ablation(tmp_path):
         run_dir = os.path.join(out, directory, "seed0")
         meta = read_starts(run_dir)[-1]
         assert meta["seed"] == 0 and meta["git_revision"] and "jax" in meta["versions"]
-        assert analysis.format_of_config(meta["config"]) == name
+        assert variants.format_of_config(meta["config"]) == name
         assert meta["config"]["model"]["overrides"]["num_hidden_layers"] == 2
-        assert meta["config"]["loss"]["rollout_is_cap"] == (2.0 if name.endswith("tis") else 0)
+        assert meta["config"]["loss"]["rollout_correction"] == (
+            "token_truncate" if name.endswith("tis") else "none")
         rows = analysis.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
         assert [row["step"] for row in rows] == [0, 1, 2]   # 2: the final policy's eval row
         assert all(np.isfinite(row["entropy"]) for row in rows[:2])
