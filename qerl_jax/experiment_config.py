@@ -282,10 +282,15 @@ FIELDS: dict[str, Field] = {
                                "clipped (DAPO clip-higher).", at_least(0)),
     "loss.beta": Field(0.0, "Weight of the k3 KL term against the LoRA-disabled model "
                        "(0 = off).", at_least(0)),
-    "loss.rollout_is_cap": Field(0.0, "Truncated importance sampling: each token's loss "
-                                 "weighted by min(pi_old / pi_rollout, cap), for the rollout "
-                                 "policy (AQN noise, kernels) differing from the trained one "
-                                 "(0 = off; TRL and verl use 2).", at_least(0)),
+    "loss.rollout_correction": Field("none", "Weight each token's policy loss by r = pi_old / "
+                                     "pi_rollout per token (token_*) or per sequence "
+                                     "(sequence_*), truncated to min(r, C) (*_truncate) or 0 "
+                                     "where r > C (*_mask), for the rollout policy (AQN noise, "
+                                     "kernels) differing from the trained one; 'none' = off "
+                                     "(rl.rollout_correction).",
+                                     registered(registry.ROLLOUT_CORRECTIONS)),
+    "loss.rollout_correction_cap": Field(3.0, "The cap C of loss.rollout_correction (TRL's "
+                                         "default 3).", greater_than(0)),
     "loss.top_entropy_quantile": Field(1.0, "Train only on the tokens in this top fraction of "
                                        "entropies (1.0 = every token).",
                                        in_interval(0, 1, low_open=True)),

@@ -212,6 +212,11 @@ LOSS_NORMALIZERS = _lazy("loss type", {
              "constant_length_sum": ("dr_grpo",), "batch_token_mean": ("dapo",)})
 # rl/losses.py: the per-token policy loss (register_policy_objective)
 POLICY_OBJECTIVES = _lazy("policy objective", {"clipped_surrogate": "qerl_jax.rl.losses"})
+# rl/rollout_correction.py: importance weights pi_old / pi_rollout on the policy loss
+# (register_rollout_correction)
+ROLLOUT_CORRECTIONS = _lazy("rollout correction", {
+    name: "qerl_jax.rl.rollout_correction"
+    for name in ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")})
 # rl/advantages.py: rewards -> advantages (register_advantage_estimator)
 ADVANTAGE_ESTIMATORS = _lazy("advantage estimator",
                              {"group_normalized": "qerl_jax.rl.advantages"})

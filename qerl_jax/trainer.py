@@ -412,7 +412,9 @@ class Trainer:
         global_sequences = np.float32(batch["tokens"].shape[0])
         micro_count = math.ceil(batch["tokens"].shape[0] / config.train.micro_batch_size)
         stats = {"loss": 0.0, "valid_tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0,
-                 "entropy_sum": 0.0, "rollout_kl_sum": 0.0, "rollout_outside_sum": 0.0}
+                 "entropy_sum": 0.0, "rollout_kl_sum": 0.0, "rollout_outside_sum": 0.0,
+                 "rollout_corrected_tokens": 0.0, "rollout_corrected_sequences": 0.0,
+                 "rollout_sequences": 0.0}
         iterations = config.train.num_iterations
         # Iterations before the last update a copy, so the step's starting state survives an
         # interrupt; the last one donates (one copy of the state) inside the deferred section.
@@ -475,6 +477,11 @@ class Trainer:
                 # sampled tokens: k3 KL(rollout || train) and the share of ratios off [1/2, 2]
                 "rollout/kl": per_token(stats["rollout_kl_sum"]),
                 "rollout/ratio_outside_2x": per_token(stats["rollout_outside_sum"]),
+                # the shares of valid tokens and of sequences loss.rollout_correction changed
+                "rollout/corrected_token_fraction": per_token(stats["rollout_corrected_tokens"]),
+                "rollout/corrected_sequence_fraction": (
+                    stats["rollout_corrected_sequences"] / stats["rollout_sequences"]
+                    if stats["rollout_sequences"] > 0 else None),
                 "loss": stats["loss"] if stats["valid_tokens"] > 0 else None,
                 "completion_length": float(completion_mask.sum(axis=1).mean()),
                 "truncated_fraction": float(truncated.mean()),

@@ -58,6 +58,7 @@ REGISTRY_FIELDS = {
     "loss.loss_type": registry.LOSS_NORMALIZERS,
     "loss.policy_objective": registry.POLICY_OBJECTIVES,
     "loss.advantage_estimator": registry.ADVANTAGE_ESTIMATORS,
+    "loss.rollout_correction": registry.ROLLOUT_CORRECTIONS,
     "aqn.schedule": registry.AQN_SCHEDULES,
     "model.preset": registry.MODEL_PRESETS,
     "rollout.kv_cache_dtype": registry.KV_CACHE_DTYPES,
@@ -224,6 +225,10 @@ BAD_VALUES = [
                                      "clipped_surrogate"),
     ("loss.advantage_estimator", "rloo", "unknown advantage estimator 'rloo'; known: "
                                          "group_normalized"),
+    ("loss.rollout_correction", "tis", "unknown rollout correction 'tis'; known: none, "
+                                       "token_truncate, token_mask, sequence_truncate, "
+                                       "sequence_mask"),
+    ("loss.rollout_correction_cap", 0.0, "must be > 0, got 0.0"),
     ("data.limit", -1, "must be >= 0, got -1"),
     ("data.max_prompt_length", 0, "must be > 0, got 0"),
     ("data.prompt_style", "chat", "unknown prompt style 'chat'; known: paper, system, plain"),

@@ -642,7 +642,8 @@ def test_a_step_without_a_valid_token_records_its_means_as_missing(tmp_path, war
     for row, metrics in zip(rows, history, strict=True):
         assert row["truncated_fraction"] == 1.0
         for key in ("loss", "entropy", "kl", "clip_fraction", "rollout/kl",
-                    "rollout/ratio_outside_2x"):
+                    "rollout/ratio_outside_2x", "rollout/corrected_token_fraction",
+                    "rollout/corrected_sequence_fraction"):
             assert row[key] is None and metrics[key] is None, key
         assert row["grad_norm"] == 0.0 and np.isfinite(row["reward"])
     with open(os.path.join(workdir, "metrics.jsonl")) as handle:
@@ -654,7 +655,8 @@ def test_rollout_mismatch_is_logged_and_truncated_importance_sampling_runs(tmp_p
     """rollout/kl and rollout/ratio_outside_2x compare the sampler's log-probs with the
     training forward's: ~0 where both are the same noise-free float32 policy (the two agree to
     1e-4 per token, so k3 < 1e-6), larger where AQN noise (sigma 0.05) perturbs the rollout
-    policy; with loss.rollout_is_cap = 2 the steps train with finite losses."""
+    policy; with loss.rollout_correction = token_truncate at cap 2 the steps train with finite
+    losses."""
     config = _config()
     config.aqn.enabled = False
     Trainer(config, _workdir(tmp_path, "no_aqn", warm_cache)).train(stop_after=1)
@@ -662,7 +664,7 @@ def test_rollout_mismatch_is_logged_and_truncated_importance_sampling_runs(tmp_p
     assert abs(row["rollout/kl"]) < 1e-6 and row["rollout/ratio_outside_2x"] == 0.0
     config = _config()
     config.aqn.sigma_start, config.aqn.sigma_end = 0.05, 0.01
-    config.loss.rollout_is_cap = 2.0
+    config.loss.rollout_correction, config.loss.rollout_correction_cap = "token_truncate", 2.0
     Trainer(config, _workdir(tmp_path, "aqn", warm_cache)).train(stop_after=3)
     rows = read_metrics(str(tmp_path / "aqn"))
     assert rows[0]["aqn_sigma"] == 0.0 and rows[2]["aqn_sigma"] > 0.0

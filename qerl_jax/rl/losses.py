@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from qerl_jax.registry import LOSS_NORMALIZERS, POLICY_OBJECTIVES
+from qerl_jax.registry import LOSS_NORMALIZERS, POLICY_OBJECTIVES, ROLLOUT_CORRECTIONS
+from qerl_jax.rl.rollout_correction import rollout_correction_weights
 
 
 class LossNormalizer(NamedTuple):
@@ -119,9 +120,8 @@ class LossConfig:
     beta: float = 0.0
     top_entropy_quantile: float = 1.0
     max_completion_length: int = 1
-    # truncated importance sampling against the rollout policy: token weight
-    # min(pi_old / pi_rollout, cap) (0 = off)
-    rollout_is_cap: float = 0.0
+    rollout_correction: str = "none"   # a ROLLOUT_CORRECTIONS name (rl/rollout_correction.py)
+    rollout_correction_cap: float = 3.0   # its cap C on pi_old / pi_rollout (TRL's default)
     policy_objective: str = "clipped_surrogate"   # a POLICY_OBJECTIVES name
 
     def __post_init__(self):
@@ -135,8 +135,10 @@ class LossConfig:
             raise ValueError(f"beta={self.beta} must be >= 0")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} not in (0, 1]")
-        if self.rollout_is_cap < 0:
-            raise ValueError(f"rollout_is_cap={self.rollout_is_cap} must be >= 0 (0 = off)")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(ROLLOUT_CORRECTIONS.unknown_message(self.rollout_correction))
+        if not self.rollout_correction_cap > 0:
+            raise ValueError(f"rollout_correction_cap={self.rollout_correction_cap} must be > 0")
         if self.max_completion_length <= 0:
             raise ValueError(f"max_completion_length={self.max_completion_length} must be > 0")
 
@@ -176,25 +178,6 @@ def entropy_threshold_mask(entropies: jax.Array, mask: jax.Array, quantile: floa
     return entropies >= threshold
 
 
-def truncated_importance_weights(old_logprobs: jax.Array, rollout_logprobs: jax.Array,
-                                 cap: float) -> jax.Array:
-    """min(pi_old / pi_rollout, cap) per token [B, T], without gradient."""
-    ratio = jnp.exp(jax.lax.stop_gradient(old_logprobs) - rollout_logprobs)
-    return jax.lax.stop_gradient(jnp.minimum(ratio, cap))
-
-
-def rollout_mismatch_sums(logprobs: jax.Array, rollout_logprobs: jax.Array,
-                          mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum of the k3 estimate of KL(pi_rollout || pi_train), number of tokens whose ratio
-    pi_train / pi_rollout is outside [1/2, 2]) over the valid tokens of [B, T] log-probs of
-    tokens sampled from the rollout policy; divide by the valid tokens for means."""
-    log_ratio = jax.lax.stop_gradient(logprobs) - rollout_logprobs
-    mask = mask.astype(jnp.float32)
-    k3 = jnp.expm1(log_ratio) - log_ratio   # >= 0; expm1 keeps it accurate near 0
-    outside = (jnp.abs(log_ratio) > jnp.log(2.0)).astype(jnp.float32)
-    return (k3 * mask).sum(), (outside * mask).sum()
-
-
 def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
                       mask: jax.Array, config: LossConfig, *,
                       ref_logprobs: jax.Array | None = None,
@@ -204,10 +187,12 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
                       rollout_logprobs: jax.Array | None = None) -> LossTerms:
     """The loss of one micro-batch as numerator and denominator.
 
-    With config.rollout_is_cap > 0 each token's policy loss is weighted by the truncated
-    importance ratio min(pi_old / pi_rollout, cap) (constant in the gradient), which corrects
-    for sampling from a policy that differs from the trained one (AQN noise on the rollout, the
-    kernels' rounding), as TRL's vllm_importance_sampling_correction and verl's truncated IS.
+    Each token's policy loss is weighted by the registered config.rollout_correction's weight of
+    pi_old / pi_rollout (token or sequence level, truncated or masked at
+    config.rollout_correction_cap; constant in the gradient; rl/rollout_correction.py), which
+    corrects for sampling from a policy that differs from the trained one (AQN noise on the
+    rollout, the kernels' rounding), as TRL's vllm_importance_sampling_mode and verl's
+    rollout_is.
 
     Args:
       logprobs, old_logprobs, ref_logprobs, entropies, rollout_logprobs: [B, T] float32
@@ -226,11 +211,13 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
         keep = entropy_threshold_mask(jax.lax.stop_gradient(entropies), mask,
                                       config.top_entropy_quantile)
         per_token = per_token * keep
-    if config.rollout_is_cap > 0:
-        if rollout_logprobs is None:
-            raise ValueError("rollout_is_cap > 0 needs the rollout's log-probs")
-        per_token = per_token * truncated_importance_weights(old_logprobs, rollout_logprobs,
-                                                             config.rollout_is_cap)
+    if rollout_logprobs is not None:
+        per_token = per_token * rollout_correction_weights(
+            old_logprobs, rollout_logprobs, mask, config.rollout_correction,
+            config.rollout_correction_cap)[0]
+    elif config.rollout_correction != "none":
+        raise ValueError(f"rollout_correction={config.rollout_correction!r} needs the "
+                         "rollout's log-probs")
     kl = jnp.zeros_like(per_token)
     if config.beta != 0.0:
         if ref_logprobs is None:

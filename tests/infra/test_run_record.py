@@ -32,13 +32,14 @@ def test_a_loss_type_and_its_alias_are_no_change():
 def test_a_field_added_since_at_its_default_is_no_change():
     defaults = field_defaults()
     assert config_changes({"loss": {"beta": 0.0}},
-                          {"loss": {"beta": 0.0, "rollout_is_cap": 0.0}}, defaults) == []
+                          {"loss": {"beta": 0.0, "rollout_correction_cap": 3.0}},
+                          defaults) == []
     assert config_changes({"loss": {"beta": 0.0}},
-                          {"loss": {"beta": 0.0, "rollout_is_cap": 2.0}}, defaults) == [
-        {"field": "loss.rollout_is_cap", "old": None, "new": 2.0, "harmless": False}]
+                          {"loss": {"beta": 0.0, "rollout_correction_cap": 2.0}}, defaults) == [
+        {"field": "loss.rollout_correction_cap", "old": None, "new": 2.0, "harmless": False}]
     # without the schema's defaults a field the old run lacked is a change
     assert config_changes({"loss": {"beta": 0.0}},
-                          {"loss": {"beta": 0.0, "rollout_is_cap": 0.0}})[0]["old"] is None
+                          {"loss": {"beta": 0.0, "rollout_correction_cap": 3.0}})[0]["old"] is None
 
 
 def _earlier_run(workdir):

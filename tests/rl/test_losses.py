@@ -10,7 +10,7 @@ from qerl_jax.rl.advantages import group_advantages, zero_variance_groups
 from qerl_jax.registry import LOSS_NORMALIZERS
 from qerl_jax.rl.losses import (LossConfig, chunked_token_logprobs_and_entropy,
                                 entropy_threshold_mask, loss_types, policy_loss_terms,
-                                rollout_mismatch_sums, token_logprobs_and_entropy)
+                                token_logprobs_and_entropy)
 
 LOSS_TYPE_ALIASES = LOSS_NORMALIZERS.aliases()
 
@@ -258,7 +258,7 @@ def test_papers_names_are_aliases_of_the_registered_loss_types(alias):
 
 
 def test_truncated_importance_sampling_matches_float64():
-    """rollout_is_cap: the policy loss of each token times min(exp(old - rollout), cap), held
+    """token_truncate: the policy loss of each token times min(exp(old - rollout), cap), held
     constant in the gradient (micro_batch_token_mean, no KL); float64 numpy, rtol 1e-5."""
     rng = np.random.default_rng()
     shape, cap = (4, 7), 2.0
@@ -267,7 +267,8 @@ def test_truncated_importance_sampling_matches_float64():
     rollout = old + rng.normal(0, 0.8, shape)          # some ratios above the cap
     adv = rng.normal(size=shape[0])
     mask = (rng.random(shape) > 0.25).astype(np.float64)
-    config = LossConfig(loss_type="micro_batch_token_mean", rollout_is_cap=cap)
+    config = LossConfig(loss_type="micro_batch_token_mean", rollout_correction="token_truncate",
+                        rollout_correction_cap=cap)
 
     def loss(lp):
         terms = policy_loss_terms(lp, jnp.asarray(old, jnp.float32),
@@ -292,17 +293,3 @@ def test_truncated_importance_sampling_matches_float64():
     with pytest.raises(ValueError, match="needs the rollout's log-probs"):
         policy_loss_terms(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
                           jnp.asarray(mask > 0), config)
-
-
-def test_rollout_mismatch_sums_match_float64():
-    rng = np.random.default_rng()
-    train, rollout = rng.normal(-1, 0.5, (3, 9)), rng.normal(-1, 0.5, (3, 9))
-    mask = rng.random((3, 9)) > 0.3
-    kl_sum, outside = rollout_mismatch_sums(jnp.asarray(train, jnp.float32),
-                                            jnp.asarray(rollout, jnp.float32),
-                                            jnp.asarray(mask))
-    log_ratio = train - rollout
-    np.testing.assert_allclose(float(kl_sum), ((np.exp(log_ratio) - 1 - log_ratio) * mask).sum(),
-                               rtol=1e-5)
-    ratio = np.exp(log_ratio)
-    assert float(outside) == float((((ratio < 0.5) | (ratio > 2.0)) & mask).sum())
