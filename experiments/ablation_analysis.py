@@ -352,10 +352,13 @@ def claim_intervals(table: dict[str, dict[str, Aggregate]],
                     confidence: float = CONFIDENCE) -> list[dict]:
     """Each of CLAIMS, then each of `variant_claims` of the table's formats, tested on the
     per-seed paired differences (paired_interval), with a 'note' saying why a claim is not
-    resolved when it has fewer than two paired seeds."""
+    resolved when it has fewer than two paired seeds; a claim about two formats the table
+    does not hold (another study's) is left out."""
     rows = []
     empty = aggregate([])
     for group, a, b, metric in (*CLAIMS, *variant_claims(table)):
+        if a not in table and b not in table:
+            continue
         values = {name: table.get(name, {}).get(metric, empty) for name in (a, b)}
         result = paired_interval(values[a], values[b], confidence)
         missing = [name for name in (a, b) if name not in table]
@@ -381,8 +384,8 @@ def check_claims(table: dict[str, dict[str, Aggregate]]) -> list[dict]:
     checks = []
     bf16 = table.get("bf16")
     for name in QUANTIZED_FORMATS:
-        if name not in FORMATS and name not in table:
-            continue   # an optional format not in this study
+        if name not in table and (name not in FORMATS or bf16 is None):
+            continue   # a format not in this study
         claim = f"{name} starts with a higher entropy than bf16 (mean early entropy)"
         if bf16 is None or name not in table:
             checks.append({"claim": claim, "holds": None,
@@ -394,12 +397,13 @@ def check_claims(table: dict[str, dict[str, Aggregate]]) -> list[dict]:
         checks.append({"claim": claim, "holds": holds, **stats,
                        "observed": f"{name} {quantized.text(4)} vs bf16 {base.text(4)}"})
     claim = "nvfp4+aqn's reward AUC >= nvfp4's"
-    if "nvfp4+aqn" in table and "nvfp4" in table:
+    present = [name for name in ("nvfp4+aqn", "nvfp4") if name in table]
+    if len(present) == 2:
         aqn, plain = table["nvfp4+aqn"]["reward_auc"], table["nvfp4"]["reward_auc"]
         checks.append({"claim": claim, "holds": bool(aqn.mean >= plain.mean),
                        **_difference(aqn, plain),
                        "observed": f"nvfp4+aqn {aqn.text(3)} vs nvfp4 {plain.text(3)}"})
-    else:
+    elif present:   # left out when neither format is in this study
         checks.append({"claim": claim, "holds": None,
                        "observed": "needs complete nvfp4 and nvfp4+aqn runs"})
     return checks

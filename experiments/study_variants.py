@@ -72,9 +72,8 @@ def _axes(defaults: Mapping) -> list[tuple[Axis, registry.Registry]]:
 
 
 def _tis_available(defaults: Mapping) -> bool:
-    return ((CORRECTION_CAP_FIELD in defaults and any(axis.kind == "correction"
-                                                      for axis, _ in _axes(defaults)))
-            or LEGACY_TIS_CAP_FIELD in defaults)
+    return CORRECTION_CAP_FIELD in defaults and any(axis.kind == "correction"
+                                                    for axis, _ in _axes(defaults))
 
 
 def known_parts(defaults: Mapping | None = None) -> str:
@@ -138,8 +137,6 @@ def format_overrides(name: str) -> dict[str, object]:
             overrides[CORRECTION_CAP_FIELD] = TIS_CAP
         else:
             overrides[axis.field] = names.canonical(part)
-    if LEGACY_TIS_CAP_FIELD in defaults:   # a schema without the correction modes
-        overrides[LEGACY_TIS_CAP_FIELD] = TIS_CAP if named.get("correction") == TIS else 0.0
     return overrides
 
 

@@ -514,7 +514,11 @@ def test_claims_generated_for_variant_parts(tmp_path):
     assert set(summary["table"]) == set(losses)
     claims = [(claim["group"], claim["a"], claim["b"], claim["metric"])
               for claim in summary["claims"]]
-    generated = claims[len(analysis.CLAIMS):]
+    static = [claim for claim in claims if claim in analysis.CLAIMS]
+    assert static == [claim for claim in analysis.CLAIMS
+                      if claim[1] in losses or claim[2] in losses]   # another study's: left out
+    assert ("reward growth", "nvfp4", "nf4", "reward_growth") not in static
+    generated = claims[len(static):]
     assert sorted(generated) == sorted(
         (group, a, b, metric) for group, a, b in (
             ("GSPO", "nvfp4+aqn+gspo", "nvfp4+aqn"), ("CISPO", "nvfp4+aqn+cispo", "nvfp4+aqn"),
@@ -535,6 +539,8 @@ def test_claims_generated_for_variant_parts(tmp_path):
     text = analysis.summary_markdown(summary)
     assert "| GSPO | nvfp4+aqn+gspo - nvfp4+aqn: reward growth | 3 |" in text
     assert "| CISPO | nvfp4+aqn+cispo - nvfp4+aqn: final pass@1 | 3 |" in text
+    checks = [check["claim"].split(" ")[0] for check in summary["checks"]]
+    assert checks == ["nvfp4+aqn", "nvfp4+aqn+tis", "nvfp4+aqn's"]   # no bf16, nf4, ... runs
 
 
 def test_finished_runs_are_skipped(tmp_path, monkeypatch):
@@ -568,7 +574,7 @@ def test_finished_runs_are_skipped(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_short_real_ablation(tmp_path):
-    """Two formats (bf16, nvfp4+aqn+tis), one seed, 2 GRPO steps of a shrunken tiny model
+    """Two formats (bf16+gspo, nvfp4+aqn+tis), one seed, 2 GRPO steps of a shrunken tiny model
     with held-out eval every step: run dirs, shared warm-up, the final eval-only row, summary
     and plots; the second invocation trains nothing."""
     out = str(tmp_path / "ablation")
@@ -577,12 +583,12 @@ def test_short_real_ablation(tmp_path):
                  "train.micro_batch_size=16",
                  "rollout.max_new_tokens=8", "eval.every_steps=1", "eval.num_examples=4",
                  "eval.batch_size=4"]
-    formats = ["bf16", "nvfp4+aqn+tis"]
+    formats = ["bf16+gspo", "nvfp4+aqn+tis"]
     argv = ["--config", CONFIG, "--formats", ",".join(formats), "--seeds", "0", "--out", out]
     for override in overrides:
         argv += ["--set", override]
     assert format_ablation.main(argv) == 0
-    for name, directory in (("bf16", "bf16"), ("nvfp4+aqn+tis", "nvfp4_aqn_tis")):
+    for name, directory in (("bf16+gspo", "bf16_gspo"), ("nvfp4+aqn+tis", "nvfp4_aqn_tis")):
         run_dir = os.path.join(out, directory, "seed0")
         meta = read_starts(run_dir)[-1]
         assert meta["seed"] == 0 and meta["git_revision"] and "jax" in meta["versions"]
@@ -590,17 +596,19 @@ def test_short_real_ablation(tmp_path):
         assert meta["config"]["model"]["overrides"]["num_hidden_layers"] == 2
         assert meta["config"]["loss"]["rollout_correction"] == (
             "token_truncate" if name.endswith("tis") else "none")
+        assert meta["config"]["loss"]["policy_objective"] == (
+            "gspo" if name.endswith("gspo") else "clipped_surrogate")
         rows = analysis.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
         assert [row["step"] for row in rows] == [0, 1, 2]   # 2: the final policy's eval row
         assert all(np.isfinite(row["entropy"]) for row in rows[:2])
         assert "entropy" not in rows[2]
         assert all(0 <= row["eval/pass@1"] <= 1 for row in rows)
         assert os.path.islink(os.path.join(run_dir, "warmup"))
-    bf16_status = format_ablation.read_status(os.path.join(out, "bf16", "seed0"))
+    bf16_status = format_ablation.read_status(os.path.join(out, "bf16_gspo", "seed0"))
     aqn_status = format_ablation.read_status(os.path.join(out, "nvfp4_aqn_tis", "seed0"))
     assert bf16_status["status"] == aqn_status["status"] == "done"
     assert not bf16_status["warmup_reused"] and aqn_status["warmup_reused"]
-    assert (os.path.realpath(os.path.join(out, "bf16", "seed0", "warmup"))
+    assert (os.path.realpath(os.path.join(out, "bf16_gspo", "seed0", "warmup"))
             == os.path.realpath(os.path.join(out, "nvfp4_aqn_tis", "seed0", "warmup")))
     for name in ("summary.md", "summary.json", "entropy_vs_step.png", "reward_vs_step.svg",
                  "accuracy_vs_step.png", "eval_pass_at_1_vs_step.png"):
@@ -610,5 +618,6 @@ def test_short_real_ablation(tmp_path):
     assert not saved["incomplete"]
     assert saved["table"]["nvfp4+aqn+tis"]["pass_at_1_after"]["n"] == 1
     assert saved["table"]["nvfp4+aqn+tis"]["rollout_kl"]["n"] == 1
+    assert any(claim["a"] == "bf16+gspo" and claim["b"] == "bf16" for claim in saved["claims"])
     report = format_ablation.run_ablation(CONFIG, formats, [0], overrides, out)
     assert len(report["skipped"]) == 2 and not report["done"] and not report["failed"]
