@@ -24,7 +24,7 @@ TIS = "tis"
 TIS_CORRECTION = "token_truncate"
 TIS_CAP = 2.0
 CORRECTION_CAP_FIELD = "loss.rollout_correction_cap"
-# run.json files recorded before the correction modes hold token truncation's cap here (> 0: on)
+# the committed studies' run.json files record token truncation as this cap (> 0: on)
 LEGACY_TIS_CAP_FIELD = "loss.rollout_is_cap"
 GRAMMAR = "<weight format>[+aqn][+<objective>][+<correction>][+<estimator>]"
 
@@ -65,45 +65,33 @@ def _schema_defaults() -> dict:
     return field_defaults()
 
 
-def _axes(defaults: Mapping) -> list[tuple[Axis, registry.Registry]]:
-    """The axes this checkout's schema and registries have, with their registries."""
-    return [(axis, getattr(registry, axis.registry)) for axis in AXES
-            if hasattr(registry, axis.registry) and axis.field in defaults]
+def _axes() -> list[tuple[Axis, registry.Registry]]:
+    """Each axis with its registry (read when asked: plug-ins' names included)."""
+    return [(axis, getattr(registry, axis.registry)) for axis in AXES]
 
 
-def _tis_available(defaults: Mapping) -> bool:
-    return CORRECTION_CAP_FIELD in defaults and any(axis.kind == "correction"
-                                                    for axis, _ in _axes(defaults))
-
-
-def known_parts(defaults: Mapping | None = None) -> str:
+def known_parts() -> str:
     """'aqn, tis; policy objective: a, b; ...': every name a '+' part can take."""
-    defaults = _schema_defaults() if defaults is None else defaults
-    study = [AQN] + ([TIS] if _tis_available(defaults) else [])
-    return "; ".join([", ".join(study)] + [
-        f"{names.kind}: {', '.join(names.names(with_aliases=True))}"
-        for _, names in _axes(defaults)])
+    return "; ".join([f"{AQN}, {TIS}"] + [
+        f"{names.kind}: {', '.join(names.names(with_aliases=True))}" for _, names in _axes()])
 
 
-def _kinds_of(part: str, defaults: Mapping) -> list[str]:
-    kinds = [AQN] if part == AQN else []
-    kinds += ["correction"] if part == TIS and _tis_available(defaults) else []
-    return kinds + [axis.kind for axis, names in _axes(defaults) if part in names]
+def _kinds_of(part: str) -> list[str]:
+    kinds = [AQN] if part == AQN else ["correction"] if part == TIS else []
+    return kinds + [axis.kind for axis, names in _axes() if part in names]
 
 
 def parse_variant(name: str) -> Variant:
     """The Variant a study format names; ValueError (one line naming the part and the known
     names) for an unknown, ambiguous, repeated or misplaced part."""
-    defaults = _schema_defaults()
     weight_format, *parts = name.split("+")
     if weight_format not in registry.FORMATS:
         raise ValueError(f"format {name!r}: {registry.FORMATS.unknown_message(weight_format)}")
     aqn, named, last = False, [], -1
     for part in parts:
-        kinds = _kinds_of(part, defaults)
+        kinds = _kinds_of(part)
         if not kinds:
-            raise ValueError(f"format {name!r}: unknown part {part!r}; known: "
-                             f"{known_parts(defaults)}")
+            raise ValueError(f"format {name!r}: unknown part {part!r}; known: {known_parts()}")
         if len(kinds) > 1:
             raise ValueError(f"format {name!r}: part {part!r} is ambiguous (a name of "
                              f"{' and '.join(kinds)})")
@@ -128,7 +116,7 @@ def format_overrides(name: str) -> dict[str, object]:
     named = dict(variant.parts)
     overrides: dict[str, object] = {"quant.format": variant.weight_format,
                                     "aqn.enabled": variant.aqn}
-    for axis, names in _axes(defaults):
+    for axis, names in _axes():
         part = named.get(axis.kind)
         if part is None:
             overrides[axis.field] = defaults[axis.field]
@@ -164,7 +152,7 @@ def variant_of_config(config: Mapping) -> Variant:
                 value = TIS
             elif value is None and (_recorded(config, LEGACY_TIS_CAP_FIELD) or 0) > 0:
                 value = TIS
-        if value is not None and value != defaults.get(axis.field):
+        if value is not None and value != defaults[axis.field]:
             parts.append((axis.kind, value))
     return Variant(config["quant"]["format"], bool(_recorded(config, "aqn.enabled")),
                    tuple(parts))
