@@ -23,7 +23,6 @@ from qerl_jax import registry
 from qerl_jax.config_checks import (Field, at_least, auto_or, greater_than, in_interval,
                                     names_from, one_of, registered)
 from qerl_jax.infra.errors import ConfigError
-from qerl_jax.infra.wandb_logging import wandb_mode_problem
 from qerl_jax.registry import REWARDS, TASKS
 
 MODEL_CONFIG_FIELDS = (                                      # models.config.ModelConfig
@@ -270,13 +269,23 @@ FIELDS: dict[str, Field] = {
     "loss.loss_type": Field("micro_batch_token_mean", "Policy-loss aggregation over tokens "
                             "(rl.losses; grpo/bnpo/dr_grpo/dapo are aliases).",
                             registered(registry.LOSS_NORMALIZERS)),
-    "loss.policy_objective": Field("clipped_surrogate", "Per-token policy loss (rl.losses): "
-                                   "'clipped_surrogate' = PPO's clipped ratio with the clip "
-                                   "range below.", registered(registry.POLICY_OBJECTIVES)),
+    "loss.policy_objective": Field("clipped_surrogate", "Per-token policy loss "
+                                   "(rl.objectives): 'clipped_surrogate' = PPO's clipped ratio "
+                                   "with the clip range below, 'gspo' / 'gspo_token' = GSPO's "
+                                   "clipped sequence ratio, 'cispo' = CISPO's capped ratio "
+                                   "weighting log pi.", registered(registry.POLICY_OBJECTIVES)),
     "loss.advantage_estimator": Field("group_normalized", "Rewards -> advantages "
                                       "(rl.advantages): 'group_normalized' = GRPO's (r - group "
-                                      "mean) / (group std + 1e-4).",
+                                      "mean) / (group std + 1e-4), 'mean_centered' = Dr. GRPO's "
+                                      "r - group mean, 'rloo' = r - mean of the group's other "
+                                      "rewards (grpo/drgrpo are aliases).",
                                       registered(registry.ADVANTAGE_ESTIMATORS)),
+    "loss.gspo_epsilon_low": Field(3e-4, "gspo/gspo_token: sequence ratios below 1 - this are "
+                                   "clipped (GSPO's value).", in_interval(0, 1, high_open=True)),
+    "loss.gspo_epsilon_high": Field(4e-4, "gspo/gspo_token: sequence ratios above 1 + this are "
+                                    "clipped (GSPO's value).", at_least(0)),
+    "loss.cispo_epsilon_max": Field(5.0, "cispo: the cap on each token's ratio pi / pi_old "
+                                    "(TRL's recommended value).", greater_than(0)),
     "loss.epsilon_low": Field(0.2, "Lower clip range: ratios below 1 - epsilon_low are "
                               "clipped.", in_interval(0, 1, high_open=True)),
     "loss.epsilon_high": Field(0.28, "Upper clip range: ratios above 1 + epsilon_high are "
@@ -323,16 +332,6 @@ FIELDS: dict[str, Field] = {
     "logging.tensorboard": Field(True, "TensorBoard event files next to metrics.jsonl when "
                                  "tensorboardX is installed."),
     "logging.progress_bar": Field(True, "Show a tqdm progress bar."),
-    "logging.samples.every_steps": Field(10, "Every N steps, record sample completions in "
-                                         "samples.jsonl, TensorBoard and W&B (0 = off).",
-                                         at_least(0)),
-    "logging.samples.count": Field(4, "Completions per recorded step (a seeded choice of the "
-                                   "step's batch).", greater_than(0)),
-    "logging.wandb.mode": Field("off", "Weights & Biases logging: 'online', 'offline' (synced "
-                                "later with `wandb sync`) or 'off'; needs the wandb extra.",
-                                wandb_mode_problem),
-    "logging.wandb.project": Field("qerl-jax", "W&B project of the run."),
-    "logging.wandb.run_name": Field("", "W&B run name ('' = the run directory's name)."),
     # mesh (qerl_jax.parallel.mesh): the product of the three sizes is jax.device_count()
     "mesh.data": Field(1, "Devices along the data axis: rollout prompts, KV cache and "
                        "training rows are split over them.", greater_than(0)),

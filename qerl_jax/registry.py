@@ -210,16 +210,19 @@ LOSS_NORMALIZERS = _lazy("loss type", {
     "constant_length_sum": "qerl_jax.rl.losses", "batch_token_mean": "qerl_jax.rl.losses"},
     aliases={"sequence_mean": ("grpo",), "micro_batch_token_mean": ("bnpo",),
              "constant_length_sum": ("dr_grpo",), "batch_token_mean": ("dapo",)})
-# rl/losses.py: the per-token policy loss (register_policy_objective)
-POLICY_OBJECTIVES = _lazy("policy objective", {"clipped_surrogate": "qerl_jax.rl.losses"})
+# rl/objectives.py: the per-token policy loss (register_policy_objective)
+POLICY_OBJECTIVES = _lazy("policy objective", {
+    name: "qerl_jax.rl.objectives" for name in ("clipped_surrogate", "gspo", "gspo_token",
+                                                 "cispo")})
 # rl/rollout_correction.py: importance weights pi_old / pi_rollout on the policy loss
 # (register_rollout_correction)
 ROLLOUT_CORRECTIONS = _lazy("rollout correction", {
     name: "qerl_jax.rl.rollout_correction"
     for name in ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")})
 # rl/advantages.py: rewards -> advantages (register_advantage_estimator)
-ADVANTAGE_ESTIMATORS = _lazy("advantage estimator",
-                             {"group_normalized": "qerl_jax.rl.advantages"})
+ADVANTAGE_ESTIMATORS = _lazy("advantage estimator", {
+    name: "qerl_jax.rl.advantages" for name in ("group_normalized", "mean_centered", "rloo")},
+    aliases={"group_normalized": ("grpo",), "mean_centered": ("drgrpo",)})
 # aqn.py: step -> noise std (register_aqn_schedule)
 AQN_SCHEDULES = _lazy("AQN schedule", {"released_code": "qerl_jax.aqn",
                                        "paper": "qerl_jax.aqn"})
@@ -255,8 +258,6 @@ WEIGHT_AS_LHS = Registry.of("left dot operand", {"auto": None, "weights": True,
 # pallas_kernels' FormatSpec.decoders: the in-kernel 4-bit decoders
 KERNEL_DECODERS = Registry.of("4-bit decoder", {name: name for name in (
     "fp8", "ptx_scaled", "ptx_paired_scales", "lut", "lut16", "select")})
-# infra/wandb_logging.py: wandb.init's mode (None: no W&B run)
-WANDB_MODES = Registry.of("W&B mode", {"off": None, "online": "online", "offline": "offline"})
 # infra/device_offload.py: where the frozen weights wait while a program compiles
 OFFLOAD_METHODS = Registry.of("offload method", {"auto": "numpy", "numpy": "numpy",
                                                  "pinned_host": "pinned_host"})

@@ -222,9 +222,12 @@ BAD_VALUES = [
                               "micro_batch_token_mean, constant_length_sum, batch_token_mean, "
                               "grpo, bnpo, dr_grpo, dapo"),
     ("loss.policy_objective", "ppo", "unknown policy objective 'ppo'; known: "
-                                     "clipped_surrogate"),
-    ("loss.advantage_estimator", "rloo", "unknown advantage estimator 'rloo'; known: "
-                                         "group_normalized"),
+                                     "clipped_surrogate, gspo, gspo_token, cispo"),
+    ("loss.advantage_estimator", "gae", "unknown advantage estimator 'gae'; known: "
+                                        "group_normalized, mean_centered, rloo, grpo, drgrpo"),
+    ("loss.gspo_epsilon_low", 1.0, "must be in [0, 1), got 1.0"),
+    ("loss.gspo_epsilon_high", -1e-4, "must be >= 0, got -0.0001"),
+    ("loss.cispo_epsilon_max", 0.0, "must be > 0, got 0.0"),
     ("loss.rollout_correction", "tis", "unknown rollout correction 'tis'; known: none, "
                                        "token_truncate, token_mask, sequence_truncate, "
                                        "sequence_mask"),

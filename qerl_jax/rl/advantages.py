@@ -1,5 +1,12 @@
 """Advantage estimators by name (ADVANTAGE_ESTIMATORS): rewards [P * G] -> advantages
-[P * G]; the default is GRPO's group-normalized one (arXiv 2402.03300, as QeRL uses it)."""
+[P * G], per group of the G completions of one prompt:
+  group_normalized  (r_i - mean) / (std + 1e-4), std unbiased   (GRPO, arXiv 2402.03300, as
+                    QeRL uses it; alias grpo)
+  mean_centered     r_i - mean                                  (Dr. GRPO, arXiv 2503.20783
+                    sec. 3.1: no std, so no difficulty bias; alias drgrpo)
+  rloo              r_i - mean of the other G - 1 rewards       (RLOO, arXiv 2402.14740; as TRL
+                    and tunix, without rescaling: it equals G / (G - 1) (r_i - mean))
+"""
 
 from __future__ import annotations
 
@@ -23,6 +30,22 @@ def advantages(rewards: jax.Array, group_size: int, estimator: str = "group_norm
     return ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_size)
 
 
+def _group_offsets(rewards: jax.Array, group_size: int) -> jax.Array:
+    """[P, G] float32: each of rewards [P * G] minus its group's first. The estimators are
+    shift-invariant and take these, so a group of equal rewards gives exactly 0 whatever G."""
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: group advantages need G >= 2")
+    if rewards.shape[0] % group_size:
+        raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
+    grouped = rewards.astype(jnp.float32).reshape(-1, group_size)
+    return grouped - grouped[:, :1]
+
+
+def _centered(grouped: jax.Array) -> jax.Array:
+    """[P, G]: each reward minus its group's mean."""
+    return grouped - grouped.mean(axis=1, keepdims=True)
+
+
 @register_advantage_estimator("group_normalized")
 def group_advantages(rewards: jax.Array, group_size: int, eps: float = 1e-4) -> jax.Array:
     """A_i = (r_i - mean_g) / (std_g + eps), std unbiased (N-1), per group of G samples.
@@ -33,14 +56,26 @@ def group_advantages(rewards: jax.Array, group_size: int, eps: float = 1e-4) -> 
     Returns:
       [P * G] float32 advantages; zero-variance groups get exactly 0.
     """
-    if group_size < 2:
-        raise ValueError(f"group_size={group_size}: group advantages need G >= 2")
-    if rewards.shape[0] % group_size:
-        raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
-    grouped = rewards.astype(jnp.float32).reshape(-1, group_size)
-    mean = grouped.mean(axis=1, keepdims=True)
-    std = jnp.sqrt(((grouped - mean) ** 2).sum(axis=1, keepdims=True) / (group_size - 1))
-    return ((grouped - mean) / (std + eps)).reshape(-1)
+    centered = _centered(_group_offsets(rewards, group_size))
+    std = jnp.sqrt((centered ** 2).sum(axis=1, keepdims=True) / (group_size - 1))
+    return (centered / (std + eps)).reshape(-1)
+
+
+@register_advantage_estimator("mean_centered")
+def mean_centered_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
+    """A_i = r_i - mean_g (Dr. GRPO, arXiv 2503.20783 sec. 3.1), rewards [P * G] prompt-major
+    -> [P * G] float32; zero-variance groups get exactly 0."""
+    return _centered(_group_offsets(rewards, group_size)).reshape(-1)
+
+
+@register_advantage_estimator("rloo")
+def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
+    """A_i = r_i - (sum_g r - r_i) / (G - 1), the leave-one-out baseline (RLOO, arXiv
+    2402.14740), rewards [P * G] prompt-major -> [P * G] float32; zero-variance groups get
+    exactly 0."""
+    offsets = _group_offsets(rewards, group_size)
+    others = (offsets.sum(axis=1, keepdims=True) - offsets) / (group_size - 1)
+    return (offsets - others).reshape(-1)
 
 
 def zero_variance_groups(rewards: jax.Array, group_size: int) -> jax.Array:

@@ -1,9 +1,11 @@
 """Policy losses: a registered per-token objective, optional k3 KL, and a registered
 normalizer (GRPO / DAPO as QeRL trains with them; DAPO: arXiv 2503.14476).
 
-Per token (rho = exp(logp - logp_old)), the policy objective (POLICY_OBJECTIVES) gives pg; the
-default, clipped_surrogate, is PPO's clipped ratio with DAPO's asymmetric clip range:
-  pg  = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
+Per token (rho = exp(logp - logp_old)), the policy objective (POLICY_OBJECTIVES,
+rl/objectives.py) gives pg; the default, clipped_surrogate, is PPO's clipped ratio with DAPO's
+asymmetric clip range; gspo and gspo_token clip the sequence's length-normalised ratio (GSPO),
+cispo weights log pi by the stop-gradient capped ratio (CISPO):
+  pg  = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)     (clipped_surrogate)
   kl  = exp(ref - logp) - (ref - logp) - 1            (k3; only when beta != 0)
   l   = pg * entropy_mask + beta * kl
 How the per-token losses l over valid tokens m are aggregated is the loss type, a registered
@@ -17,7 +19,9 @@ exact). Named for what they compute; the names of the papers and TRL are aliases
   batch_token_mean        sum l m / valid tokens of the whole generation batch   (dapo)
 All but micro_batch_token_mean have a global denominator: summing numerators over
 micro-batches and dividing by it is exact; micro_batch_token_mean averages the micro-batches'
-ratios, as TRL's bnpo does.
+ratios, as TRL's bnpo does. A sequence-level objective (gspo) puts the sequence's loss on each
+of its valid tokens, so sequence_mean gives GSPO's mean over sequences; the papers pair gspo with
+sequence_mean and cispo with batch_token_mean.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from qerl_jax.registry import LOSS_NORMALIZERS, POLICY_OBJECTIVES, ROLLOUT_CORRECTIONS
+# importing the objectives registers them; register_policy_objective stays importable from here
+from qerl_jax.rl.objectives import register_policy_objective  # noqa: F401
 from qerl_jax.rl.rollout_correction import rollout_correction_weights
 
 
@@ -49,12 +55,6 @@ def register_loss_normalizer(name: str, *, global_denominator: bool, aliases=())
                                   aliases=aliases)
         return function
     return decorate
-
-
-def register_policy_objective(name: str):
-    """Registers a policy objective: (logprobs [B, T], old_logprobs [B, T], advantages [B, 1]
-    float32, config) -> (per-token loss [B, T], clipped [B, T] bool, for the clip metric)."""
-    return POLICY_OBJECTIVES.register(name)
 
 
 def canonical_loss_type(name: str) -> str:
@@ -92,18 +92,6 @@ def _batch_token_mean(masked, mask, sequences, global_valid_tokens, config):
     return masked.sum(), jnp.maximum(jnp.asarray(global_valid_tokens, jnp.float32), 1.0)
 
 
-@register_policy_objective("clipped_surrogate")
-def clipped_surrogate(logprobs, old_logprobs, advantages, config):
-    """-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) per token [B, T] (PPO's clipped
-    ratio, DAPO's clip-higher); clipped: the tokens whose ratio the clip holds."""
-    ratio = jnp.exp(logprobs - old_logprobs)
-    clipped_ratio = jnp.clip(ratio, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-    per_token = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
-    is_clipped = (((ratio < 1.0 - config.epsilon_low) & (advantages < 0))
-                  | ((ratio > 1.0 + config.epsilon_high) & (advantages > 0)))
-    return per_token, is_clipped
-
-
 def loss_types() -> tuple[str, ...]:
     """Every accepted value of loss_type: the registered names, then their aliases."""
     return LOSS_NORMALIZERS.names(with_aliases=True)
@@ -111,8 +99,8 @@ def loss_types() -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Policy objective, loss_type, clip range, KL weight, entropy-quantile filter and length
-    normalizer."""
+    """Policy objective and its ranges, loss_type, clip range, KL weight, entropy-quantile
+    filter, rollout correction and length normalizer."""
 
     loss_type: str = "micro_batch_token_mean"   # a LOSS_NORMALIZERS name or alias
     epsilon_low: float = 0.2
@@ -123,6 +111,10 @@ class LossConfig:
     rollout_correction: str = "none"   # a ROLLOUT_CORRECTIONS name (rl/rollout_correction.py)
     rollout_correction_cap: float = 3.0   # its cap C on pi_old / pi_rollout (TRL's default)
     policy_objective: str = "clipped_surrogate"   # a POLICY_OBJECTIVES name
+    # gspo / gspo_token clip the sequence ratio to [1 - low, 1 + high] (GSPO's values)
+    gspo_epsilon_low: float = 3e-4
+    gspo_epsilon_high: float = 4e-4
+    cispo_epsilon_max: float = 5.0   # cispo's cap on the ratio (TRL's recommended value)
 
     def __post_init__(self):
         canonical_loss_type(self.loss_type)
@@ -141,6 +133,11 @@ class LossConfig:
             raise ValueError(f"rollout_correction_cap={self.rollout_correction_cap} must be > 0")
         if self.max_completion_length <= 0:
             raise ValueError(f"max_completion_length={self.max_completion_length} must be > 0")
+        if not (0 <= self.gspo_epsilon_low < 1 and self.gspo_epsilon_high >= 0):
+            raise ValueError(f"GSPO clip range gspo_epsilon_low={self.gspo_epsilon_low}, "
+                             f"gspo_epsilon_high={self.gspo_epsilon_high} is invalid")
+        if not self.cispo_epsilon_max > 0:
+            raise ValueError(f"cispo_epsilon_max={self.cispo_epsilon_max} must be > 0")
 
     @classmethod
     def from_config(cls, loss, max_completion_length: int) -> "LossConfig":
@@ -204,7 +201,7 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
     mask = mask.astype(jnp.float32)
     adv = advantages[:, None].astype(jnp.float32)
     objective = POLICY_OBJECTIVES.get(config.policy_objective)
-    per_token, is_clipped = objective(logprobs, old_logprobs, adv, config)
+    per_token, is_clipped = objective(logprobs, old_logprobs, adv, mask, config)
     if config.top_entropy_quantile < 1.0:
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs per-token entropies")

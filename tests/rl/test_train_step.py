@@ -87,7 +87,7 @@ def test_a_registered_advantage_estimator_is_used():
 
 def test_a_registered_policy_objective_is_the_one_applied():
     @register_policy_objective("test_unclipped")
-    def unclipped(logprobs, old_logprobs, advantages, config):
+    def unclipped(logprobs, old_logprobs, advantages, mask, config):
         ratio = jnp.exp(logprobs - old_logprobs)
         return -ratio * advantages, jnp.zeros_like(ratio, dtype=bool)
 
