@@ -10,8 +10,10 @@ never first characters.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Callable, Mapping
+import time
+from typing import Callable, Mapping, Sequence
 
 import jax
 import ml_collections
@@ -28,11 +30,13 @@ from qerl_jax.model_setup import build_model
 from qerl_jax.models.config import preset
 from qerl_jax.models.safetensors_io import SafetensorsFile
 from qerl_jax.models.tokenizer import decode_completion
-from qerl_jax.rewards.registry import RewardFunction
+from qerl_jax.rewards.registry import RewardFunction, get_reward_functions
 from qerl_jax.rewards.scoring import reward_values
 from qerl_jax.sampling import Rollout, SamplingConfig, generate
 from qerl_jax.tasks import Task, get_task
 from qerl_jax.warmup import require_cached_warmup, warmup_settings
+
+logger = logging.getLogger(__name__)
 
 
 def load_peft_adapter(model, directory: str) -> LoRAConfig:
@@ -150,10 +154,18 @@ def model_from_run(workdir: str, step: int | None = None,
     return nnx.merge(graphdef, arrays["trainable"], frozen), tokenizer, config, step
 
 
+def decoded_completions(tokenizer, rollout: Rollout) -> list[str]:
+    """Each rollout row's completion: its generated tokens as text (special tokens kept)."""
+    return [decode_completion(tokenizer, rollout.tokens[row, :int(rollout.lengths[row])].tolist())
+            for row in range(rollout.tokens.shape[0])]
+
+
 def pass_at_1(sample: Callable[[np.ndarray, np.ndarray, jax.Array], Rollout], tokenizer,
               examples, *, correctness: RewardFunction, samples_per_problem: int,
               max_prompt_length: int, batch_size: int, prompt_style: str,
-              use_chat_template: bool = True, seed: int = 0) -> dict:
+              use_chat_template: bool = True, seed: int = 0,
+              rewards: Mapping[str, RewardFunction] | None = None,
+              with_samples: bool = False) -> dict:
     """pass@1 of the policy `sample` draws from: the fraction of all completions that
     `correctness` (a task's correctness reward) scores above 0.
 
@@ -163,11 +175,16 @@ def pass_at_1(sample: Callable[[np.ndarray, np.ndarray, jax.Array], Rollout], to
       examples: the problems, scored in batches of `batch_size`; batch b's key is
         fold_in(key(seed), b * batch_size).
       correctness: f(completion, gold) -> reward; one that raises counts as wrong.
+      rewards: name -> reward function, each completion's reward components in its sample
+        record (with_samples).
+      with_samples: also return every completion's record (infra.samples, without step and
+        advantage) under 'samples'.
     Returns:
       {'pass@1', 'problems', 'samples_per_problem', 'pass@1_std_over_samples', 'mean_length'
-      (generated tokens per completion)}.
+      (generated tokens per completion)[, 'samples']}.
     """
-    scores, lengths = [], []
+    components = dict(rewards or {})
+    scores, lengths, records = [], [], []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         texts = [build_prompt_text(tokenizer, e.question, style=prompt_style,
@@ -175,28 +192,64 @@ def pass_at_1(sample: Callable[[np.ndarray, np.ndarray, jax.Array], Rollout], to
         prompts = encode_prompts(tokenizer, texts, max_prompt_length)
         rollout = jax.device_get(sample(prompts.tokens, prompts.mask,
                                         jax.random.fold_in(jax.random.key(seed), start)))
-        for row in range(rollout.tokens.shape[0]):
+        for row, text in enumerate(decoded_completions(tokenizer, rollout)):
             length = int(rollout.lengths[row])
-            text = decode_completion(tokenizer, rollout.tokens[row, :length].tolist())
-            gold = chunk[row // samples_per_problem].gold
-            scores.append(1.0 if reward_values(text, gold, [correctness])[0] > 0 else 0.0)
+            problem = row // samples_per_problem
+            gold = chunk[problem].gold
+            correct, *values = reward_values(text, gold, [correctness, *components.values()])
+            scores.append(1.0 if correct > 0 else 0.0)
             lengths.append(length)
+            if with_samples:
+                records.append({
+                    "problem": start + problem, "sample": row % samples_per_problem,
+                    "prompt": texts[problem], "completion": text,
+                    "rewards": dict(zip(components, values)), "correct": correct > 0,
+                    "length": length, "truncated": bool(rollout.truncated[row])})
     per_problem = np.asarray(scores).reshape(len(examples), samples_per_problem)
-    return {"pass@1": float(per_problem.mean()), "problems": len(examples),
-            "samples_per_problem": samples_per_problem,
-            "pass@1_std_over_samples": float(per_problem.mean(axis=0).std()),
-            "mean_length": float(np.mean(lengths))}
+    result = {"pass@1": float(per_problem.mean()), "problems": len(examples),
+              "samples_per_problem": samples_per_problem,
+              "pass@1_std_over_samples": float(per_problem.mean(axis=0).std()),
+              "mean_length": float(np.mean(lengths))}
+    return {**result, "samples": records} if with_samples else result
+
+
+def held_out_metrics(sample, tokenizer, examples, config: ml_collections.ConfigDict,
+                     correctness: RewardFunction, step: int) -> dict:
+    """The trainer's held-out evaluation: greedy pass@1 of `sample` (one completion per
+    problem) on `examples` with the config's prompt settings, one log line.
+
+    Returns:
+      {'eval/pass@1', 'eval/mean_length' (tokens per completion), 'eval/num_examples',
+      'time/eval_s'}.
+    """
+    started = time.perf_counter()
+    data = config.data
+    result = pass_at_1(sample, tokenizer, examples, correctness=correctness,
+                       samples_per_problem=1, max_prompt_length=data.max_prompt_length,
+                       batch_size=config.eval.batch_size, prompt_style=data.prompt_style,
+                       use_chat_template=data.use_chat_template, seed=config.seed)
+    seconds = time.perf_counter() - started
+    logger.info("step %d: held-out pass@1 %.4f on %d examples (greedy, %.1f s)", step,
+                result["pass@1"], result["problems"], seconds)
+    return {"eval/pass@1": result["pass@1"], "eval/mean_length": result["mean_length"],
+            "eval/num_examples": result["problems"], "time/eval_s": seconds}
 
 
 def evaluate_model(model, tokenizer, examples, *, task: str | Task, sampling: SamplingConfig,
                    max_prompt_length: int, batch_size: int, prompt_style: str,
                    use_chat_template: bool = True, seed: int = 0,
-                   data: Mapping | None = None) -> dict:
+                   data: Mapping | None = None, reward_names: Sequence[str] | None = None,
+                   with_samples: bool = False) -> dict:
     """pass@1 of `model` on `examples` of `task` (scored by its correctness reward under the
-    options in `data`, a config.data section), completions drawn with `sampling`."""
-    correctness = get_task(task).correctness_function(data)
+    options in `data`, a config.data section), completions drawn with `sampling`; with_samples:
+    every completion's record under 'samples', its reward components those of `reward_names`
+    (default the task's training rewards)."""
+    task = get_task(task)
+    names = task.reward_names(data) if reward_names is None else reward_names
     return pass_at_1(lambda tokens, mask, key: generate(model, tokens, mask, key, sampling),
-                     tokenizer, examples, correctness=correctness,
+                     tokenizer, examples, correctness=task.correctness_function(data),
                      samples_per_problem=sampling.num_generations,
                      max_prompt_length=max_prompt_length, batch_size=batch_size,
-                     prompt_style=prompt_style, use_chat_template=use_chat_template, seed=seed)
+                     prompt_style=prompt_style, use_chat_template=use_chat_template, seed=seed,
+                     rewards=get_reward_functions(list(names)) if names else {},
+                     with_samples=with_samples)

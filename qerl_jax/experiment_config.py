@@ -23,6 +23,7 @@ from qerl_jax import registry
 from qerl_jax.config_checks import (Field, at_least, auto_or, greater_than, in_interval,
                                     names_from, one_of, registered)
 from qerl_jax.infra.errors import ConfigError
+from qerl_jax.infra.wandb_logging import wandb_mode_problem
 from qerl_jax.registry import REWARDS, TASKS
 
 MODEL_CONFIG_FIELDS = (                                      # models.config.ModelConfig
@@ -332,6 +333,16 @@ FIELDS: dict[str, Field] = {
     "logging.tensorboard": Field(True, "TensorBoard event files next to metrics.jsonl when "
                                  "tensorboardX is installed."),
     "logging.progress_bar": Field(True, "Show a tqdm progress bar."),
+    "logging.samples.every_steps": Field(10, "Every N steps, record sample completions in "
+                                         "samples.jsonl, TensorBoard and W&B (0 = off).",
+                                         at_least(0)),
+    "logging.samples.count": Field(4, "Completions per recorded step (a seeded choice of the "
+                                   "step's batch).", greater_than(0)),
+    "logging.wandb.mode": Field("off", "Weights & Biases logging: 'online', 'offline' (synced "
+                                "later with `wandb sync`) or 'off'; needs the wandb extra.",
+                                wandb_mode_problem),
+    "logging.wandb.project": Field("qerl-jax", "W&B project of the run."),
+    "logging.wandb.run_name": Field("", "W&B run name ('' = the run directory's name)."),
     # mesh (qerl_jax.parallel.mesh): the product of the three sizes is jax.device_count()
     "mesh.data": Field(1, "Devices along the data axis: rollout prompts, KV cache and "
                        "training rows are split over them.", greater_than(0)),

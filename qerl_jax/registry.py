@@ -258,6 +258,8 @@ WEIGHT_AS_LHS = Registry.of("left dot operand", {"auto": None, "weights": True,
 # pallas_kernels' FormatSpec.decoders: the in-kernel 4-bit decoders
 KERNEL_DECODERS = Registry.of("4-bit decoder", {name: name for name in (
     "fp8", "ptx_scaled", "ptx_paired_scales", "lut", "lut16", "select")})
+# infra/wandb_logging.py: wandb.init's mode (None: no W&B run)
+WANDB_MODES = Registry.of("W&B mode", {"off": None, "online": "online", "offline": "offline"})
 # infra/device_offload.py: where the frozen weights wait while a program compiles
 OFFLOAD_METHODS = Registry.of("offload method", {"auto": "numpy", "numpy": "numpy",
                                                  "pinned_host": "pinned_host"})

@@ -44,11 +44,14 @@ from qerl_jax.infra.device_offload import commit_to_devices, offload_to_host, re
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
 from qerl_jax.infra.atomic_io import storage_errors
 from qerl_jax.infra.errors import ConfigError, TrainingStopped
-from qerl_jax.evaluation import pass_at_1
-from qerl_jax.infra.interrupts import Interrupted, StopSignals, logging_above_progress_bar
-from qerl_jax.infra.metrics import MetricsWriter, peak_memory_bytes, read_metrics, run_metadata
+from qerl_jax.evaluation import decoded_completions, held_out_metrics
+from qerl_jax.infra.interrupts import Interrupted, StopSignals
+from qerl_jax.infra.metrics import (MetricsWriter, peak_memory_bytes, progress_bar, read_metrics,
+                                    run_metadata)
+from qerl_jax.infra.samples import samples_due, training_samples
+from qerl_jax.infra.wandb_logging import WandbRun
 from qerl_jax.model_setup import build_model
-from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
+from qerl_jax.models.tokenizer import eos_token_ids
 from qerl_jax.models.transformer import CausalLM
 from qerl_jax.parallel.distributed import initialize_distributed, is_primary, to_host
 from qerl_jax.parallel.mesh import Placement
@@ -185,7 +188,8 @@ class Trainer:
         self.skipped_updates = 0
         self.checkpoints = TrainingCheckpoints(os.path.join(workdir, "checkpoints"),
                                                config.checkpoint.max_to_keep)
-        self.metrics = MetricsWriter(workdir, config.logging.tensorboard, enabled=is_primary())
+        self.metrics = MetricsWriter(workdir, config.logging.tensorboard, enabled=is_primary(),
+                                     wandb=WandbRun.from_config(config, workdir))
         self._compile_functions()
         self.start_step = 0
         if self.resume and not self.restore_newest():
@@ -254,9 +258,6 @@ class Trainer:
                         0.0 if host is None else host.nbytes / 2**30)
         return self._sampler_programs[program_key]
 
-    def _decode(self, tokens: np.ndarray, length: int) -> str:
-        return decode_completion(self.tokenizer, tokens[:length].tolist())
-
     def _sample_groups(self, examples, attempt: int):
         texts = [build_prompt_text(self.tokenizer, example.question,
                                    style=self.config.data.prompt_style,
@@ -270,8 +271,7 @@ class Trainer:
                                        mesh=self.placement.mesh)
         rollout = to_host(rollout)
         group = self.sampling.num_generations
-        completions = [self._decode(rollout.tokens[row], int(rollout.lengths[row]))
-                       for row in range(rollout.tokens.shape[0])]
+        completions = decoded_completions(self.tokenizer, rollout)
         golds = [example.gold for example in examples for _ in range(group)]
         # each completion's scoring is bounded: one that takes longer scores 0 and is counted
         scores = score_completions(completions, golds, self.reward_functions,
@@ -280,22 +280,24 @@ class Trainer:
             scores[self.correctness_key] = score_completions(
                 completions, golds, {self.correctness_name: self.correctness_function},
                 time_limit_seconds=self.config.rewards.time_limit_seconds)[self.correctness_name]
-        return prompts, rollout, scores
+        return texts, prompts, rollout, completions, scores
 
-    def _group_entries(self, prompts, rollout, scores) -> list[dict]:
-        """One entry per prompt: its tokens and mask, its G rollout rows and their scores."""
+    def _group_entries(self, texts, prompts, rollout, completions, scores) -> list[dict]:
+        """One entry per prompt: its text, tokens and mask, its G rollout rows, their decoded
+        completions and scores."""
         group = self.sampling.num_generations
         entries = []
         for index in range(prompts.tokens.shape[0]):
             rows = slice(index * group, (index + 1) * group)
             entries.append({
+                "prompt_text": texts[index], "completions": completions[rows],
                 "prompt_tokens": prompts.tokens[index], "prompt_mask": prompts.mask[index],
                 "rollout": jax.tree_util.tree_map(lambda a, rows=rows: a[rows], rollout),
                 "scores": {name: values[rows] for name, values in scores.items()}})
         return entries
 
     def _collect_rollouts(self):
-        """Rollout of P prompts (with dynamic sampling refills) -> training arrays + stats."""
+        """Rollout of P prompts (with dynamic sampling refills) -> their groups + stats."""
         prompts_per_step = self.config.train.prompts_per_step
         started = time.perf_counter()
         groups: list[dict] = []
@@ -305,9 +307,9 @@ class Trainer:
         generated_tokens = 0
         for attempt in range(attempts):
             examples = self.iterator.next_batch()
-            prompts, rollout, scores = self._sample_groups(examples, attempt)
-            generated_tokens += int(rollout.lengths.sum())
-            for entry in self._group_entries(prompts, rollout, scores):
+            sampled = self._sample_groups(examples, attempt)
+            generated_tokens += int(sampled[2].lengths.sum())
+            for entry in self._group_entries(*sampled):
                 rewards = np.asarray(entry["scores"]["total"])
                 degenerate = bool(np.all(rewards == rewards[0]))
                 (dropped if self.config.train.dynamic_sampling and degenerate
@@ -316,7 +318,7 @@ class Trainer:
                 break
         groups = (groups + dropped)[:prompts_per_step]   # keep shapes static
         rollout_seconds = time.perf_counter() - started
-        return self._training_arrays(groups), generated_tokens, rollout_seconds, len(dropped)
+        return groups, generated_tokens, rollout_seconds, len(dropped)
 
     def _training_arrays(self, groups: list[dict]):
         longest = max(len(group["prompt_tokens"]) for group in groups)
@@ -336,15 +338,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Greedy pass@1 of the current noise-free policy (the quantized base + LoRA, no AQN
-        noise) on the fixed held-out subset, scored as qerl_jax.evaluation scores it. Uses its own
-        key (greedy decoding draws nothing) and changes no training state.
-
-        Returns:
-          {'eval/pass@1', 'eval/mean_length' (tokens per completion), 'eval/num_examples',
-          'time/eval_s'}.
-        """
-        started = time.perf_counter()
-
+        noise) on the fixed held-out subset (evaluation.held_out_metrics: its 'eval/*' metrics).
+        Uses its own key (greedy decoding draws nothing) and changes no training state."""
         def states():
             return self.trainable, self.frozen
 
@@ -354,19 +349,8 @@ class Trainer:
             return to_host(generate_from_states(self.graphdef, states(), tokens, mask, key,
                                                 self.eval_sampling, compiled=compiled,
                                                 mesh=self.placement.mesh))
-
-        data = self.config.data
-        result = pass_at_1(sample, self.tokenizer, self.eval_examples,
-                           correctness=self.correctness_function,
-                           samples_per_problem=1, max_prompt_length=data.max_prompt_length,
-                           batch_size=self.config.eval.batch_size,
-                           prompt_style=data.prompt_style,
-                           use_chat_template=data.use_chat_template, seed=self.config.seed)
-        seconds = time.perf_counter() - started
-        logger.info("step %d: held-out pass@1 %.4f on %d examples (greedy, %.1f s)", self.step,
-                    result["pass@1"], result["problems"], seconds)
-        return {"eval/pass@1": result["pass@1"], "eval/mean_length": result["mean_length"],
-                "eval/num_examples": result["problems"], "time/eval_s": seconds}
+        return held_out_metrics(sample, self.tokenizer, self.eval_examples, self.config,
+                                self.correctness_function, self.step)
 
     # -------------------------------------------------------------- one step
     def _micro_batches(self, batch: dict):
@@ -394,8 +378,13 @@ class Trainer:
         config = self.config
         evaluation = self.evaluate() if self._evaluation_due() else {}
         self._sampler_compile_seconds = 0.0
-        (batch, rewards, completion_mask, truncated), generated, rollout_seconds, dropped = (
-            self._collect_rollouts())
+        groups, generated, rollout_seconds, dropped = self._collect_rollouts()
+        batch, rewards, completion_mask, truncated = self._training_arrays(groups)
+        samples = self.config.logging.samples
+        records = (training_samples(
+            self.step, groups, batch["advantages"], list(self.reward_functions),
+            self.correctness_key, count=samples.count, seed=self.config.seed)
+            if samples_due(self.step, samples.every_steps) else None)
         started = time.perf_counter()
         frozen = self.frozen
         if self.aqn_schedule is not None and config.aqn.apply_in_training:
@@ -498,7 +487,7 @@ class Trainer:
                 "peak_memory_bytes": peak_memory_bytes(),
                 **evaluation,
             }
-            self.metrics.write(metrics)
+            self.metrics.write(metrics, records)
             self.step += 1
             self._state_at_boundary = True
         if self.consecutive_nonfinite >= config.train.max_consecutive_nonfinite:
@@ -561,38 +550,23 @@ class Trainer:
         total = self.config.train.total_steps
         last = total if stop_after is None else min(total, self.step + stop_after)
         history: list[dict] = []
-        progress = None
-        if self.config.logging.progress_bar:
-            from tqdm import tqdm
-            progress = tqdm(total=total, initial=self.step, desc="QeRL", unit="step",
-                            dynamic_ncols=True)
         try:
-            with self._signals.installed(), logging_above_progress_bar(progress):
+            with self._signals.installed(), progress_bar(
+                    self.config.logging.progress_bar, total, self.step) as progress:
                 while self.step < last:
                     metrics = self.train_step()
                     history.append(metrics)
-                    if progress is not None:
-                        progress.update(1)
-                        progress.set_postfix(reward=f"{metrics['reward']:.3f}",
-                                             acc=f"{metrics['accuracy']:.2f}",
-                                             entropy=("n/a" if metrics["entropy"] is None
-                                                      else f"{metrics['entropy']:.3f}"),
-                                             refresh=False)
+                    progress.show(metrics)
                     if self.step % self.config.checkpoint.every_steps == 0:
                         with self._signals.deferred():
                             self.save_checkpoint()
                 if self.step == total and self._evaluation_due():   # the final policy
                     self.metrics.write({"step": self.step, **self.evaluate()})
-        except BaseException as error:
-            if progress is not None:
-                progress.close()
+        except BaseException as error:   # the progress bar is closed: one log line below it
             stopped = self._stopped(error)
             if stopped is error:
                 raise
             raise stopped from error
-        finally:
-            if progress is not None:
-                progress.close()
         try:
             if self.checkpoints.latest_step() != self.step and self.step > 0:
                 self.save_checkpoint()

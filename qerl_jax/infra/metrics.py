@@ -1,8 +1,11 @@
-"""Run metrics: strict-JSON lines always, TensorBoard event files when tensorboardX is installed,
-and the run metadata recorded at each start (the curves: qerl_jax.plots)."""
+"""Run metrics: strict-JSON lines always (metrics.jsonl, and the sample completions in
+samples.jsonl), TensorBoard event files when tensorboardX is installed, a W&B run when
+logging.wandb.mode is on, and the run metadata recorded at each start (the curves:
+qerl_jax.plots)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,10 +18,12 @@ import jax
 
 from qerl_jax.infra.atomic_io import storage_errors, write_text_atomic
 from qerl_jax.infra.errors import ConfigError
+from qerl_jax.infra.interrupts import logging_above_progress_bar
+from qerl_jax.infra.run_record import METRICS_FILE, SAMPLES_FILE
+from qerl_jax.infra.samples import TABLE_KEY, samples_markdown
+from qerl_jax.infra.wandb_logging import WandbRun
 
 logger = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def peak_memory_bytes() -> int:
@@ -36,10 +41,10 @@ def _finite_or_none(value):
     return value
 
 
-def _read_lines(path: str) -> tuple[list[dict], bool]:
-    """(parsed rows, whether a torn last line was dropped) of a metrics.jsonl. A line that is
-    not JSON anywhere but at the end is damage, not an interrupted append: ValueError naming
-    the file and line."""
+def _read_lines(path: str, kind: str = "metrics") -> tuple[list[dict], bool]:
+    """(parsed rows, whether a torn last line was dropped) of a run's JSON-lines file. A line
+    that is not JSON anywhere but at the end is damage, not an interrupted append: ConfigError
+    naming the file and line."""
     with open(path) as handle:
         lines = handle.read().split("\n")
     rows, torn = [], False
@@ -53,23 +58,65 @@ def _read_lines(path: str) -> tuple[list[dict], bool]:
             if position == len(numbered) - 1:   # an append cut short
                 torn = True
                 break
-            raise ConfigError(f"{path}:{number}: not a metrics row ({error})") from None
+            raise ConfigError(f"{path}:{number}: not a {kind} row ({error})") from None
         rows.append(row)
     return rows, torn
 
 
-class MetricsWriter:
-    """Appends one strict-JSON object per step to metrics.jsonl (and TensorBoard scalars when
-    tensorboardX is installed and `tensorboard` is on)."""
+def _json_line(row: dict) -> str:
+    return json.dumps(row, sort_keys=True, allow_nan=False) + "\n"
 
-    def __init__(self, workdir: str, tensorboard: bool = False, *, enabled: bool = True):
+
+class StepLines:
+    """A run's file of strict-JSON rows, each with its 'step' (metrics.jsonl, samples.jsonl):
+    cut back to the steps before the resumed one at each start, then appended to.
+
+    create=False: a start leaves a missing file missing (the first append creates it)."""
+
+    def __init__(self, path: str, kind: str, *, create: bool = True):
+        self.path, self.kind = path, kind   # kind: what a row is, for messages
+        self.create = create
+
+    def start(self, resume_step: int) -> list[dict]:
+        """Cuts the file back to the rows of steps before `resume_step` (0: empties it) and
+        returns them; a torn last line (a kill or a full disk mid-append) is dropped with one
+        warning naming the file. The cut file replaces the old one atomically: a failed write
+        (StorageError naming the file) leaves it as it was."""
+        rows: list[dict] = []
+        if os.path.isfile(self.path):
+            rows, torn = _read_lines(self.path, self.kind)
+            if torn:
+                logger.warning("%s: dropped a torn last line (an interrupted write)", self.path)
+        elif not self.create:
+            return []
+        kept = [row for row in rows if row["step"] < resume_step]
+        write_text_atomic(self.path, "".join(_json_line(row) for row in kept))
+        return kept
+
+    def append(self, rows: list[dict]) -> None:
+        """Appends the rows (StorageError naming the file when it cannot be written)."""
+        with storage_errors(self.path), open(self.path, "a") as handle:
+            handle.write("".join(_json_line(row) for row in rows))
+            handle.flush()
+
+
+class MetricsWriter:
+    """Appends one strict-JSON object per step to metrics.jsonl and the sample completions to
+    samples.jsonl (TensorBoard scalars and text when tensorboardX is installed and
+    `tensorboard` is on; the W&B run `wandb`, when given, gets both)."""
+
+    def __init__(self, workdir: str, tensorboard: bool = False, *, enabled: bool = True,
+                 wandb: WandbRun | None = None):
         """enabled=False: start, write and close do nothing (a run's processes but the
         first: one writer per run)."""
         self.enabled = enabled
         self.path = os.path.join(workdir, METRICS_FILE)
+        self.lines = StepLines(self.path, "metrics")
+        self.samples = StepLines(os.path.join(workdir, SAMPLES_FILE), "samples", create=False)
         self.tensorboard_directory = os.path.join(workdir, "tensorboard")
         self.want_tensorboard = tensorboard
         self.tensorboard = None
+        self.wandb = wandb
 
     def _open_tensorboard(self) -> None:
         if not self.want_tensorboard or self.tensorboard is not None:
@@ -85,49 +132,81 @@ class MetricsWriter:
         self.tensorboard = SummaryWriter(self.tensorboard_directory)
 
     def start(self, resume_step: int) -> None:
-        """Cuts metrics.jsonl back to the steps before `resume_step` (0: empties it), so a run
-        never holds a step twice; a torn last line (a kill or a full disk mid-append) is
-        dropped with one warning naming the file. The cut file replaces the old one atomically:
-        a failed write (StorageError naming the file) leaves it as it was."""
+        """Cuts metrics.jsonl and samples.jsonl back to the steps before `resume_step` (0:
+        empties them; StepLines.start), so a run never holds a step twice, then opens
+        TensorBoard and the W&B run (continued when `resume_step` > 0)."""
         if not self.enabled:
             return
-        rows: list[dict] = []
-        if os.path.isfile(self.path):
-            rows, torn = _read_lines(self.path)
-            if torn:
-                logger.warning("%s: dropped a torn last line (an interrupted write)", self.path)
-        kept = [row for row in rows if row["step"] < resume_step]
-        steps = [row["step"] for row in kept]
+        steps = [row["step"] for row in self.lines.start(resume_step)]
         if steps != list(range(resume_step)):
             missing = sorted(set(range(resume_step)) - set(steps))
             logger.warning("%s: steps %s have no metrics row (an earlier run lost them); "
                            "continuing from step %d", self.path, missing[:10], resume_step)
-        write_text_atomic(self.path, "".join(
-            json.dumps(row, sort_keys=True, allow_nan=False) + "\n" for row in kept))
+        self.samples.start(resume_step)
         with storage_errors(self.tensorboard_directory):
             self._open_tensorboard()
+        if self.wandb is not None:
+            self.wandb.start(resume_step)
 
-    def write(self, metrics: dict) -> None:
-        """Appends one row (None and non-finite values as null); StorageError naming the file
-        when it cannot be written."""
+    def write(self, metrics: dict, samples: list[dict] | None = None) -> None:
+        """Appends one row (None and non-finite values as null) and the step's sample records;
+        StorageError naming the file when it cannot be written."""
         if not self.enabled:
             return
+        step = metrics["step"]
         row = {name: _finite_or_none(value) for name, value in metrics.items()}
-        line = json.dumps(row, sort_keys=True, allow_nan=False) + "\n"
-        with storage_errors(self.path), open(self.path, "a") as handle:
-            handle.write(line)
-            handle.flush()
+        self.lines.append([row])
+        if samples:
+            self.samples.append(samples)
         if self.tensorboard is not None:
             with storage_errors(self.tensorboard_directory):
                 for name, value in metrics.items():
                     if isinstance(value, (int, float)) and math.isfinite(value):
-                        self.tensorboard.add_scalar(name, value, metrics["step"])
+                        self.tensorboard.add_scalar(name, value, step)
+                if samples:
+                    self.tensorboard.add_text(TABLE_KEY, samples_markdown(samples), step)
                 self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log_row(row, step, samples)
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        if self.wandb is not None:
+            self.wandb.close()
+
+
+class _Progress:
+    """A tqdm bar over the run's steps (None: no bar) showing each step's reward, accuracy and
+    entropy."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def show(self, metrics: dict) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        entropy = metrics["entropy"]
+        self.bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}",
+                             entropy="n/a" if entropy is None else f"{entropy:.3f}",
+                             refresh=False)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, total: int, initial: int):
+    """The steps' progress bar (log records print above it), closed when the block ends."""
+    if not enabled:
+        yield _Progress(None)
+        return
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=initial, desc="QeRL", unit="step", dynamic_ncols=True)
+    try:
+        with logging_above_progress_bar(bar):
+            yield _Progress(bar)
+    finally:
+        bar.close()
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -21,10 +21,13 @@ from qerl_jax.registry import LOSS_NORMALIZERS
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"       # infra.samples' records
+WANDB_RUN_FILE = "wandb_run.json"    # infra.wandb_logging: the W&B run a resume continues
+WANDB_DIRECTORY = "wandb"            # W&B's own files (wandb.init's dir is the run's)
 CHECKPOINTS = "checkpoints"
 # What a run writes besides the warm-up cache (which is keyed by its own settings and reused).
 RUN_STATE = (RUN_FILE, METRICS_FILE, CHECKPOINTS, "checkpoints_damaged", "curves.png",
-             "tensorboard")
+             "tensorboard", SAMPLES_FILE, WANDB_RUN_FILE, WANDB_DIRECTORY)
 REPLACED_PREFIX = "replaced-"   # + UTC time: an earlier run's files, moved aside by a new start
 
 # Fields that change how a run executes or is recorded, not what it trains: they may change
