@@ -18,8 +18,8 @@ default C = 3; a masked token keeps its ratio r, not 1) and verl's rollout_corr_
 (`rollout_is` token / sequence). The weight multiplies each token's policy loss, not the KL term,
 and carries no gradient. Sequence ratios stay in log space: the log-ratio is compared with
 log C and only values <= log C are exponentiated, so a long sequence whose product of ratios
-overflows float32 gets its exact weight (TRL exponentiates the sum and clamps after; verl clamps
-the log-ratio to +-20 first; both give these weights for any C < e^20).
+overflows float32 gets its exact weight (TRL exponentiates the sum, then clamps; verl clamps the
+log-ratio to +-20 first: the same weights wherever e^-20 < r and C < e^20).
 """
 
 from __future__ import annotations
