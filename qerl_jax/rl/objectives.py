@@ -18,7 +18,10 @@ A sequence-level loss is spread over its sequence: every valid token carries the
 loss, so the `sequence_mean` normalizer (grpo) gives the paper's mean over sequences, and the
 token-count normalizers weight each sequence by its valid tokens, as TRL does. With one advantage
 per sequence, gspo and gspo_token have the same gradient too; they differ where a token's loss is
-dropped (top_entropy_quantile) or reweighted (rollout correction). The definitions follow TRL's
+dropped (top_entropy_quantile) or reweighted (rollout correction). With one update per rollout
+(train.num_iterations = 1, pi_old = sg[pi]) every ratio is 1 and all four have the gradient
+-A m / denominator of the loss type (gspo's differs only under top_entropy_quantile < 1): they
+differ from the second update of a rollout batch on. The definitions follow TRL's
 GRPOTrainer (importance_sampling_level "sequence", loss_type "cispo" with epsilon_high as the
 cap) and its GSPO-token trainer ("sequence_token"); tunix's gspo-token and verl's gspo compute
 gspo_token.

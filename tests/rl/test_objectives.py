@@ -182,6 +182,27 @@ def test_cispo_keeps_every_tokens_gradient_and_caps_its_weight():
                                rtol=RTOL)
 
 
+@pytest.mark.parametrize("loss_type", ["sequence_mean", "micro_batch_token_mean"])
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_on_policy_every_objective_has_the_gradient_minus_advantage(objective, loss_type):
+    """pi_old = sg[pi] (one update per rollout): every ratio is 1, nothing is clipped, and the
+    gradient is -A m / denominator whatever the objective (sequence_mean: B |y_i|)."""
+    rng = np.random.default_rng()
+    config = LossConfig(policy_objective=objective, loss_type=loss_type)
+    logp, _, adv, mask = _batch(rng, "clipped_surrogate", LossConfig())
+
+    def loss(lp):
+        terms = policy_loss_terms(lp, jax.lax.stop_gradient(lp), jnp.asarray(adv, jnp.float32),
+                                  jnp.asarray(mask), config)
+        return terms.numerator / terms.denominator, terms.clipped_tokens
+    (_, clipped), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(logp, jnp.float32))
+    denominator = (mask.shape[0] * np.maximum(mask.sum(1, keepdims=True), 1)
+                   if loss_type == "sequence_mean" else mask.sum())
+    np.testing.assert_allclose(np.asarray(grad), -adv[:, None] * mask / denominator, rtol=RTOL,
+                               atol=GRAD_ATOL)
+    assert float(clipped) == 0.0
+
+
 @pytest.mark.parametrize("loss_type", GLOBAL_LOSS_TYPES)
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_micro_batches_accumulate_exactly(objective, loss_type):
