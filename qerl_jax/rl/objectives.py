@@ -20,8 +20,8 @@ token-count normalizers weight each sequence by its valid tokens, as TRL does. W
 per sequence, gspo and gspo_token have the same gradient too; they differ where a token's loss is
 dropped (top_entropy_quantile) or reweighted (rollout correction). With one update per rollout
 (train.num_iterations = 1, pi_old = sg[pi]) every ratio is 1 and all four have the gradient
--A m / denominator of the loss type (gspo's differs only under top_entropy_quantile < 1): they
-differ from the second update of a rollout batch on. The definitions follow TRL's
+-A m / denominator of the loss type (gspo's spreads a dropped or reweighted token's share over
+its sequence): they differ from the second update of a rollout batch on. The definitions follow TRL's
 GRPOTrainer (importance_sampling_level "sequence", loss_type "cispo" with epsilon_high as the
 cap) and its GSPO-token trainer ("sequence_token"); tunix's gspo-token and verl's gspo compute
 gspo_token.
