@@ -67,19 +67,21 @@ def training_samples(step: int, groups: Sequence[Mapping], advantages, reward_na
 
 
 def samples_markdown(records: Sequence[Mapping]) -> str:
-    """The records as TensorBoard text (markdown): a header line each, prompt and completion
-    as code blocks."""
+    """The records as TensorBoard text (markdown): a line of facts each, its prompt and
+    completion as code blocks."""
     parts = []
     for record in records:
         rewards = ", ".join(f"{name} {value}" for name, value in record["rewards"].items())
-        facts = [f"reward {record.get('reward')} ({rewards})"]
+        facts = [f"reward {record['reward']} ({rewards})" if "reward" in record
+                 else f"rewards {rewards}"]
         if record.get("advantage") is not None:
             facts.append(f"advantage {record['advantage']:.4f}")
         facts.append(f"{record['length']} tokens" + (", truncated" if record["truncated"]
                                                      else ""))
         facts.append("correct" if record["correct"] else "not correct")
-        parts.append(f"**step {record['step']}**: {'; '.join(facts)}\n\n"
-                     f"    {_indented(record['prompt'])}\n\n    {_indented(record['completion'])}")
+        parts.append(f"**step {record.get('step')}**: {'; '.join(facts)}\n\nprompt:\n\n"
+                     f"    {_indented(record['prompt'])}\n\ncompletion:\n\n"
+                     f"    {_indented(record['completion'])}")
     return "\n\n---\n\n".join(parts)
 
 
