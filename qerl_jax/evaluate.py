@@ -1,11 +1,12 @@
-"""Evaluation CLI: pass@1 on GSM8K / MATH-500 jsonl for a base model plus a LoRA adapter, or
-for a training run's checkpoint (the scoring is qerl_jax.evaluation's, as the trainer's
-held-out evaluation).
+"""Evaluation CLI: pass@1 on a task's problems (GSM8K / MATH-500 jsonl, or a generated task's
+held-out problems) for a base model plus a LoRA adapter, or for a training run's checkpoint (the
+scoring is qerl_jax.evaluation's, as the trainer's held-out evaluation).
 
     python -m qerl_jax.evaluate --base /path/to/Qwen2.5-7B-Instruct --format nvfp4 \\
         --data ../shared/data/gsm8k/test.jsonl --task gsm8k [--peft DIR] \\
         [--temperature 0.6 --top_p 0.95 --n 4] --max_new_tokens 4096 --out results.json
     python -m qerl_jax.evaluate --run WORKDIR [--step N] --data ... --task gsm8k --out r.json
+    python -m qerl_jax.evaluate --run WORKDIR --task arithmetic --limit 64 --out r.json
 
 Greedy by default (--temperature 0); with a temperature, pass@1 is averaged over --n samples
 per problem (the paper's protocol: 0.6 / 0.95 / 4096 tokens). Each completion is scored by the
@@ -14,8 +15,11 @@ math-verify), never first characters.
 
 A run is evaluated as it was trained: its format, prompt style and chat template come from its
 run.json (an explicit --prompt_style / --use_chat_template overrides, and the result records
-it; a --format other than the run's is refused). Nothing is written into the run directory;
-the result goes to --out, else only to stdout. Input errors print one line and exit 2.
+it; a --format other than the run's is refused), and a generated task's problems are the run's
+held-out ones (its seed and options). Nothing is written into the run directory; the result
+goes to --out, every completion's record (prompt, completion, reward components, correct,
+length, truncated; qerl_jax.infra.samples) to the .samples.jsonl file beside it; without --out
+only the result, to stdout. Input errors print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -27,14 +31,17 @@ import os
 import sys
 
 from qerl_jax.data.prompts import PROMPT_STYLES
+from qerl_jax.experiment_config import FIELDS
 from qerl_jax.infra.errors import ConfigError
 from qerl_jax.registry import FORMATS
 from qerl_jax.tasks import get_task, task_names
 
+HELD_OUT_COUNT = FIELDS["eval.num_examples"].default   # a generated task's problems by default
 
-def _file_tasks() -> list[str]:
-    """The registered tasks read from a data file (those --data can feed)."""
-    return [name for name in task_names() if get_task(name).reads_files]
+
+def samples_path(out: str) -> str:
+    """The sample records' file beside the result file `out` (r.json -> r.samples.jsonl)."""
+    return os.path.splitext(out)[0] + ".samples.jsonl"
 
 
 def _parse_args(argv):
@@ -49,11 +56,13 @@ def _parse_args(argv):
                                       "checkpoints, writing nothing there")
     parser.add_argument("--step", type=int,
                         help="with --run: the checkpoint step to evaluate (default the newest)")
-    parser.add_argument("--data", required=True,
-                        help="the rows of --task: a .jsonl/.parquet file or a hub dataset name")
-    parser.add_argument("--task", choices=_file_tasks(), required=True,
-                        help="the task whose rows --data holds (its correctness reward scores)")
-    parser.add_argument("--limit", type=int, default=0, help="first N problems (0 = all)")
+    parser.add_argument("--data",
+                        help="the rows of a --task read from files: a .jsonl/.parquet file or "
+                             "a hub dataset name (a generated task takes none)")
+    parser.add_argument("--task", choices=task_names(), required=True,
+                        help="the task of the problems (its correctness reward scores)")
+    parser.add_argument("--limit", type=int, default=0,
+                        help=f"first N problems (0 = all; a generated task: {HELD_OUT_COUNT})")
     parser.add_argument("--n", type=int, default=1, help="samples per problem")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", type=float, default=1.0)
@@ -77,6 +86,12 @@ def _parse_args(argv):
         parser.error("--peft goes with --base; a --run's adapters come from its checkpoint")
     if args.step is not None and not args.run:
         parser.error("--step goes with --run")
+    reads_files = get_task(args.task).reads_files
+    if reads_files and not args.data:
+        parser.error(f"--task {args.task} reads --data (a .jsonl/.parquet file or a hub "
+                     "dataset name)")
+    if args.data and not reads_files:
+        parser.error(f"--task {args.task} generates its problems; leave --data out")
     return args
 
 
@@ -102,6 +117,34 @@ def _prompt_settings(args, run_config) -> dict:
     return settings
 
 
+def _problems(args, run_config) -> list:
+    """The problems to evaluate: --data's rows (the first --limit), or a generated task's
+    held-out problems (never a training question) for the run's seed and options with --run,
+    else --seed and the task's defaults."""
+    from qerl_jax.tasks import load_examples
+
+    task = get_task(args.task)
+    try:
+        if task.reads_files:
+            return load_examples(task, args.data, limit=args.limit or None)
+        if task.held_out is None:
+            raise ConfigError(f"--task {task.name}: generates no held-out problems")
+        options = task.option_values(None if run_config is None else run_config.data)
+        seed = args.seed if run_config is None else run_config.seed
+        training = load_examples(task, seed=seed, **options)
+        return task.held_out(options, seed, args.limit or HELD_OUT_COUNT, training)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--data {args.data}: {error}") from error
+
+
+def _reward_names(args, run_config) -> tuple[str, ...] | None:
+    """The reward components of the sample records: the run's rewards when it trained on
+    --task, else (None) the task's own."""
+    if run_config is None or run_config.data.task != args.task:
+        return None
+    return tuple(run_config.rewards.names)
+
+
 def run_evaluation(args) -> dict:
     """Loads the model the arguments name, evaluates it, returns the result record."""
     # JAX and transformers load here, after the arguments parsed (`--help` stays fast)
@@ -110,7 +153,6 @@ def run_evaluation(args) -> dict:
     from qerl_jax.models.hf_io import load_hf_model
     from qerl_jax.models.tokenizer import eos_token_ids, load_tokenizer
     from qerl_jax.sampling import SamplingConfig
-    from qerl_jax.tasks import load_examples
 
     run_config = None
     if args.run:
@@ -120,10 +162,7 @@ def run_evaluation(args) -> dict:
                               f"config.quant.format {run_config.quant.format!r}; leave "
                               "--format out to evaluate it as trained")
     prompt = _prompt_settings(args, run_config)
-    try:
-        examples = load_examples(args.task, args.data, limit=args.limit or None)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"--data {args.data}: {error}") from error
+    examples = _problems(args, run_config)
     record = {"task": args.task, "data": args.data, "limit": args.limit,
               "temperature": args.temperature, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens,
@@ -152,8 +191,11 @@ def run_evaluation(args) -> dict:
                             max_prompt_length=args.max_prompt_length,
                             batch_size=args.batch_size, prompt_style=prompt["prompt_style"],
                             use_chat_template=prompt["use_chat_template"], seed=args.seed,
-                            data=None if run_config is None else run_config.data)
-    return {**result, **record}
+                            data=None if run_config is None else run_config.data,
+                            reward_names=_reward_names(args, run_config),
+                            with_samples=True)
+    samples = [{"step": record.get("step"), **sample} for sample in result.pop("samples")]
+    return {**result, **record, "samples": samples}
 
 
 def main(argv=None):
@@ -166,11 +208,16 @@ def main(argv=None):
             raise
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    samples = result.pop("samples")
+    if args.out:
+        result["samples_file"] = samples_path(args.out)
     print(json.dumps(result, indent=1))
     if args.out:
         from qerl_jax.infra.atomic_io import write_json_atomic
+        from qerl_jax.infra.samples import write_samples_file
+        write_samples_file(result["samples_file"], samples)
         write_json_atomic(args.out, result, indent=1)
-    return result
+    return {**result, "samples": samples}
 
 
 if __name__ == "__main__":

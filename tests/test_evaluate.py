@@ -1,7 +1,9 @@
 """Evaluation (qerl_jax.evaluation) and its CLI: PEFT adapters load back exactly; pass@1 runs end
 to end on GSM8K jsonl and scores every completion by the task's correctness reward; a training
 run is evaluated as it was trained (its format, prompt style, checkpoint) without writing
-anything into its directory; bad inputs are one line and exit status 2; `--help` loads no JAX."""
+anything into its directory; every completion's record goes beside --out, for every registered
+task (a generated one's held-out problems, the run's with --run); bad inputs are one line and exit
+status 2; `--help` loads no JAX."""
 
 import json
 import os
@@ -20,6 +22,7 @@ from qerl_jax.evaluation import load_peft_adapter, model_from_run, read_run_conf
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora, export_peft_adapter
 from qerl_jax.models.char_tokenizer import build_char_tokenizer
 from qerl_jax.models.hf_io import load_hf_model
+from qerl_jax.tasks import get_task, load_examples, task_names
 from qerl_jax.trainer import Trainer
 from tests.conftest import SHARED_DATA_DIR
 from tests.hf_reference import make_hf_model
@@ -27,6 +30,8 @@ from tests.test_trainer import _config
 
 SHARED_DATA = SHARED_DATA_DIR   # ../shared/data beside the repository (tests/conftest.py)
 GSM8K = os.path.join(SHARED_DATA, "gsm8k", "test.jsonl")
+# the test split of each registered task read from files (a generated task takes none)
+TASK_DATA = {"gsm8k": GSM8K, "math": os.path.join(SHARED_DATA, "math500", "test.jsonl")}
 
 
 def test_peft_round_trip_and_cli(tmp_path):
@@ -136,7 +141,58 @@ def test_help_loads_no_jax_and_names_the_module():
                             check=True)
     assert result.stdout.startswith("usage: python -m qerl_jax.evaluate ")
     assert result.stdout.strip().splitlines()[-1] == "[]"
-    assert "--task {gsm8k,math}" in " ".join(result.stdout.split()) and not result.stderr
+    tasks = ",".join(task_names())
+    assert f"--task {{{tasks}}}" in " ".join(result.stdout.split()) and not result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A tiny random HF qwen2 checkpoint with the character tokenizer."""
+    base = str(tmp_path_factory.mktemp("base"))
+    make_hf_model("qwen2", seed=3, vocab_size=104).save_pretrained(base)
+    build_char_tokenizer(base)
+    return base
+
+
+@pytest.mark.parametrize("task_name", task_names())
+def test_the_cli_writes_every_completions_record_for_every_task(tmp_path, tiny_base, task_name):
+    """Beside --out, one record per completion (2 problems x 2 samples): its problem and
+    sample, prompt, completion, the task's reward components and correctness recomputed here
+    from the completion, length and truncation; no step for a base model."""
+    from qerl_jax.data.prompts import build_prompt_text
+    from qerl_jax.models.tokenizer import load_tokenizer
+    from qerl_jax.rewards import get_reward_functions
+
+    task = get_task(task_name)
+    data = ["--data", TASK_DATA[task_name]] if task.reads_files else []
+    out = str(tmp_path / "result.json")
+    result = main(["--base", tiny_base, "--task", task_name, *data, "--limit", "2", "--n", "2",
+                   "--temperature", "1.0", "--max_new_tokens", "6", "--max_prompt_length",
+                   "64", "--prompt_style", "plain", "--out", out])
+    path = str(tmp_path / "result.samples.jsonl")
+    with open(out) as handle:
+        assert json.load(handle)["samples_file"] == path
+    with open(path) as handle:
+        records = [json.loads(line) for line in handle]
+    assert records == result["samples"]
+    problems = (load_examples(task_name, TASK_DATA[task_name], limit=2) if task.reads_files
+                else task.held_out(task.option_values(), 0, 2, load_examples(task_name)))
+    tokenizer = load_tokenizer(tiny_base)
+    rewards = get_reward_functions(list(task.reward_names()))
+    correctness = task.correctness_function()
+    assert [(r["problem"], r["sample"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for record in records:
+        assert set(record) == {"step", "problem", "sample", "prompt", "completion", "rewards",
+                               "correct", "length", "truncated"}
+        problem = problems[record["problem"]]
+        assert record["step"] is None
+        assert record["prompt"] == build_prompt_text(tokenizer, problem.question, style="plain")
+        assert record["rewards"] == {name: float(function(record["completion"], problem.gold))
+                                     for name, function in rewards.items()}
+        assert record["correct"] == (correctness(record["completion"], problem.gold) > 0)
+        assert 1 <= record["length"] <= 6
+        assert not record["truncated"] or record["length"] == 6
+    assert result["pass@1"] == np.mean([record["correct"] for record in records])
 
 
 # ---------------------------------------------------------------------- a training run
@@ -201,6 +257,25 @@ def test_evaluating_a_run_writes_nothing_there_and_records_the_run(tmp_path, tra
     assert result["step"] == 2
     assert result["run"] == os.path.abspath(run) and result["run_seed"] == config.seed
     assert result["problems"] == 2 and 0.0 <= result["pass@1"] <= 1.0
+    with open(result["samples_file"]) as handle:
+        records = [json.loads(line) for line in handle]
+    assert [record["step"] for record in records] == [2, 2]
+    # trained on arithmetic, evaluated on gsm8k: the gsm8k task's reward components
+    assert all(set(record["rewards"]) == {"format", "gsm8k_exact"} for record in records)
+
+    # a generated task's problems are the run's held-out ones, its rewards the run's
+    result = main(["--run", run, "--task", "arithmetic", "--limit", "3", "--max_new_tokens",
+                   "6", "--max_prompt_length", "48"])
+    arithmetic = get_task("arithmetic")
+    options = arithmetic.option_values(config.data)
+    held_out = arithmetic.held_out(options, config.seed, 3,
+                                   load_examples(arithmetic, seed=config.seed, **options))
+    assert len(result["samples"]) == 3 and all(
+        example.question in record["prompt"]
+        for example, record in zip(held_out, result["samples"], strict=True))
+    assert all(set(record["rewards"]) == set(config.rewards.names)
+               for record in result["samples"])
+    assert _tree_snapshot(run) == before
 
     # the restored adapters are the trainer's final ones
     model, _, _, step = model_from_run(run)
