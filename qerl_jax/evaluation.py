@@ -213,6 +213,22 @@ def pass_at_1(sample: Callable[[np.ndarray, np.ndarray, jax.Array], Rollout], to
     return {**result, "samples": records} if with_samples else result
 
 
+def evaluation_due(step: int, config: ml_collections.ConfigDict) -> bool:
+    """Whether the trainer evaluates before `step`: at step 0, every eval.every_steps steps and
+    at train.total_steps (eval.every_steps 0: never)."""
+    every = config.eval.every_steps
+    return bool(every) and (step % every == 0 or step == config.train.total_steps)
+
+
+def held_out_sampling(config: ml_collections.ConfigDict, eos_token_ids) -> SamplingConfig:
+    """The held-out evaluation's greedy decoding: eval.max_new_tokens tokens (0: the
+    rollouts'), the rollouts' prompt buckets."""
+    rollout = config.rollout
+    return SamplingConfig(max_new_tokens=config.eval.max_new_tokens or rollout.max_new_tokens,
+                          greedy=True, num_generations=1, prompt_bucket=rollout.prompt_bucket,
+                          eos_token_ids=eos_token_ids)
+
+
 def held_out_metrics(sample, tokenizer, examples, config: ml_collections.ConfigDict,
                      correctness: RewardFunction, step: int) -> dict:
     """The trainer's held-out evaluation: greedy pass@1 of `sample` (one completion per

@@ -44,14 +44,14 @@ from qerl_jax.infra.device_offload import commit_to_devices, offload_to_host, re
 from qerl_jax.lora import TRAINABLE, LoRAConfig, add_lora
 from qerl_jax.infra.atomic_io import storage_errors
 from qerl_jax.infra.errors import ConfigError, TrainingStopped
-from qerl_jax.evaluation import decoded_completions, held_out_metrics
+from qerl_jax.evaluation import (decoded_completions, evaluation_due, held_out_metrics,
+                                 held_out_sampling)
 from qerl_jax.infra.interrupts import Interrupted, StopSignals
 from qerl_jax.infra.metrics import (MetricsWriter, peak_memory_bytes, progress_bar, read_metrics,
                                     run_metadata)
-from qerl_jax.infra.samples import samples_due, training_samples
-from qerl_jax.infra.wandb_logging import WandbRun
+from qerl_jax.infra.samples import step_samples
 from qerl_jax.model_setup import build_model
-from qerl_jax.models.tokenizer import eos_token_ids
+from qerl_jax.models.tokenizer import decode_completion, eos_token_ids
 from qerl_jax.models.transformer import CausalLM
 from qerl_jax.parallel.distributed import initialize_distributed, is_primary, to_host
 from qerl_jax.parallel.mesh import Placement
@@ -167,10 +167,7 @@ class Trainer:
             shrink_min_rows=rollout.shrink_min_rows,
             eos_token_ids=eos_token_ids(self.tokenizer, self.model_config.eos_token_id))
         self.loss_config = LossConfig.from_config(config.loss, rollout.max_new_tokens)
-        self.eval_sampling = SamplingConfig(
-            max_new_tokens=config.eval.max_new_tokens or rollout.max_new_tokens, greedy=True,
-            num_generations=1, prompt_bucket=rollout.prompt_bucket,
-            eos_token_ids=self.sampling.eos_token_ids)
+        self.eval_sampling = held_out_sampling(config, self.sampling.eos_token_ids)
         offload = config.rollout.get("offload_weights_for_compile", "auto")
         self.offload_weights_for_compile = (jax.default_backend() == "gpu" if offload == "auto"
                                             else offload == "on")
@@ -188,8 +185,7 @@ class Trainer:
         self.skipped_updates = 0
         self.checkpoints = TrainingCheckpoints(os.path.join(workdir, "checkpoints"),
                                                config.checkpoint.max_to_keep)
-        self.metrics = MetricsWriter(workdir, config.logging.tensorboard, enabled=is_primary(),
-                                     wandb=WandbRun.from_config(config, workdir))
+        self.metrics = MetricsWriter.from_config(config, workdir, enabled=is_primary())
         self._compile_functions()
         self.start_step = 0
         if self.resume and not self.restore_newest():
@@ -266,10 +262,9 @@ class Trainer:
         prompts = encode_prompts(self.tokenizer, texts, self.config.data.max_prompt_length)
         key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, self.step), attempt)
         compiled = self._sampler_program(prompts.tokens.shape, key)
-        rollout = generate_from_states(self.graphdef, self._rollout_states(), prompts.tokens,
-                                       prompts.mask, key, self.sampling, compiled=compiled,
-                                       mesh=self.placement.mesh)
-        rollout = to_host(rollout)
+        rollout = to_host(generate_from_states(
+            self.graphdef, self._rollout_states(), prompts.tokens, prompts.mask, key,
+            self.sampling, compiled=compiled, mesh=self.placement.mesh))
         group = self.sampling.num_generations
         completions = decoded_completions(self.tokenizer, rollout)
         golds = [example.gold for example in examples for _ in range(group)]
@@ -280,24 +275,22 @@ class Trainer:
             scores[self.correctness_key] = score_completions(
                 completions, golds, {self.correctness_name: self.correctness_function},
                 time_limit_seconds=self.config.rewards.time_limit_seconds)[self.correctness_name]
-        return texts, prompts, rollout, completions, scores
+        return prompts, rollout, scores
 
-    def _group_entries(self, texts, prompts, rollout, completions, scores) -> list[dict]:
-        """One entry per prompt: its text, tokens and mask, its G rollout rows, their decoded
-        completions and scores."""
+    def _group_entries(self, prompts, rollout, scores) -> list[dict]:
+        """One entry per prompt: its tokens and mask, its G rollout rows and their scores."""
         group = self.sampling.num_generations
         entries = []
         for index in range(prompts.tokens.shape[0]):
             rows = slice(index * group, (index + 1) * group)
             entries.append({
-                "prompt_text": texts[index], "completions": completions[rows],
                 "prompt_tokens": prompts.tokens[index], "prompt_mask": prompts.mask[index],
                 "rollout": jax.tree_util.tree_map(lambda a, rows=rows: a[rows], rollout),
                 "scores": {name: values[rows] for name, values in scores.items()}})
         return entries
 
     def _collect_rollouts(self):
-        """Rollout of P prompts (with dynamic sampling refills) -> their groups + stats."""
+        """Rollout of P prompts (with dynamic sampling refills) -> training arrays + stats."""
         prompts_per_step = self.config.train.prompts_per_step
         started = time.perf_counter()
         groups: list[dict] = []
@@ -307,9 +300,9 @@ class Trainer:
         generated_tokens = 0
         for attempt in range(attempts):
             examples = self.iterator.next_batch()
-            sampled = self._sample_groups(examples, attempt)
-            generated_tokens += int(sampled[2].lengths.sum())
-            for entry in self._group_entries(*sampled):
+            prompts, rollout, scores = self._sample_groups(examples, attempt)
+            generated_tokens += int(rollout.lengths.sum())
+            for entry in self._group_entries(prompts, rollout, scores):
                 rewards = np.asarray(entry["scores"]["total"])
                 degenerate = bool(np.all(rewards == rewards[0]))
                 (dropped if self.config.train.dynamic_sampling and degenerate
@@ -318,7 +311,7 @@ class Trainer:
                 break
         groups = (groups + dropped)[:prompts_per_step]   # keep shapes static
         rollout_seconds = time.perf_counter() - started
-        return groups, generated_tokens, rollout_seconds, len(dropped)
+        return self._training_arrays(groups), generated_tokens, rollout_seconds, len(dropped)
 
     def _training_arrays(self, groups: list[dict]):
         longest = max(len(group["prompt_tokens"]) for group in groups)
@@ -330,16 +323,9 @@ class Trainer:
             advantage_estimator=self.config.loss.advantage_estimator)
 
     # -------------------------------------------------------------- held-out evaluation
-    def _evaluation_due(self) -> bool:
-        """At step 0, every eval.every_steps steps and at train.total_steps (eval on)."""
-        every = self.config.eval.every_steps
-        return bool(every) and (self.step % every == 0
-                                or self.step == self.config.train.total_steps)
-
     def evaluate(self) -> dict:
-        """Greedy pass@1 of the current noise-free policy (the quantized base + LoRA, no AQN
-        noise) on the fixed held-out subset (evaluation.held_out_metrics: its 'eval/*' metrics).
-        Uses its own key (greedy decoding draws nothing) and changes no training state."""
+        """evaluation.held_out_metrics of the noise-free policy (quantized base + LoRA, no AQN
+        noise): greedy (its key draws nothing), no training state changed."""
         def states():
             return self.trainable, self.frozen
 
@@ -376,15 +362,15 @@ class Trainer:
 
     def _train_step(self) -> dict:
         config = self.config
-        evaluation = self.evaluate() if self._evaluation_due() else {}
+        evaluation = self.evaluate() if evaluation_due(self.step, config) else {}
         self._sampler_compile_seconds = 0.0
-        groups, generated, rollout_seconds, dropped = self._collect_rollouts()
-        batch, rewards, completion_mask, truncated = self._training_arrays(groups)
-        samples = self.config.logging.samples
-        records = (training_samples(
-            self.step, groups, batch["advantages"], list(self.reward_functions),
-            self.correctness_key, count=samples.count, seed=self.config.seed)
-            if samples_due(self.step, samples.every_steps) else None)
+        (batch, rewards, completion_mask, truncated), generated, rollout_seconds, dropped = (
+            self._collect_rollouts())
+        records = step_samples(   # K rows of the batch, decoded only when due
+            self.step, batch, rewards, truncated, config.logging.samples, seed=config.seed,
+            reward_names=list(self.reward_functions), correctness_key=self.correctness_key,
+            decode_prompt=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+            decode_completion=lambda ids: decode_completion(self.tokenizer, ids))
         started = time.perf_counter()
         frozen = self.frozen
         if self.aqn_schedule is not None and config.aqn.apply_in_training:
@@ -560,8 +546,8 @@ class Trainer:
                     if self.step % self.config.checkpoint.every_steps == 0:
                         with self._signals.deferred():
                             self.save_checkpoint()
-                if self.step == total and self._evaluation_due():   # the final policy
-                    self.metrics.write({"step": self.step, **self.evaluate()})
+                if self.step == total and evaluation_due(self.step, self.config):
+                    self.metrics.write({"step": self.step, **self.evaluate()})   # final policy
         except BaseException as error:   # the progress bar is closed: one log line below it
             stopped = self._stopped(error)
             if stopped is error:
@@ -579,7 +565,6 @@ class Trainer:
     def _stopped(self, error: BaseException) -> BaseException:
         """Saves the last completed step (when the in-memory state is one and not yet saved)
         and returns the exception to raise: TrainingStopped for a signal, else `error`."""
-        saved = None
         note = ""
         if not isinstance(error, TrainingStopped) and self._state_at_boundary:
             try:
@@ -588,8 +573,7 @@ class Trainer:
             except TrainingStopped as save_error:
                 note = f" ({save_error})"
         latest = self.checkpoints.latest_step()
-        if latest is not None:
-            saved = self.checkpoints.step_path(latest)
+        saved = None if latest is None else self.checkpoints.step_path(latest)
         self.checkpoints.close()
         self.metrics.close()
         where = (f"checkpoint {saved} (step {latest}); continue with --resume" if saved

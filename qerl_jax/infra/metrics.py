@@ -118,6 +118,13 @@ class MetricsWriter:
         self.tensorboard = None
         self.wandb = wandb
 
+    @classmethod
+    def from_config(cls, config, workdir: str, *, enabled: bool = True) -> "MetricsWriter":
+        """The writer config.logging describes: TensorBoard, and the W&B run of
+        config.logging.wandb (its config the whole of `config`)."""
+        return cls(workdir, config.logging.tensorboard, enabled=enabled,
+                   wandb=WandbRun.from_config(config, workdir))
+
     def _open_tensorboard(self) -> None:
         if not self.want_tensorboard or self.tensorboard is not None:
             return

@@ -3,16 +3,18 @@ the step's batch (samples.jsonl in the run directory, TensorBoard text, a W&B ta
 evaluate CLI's records of every problem.
 
 A record is {step, prompt, completion, rewards (reward name -> value), reward (their sum),
-advantage, length (completion tokens), truncated, correct}; the evaluate CLI's also name their
-problem and sample and have no advantage. Which rows: a choice without replacement drawn from
-numpy's generator seeded with (config seed, step), so a rerun or a resume picks the same ones.
+advantage, length (completion tokens), truncated, correct}; a training record's prompt is the
+prompt tokens the policy saw, decoded; the evaluate CLI's records also name their problem and
+sample and have no advantage. Which rows of a step: a choice without replacement drawn from
+numpy's generator seeded with (config seed, step), so a rerun or a resume picks the same ones,
+and only those are decoded.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -38,32 +40,47 @@ def _number(value) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def training_samples(step: int, groups: Sequence[Mapping], advantages, reward_names,
-                     correctness_key: str, *, count: int, seed: int) -> list[dict]:
-    """The records of `count` rows of one step's batch.
+def training_samples(step: int, batch: Mapping, rewards: Mapping, truncated, *,
+                     reward_names: Sequence[str], correctness_key: str,
+                     decode_prompt: Callable[[list[int]], str],
+                     decode_completion: Callable[[list[int]], str], count: int,
+                     seed: int) -> list[dict]:
+    """The records of `count` rows of one step's training batch (rl.train_step.training_batch).
 
     Args:
-      groups: the step's rollout groups in batch order (the trainer's entries: prompt_text,
-        completions [G], rollout (lengths [G], truncated [G]), scores (name -> [G])).
-      advantages: [P * G] the batch's advantages, prompt-major as the groups.
-      reward_names: the rewards summed into the training reward.
-      correctness_key: the scores' entry whose value > 0 means a correct answer.
+      batch: 'tokens' [N, T + C] (prompts left-padded to T, then the completions),
+        'attention_mask' [N, T + C], 'completion_tokens' [N, C], 'advantages' [N].
+      rewards: name -> [N] values ('total': their sum; `correctness_key`: > 0 = correct).
+      truncated: [N] whether each completion hit the length limit.
+      reward_names: the rewards summed into 'total' (the records' components).
+      decode_prompt, decode_completion: token ids -> text (a completion as the rewards saw it).
     """
-    size = len(groups[0]["completions"])
+    completion_tokens = np.asarray(batch["completion_tokens"])
+    rows, width = completion_tokens.shape
+    prompt_width = np.asarray(batch["tokens"]).shape[1] - width
+    attention = np.asarray(batch["attention_mask"], bool)
     records = []
-    for row in chosen_rows(len(groups) * size, count, seed, step):
-        group, index = groups[row // size], row % size
-        scores = group["scores"]
+    for row in chosen_rows(rows, count, seed, step):
+        prompt = np.asarray(batch["tokens"])[row, :prompt_width][attention[row, :prompt_width]]
+        completion = completion_tokens[row][attention[row, prompt_width:]]
         records.append({
-            "step": step, "prompt": group["prompt_text"],
-            "completion": group["completions"][index],
-            "rewards": {name: _number(scores[name][index]) for name in reward_names},
-            "reward": _number(scores["total"][index]),
-            "advantage": _number(advantages[row]),
-            "length": int(group["rollout"].lengths[index]),
-            "truncated": bool(group["rollout"].truncated[index]),
-            "correct": bool(scores[correctness_key][index] > 0)})
+            "step": step, "prompt": decode_prompt(prompt.tolist()),
+            "completion": decode_completion(completion.tolist()),
+            "rewards": {name: _number(rewards[name][row]) for name in reward_names},
+            "reward": _number(rewards["total"][row]),
+            "advantage": _number(batch["advantages"][row]), "length": int(completion.size),
+            "truncated": bool(truncated[row]), "correct": bool(rewards[correctness_key][row] > 0)})
     return records
+
+
+def step_samples(step: int, batch: Mapping, rewards: Mapping, truncated, settings, *,
+                 seed: int, **sources) -> list[dict] | None:
+    """training_samples of the step when `settings` (config.logging.samples) has it record
+    them (`sources`: training_samples' keyword arguments but count and seed), else None."""
+    if not samples_due(step, settings.every_steps):
+        return None
+    return training_samples(step, batch, rewards, truncated, count=settings.count, seed=seed,
+                            **sources)
 
 
 def samples_markdown(records: Sequence[Mapping]) -> str:

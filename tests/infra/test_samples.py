@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import struct
-import types
 
 import numpy as np
 import pytest
@@ -45,45 +44,59 @@ def tensorboard_texts(directory: str) -> dict[int, list[str]]:
     return texts
 
 
-def _groups(rng, prompts=3, size=4):
-    """Rollout groups as the trainer holds them, with known texts, scores and lengths."""
-    groups = []
-    for p in range(prompts):
-        lengths = rng.integers(1, 13, size)
-        correct = rng.integers(0, 2, size).astype(float)
-        fmt = rng.integers(0, 2, size) * 0.5
-        groups.append({
-            "prompt_text": f"prompt {p}", "completions": [f"c{p}.{g}" for g in range(size)],
-            "rollout": types.SimpleNamespace(lengths=lengths, truncated=lengths == 12),
-            "scores": {"arithmetic": correct, "format": fmt, "total": correct + fmt,
-                       "timeouts": np.zeros(size)}})
-    return groups
+def _batch(rng, rows=12, prompt_width=5, width=6):
+    """A training batch as rl.train_step.training_batch lays it out (left-padded prompts, then
+    completions), with known tokens, masks, rewards and advantages."""
+    prompt_lengths = rng.integers(1, prompt_width + 1, rows)
+    lengths = rng.integers(1, width + 1, rows)
+    tokens = rng.integers(1, 100, (rows, prompt_width + width))
+    attention = np.concatenate([np.arange(prompt_width)[None] >= prompt_width
+                                - prompt_lengths[:, None],
+                                np.arange(width)[None] < lengths[:, None]], axis=1)
+    tokens = np.where(attention, tokens, 0)
+    correct = rng.integers(0, 2, rows).astype(float)
+    fmt = rng.integers(0, 2, rows) * 0.5
+    batch = {"tokens": tokens, "attention_mask": attention,
+             "completion_tokens": tokens[:, prompt_width:],
+             "advantages": rng.normal(size=rows).astype(np.float32)}
+    rewards = {"arithmetic": list(correct), "format": list(fmt), "total": list(correct + fmt),
+               "timeouts": [0.0] * rows}
+    return batch, rewards, lengths == width, prompt_lengths, lengths
+
+
+def _text(ids):
+    return " ".join(map(str, ids))
 
 
 def test_training_samples_are_the_chosen_rows_with_every_field():
     rng = np.random.default_rng(7)
-    groups = _groups(rng)
-    advantages = rng.normal(size=12).astype(np.float32)
-    records = training_samples(5, groups, advantages, ["arithmetic", "format"], "arithmetic",
-                               count=4, seed=3)
+    batch, rewards, truncated, prompt_lengths, lengths = _batch(rng)
+    records = training_samples(
+        5, batch, rewards, truncated, reward_names=["arithmetic", "format"],
+        correctness_key="arithmetic", decode_prompt=lambda ids: "P " + _text(ids),
+        decode_completion=_text, count=4, seed=3)
     rows = chosen_rows(12, 4, 3, 5)
     assert len(set(rows)) == 4 and rows == sorted(rows) and rows == chosen_rows(12, 4, 3, 5)
     assert rows != chosen_rows(12, 4, 3, 6)   # another step draws other rows
     assert len(records) == 4
     for row, record in zip(rows, records, strict=True):
-        group, g = groups[row // 4], row % 4
         assert set(record) == FIELDS
-        assert record["step"] == 5 and record["prompt"] == f"prompt {row // 4}"
-        assert record["completion"] == f"c{row // 4}.{g}"
-        assert record["rewards"] == {"arithmetic": group["scores"]["arithmetic"][g],
-                                     "format": group["scores"]["format"][g]}
+        prompt = batch["tokens"][row, 5 - prompt_lengths[row]:5]
+        completion = batch["tokens"][row, 5:5 + lengths[row]]
+        assert record["step"] == 5 and record["prompt"] == "P " + _text(prompt)
+        assert record["completion"] == _text(completion)
+        assert record["rewards"] == {"arithmetic": rewards["arithmetic"][row],
+                                     "format": rewards["format"][row]}
         assert record["reward"] == sum(record["rewards"].values())
-        assert record["advantage"] == float(advantages[row])
-        assert record["length"] == group["rollout"].lengths[g]
-        assert record["truncated"] == (record["length"] == 12)
+        assert record["advantage"] == float(batch["advantages"][row])
+        assert record["length"] == lengths[row]
+        assert record["truncated"] == (lengths[row] == 6)
         assert record["correct"] == (record["rewards"]["arithmetic"] > 0)
-    assert len(training_samples(0, groups, advantages, ["format"], "arithmetic", count=50,
-                                seed=0)) == 12   # all rows when fewer than the count
+    everything = training_samples(0, batch, rewards, truncated, reward_names=["format"],
+                                  correctness_key="arithmetic", decode_prompt=_text,
+                                  decode_completion=_text, count=50, seed=0)
+    assert [record["completion"] for record in everything] == [
+        _text(batch["tokens"][row, 5:5 + lengths[row]]) for row in range(12)]   # all rows
     columns, table = table_columns(records)
     assert columns[-2:] == ["rewards/arithmetic", "rewards/format"]
     assert [dict(zip(columns, row))["completion"] for row in table] == [
