@@ -27,10 +27,9 @@ from jax import lax
 from pallas_kernels.mgpu_nvfp4_decode import decode_tile
 from pallas_kernels.mgpu_nvfp4_epilogue import (issue_l2_prefetch, store_partial,
                                                 store_transposed, swiglu_epilogue)
-from pallas_kernels.mgpu_nvfp4_layout import (MAX_M, MAX_OPERAND_RANK, SCALED_EXPONENT, TILE_K,
-                                              TILE_LINES, TILE_ROWS, lora_operand,
-                                              operand_rank_ok, padded_rows,
-                                              permuted_dequantize_reference)
+from pallas_kernels.mgpu_nvfp4_layout import (SCALED_EXPONENT, TILE_K, TILE_LINES, TILE_ROWS,
+                                              check_launch, lora_operand, padded_inputs,
+                                              padded_rows, permuted_dequantize_reference)
 from pallas_kernels.mgpu_nvfp4_tuning import (WS_COMPUTE_WARPGROUPS, L2Prefetch, TuningConfig,
                                               launch_schedule, launch_splits, ws_stages)
 
@@ -334,46 +333,6 @@ def _warp_specialized_kernel(*, m_pad: int, k_tiles: int, row_tiles: int, splits
     return jax.jit(launch)
 
 
-def _padded_inputs(x, lora_x_a, m_pad, k_pad):
-    """x (and lora_x_a) in bf16, zero-padded to m_pad rows and k_pad columns where needed (no
-    copy at the model's shapes)."""
-    m, k = x.shape
-    x_pad = x.astype(jnp.bfloat16)
-    if (m_pad, k_pad) != (m, k):
-        x_pad = jnp.pad(x_pad, ((0, m_pad - m), (0, k_pad - k)))
-    if lora_x_a is None:
-        return x_pad, None
-    lora_x = lora_x_a.astype(jnp.bfloat16)
-    if m_pad != m:
-        lora_x = jnp.pad(lora_x, ((0, m_pad - m), (0, 0)))
-    return x_pad, lora_x
-
-
-def _check_launch(x, permuted, lora_x_a, lora_bt, swiglu, *, n: int, k: int):
-    """One line naming the operand whose shape a launch does not take."""
-    m = x.shape[0]
-    k_tiles = -(-k // TILE_K)
-    row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
-    n_pad = row_tiles * TILE_ROWS
-    if x.ndim != 2 or x.shape[1] != k or not 1 <= m <= MAX_M:
-        raise ValueError(f"mgpu_nvfp4_matmul: x {x.shape}; expected [M <= {MAX_M}, {k}]")
-    if permuted.shape != (row_tiles * k_tiles * TILE_LINES, 128) or n_pad < n:
-        raise ValueError(f"mgpu_nvfp4_matmul: permuted {permuted.shape} is not a [{n}, {k}] "
-                         "weight's permuted layout")
-    if lora_x_a is not None:
-        rank = lora_x_a.shape[1]
-        if (lora_x_a.shape != (m, rank) or not operand_rank_ok(rank) or lora_bt is None
-                or lora_bt.shape != (n_pad, rank)):
-            raise ValueError(f"mgpu_nvfp4_matmul: lora_x_a {lora_x_a.shape}, operand "
-                             f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
-                             f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
-    next_a = None if swiglu is None else swiglu.next_lora_a
-    if next_a is not None and (next_a.ndim != 2 or next_a.shape[0] != row_tiles * 32
-                               or next_a.shape[1] % 16 or next_a.shape[1] > 256):
-        raise ValueError(f"mgpu_nvfp4_matmul: next_lora_a {next_a.shape}; expected "
-                         f"[{row_tiles * 32}, r], r a multiple of 16 up to 256")
-
-
 @functools.partial(jax.jit, static_argnames=("n", "k", "config"), inline=True)
 def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
                     lora_x_a: jax.Array | None = None, lora_bt: jax.Array | None = None,
@@ -391,7 +350,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     rows, and with swiglu.next_lora_a the float32 [row tiles, M, r] shares of
     h @ next_lora_a, or None) from the fused epilogue. config: the schedule, splits and
     stages (mgpu_nvfp4_tuning). GPU only (Mosaic GPU)."""
-    _check_launch(x, permuted, lora_x_a, lora_bt, swiglu, n=n, k=k)
+    check_launch(x, permuted, lora_x_a, lora_bt, swiglu, n=n, k=k)
     m = x.shape[0]
     k_tiles = -(-k // TILE_K)
     row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
@@ -417,7 +376,7 @@ def matmul_unscaled(x: jax.Array, permuted: jax.Array, *, n: int, k: int,
     # K padded to whole tiles: no copy of x at all for M % 8 == 0 and K % 256 == 0 (the model's
     # shapes). With uneven splits a program with one tile fewer than `steps` reloads its last
     # tiles in its last step and skips that step's product.
-    x_pad, lora_x = _padded_inputs(x, lora_x_a, m_pad, k_tiles * TILE_K)
+    x_pad, lora_x = padded_inputs(x, lora_x_a, m_pad, k_tiles * TILE_K)
     inputs = {"x": x_pad, "packed": permuted}  # in launch order (_KernelRefs' names)
     plan = None  # the prefetch plan's static part (arrays as shapes): part of the kernel's key
     if l2_prefetch is not None:

@@ -1,6 +1,6 @@
 """The operands of the Mosaic GPU NVFP4 decode matmul (pallas_kernels/mgpu_nvfp4.py): its
-permuted weight layout and its inverse, the reference dequantization and the LoRA operands.
-Host-side and jnp only: no kernel.
+permuted weight layout and its inverse, the reference dequantization, the LoRA operands and a
+launch's shape checks and input padding. Host-side and jnp only: no kernel.
 
 Permuted layout (`permute_packed`, from a PackedWeight in the kernel layout of
 pallas_kernels.blockwise_matmul, NVFP4, tile_k = 256; `unpermute_tiles` undoes it, and
@@ -232,6 +232,46 @@ def group_permuted(buffers, ks) -> jax.Array:
     if len(set(ks)) != 1:
         raise ValueError(f"group_permuted: the weights' K differ ({list(ks)})")
     return jnp.concatenate(list(buffers), axis=0)
+
+
+def padded_inputs(x, lora_x_a, m_pad, k_pad):
+    """x (and lora_x_a) in bf16, zero-padded to m_pad rows and k_pad columns where needed (no
+    copy at the model's shapes)."""
+    m, k = x.shape
+    x_pad = x.astype(jnp.bfloat16)
+    if (m_pad, k_pad) != (m, k):
+        x_pad = jnp.pad(x_pad, ((0, m_pad - m), (0, k_pad - k)))
+    if lora_x_a is None:
+        return x_pad, None
+    lora_x = lora_x_a.astype(jnp.bfloat16)
+    if m_pad != m:
+        lora_x = jnp.pad(lora_x, ((0, m_pad - m), (0, 0)))
+    return x_pad, lora_x
+
+
+def check_launch(x, permuted, lora_x_a, lora_bt, swiglu, *, n: int, k: int):
+    """One line naming the operand whose shape a launch does not take."""
+    m = x.shape[0]
+    k_tiles = -(-k // TILE_K)
+    row_tiles = permuted.shape[0] // (TILE_LINES * k_tiles)
+    n_pad = row_tiles * TILE_ROWS
+    if x.ndim != 2 or x.shape[1] != k or not 1 <= m <= MAX_M:
+        raise ValueError(f"mgpu_nvfp4_matmul: x {x.shape}; expected [M <= {MAX_M}, {k}]")
+    if permuted.shape != (row_tiles * k_tiles * TILE_LINES, 128) or n_pad < n:
+        raise ValueError(f"mgpu_nvfp4_matmul: permuted {permuted.shape} is not a [{n}, {k}] "
+                         "weight's permuted layout")
+    if lora_x_a is not None:
+        rank = lora_x_a.shape[1]
+        if (lora_x_a.shape != (m, rank) or not operand_rank_ok(rank) or lora_bt is None
+                or lora_bt.shape != (n_pad, rank)):
+            raise ValueError(f"mgpu_nvfp4_matmul: lora_x_a {lora_x_a.shape}, operand "
+                             f"{None if lora_bt is None else lora_bt.shape}; expected [{m}, r] "
+                             f"and [{n_pad}, r], r a multiple of 16 up to {MAX_OPERAND_RANK}")
+    next_a = None if swiglu is None else swiglu.next_lora_a
+    if next_a is not None and (next_a.ndim != 2 or next_a.shape[0] != row_tiles * 32
+                               or next_a.shape[1] % 16 or next_a.shape[1] > 256):
+        raise ValueError(f"mgpu_nvfp4_matmul: next_lora_a {next_a.shape}; expected "
+                         f"[{row_tiles * 32}, r], r a multiple of 16 up to 256")
 
 
 def padded_rows(permuted: jax.Array, k: int) -> int:
