@@ -76,6 +76,12 @@ class Run:
     total_steps: int
     rows: list[dict]          # metrics.jsonl, sorted by step (the final eval row included)
 
+    def first_steps(self, steps: int) -> "Run":
+        """The run as if it had been `steps` steps long: its rows of steps 0..steps-1 (its
+        last held-out evaluation before `steps` becomes the final pass@1)."""
+        return dataclasses.replace(self, total_steps=steps,
+                                   rows=[row for row in self.rows if row["step"] < steps])
+
     @property
     def training_rows(self) -> list[dict]:
         """The rows of training steps 0..T-1 (not the final evaluation's row at step T)."""
@@ -558,14 +564,18 @@ def write_summary(summary: dict, out_dir: str) -> dict[str, str]:
 
 def analyze(roots: str | Sequence[str], out_dir: str, early_fraction: float = 0.2,
             final_fraction: float = 0.1, smooth: int = 1, growth_early_fraction: float = 0.1,
-            growth_late_fraction: float = 0.2) -> dict:
+            growth_late_fraction: float = 0.2, first_steps: int = 0) -> dict:
     """Loads the runs under `roots`, writes summary.{md,json} and the plots into `out_dir`.
 
+    first_steps > 0: every run is read as its first `first_steps` steps (runs cut short
+    compared over a common prefix; a run shorter than that stays incomplete).
     Returns the summary dict with 'files' (paths written) and 'markdown' added.
     """
     runs = load_runs(roots)
     if not runs:
         raise FileNotFoundError(f"no run directories (metrics.jsonl + run.json) under {roots}")
+    if first_steps > 0:
+        runs = [run.first_steps(min(first_steps, run.total_steps)) for run in runs]
     summary = summarize_runs(runs, early_fraction, final_fraction, growth_early_fraction,
                              growth_late_fraction)
     files = write_summary(summary, out_dir)

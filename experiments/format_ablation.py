@@ -317,6 +317,9 @@ def _parse_args(argv: Sequence[str] | None):
                              "total_steps) steps minus over the first ceil(early * total_steps)")
     parser.add_argument("--growth-late-fraction", type=float, default=0.2,
                         help="see --growth-early-fraction")
+    parser.add_argument("--first-steps", type=int, default=0,
+                        help="summarize every run's first N steps only (runs cut short, "
+                             "compared over a common prefix; 0 = all)")
     parser.add_argument("--smooth", type=int, default=1,
                         help="moving-average window (steps) of the plotted curves")
     return parser.parse_args(argv)
@@ -346,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return return_code   # nothing finished to summarize
     summary = ablation_analysis.analyze([args.out, *args.runs], args.out, args.early_fraction,
                                         args.final_fraction, args.smooth,
-                                        args.growth_early_fraction, args.growth_late_fraction)
+                                        args.growth_early_fraction, args.growth_late_fraction,
+                                        args.first_steps)
     print(summary["markdown"])
     print("wrote " + ", ".join([summary["files"]["markdown"], summary["files"]["json"],
                                 *summary["files"]["plots"]]))

@@ -313,6 +313,32 @@ def test_complete_only_with_every_training_step(tmp_path):
     assert [item["steps_logged"] for item in summary["incomplete"]] == [6, 6]
 
 
+def test_first_steps_compares_runs_cut_short_over_their_common_prefix(tmp_path):
+    """Runs of 10 steps cut at 7 and 9 (and one complete) read as 6-step runs: all complete,
+    the numbers those of steps 0-5 alone, the final pass@1 the last evaluation before step 6;
+    a run shorter than the prefix stays incomplete."""
+    rng = np.random.default_rng()
+    series = {}
+    for seed, logged in ((0, 7), (1, 9), (2, 10)):
+        series[seed] = [rng.uniform(size=logged) for _ in range(3)]
+        columns = {step: {"eval/pass@1": float(step) / 10} for step in (0, 4, 8) if step < logged}
+        _write_run(str(tmp_path / "nvfp4" / f"seed{seed}"), "nvfp4", seed, 10, *series[seed],
+                   columns=columns)
+    _write_run(str(tmp_path / "nvfp4" / "seed3"), "nvfp4", 3, 10,
+               *(rng.uniform(size=5) for _ in range(3)))
+    runs = [run.first_steps(6) for run in analysis.load_runs(str(tmp_path))]
+    assert [run.complete for run in runs] == [True, True, True, False]
+    summary = analysis.summarize_runs(runs)
+    row = summary["table"]["nvfp4"]
+    np.testing.assert_allclose(row["reward_auc"].values,
+                               [np.trapezoid(series[s][1][:6]) for s in (0, 1, 2)], rtol=1e-12)
+    np.testing.assert_allclose(row["pass_at_1_after"].values, [0.4] * 3, rtol=1e-12)
+    assert summary["incomplete"][0]["seed"] == 3
+    out = tmp_path / "out"
+    text = analysis.analyze(str(tmp_path), str(out), first_steps=6)["markdown"]
+    assert text.startswith("Runs of 6 steps")
+
+
 def test_missing_formats_and_incomplete_runs(tmp_path):
     rng = np.random.default_rng()
     _synthetic(str(tmp_path), rng, total_steps=10, seeds=(0,), formats=("bf16", "nvfp4"))
