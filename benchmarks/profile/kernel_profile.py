@@ -119,7 +119,7 @@ def main(argv=None):
     import jax.numpy as jnp
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import kernels as kernel_bench
+    import _kernel_cases as kernel_cases
     from pallas_kernels import blockwise_matmul as bw
 
     interpret = args.smoke
@@ -138,7 +138,7 @@ def main(argv=None):
         if not args.no_bf16:
             dense = 0.02 * jax.random.normal(jax.random.fold_in(key, 4), (k, n), jnp.bfloat16)
             count = 1 if interpret else max(2, math.ceil(L2_DEFEAT_BYTES / (2 * n * k)))
-            ws = kernel_bench.copies(dense, count)
+            ws = kernel_cases.copies(dense, count)
             fn = jax.jit(lambda x, ws: [jnp.dot(x, w, preferred_element_type=jnp.float32)
                                         .astype(jnp.bfloat16) for w in ws])
             _, total_us, _ = traced_device_us(fn, (x, ws), args.repeats, count, None)
@@ -149,14 +149,14 @@ def main(argv=None):
             print(rows[-1], flush=True)
             del ws, dense
         for fmt in harness.split_list(args.formats):
-            spec = kernel_bench.SPECS[fmt]
+            spec = kernel_cases.SPECS[fmt]
             for tile_k in (int(t) for t in harness.split_list(args.tile_k)):
-                ckpt = kernel_bench.random_checkpoint(fmt, n, k, jax.random.fold_in(key, 5))
-                packed = kernel_bench.repack(fmt, ckpt, tile_k=tile_k)
+                ckpt = kernel_cases.random_checkpoint(fmt, n, k, jax.random.fold_in(key, 5))
+                packed = kernel_cases.repack(fmt, ckpt, tile_k=tile_k)
                 nbytes = weight_bytes(fmt, n, k)
                 count = 1 if interpret else max(2, math.ceil(L2_DEFEAT_BYTES / nbytes))
-                ws = kernel_bench.copies(packed, count)
-                reference = kernel_bench.reference(fmt, x, ckpt).astype(jnp.float32)
+                ws = kernel_cases.copies(packed, count)
+                reference = kernel_cases.reference(fmt, x, ckpt).astype(jnp.float32)
                 if args.rank:
                     reference = reference + 2.0 * jnp.dot(down, lora_b,
                                                           preferred_element_type=jnp.float32)

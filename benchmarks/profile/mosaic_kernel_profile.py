@@ -108,8 +108,8 @@ def parse_args(argv=None):
 def _inputs(key, n, k, m, rank):
     import jax
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import kernels as kernel_bench
-    ckpt = kernel_bench.random_checkpoint("nvfp4", n, k, jax.random.fold_in(key, 1))
+    import _kernel_cases as kernel_cases
+    ckpt = kernel_cases.random_checkpoint("nvfp4", n, k, jax.random.fold_in(key, 1))
     x, down, lora_b = kernel_profile.layer_inputs(jax.random.fold_in(key, 2), m, n, k, rank)
     return ckpt, x, down, lora_b
 
@@ -126,7 +126,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), t
     from pallas_kernels import mgpu_nvfp4_layout as layout
     from pallas_kernels import nvfp4_matmul
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import kernels as kernel_bench
+    import _kernel_cases as kernel_cases
 
     members = [_inputs(jax.random.fold_in(key, i), ni, k, m, 32) for i, ni in enumerate(ns)]
     x = members[0][1]
@@ -138,7 +138,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), t
     config = bw.default_group_matmul_config(m, packed)
     rows = []
     if triton:
-        weights = kernel_bench.copies(list(packed), count)
+        weights = kernel_cases.copies(list(packed), count)
         fn = jax.jit(lambda x, groups, d: [bw.blockwise_matmul_group(
             x, tuple(g), spec=nvfp4_matmul.NVFP4, config=config, lora_x_a=d, lora_bs=lora_bs,
             lora_scales=(2.0,) * 3) for g in groups])
@@ -151,7 +151,7 @@ def group_profile_rows(key, name, n, k, m, repeats, sweep, ns, stages=(None,), t
     n_pads = [p.codes.shape[0] for p in packed]
     tiles = [jax.block_until_ready(layout.group_permuted(
                  [layout.permute_packed(w) for w in group], [k] * 3))
-             for group in kernel_bench.copies(list(packed), count)]
+             for group in kernel_cases.copies(list(packed), count)]
     operand = layout.group_lora_operand(lora_bs, [p.tensor_scale for p in packed],
                                         [2.0] * 3, n_pads)
     scales = [2.0 ** -layout.SCALED_EXPONENT / p.tensor_scale.reshape(()) for p in packed]
@@ -181,7 +181,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
     from pallas_kernels import mgpu_nvfp4_layout as layout
     from pallas_kernels import nvfp4_matmul
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import kernels as kernel_bench
+    import _kernel_cases as kernel_cases
 
     ckpt, x, down, lora_b = _inputs(key, n, k, m, 32)
     packed = nvfp4_matmul.repack_nvfp4(*ckpt)
@@ -189,7 +189,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
     count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
     rows = []
     if triton:
-        weights = kernel_bench.copies(packed, count)
+        weights = kernel_cases.copies(packed, count)
         config = bw.default_matmul_config(m, packed)
         fn = jax.jit(lambda x, ws, d, b: [bw.blockwise_matmul(
             x, w, spec=nvfp4_matmul.NVFP4, config=config, lora_x_a=d, lora_b=b,
@@ -201,7 +201,7 @@ def profile_shape(key, name, n, k, m, repeats, sweep=False, stages=(None,), trit
         print(rows[-1], flush=True)
         del weights
     permuted = [jax.block_until_ready(layout.permute_packed(w))
-                for w in kernel_bench.copies(packed, count)]
+                for w in kernel_cases.copies(packed, count)]
     ts = packed.tensor_scale
     operand = layout.lora_operand(lora_b, ts, 2.0, n_pad=packed.codes.shape[0])
     for label, kwargs in schedules(n, k, sweep, stages, m, extra_splits, kernel_schedules):
@@ -229,7 +229,7 @@ def swiglu_rows(key, size: str, m: int, repeats: int, profile: bool, triton: boo
     import jax
     import jax.numpy as jnp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import kernels as kernel_bench
+    import _kernel_cases as kernel_cases
     from pallas_kernels import mgpu_nvfp4_layout as layout
     from pallas_kernels import mgpu_nvfp4_tuning as tuning
     from qerl_jax.quant.backends import kernel_layout, mosaic
@@ -291,7 +291,7 @@ def swiglu_rows(key, size: str, m: int, repeats: int, profile: bool, triton: boo
     if profile:
         nbytes = 2 * kernel_profile.weight_bytes("nvfp4", n, k)
         count = max(2, math.ceil(kernel_profile.L2_DEFEAT_BYTES / nbytes))
-        weights = kernel_bench.copies(list(prepared), count)
+        weights = kernel_cases.copies(list(prepared), count)
         for name, fn in launches:
             _, call_us, _ = kernel_profile.traced_device_us(fn, (x, weights, down), repeats,
                                                             count, None)

@@ -73,17 +73,17 @@ def run_worker(args) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernel_profile
-    import kernels as kernel_bench
+    import _kernel_cases as kernel_cases
     from pallas_kernels import blockwise_matmul as bw
 
     [(_, n, k)] = [s for s in kernel_profile.SHAPES[args.model] if s[0] == args.shape]
     key = jax.random.key(0)
     x, down, lora_b = kernel_profile.layer_inputs(key, args.m, n, k, args.rank)
-    ckpt = kernel_bench.random_checkpoint(args.format, n, k, jax.random.fold_in(key, 5))
-    packed = kernel_bench.repack(args.format, ckpt, tile_k=256)
+    ckpt = kernel_cases.random_checkpoint(args.format, n, k, jax.random.fold_in(key, 5))
+    packed = kernel_cases.repack(args.format, ckpt, tile_k=256)
     tuning = bw.DecodeTuning(**({} if args.worker == "base" else bw.parse_tuning(args.worker)))
     config = bw.default_matmul_config(args.m, packed, tuning)
-    y = bw.blockwise_matmul(x, packed, spec=kernel_bench.SPECS[args.format], config=config,
+    y = bw.blockwise_matmul(x, packed, spec=kernel_cases.SPECS[args.format], config=config,
                             lora_x_a=down, lora_b=lora_b, lora_scale=2.0 if args.rank else 0.0)
     jax.block_until_ready(y)
     print(f"config {config}", flush=True)
