@@ -98,9 +98,14 @@ class WandbRun:
         self.record = {**record, "project": self.project, "name": self.run_name}
         self.logged_before = record["last_step"]
         write_json_atomic(self.record_path, self.record)
-        self.run = wandb.init(project=self.project, name=self.run_name, mode=self.mode,
-                              dir=self.workdir, config=self.config, id=record["id"],
-                              resume="allow")
+        try:
+            self.run = wandb.init(project=self.project, name=self.run_name, mode=self.mode,
+                                  dir=self.workdir, config=self.config, id=record["id"],
+                                  resume="allow")
+        except wandb.errors.Error as error:   # no login, no network: the config's to change
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ConfigError(f"config.logging.wandb.mode: {self.mode!r}: wandb.init failed: "
+                              f"{reason}") from None
         logger.info("W&B run %s (%s, %s)%s", record["id"], self.project, self.mode,
                     f", continuing after step {self.logged_before}"
                     if self.logged_before >= 0 else "")

@@ -204,3 +204,18 @@ def test_the_train_cli_reports_it_before_any_work(tmp_path, monkeypatch, capsys)
     assert capsys.readouterr().err.strip() == (
         "error: config.logging.wandb.mode: 'online' needs the wandb package "
         "(pip install qerl-jax[wandb])")
+
+
+def test_a_failing_wandb_init_is_one_config_error(tmp_path, monkeypatch):
+    """An online run without a login: one line naming the field and wandb's reason."""
+    wandb = pytest.importorskip("wandb")
+    from qerl_jax.infra.wandb_logging import WandbRun
+
+    def no_login(**settings):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+    monkeypatch.setattr(wandb, "init", no_login)
+    run = WandbRun(str(tmp_path), mode="online", project="p", run_name="", config={})
+    with pytest.raises(ConfigError) as error:
+        run.start(0)
+    assert str(error.value) == ("config.logging.wandb.mode: 'online': wandb.init failed: No "
+                                "API key configured. Use `wandb login` to log in.")
