@@ -6,7 +6,8 @@ The run directory's wandb_run.json holds the W&B run's id and the last step logg
 rewritten (atomically) before each new step is logged. A resume cuts metrics.jsonl back to the
 resumed step and trains the cut steps again; W&B keeps its first record of them and its steps
 only increase, so a resumed run logs only the steps after the last one logged (the steps of a
-resume are the same computation, so the records agree). A start at step 0 is a new W&B run.
+resume are the same computation, so the records agree). A start at step 0, or without a
+wandb_run.json (W&B was off before), is a new W&B run.
 W&B's own files go to the run directory's wandb/ (wandb.init's dir is the run directory).
 Imports no wandb (nor JAX) until a run starts: the config schema uses `wandb_mode_problem`.
 """
