@@ -152,7 +152,6 @@ def test_write_samples_file_writes_strict_json_lines(tmp_path):
             {"step": None, "completion": "a\nb", "rewards": {"x": 1.0}}]
 
 
-@pytest.mark.slow
 def test_a_training_run_records_samples_and_a_resume_records_them_once(tmp_path, tiny_warmup):
     from qerl_jax.trainer import Trainer
 

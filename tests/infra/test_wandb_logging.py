@@ -113,7 +113,6 @@ def _config():
     return config
 
 
-@pytest.mark.slow
 def test_offline_history_equals_metrics_and_a_resume_continues_the_run(tmp_path, offline,
                                                                        tiny_warmup):
     from qerl_jax.trainer import Trainer
