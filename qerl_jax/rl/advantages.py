@@ -30,15 +30,16 @@ def advantages(rewards: jax.Array, group_size: int, estimator: str = "group_norm
     return ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_size)
 
 
-def _group_offsets(rewards: jax.Array, group_size: int) -> jax.Array:
-    """[P, G] float32: each of rewards [P * G] minus its group's first. The estimators are
-    shift-invariant and take these, so a group of equal rewards gives exactly 0 whatever G."""
+def _grouped(rewards: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
+    """([P, G] float32 rewards, [P, 1] bool: the groups whose rewards are all equal) of rewards
+    [P * G]. Those groups carry no signal and get exactly 0 from every estimator (a mean of
+    G equal floats is not always exact: 3 x 0.2 would leave a residue of order 1e-8 / eps)."""
     if group_size < 2:
         raise ValueError(f"group_size={group_size}: group advantages need G >= 2")
     if rewards.shape[0] % group_size:
         raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
     grouped = rewards.astype(jnp.float32).reshape(-1, group_size)
-    return grouped - grouped[:, :1]
+    return grouped, jnp.all(grouped == grouped[:, :1], axis=1, keepdims=True)
 
 
 def _centered(grouped: jax.Array) -> jax.Array:
@@ -56,16 +57,18 @@ def group_advantages(rewards: jax.Array, group_size: int, eps: float = 1e-4) -> 
     Returns:
       [P * G] float32 advantages; zero-variance groups get exactly 0.
     """
-    centered = _centered(_group_offsets(rewards, group_size))
+    grouped, equal = _grouped(rewards, group_size)
+    centered = _centered(grouped)
     std = jnp.sqrt((centered ** 2).sum(axis=1, keepdims=True) / (group_size - 1))
-    return (centered / (std + eps)).reshape(-1)
+    return jnp.where(equal, 0.0, centered / (std + eps)).reshape(-1)
 
 
 @register_advantage_estimator("mean_centered")
 def mean_centered_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     """A_i = r_i - mean_g (Dr. GRPO, arXiv 2503.20783 sec. 3.1), rewards [P * G] prompt-major
     -> [P * G] float32; zero-variance groups get exactly 0."""
-    return _centered(_group_offsets(rewards, group_size)).reshape(-1)
+    grouped, equal = _grouped(rewards, group_size)
+    return jnp.where(equal, 0.0, _centered(grouped)).reshape(-1)
 
 
 @register_advantage_estimator("rloo")
@@ -73,9 +76,9 @@ def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     """A_i = r_i - (sum_g r - r_i) / (G - 1), the leave-one-out baseline (RLOO, arXiv
     2402.14740), rewards [P * G] prompt-major -> [P * G] float32; zero-variance groups get
     exactly 0."""
-    offsets = _group_offsets(rewards, group_size)
-    others = (offsets.sum(axis=1, keepdims=True) - offsets) / (group_size - 1)
-    return (offsets - others).reshape(-1)
+    grouped, equal = _grouped(rewards, group_size)
+    others = (grouped.sum(axis=1, keepdims=True) - grouped) / (group_size - 1)
+    return jnp.where(equal, 0.0, grouped - others).reshape(-1)
 
 
 def zero_variance_groups(rewards: jax.Array, group_size: int) -> jax.Array:
