@@ -67,6 +67,17 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
 _SAME_MEANING = {"loss.loss_type": LOSS_NORMALIZERS.aliases()}
 
 
+def _legacy_fields(flat: dict[str, Any]) -> None:
+    """Rewrites, in place, the fields of an older schema in a flattened recorded config into
+    the fields that compute the same: loss.rollout_is_cap (0 = off) is the token_truncate
+    rollout correction with that cap."""
+    if "loss.rollout_is_cap" in flat:
+        cap = flat.pop("loss.rollout_is_cap")
+        flat.setdefault("loss.rollout_correction", "token_truncate" if cap else "none")
+        if cap:
+            flat.setdefault("loss.rollout_correction_cap", cap)
+
+
 def _json_form(value):
     return json.loads(json.dumps(value))
 
@@ -74,12 +85,14 @@ def _json_form(value):
 def config_changes(old: dict, new: dict, defaults: Mapping[str, Any] | None = None) -> list[dict]:
     """[{'field', 'old', 'new', 'harmless'}] for every leaf that differs (sorted by field);
     tuples and lists compare equal, as in a JSON round trip, and so do a loss type and its
-    alias (bnpo and micro_batch_token_mean). A field the old config lacks (added to the schema
+    alias (bnpo and micro_batch_token_mean), and a field of an older schema and the fields
+    that replaced it (_legacy_fields). A field the old config lacks (added to the schema
     since) is no change when the new value is its default in `defaults` (field path -> the
     schema's default, experiment_config.field_defaults())."""
     defaults = defaults or {}
     old_flat = flatten_config(json.loads(json.dumps(old)))
     new_flat = flatten_config(json.loads(json.dumps(new)))
+    _legacy_fields(old_flat)
     for field, aliases in _SAME_MEANING.items():
         for flat in (old_flat, new_flat):
             if field in flat:

@@ -42,6 +42,20 @@ def test_a_field_added_since_at_its_default_is_no_change():
                           {"loss": {"beta": 0.0, "rollout_correction_cap": 3.0}})[0]["old"] is None
 
 
+def test_a_run_recorded_with_rollout_is_cap_resumes_under_the_fields_that_replaced_it():
+    """rollout_is_cap 0 was no correction, cap c > 0 token_truncate at c: a resume with those
+    settings changes nothing; another mode or cap is a change of what is trained."""
+    defaults = field_defaults()
+    new = {"loss": {"rollout_correction": "none", "rollout_correction_cap": 3.0}}
+    assert config_changes({"loss": {"rollout_is_cap": 0.0}}, new, defaults) == []
+    truncate = {"loss": {"rollout_correction": "token_truncate", "rollout_correction_cap": 2.0}}
+    assert config_changes({"loss": {"rollout_is_cap": 2.0}}, truncate, defaults) == []
+    assert config_changes({"loss": {"rollout_is_cap": 2.0}}, new, defaults) == [
+        {"field": "loss.rollout_correction", "old": "token_truncate", "new": "none",
+         "harmless": False},
+        {"field": "loss.rollout_correction_cap", "old": 2.0, "new": 3.0, "harmless": False}]
+
+
 def _earlier_run(workdir):
     os.makedirs(os.path.join(workdir, "checkpoints", "2"))
     os.makedirs(os.path.join(workdir, "warmup"))
