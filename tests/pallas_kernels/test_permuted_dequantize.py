@@ -46,7 +46,8 @@ def test_pair_views_read_their_half_of_each_block():
     from qerl_jax.model_quant.kernel_setup import enable_kernels
     from qerl_jax.quant.kernel_registry import unregister_kernels
     from qerl_jax.model_quant.quantize import quantize_model
-    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
+    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16",
+                                  num_hidden_layers=1), seed=0)   # the views of one layer
     quantize_model(model, "nvfp4")
     try:
         enable_kernels(model, platform="cpu", interpret=True, tile_k=256)

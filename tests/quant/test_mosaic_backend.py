@@ -165,7 +165,9 @@ def test_permuted_buffers_are_the_only_copy(caplog):
     from qerl_jax.models import decode_fusion
     from qerl_jax.quant.backends import mosaic, triton
     from qerl_jax.quant.kernel_options import KernelOptions
-    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=0)
+    # one decoder layer: every check below is per layer (interpret mode runs each launch)
+    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16",
+                                  num_hidden_layers=1), seed=0)
     quantize_model(model, "nvfp4")
     enable_kernels(model, platform="cpu", interpret=True, tile_k=256)
     try:
