@@ -1,10 +1,15 @@
-"""The config schema's building blocks: `Field` (default, one-line description, value check) and
-the value checks the schema composes (ranges, choices, registered names). JAX-free."""
+"""The config schema's building blocks: `Field` (default, one-line description, value check),
+the value checks the schema composes (ranges, choices, registered names) and the type rules
+of a field's value against its default. JAX-free."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import difflib
+import math
+from typing import Any, Callable, Mapping
+
+import ml_collections
 
 from qerl_jax.registry import Registry
 
@@ -77,3 +82,40 @@ class Field:
     default: Any
     description: str
     check: Check = anything
+
+
+def is_section(value) -> bool:
+    return isinstance(value, (ml_collections.ConfigDict, Mapping))
+
+
+def suggest_field(path: str, known) -> str:
+    """'; did you mean config.X?' for the closest known field path, or ''."""
+    close = difflib.get_close_matches(path, list(known), n=1, cutoff=0.6)
+    return f"; did you mean config.{close[0]}?" if close else ""
+
+
+def type_name(value) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def type_problem(value, default) -> str | None:
+    """What makes `value` unfit for a field whose default is `default`, or None."""
+    got = f"got {value!r} ({type_name(value)})"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else f"must be True or False, {got}"
+    if isinstance(default, int):
+        return (None if isinstance(value, int) and not isinstance(value, bool)
+                else f"must be an integer, {got}")
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number, {got}"
+        return None if math.isfinite(value) else f"must be finite, got {value!r}"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else f"must be a string, {got}"
+    if isinstance(default, tuple):
+        if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
+            return f"must be a tuple of names, {got}"
+        return None
+    if isinstance(default, dict):
+        return None if is_section(value) else f"must be a mapping, {got}"
+    raise AssertionError(f"no type rule for the default {default!r}")

@@ -12,16 +12,15 @@ configs/*.py start from `base_config()` and override fields.
 from __future__ import annotations
 
 import copy
-import difflib
-import math
 import os
-from typing import Any, Mapping
+from typing import Any
 
 import ml_collections
 
 from qerl_jax import registry
 from qerl_jax.config_checks import (Field, at_least, auto_or, greater_than, in_interval,
-                                    names_from, one_of, registered)
+                                    is_section, names_from, one_of, registered,
+                                    suggest_field, type_problem)
 from qerl_jax.infra.errors import ConfigError
 from qerl_jax.infra.wandb_logging import wandb_mode_problem
 from qerl_jax.registry import REWARDS, TASKS
@@ -392,10 +391,6 @@ def _fail(path: str, problem: str) -> ConfigError:
     return ConfigError(f"config.{path}: {problem}")
 
 
-def _is_section(value) -> bool:
-    return isinstance(value, (ml_collections.ConfigDict, Mapping))
-
-
 def config_leaves(config, prefix: str = "",
                   mapping_fields: tuple[str, ...] = MAPPING_FIELDS) -> dict[str, Any]:
     """'a.b.c' -> value for every leaf of a (nested) ConfigDict; the fields named in
@@ -405,44 +400,11 @@ def config_leaves(config, prefix: str = "",
     for name in config.keys():
         value = config[name]
         path = f"{prefix}{name}"
-        if _is_section(value) and path not in mapping_fields and len(value):
+        if is_section(value) and path not in mapping_fields and len(value):
             leaves.update(config_leaves(value, f"{path}.", mapping_fields))
         else:
             leaves[path] = value
     return leaves
-
-
-def suggest_field(path: str, known) -> str:
-    """'; did you mean config.X?' for the closest known field path, or ''."""
-    close = difflib.get_close_matches(path, list(known), n=1, cutoff=0.6)
-    return f"; did you mean config.{close[0]}?" if close else ""
-
-
-def _type_name(value) -> str:
-    return "None" if value is None else type(value).__name__
-
-
-def _type_problem(value, default) -> str | None:
-    """What makes `value` unfit for a field whose default is `default`, or None."""
-    got = f"got {value!r} ({_type_name(value)})"
-    if isinstance(default, bool):
-        return None if isinstance(value, bool) else f"must be True or False, {got}"
-    if isinstance(default, int):
-        return (None if isinstance(value, int) and not isinstance(value, bool)
-                else f"must be an integer, {got}")
-    if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"must be a number, {got}"
-        return None if math.isfinite(value) else f"must be finite, got {value!r}"
-    if isinstance(default, str):
-        return None if isinstance(value, str) else f"must be a string, {got}"
-    if isinstance(default, tuple):
-        if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
-            return f"must be a tuple of names, {got}"
-        return None
-    if isinstance(default, dict):
-        return None if _is_section(value) else f"must be a mapping, {got}"
-    raise AssertionError(f"no type rule for the default {default!r}")
 
 
 def _check_fields(config) -> None:
@@ -460,7 +422,7 @@ def _check_fields(config) -> None:
             raise _fail(path, "missing; start the config from "
                               "qerl_jax.experiment_config.base_config()")
     for path, field in FIELDS.items():
-        problem = _type_problem(leaves[path], field.default) or field.check(leaves[path])
+        problem = type_problem(leaves[path], field.default) or field.check(leaves[path])
         if problem:
             raise _fail(path, problem)
 
@@ -587,7 +549,7 @@ def import_config_plugins(config) -> None:
       ConfigError: one line naming the module that failed to import and why.
     """
     modules = config.get("imports", ())
-    problem = _type_problem(modules, FIELDS["imports"].default)
+    problem = type_problem(modules, FIELDS["imports"].default)
     if problem:
         raise _fail("imports", problem)
 

@@ -27,8 +27,9 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from qerl_jax.config_checks import suggest_field
 from qerl_jax.experiment_config import (FIELDS, MAPPING_FIELDS, base_config, config_leaves,
-                                      suggest_field, validate_config)
+                                      validate_config)
 from qerl_jax.tasks import load_eval_examples, load_training_examples
 from qerl_jax.infra.errors import EXIT_BAD_INPUT, ConfigError, TrainingStopped
 
