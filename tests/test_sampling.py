@@ -274,7 +274,8 @@ def test_stop_lengths_end_rows_at_their_budgets(tiny):
 
 
 def _quantized_tiny_with_lora():
-    """tiny_qwen2 in NVFP4 (bf16 compute) with a rank-8 LoRA whose B is nonzero."""
+    """tiny_qwen2 with one decoder layer (7 projections: each check below is per weight) in
+    NVFP4 (bf16 compute) with a rank-8 LoRA whose B is nonzero."""
     from flax import nnx
 
     from qerl_jax.lora import LoRAConfig, add_lora
@@ -282,7 +283,8 @@ def _quantized_tiny_with_lora():
     from qerl_jax.models.config import tiny_qwen2
     from qerl_jax.models.layers import Linear
     from qerl_jax.models.transformer import init_model
-    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16"), seed=3)
+    model = init_model(tiny_qwen2(param_dtype="bfloat16", compute_dtype="bfloat16",
+                                  num_hidden_layers=1), seed=3)
     quantize_model(model, "nvfp4")
     add_lora(model, LoRAConfig(rank=8, alpha=8.0), jax.random.key(4))
     for index, (_, layer) in enumerate((path, node) for path, node in nnx.iter_graph(model)
@@ -327,7 +329,7 @@ def test_dequantize_once_gives_the_per_step_rollout():
     quantized = {path: node.weight.get_value() for path, node in nnx.iter_graph(copied)
                  if isinstance(getattr(node, "weight", None), nnx.Variable)
                  and isinstance(node.weight.get_value(), QuantizedWeight)}
-    assert dequantize_for_rollout(copied, 6) == len(quantized) == 14   # 2 layers x 7
+    assert dequantize_for_rollout(copied, 6) == len(quantized) == 7   # 1 layer x 7
     nodes = dict(nnx.iter_graph(copied))
     for path, weight in quantized.items():   # now a dense [in, out] kernel
         np.testing.assert_array_equal(np.asarray(nodes[path].weight.get_value(), np.float32),
@@ -354,7 +356,7 @@ def test_dequantize_once_gives_the_per_step_rollout():
         weights = {path: node.weight.get_value() for path, node in nnx.iter_graph(wide)
                    if isinstance(getattr(node, "weight", None), nnx.Variable)
                    and isinstance(node.weight.get_value(), QuantizedWeight)}
-        assert dequantize_for_rollout(wide, 65) == 14
+        assert dequantize_for_rollout(wide, 65) == 7
         nodes = dict(nnx.iter_graph(wide))
         for path, weight in weights.items():
             np.testing.assert_array_equal(
