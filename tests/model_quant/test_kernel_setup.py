@@ -21,36 +21,18 @@ from flax import nnx
 
 from qerl_jax.model_quant.kernel_setup import (disable_decode_attention, disable_kernels,
                                                enable_decode_attention, enable_kernels)
-from qerl_jax.quant import dispatch
 from qerl_jax.quant.backends import kernel_layout
 from qerl_jax.quant.backends.kernel_layout import KernelLayoutWeight
 from qerl_jax.quant.dispatch import select_matmul_path
 from qerl_jax.quant.formats import get_format
 from qerl_jax.quant.kernel_options import KernelOptions
-from qerl_jax.quant.kernel_registry import register_kernels, unregister_kernels
+from qerl_jax.quant.kernel_registry import unregister_kernels
 from qerl_jax.quant.qarray import QuantizedWeight
+from tests.conftest import leaves_bitwise_equal
 
 
-@pytest.fixture(autouse=True)
-def fresh_path_log(monkeypatch):
-    """Each test sees the once-per-reason path log messages again."""
-    monkeypatch.setattr(dispatch, "_LOGGED", set())
-
-
-@pytest.fixture
-def interpret_kernels():
-    register_kernels("cpu", interpret=True)
-    yield
-    unregister_kernels("cpu")
-
-
-def _leaves_equal(a, b):
-    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(leaves_a) == len(leaves_b)
-    for left, right in zip(leaves_a, leaves_b):
-        assert left.shape == right.shape and left.dtype == right.dtype
-        np.testing.assert_array_equal(np.asarray(left).reshape(-1).view(np.uint8),
-                                      np.asarray(right).reshape(-1).view(np.uint8))
+# every test sees the once-per-reason path log messages again
+pytestmark = pytest.mark.usefixtures("fresh_path_log")
 
 
 def _tiny_quantized_model(format_name, compute_dtype="bfloat16", layers=2):
@@ -128,7 +110,7 @@ def test_export_merge_and_state_conversion_after_enabling(tmp_path):
     converted = kernel_layout.prepare_for_kernels(state_before)
     assert any(isinstance(leaf, KernelLayoutWeight) for leaf in jax.tree_util.tree_leaves(
         converted, is_leaf=lambda v: isinstance(v, QuantizedWeight)))
-    _leaves_equal(kernel_layout.restore_checkpoint_layout(converted), leaves_before)
+    leaves_bitwise_equal(kernel_layout.restore_checkpoint_layout(converted), leaves_before)
 
     enable_kernels(model, platform="cpu", interpret=True)
     try:
@@ -146,14 +128,14 @@ def test_export_merge_and_state_conversion_after_enabling(tmp_path):
         for target in (model, reference):
             add_lora(target, LoRAConfig(rank=4), jax.random.key(1))
             merge_lora(target, dtype=jnp.float32)
-        _leaves_equal(kernel_layout.restore_checkpoint_layout(nnx.state(model)),
+        leaves_bitwise_equal(kernel_layout.restore_checkpoint_layout(nnx.state(model)),
                       nnx.state(reference))
     finally:
         unregister_kernels("cpu")
     model = _tiny_quantized_model("nvfp4", compute_dtype="float32", layers=1)
     enable_kernels(model, platform="cpu", interpret=True)
     unregister_kernels("cpu")
-    _leaves_equal(nnx.state(disable_kernels(model)), leaves_before)
+    leaves_bitwise_equal(nnx.state(disable_kernels(model)), leaves_before)
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "int8", "float8_e4m3fn"])
@@ -400,7 +382,7 @@ def test_donating_repack_gives_the_same_layout_and_consumes_only_unpadded_weight
         expected = kernel_layout.to_kernel_layout(fmt.quantize(dense, name="w"))
         weight = fmt.quantize(dense, name="w")
         donated = kernel_layout.to_kernel_layout(weight, donate=True)
-        _leaves_equal(donated, expected)
+        leaves_bitwise_equal(donated, expected)
         assert weight.codes.is_deleted() is not padded, shape
     model = _tiny_quantized_model("nvfp4", compute_dtype="float32", layers=1)
     tokens = jnp.arange(12).reshape(2, 6) % 50

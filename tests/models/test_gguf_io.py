@@ -14,8 +14,7 @@ gguf = pytest.importorskip("gguf", reason="GGUF import needs gguf: pip install '
 
 from qerl_jax.infra.errors import ConfigError  # noqa: E402
 from qerl_jax.experiment_config import validate_config  # noqa: E402
-from qerl_jax.models.gguf_io import (GGUFError, export_gguf_to_hf, load_gguf_model,  # noqa: E402
-                                     load_gguf_tokenizer, smollm2_gguf_path)
+from qerl_jax.models.gguf_io import GGUFError, export_gguf_to_hf, load_gguf_model  # noqa: E402
 from qerl_jax.models.hf_io import load_hf_model  # noqa: E402
 from qerl_jax.models.tokenizer import chat_prompt, load_tokenizer  # noqa: E402
 from qerl_jax.sampling import SamplingConfig, generate  # noqa: E402
@@ -43,21 +42,13 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-
-
-@pytest.fixture(scope="module")
 def ours(smollm2):
     return load_gguf_model(smollm2, param_dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2):
-    return load_gguf_tokenizer(smollm2)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

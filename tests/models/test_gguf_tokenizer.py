@@ -12,23 +12,14 @@ import pytest
 
 pytest.importorskip("gguf", reason="GGUF import needs gguf: pip install 'gguf>=0.10'")
 
-from qerl_jax.models.gguf_io import (GGUFError, gguf_tokenizer_backend,  # noqa: E402
-                                     load_gguf_tokenizer, open_gguf, smollm2_gguf_path)
+from qerl_jax.models.gguf_io import GGUFError, gguf_tokenizer_backend, open_gguf  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-
-
-@pytest.fixture(scope="module")
-def ours(smollm2):
-    return load_gguf_tokenizer(smollm2)
+def ours(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

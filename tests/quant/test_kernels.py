@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels import blockwise_matmul as bw
-from qerl_jax.quant import dispatch
 from qerl_jax.quant.backends import kernel_layout
 from qerl_jax.quant.backends.kernel_layout import KernelLayoutWeight, to_kernel_layout
 from qerl_jax.quant.backends.mosaic import MosaicBackend
@@ -35,6 +34,7 @@ from qerl_jax.quant.kernel_options import KernelOptions
 from qerl_jax.quant.kernel_registry import register_kernels, unregister_kernels
 from qerl_jax.quant.linear_op import linear
 from qerl_jax.quant.qarray import QuantizedWeight
+from tests.conftest import leaves_bitwise_equal
 
 FORMATS = ["nvfp4", "mxfp4", "nf4"]
 TOLERANCE = 2.0 ** -6
@@ -42,17 +42,8 @@ TOLERANCE = 2.0 ** -6
 N, K = 200, 320
 
 
-@pytest.fixture(autouse=True)
-def fresh_path_log(monkeypatch):
-    """Each test sees the once-per-reason path log messages again."""
-    monkeypatch.setattr(dispatch, "_LOGGED", set())
-
-
-@pytest.fixture
-def interpret_kernels():
-    register_kernels("cpu", interpret=True)
-    yield
-    unregister_kernels("cpu")
+# every test sees the once-per-reason path log messages again
+pytestmark = pytest.mark.usefixtures("fresh_path_log")
 
 
 def _weight(format_name, rng, n=N, k=K, **kwargs):
@@ -94,15 +85,6 @@ def _forward_and_dx(x, weight, bias, dy):
 _forward_and_dx_jit = jax.jit(_forward_and_dx)
 
 
-def _leaves_equal(a, b):
-    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(leaves_a) == len(leaves_b)
-    for left, right in zip(leaves_a, leaves_b):
-        assert left.shape == right.shape and left.dtype == right.dtype
-        np.testing.assert_array_equal(np.asarray(left).reshape(-1).view(np.uint8),
-                                      np.asarray(right).reshape(-1).view(np.uint8))
-
-
 @pytest.mark.parametrize("format_name", FORMATS)
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
 def test_kernel_paths_match_xla_forward_and_dx(format_name, m, interpret_kernels, caplog):
@@ -134,9 +116,9 @@ def test_kernel_layout_is_lossless(format_name, kwargs):
     quantized = _weight(format_name, rng, n=136, k=192, **kwargs)
     prepared = to_kernel_layout(quantized)
     assert isinstance(prepared, QuantizedWeight) and prepared.shape == quantized.shape
-    _leaves_equal(prepared.to_checkpoint(), quantized)
+    leaves_bitwise_equal(prepared.to_checkpoint(), quantized)
     for name in ("codes", "block_scales", "tensor_scale", "double_quant_scales"):
-        _leaves_equal(getattr(prepared, name), getattr(quantized, name))
+        leaves_bitwise_equal(getattr(prepared, name), getattr(quantized, name))
     np.testing.assert_array_equal(np.asarray(prepared.dequantize(jnp.float32)),
                                   np.asarray(quantized.dequantize(jnp.float32)))
     np.testing.assert_array_equal(
@@ -145,7 +127,7 @@ def test_kernel_layout_is_lossless(format_name, kwargs):
     # a pytree: flatten/unflatten and jit keep it a KernelLayoutWeight
     rebuilt = jax.jit(lambda w: w)(prepared)
     assert isinstance(rebuilt, KernelLayoutWeight) and rebuilt.tile_k == prepared.tile_k
-    _leaves_equal(rebuilt, prepared)
+    leaves_bitwise_equal(rebuilt, prepared)
 
 
 def test_jit_runs_no_repack_and_weight_gets_zero_cotangents(interpret_kernels, monkeypatch):
@@ -321,12 +303,12 @@ def test_gate_up_pair_views_share_one_copy_and_read_back_losslessly(format_name,
     assert gate.kernel_codes.shape[0] == 2 * plain[0].kernel_codes.shape[0]
     assert (gate.pair_view, up.pair_view) == ((32, 0), (32, 1))
     for view, original in zip((gate, up), quantized):
-        _leaves_equal(view.to_checkpoint(), original)
+        leaves_bitwise_equal(view.to_checkpoint(), original)
         np.testing.assert_array_equal(np.asarray(view.dequantize(jnp.float32)),
                                       np.asarray(original.dequantize(jnp.float32)))
         rebuilt = jax.jit(lambda w: w)(view)
         assert isinstance(rebuilt, KernelLayoutWeight) and rebuilt.pair_view == view.pair_view
-        _leaves_equal(rebuilt.to_checkpoint(), original)
+        leaves_bitwise_equal(rebuilt.to_checkpoint(), original)
     assert "pair_view=(32, 1)" in repr(up)
     assert "pair views already" in kernel_layout.pair_refusal(gate, up)
     assert "kernel layout" in kernel_layout.pair_refusal(quantized[0], plain[1])
