@@ -305,21 +305,22 @@ def test_rollout_replays_measured_lengths(tmp_path):
     exactly their sum (EOS off otherwise) and reports their mean; a bad file is one line."""
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps({"lengths": [2, 5, 8, 30]}))
-    out = tmp_path / "rollout"
-    text = _finish(_start("rollout.py", out, "--formats", "bf16", "--batches", "4",
-                          "--lengths", str(lengths)))
+    out, shrunk = tmp_path / "rollout", tmp_path / "shrunk"
+    # both runs at the same time; the second has the same rows in loops of 4, 2 and 1 rows
+    full_run = _start("rollout.py", out, "--formats", "bf16", "--batches", "4",
+                      "--lengths", str(lengths))
+    shrunk_run = _start("rollout.py", shrunk, "--formats", "bf16", "--batches", "4",
+                        "--lengths", str(lengths), "--config.rollout.shrink_batch=true",
+                        "--config.rollout.shrink_min_rows=1")
+    text, shrunk_text = _finish(full_run), _finish(shrunk_run)
     with open(out / "rollout_tiny.json") as handle:
         (row,) = json.load(handle)["rows"]
     assert row["status"] == "ok", (row, text[-3000:])
     assert row["generated_tokens"] == row["expected_tokens"] < 4 * 8
     assert row["decode_steps"] <= 8 and 2 <= row["mean_length"] <= 8
-    shrunk = tmp_path / "shrunk"   # the same rows in loops of 4, 2 and 1 rows
-    text = _finish(_start("rollout.py", shrunk, "--formats", "bf16", "--batches", "4",
-                          "--lengths", str(lengths), "--config.rollout.shrink_batch=true",
-                          "--config.rollout.shrink_min_rows=1"))
     with open(shrunk / "rollout_tiny.json") as handle:
         (shrunk_row,) = json.load(handle)["rows"]
-    assert shrunk_row["status"] == "ok", (shrunk_row, text[-3000:])
+    assert shrunk_row["status"] == "ok", (shrunk_row, shrunk_text[-3000:])
     assert shrunk_row["shrink_batch"] == "4/2/1"
     assert shrunk_row["generated_tokens"] == shrunk_row["expected_tokens"] == row["expected_tokens"]
     assert sum(int(count) for count in shrunk_row["shrink_steps"].split("/")) == \
@@ -343,12 +344,14 @@ def test_config_overrides_are_checked_before_any_worker(tmp_path):
              ("--config.rollout.max_new_tokens=4", "config.rollout.max_new_tokens: ",
               "set by --new-tokens"),
              ("--config.aqn.enabled=true", "config.aqn.enabled: ", "quantized")]
-    for override, prefix, named in cases:
-        result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rollout.py"),
-                                 "--smoke", "--formats", "bf16", override, "--out",
-                                 str(tmp_path)], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2, (override, result.stderr[-2000:])
-        last = result.stderr.strip().splitlines()[-1]
+    processes = [subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "rollout.py"),
+                                   "--smoke", "--formats", "bf16", override, "--out",
+                                   str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for override, _, _ in cases]   # all at once
+    for (override, prefix, named), process in zip(cases, processes):
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 2, (override, stderr[-2000:])
+        last = stderr.strip().splitlines()[-1]
         assert last.startswith(f"rollout.py: error: {prefix}") and named in last, (override,
                                                                                     last)
     assert not (tmp_path / "rollout_raw" / "tiny_bf16.log").exists()
