@@ -253,7 +253,6 @@ def test_loss_config_reads_the_objective_fields_from_the_config():
             config.cispo_epsilon_max) == ("gspo", 3e-4, 5e-4, 4.0)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_each_objective_trains_a_step_with_a_finite_loss(objective, tmp_path, tiny_warmup):
     """The tiny trainer (tests/conftest.py) with each objective: finite loss and gradient norm,

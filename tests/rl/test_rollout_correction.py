@@ -287,7 +287,6 @@ def _workdir(tmp_path, name, warmup):
     return workdir
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", CORRECTING_MODES)
 def test_each_mode_trains_under_aqn_and_resumes_exactly(tmp_path, tiny_warmup, mode):
     from qerl_jax.trainer import Trainer
