@@ -37,7 +37,7 @@ from flax import struct
 from qerl_jax.registry import LOSS_NORMALIZERS, POLICY_OBJECTIVES, ROLLOUT_CORRECTIONS
 # importing the objectives registers them; register_policy_objective stays importable from here
 from qerl_jax.rl.objectives import register_policy_objective  # noqa: F401
-from qerl_jax.rl.rollout_correction import rollout_correction_weights
+from qerl_jax.rl.rollout_correction import rollout_correction_sums, rollout_correction_weights
 
 
 class LossNormalizer(NamedTuple):
@@ -155,13 +155,15 @@ class LossConfig:
 @struct.dataclass
 class LossTerms:
     """numerator / denominator = the loss; metrics are sums over valid tokens (divide by
-    `valid_tokens`)."""
+    `valid_tokens`); correction_sums: the rollout correction's counts by name
+    (rollout_correction.rollout_correction_sums; empty without the rollout's log-probs)."""
 
     numerator: jax.Array
     denominator: jax.Array
     valid_tokens: jax.Array
     clipped_tokens: jax.Array
     kl_sum: jax.Array
+    correction_sums: dict
 
 
 def entropy_threshold_mask(entropies: jax.Array, mask: jax.Array, quantile: float) -> jax.Array:
@@ -208,10 +210,13 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
         keep = entropy_threshold_mask(jax.lax.stop_gradient(entropies), mask,
                                       config.top_entropy_quantile)
         per_token = per_token * keep
+    correction_sums = {}
     if rollout_logprobs is not None:
-        per_token = per_token * rollout_correction_weights(
+        weights, corrected = rollout_correction_weights(
             old_logprobs, rollout_logprobs, mask, config.rollout_correction,
-            config.rollout_correction_cap)[0]
+            config.rollout_correction_cap)
+        per_token = per_token * weights
+        correction_sums = rollout_correction_sums(corrected, mask)
     elif config.rollout_correction != "none":
         raise ValueError(f"rollout_correction={config.rollout_correction!r} needs the "
                          "rollout's log-probs")
@@ -229,7 +234,8 @@ def policy_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: 
                                                  config)
     return LossTerms(numerator=numerator, denominator=denominator, valid_tokens=mask.sum(),
                      clipped_tokens=(is_clipped * mask).sum(),
-                     kl_sum=jax.lax.stop_gradient((kl * mask).sum()))
+                     kl_sum=jax.lax.stop_gradient((kl * mask).sum()),
+                     correction_sums=correction_sums)
 
 
 def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array,

@@ -14,8 +14,7 @@ from flax import nnx
 
 from qerl_jax.rl.advantages import advantages as estimate_advantages
 from qerl_jax.rl.losses import LossConfig, chunked_token_logprobs_and_entropy, policy_loss_terms
-from qerl_jax.rl.rollout_correction import (rollout_correction_sums, rollout_correction_weights,
-                                            rollout_mismatch_sums)
+from qerl_jax.rl.rollout_correction import rollout_mismatch_sums
 
 
 class TrainPrograms(NamedTuple):
@@ -25,7 +24,7 @@ class TrainPrograms(NamedTuple):
     accumulate_gradient(trainable, frozen, batch, global_valid_tokens, global_sequences,
       grad_sum) -> ((loss, (terms, sums)), grad_sum + this micro-batch's gradient); grad_sum
       donated; sums: the micro-batch's metric sums by name (entropy, rollout mismatch and
-      correction: rollout_correction_sums), added over micro-batches by the caller.
+      correction: LossTerms.correction_sums), added over micro-batches by the caller.
     zero_grads(trainable): a zero gradient tree. scale(tree, s): tree * s.
     apply_update(trainable, opt_state, grads) -> (trainable, opt_state, grad_norm, finite): the
       optimizer step, skipped (states kept) when the gradient norm is not finite; the states are
@@ -70,11 +69,7 @@ def make_train_programs(graphdef, loss_config: LossConfig,
         sums = {"entropy_sum": jax.lax.stop_gradient((entropy * mask).sum())}
         sums["rollout_kl_sum"], sums["rollout_outside_sum"] = rollout_mismatch_sums(
             logprobs, batch["rollout_logprobs"], mask)
-        # the correction policy_loss_terms applies: which tokens and sequences it changed
-        _, corrected = rollout_correction_weights(
-            old, batch["rollout_logprobs"], mask, loss_config.rollout_correction,
-            loss_config.rollout_correction_cap)
-        sums.update(rollout_correction_sums(corrected, mask))
+        sums.update(terms.correction_sums)   # which tokens and sequences the correction changed
         return terms.numerator / terms.denominator, (terms, sums)
 
     logprobs = jax.jit(lambda t, f, b: completion_logprobs(t, f, b)[0])
