@@ -57,11 +57,12 @@ def training_samples(step: int, batch: Mapping, rewards: Mapping, truncated, *,
     """
     completion_tokens = np.asarray(batch["completion_tokens"])
     rows, width = completion_tokens.shape
-    prompt_width = np.asarray(batch["tokens"]).shape[1] - width
+    tokens = np.asarray(batch["tokens"])
+    prompt_width = tokens.shape[1] - width
     attention = np.asarray(batch["attention_mask"], bool)
     records = []
     for row in chosen_rows(rows, count, seed, step):
-        prompt = np.asarray(batch["tokens"])[row, :prompt_width][attention[row, :prompt_width]]
+        prompt = tokens[row, :prompt_width][attention[row, :prompt_width]]
         completion = completion_tokens[row][attention[row, prompt_width:]]
         records.append({
             "step": step, "prompt": decode_prompt(prompt.tolist()),
