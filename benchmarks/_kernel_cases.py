@@ -1,4 +1,5 @@
-"""The cases of the kernel benchmarks (benchmarks/kernels.py, profile/): the layer shapes, random
+"""The cases of the kernel benchmarks (benchmarks/kernels.py, profile/) and of the Triton kernels'
+GPU test (tests/pallas_kernels/test_blockwise_matmul_gpu.py): the layer shapes, random
 checkpoint-layout weights of each 4-bit format, their kernel-layout repacks, the jnp references
 and the error check of a measured launch against them."""
 
@@ -89,7 +90,8 @@ def rel_errors(y, ref):
     ref = np.asarray(ref, np.float32)
     scale = float(np.abs(ref).max()) or 1.0
     return (float(np.abs(y - ref).max()) / scale,
-            float(np.linalg.norm(y - ref) / (np.linalg.norm(ref) or 1.0)), bool(np.isfinite(y).all()))
+            float(np.linalg.norm(y - ref) / (np.linalg.norm(ref) or 1.0)),
+            bool(np.isfinite(y).all()))
 
 
 def error_verdict(errs) -> str:

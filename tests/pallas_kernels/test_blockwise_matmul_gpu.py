@@ -21,55 +21,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# checkpoints drawn over every code and the whole scale range, their repacks and the jnp
+# references: the kernel benchmarks' cases
+from benchmarks import _kernel_cases as cases
 from pallas_kernels import blockwise_matmul as bw
-from pallas_kernels import mxfp4_matmul, nf4_matmul, nvfp4_matmul
 from tests.pallas_kernels import kernel_checks as kc
 
 pytestmark = pytest.mark.gpu
 
-MODULES = {"nvfp4": nvfp4_matmul, "mxfp4": mxfp4_matmul, "nf4": nf4_matmul}
-SPECS = {"nvfp4": nvfp4_matmul.NVFP4, "mxfp4": mxfp4_matmul.MXFP4, "nf4": nf4_matmul.NF4}
+MODULES, SPECS = cases.MODULES, cases.SPECS
 FORMATS = tuple(MODULES)
 # (M, N, K, tile_k): K is cut to the format's scale block
 CASES = [(1, 80, 1616, 256), (5, 1000, 1616, 256), (16, 1000, 3584, 512),
          (64, 512, 1616, 256), (300, 1000, 1616, 256)]
 
 
-def _random_checkpoint(fmt: str, n: int, k: int, key):
-    """Checkpoint arrays of `fmt` with every code and the whole scale range in use."""
-    kc_, ks, kt = jax.random.split(key, 3)
-    codes = jax.random.bits(kc_, (n, k // 2), jnp.uint8)
-    if fmt == "nvfp4":
-        ks, kz = jax.random.split(ks)
-        scales = 2.0 ** jax.random.uniform(ks, (n, k // 16), minval=-9, maxval=8)
-        scales = jnp.where(jax.random.bernoulli(kz, 1 / 64, scales.shape), 0.0, scales)
-        return codes, scales.astype(jnp.float8_e4m3fn), jax.random.uniform(
-            kt, (), minval=50, maxval=500)
-    if fmt == "mxfp4":
-        return codes, jax.random.randint(ks, (n, k // 32), 112, 132).astype(jnp.uint8)
-    return codes, jax.random.uniform(ks, (n, k // 64), minval=0.01, maxval=0.5)
-
-
-def _repack(fmt: str, ckpt, tile_k: int):
-    return getattr(MODULES[fmt], f"repack_{fmt}")(*ckpt, tile_k=tile_k)
-
-
-def _reference(fmt: str, x, ckpt):
-    return getattr(MODULES[fmt], f"{fmt}_matmul_reference")(x, *ckpt)
-
-
-def _reference_transposed(fmt: str, dy, ckpt):
-    return getattr(MODULES[fmt], f"{fmt}_matmul_transposed_reference")(dy, *ckpt)
-
-
 def _problem(fmt: str, m: int, n: int, k: int, tile_k: int, seed: int):
     """(checkpoint, x [m, k], dy [m, n], packed weight); K cut to the scale block."""
     k = k // SPECS[fmt].scale_block * SPECS[fmt].scale_block
     kw, kx, ky = jax.random.split(jax.random.key(seed), 3)
-    ckpt = _random_checkpoint(fmt, n, k, kw)
+    ckpt = cases.random_checkpoint(fmt, n, k, kw)
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     dy = jax.random.normal(ky, (m, n), jnp.bfloat16)
-    return ckpt, x, dy, _repack(fmt, ckpt, tile_k)
+    return ckpt, x, dy, cases.repack(fmt, ckpt, tile_k)
 
 
 def _matmul(fmt, x, packed, config):
@@ -88,12 +62,12 @@ def test_default_configs(fmt, m, n, k, tile_k):
     300) and, at M = 5 and 300, the transposed kernel's default."""
     ckpt, x, dy, packed = _problem(fmt, m, n, k, tile_k, seed=m * 31 + tile_k)
     config = bw.default_matmul_config(m, packed)
-    kc.assert_close(_matmul(fmt, x, packed, config), _reference(fmt, x, ckpt),
+    kc.assert_close(_matmul(fmt, x, packed, config), cases.reference(fmt, x, ckpt),
                     f"{fmt} matmul M={m} N={n} K={k} tile_k={tile_k} {config}")
     if m not in (5, 300):
         return
     config = bw.default_transposed_config(m, packed)
-    kc.assert_close(_transposed(fmt, dy, packed, config), _reference_transposed(fmt, dy, ckpt),
+    kc.assert_close(_transposed(fmt, dy, packed, config), cases.reference_transposed(fmt, dy, ckpt),
                     f"{fmt} transposed M={m} N={n} K={k} tile_k={tile_k} {config}")
 
 
@@ -102,7 +76,8 @@ def test_every_decoder(fmt):
     """Each decoder of the format in the fused kernel (M = 5, split-K) and in the transposed
     kernel."""
     ckpt, x, dy, packed = _problem(fmt, 5, 1000, 1616, 256, seed=11)
-    reference, reference_t = _reference(fmt, x, ckpt), _reference_transposed(fmt, dy, ckpt)
+    reference = cases.reference(fmt, x, ckpt)
+    reference_t = cases.reference_transposed(fmt, dy, ckpt)
     base = bw.default_matmul_config(5, packed)
     transposed = bw.TransposedConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     for decoder in SPECS[fmt].decoders:
@@ -118,7 +93,7 @@ def test_other_tilings(fmt):
     """The fused kernel with the weights as the dot's left operand, without row clamping and
     with grouped dots (M = 5); the dequantize path with another tiling (M = 300)."""
     ckpt, x, _, packed = _problem(fmt, 5, 1000, 1616, 256, seed=12)
-    reference = _reference(fmt, x, ckpt)
+    reference = cases.reference(fmt, x, ckpt)
     base = bw.default_matmul_config(5, packed)
     variants = [dataclasses.replace(base, weight_as_lhs=not base.weight_as_lhs),
                 dataclasses.replace(base, group_dots=True)]
@@ -128,7 +103,7 @@ def test_other_tilings(fmt):
         kc.assert_close(_matmul(fmt, x, packed, config), reference, f"{fmt} matmul {config}")
     ckpt, x, _, packed = _problem(fmt, 300, 1000, 1616, 256, seed=13)
     config = bw.MatmulConfig(block_m=64, block_n=64, weight_as_lhs=True, num_stages=2)
-    kc.assert_close(_matmul(fmt, x, packed, config), _reference(fmt, x, ckpt),
+    kc.assert_close(_matmul(fmt, x, packed, config), cases.reference(fmt, x, ckpt),
                     f"{fmt} matmul M=300 {config}")
 
 
@@ -142,8 +117,8 @@ def test_gate_up_pair(fmt):
     spec, rank, n = SPECS[fmt], 32, 1000
     k = 1616 // spec.scale_block * spec.scale_block
     keys = jax.random.split(jax.random.key(14), 4)
-    ckpts = [_random_checkpoint(fmt, n, k, key) for key in keys[:2]]
-    plain = [_repack(fmt, ckpt, 256) for ckpt in ckpts]
+    ckpts = [cases.random_checkpoint(fmt, n, k, key) for key in keys[:2]]
+    plain = [cases.repack(fmt, ckpt, 256) for ckpt in ckpts]
     pair = bw.interleave_gate_up(*plain, 32)
     views = [bw.pair_view_of(pair, half, n=n, tensor_scale=w.tensor_scale, half_block=32)
              for half, w in enumerate(plain)]
@@ -152,7 +127,7 @@ def test_gate_up_pair(fmt):
     pair_b = bw.interleave_lora_b(*lora_b, pair.n // 2, 32)
     for m in (1, 5, 16, 64, 300):
         x = jax.random.normal(jax.random.fold_in(keys[3], m), (m, k), jnp.bfloat16)
-        refs = [_reference(fmt, x, ckpt) for ckpt in ckpts]
+        refs = [cases.reference(fmt, x, ckpt) for ckpt in ckpts]
         if m in (5, 16, 300):
             for half, (view, ref) in enumerate(zip(views, refs)):
                 kc.assert_close(bw.blockwise_matmul(x, view, spec=spec, poison_output=True),
@@ -162,7 +137,7 @@ def test_gate_up_pair(fmt):
                                            jnp.bfloat16)
                     kc.assert_close(_transposed(fmt, dy, view,
                                                 bw.default_transposed_config(m, view)),
-                                    _reference_transposed(fmt, dy, ckpts[half]),
+                                    cases.reference_transposed(fmt, dy, ckpts[half]),
                                     f"{fmt} pair view {half} transposed M={m}")
         if m > 64:
             continue
