@@ -83,7 +83,8 @@ def test_bad_parts_are_refused(tmp_path, capsys):
 
 def test_plugin_names_are_parts():
     """A weight format registered by a module of config.imports is a study format."""
-    if "toy_int8" not in registry.FORMATS:   # an earlier test in this pytest run may have imported it
+    # an earlier test in this pytest run may have imported it
+    if "toy_int8" not in registry.FORMATS:
         with pytest.raises(ValueError, match="unknown weight format 'toy_int8'"):
             format_ablation.check_formats(CONFIG, ["toy_int8+aqn"])
     format_ablation.check_formats(CONFIG, ["toy_int8+aqn"], ["imports=('tests.plugin_toy',)"])
